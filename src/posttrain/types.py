@@ -72,7 +72,7 @@ class Task:
         return asdict(self)
 
 
-class TrajectoryStatus(str, enum.Enum):
+class TrajectoryStatus(enum.StrEnum):
     """`OK`/`TRUNCATED` are scored; the *_ERROR statuses are infrastructure failures: never trained on."""
 
     OK = "ok"

@@ -1,0 +1,89 @@
+"""The sandbox contract: what a job is, what comes back, and the `Sandbox` interface.
+
+Every backend (local warm pool, remote HTTP client) implements `Sandbox`. Callers treat
+`ExecStatus.SANDBOX_ERROR` as an infrastructure failure: excluded from training and counted,
+never scored 0. No torch here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+class ExecStatus(enum.StrEnum):
+    OK = "ok"
+    RUNTIME_ERROR = "runtime_error"
+    TIMEOUT = "timeout"
+    MEMORY_EXCEEDED = "memory_exceeded"
+    OUTPUT_TRUNCATED = "output_truncated"
+    KILLED = "killed"
+    COMPILE_ERROR = "compile_error"
+    SANDBOX_ERROR = "sandbox_error"
+
+
+@dataclass
+class Limits:
+    wall_time_s: float = 5.0
+    cpu_time_s: float = 5.0
+    memory_bytes: int = 512 * 1024 * 1024
+    max_processes: int = 16
+    max_output_bytes: int = 64 * 1024
+    max_file_bytes: int = 8 * 1024 * 1024
+    network: bool = False
+
+
+@dataclass
+class Job:
+    code: str
+    language: str = "python"  # "python" | "bash" | "c" | "cpp"
+    stdin: bytes = b""
+    files: dict[str, bytes] = field(default_factory=dict)
+    argv: list[str] = field(default_factory=list)
+    limits: Limits = field(default_factory=Limits)
+    profile: str = "default"  # which warm pool: e.g. "default", "numpy"
+
+
+@dataclass
+class ExecResult:
+    status: ExecStatus
+    exit_code: int | None = None
+    signal: int | None = None
+    stdout: bytes = b""
+    stderr: bytes = b""
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    wall_ms: float = 0.0
+    cpu_ms: float = 0.0
+    max_rss_bytes: int = 0
+    files: dict[str, bytes] = field(default_factory=dict)
+    error: str = ""  # infrastructure detail when status is SANDBOX_ERROR
+
+    @property
+    def is_infra_failure(self) -> bool:
+        return self.status == ExecStatus.SANDBOX_ERROR
+
+    @property
+    def stdout_text(self) -> str:
+        return self.stdout.decode("utf-8", errors="replace")
+
+    @property
+    def stderr_text(self) -> str:
+        return self.stderr.decode("utf-8", errors="replace")
+
+
+@runtime_checkable
+class Sandbox(Protocol):
+    async def run(self, job: Job) -> ExecResult: ...
+
+    async def run_batch(self, jobs: Sequence[Job]) -> list[ExecResult]: ...
+
+    async def close(self) -> None: ...
+
+
+def run_sync(sandbox: Sandbox, job: Job) -> ExecResult:
+    """Blocking wrapper for callers outside an event loop."""
+    return asyncio.run(sandbox.run(job))

@@ -1,0 +1,5 @@
+"""`python -m posttrain` runs the CLI."""
+
+from posttrain.cli import main
+
+main()

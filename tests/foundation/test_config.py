@@ -1,0 +1,93 @@
+"""Config: round trip, typed overrides, unknown keys with suggestions, wrong types named."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from posttrain.config import ConfigError, RunConfig, apply_overrides, config_to_yaml, load_config
+
+
+def test_defaults_round_trip_through_yaml(tmp_path):
+    cfg = load_config()
+    path = tmp_path / "c.yaml"
+    path.write_text(config_to_yaml(cfg))
+    assert load_config(path) == cfg
+
+
+def test_overrides_of_every_type(tmp_path):
+    cfg = load_config(
+        None,
+        [
+            "seed=7",
+            "trainer.lr=1e-5",
+            "trainer.packing=false",
+            "model.spec=tiny:llama",
+            "envs.domains.0.difficulties=[1, 2]",
+            "trainer.betas=[0.8, 0.95]",
+            "algorithm.dual_clip=3.0",
+        ],
+    )
+    assert cfg.seed == 7 and isinstance(cfg.seed, int)
+    assert cfg.trainer.lr == pytest.approx(1e-5)
+    assert cfg.trainer.packing is False
+    assert cfg.model.spec == "tiny:llama"
+    assert cfg.envs.domains[0].difficulties == [1, 2]
+    assert cfg.trainer.betas == (0.8, 0.95)
+    assert cfg.algorithm.dual_clip == 3.0
+
+
+def test_overrides_apply_on_top_of_a_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"seed": 3, "trainer": {"lr": 0.5}}))
+    cfg = load_config(path, ["trainer.lr=0.25"])
+    assert cfg.seed == 3 and cfg.trainer.lr == 0.25
+    assert cfg.trainer.max_grad_norm == RunConfig().trainer.max_grad_norm
+
+
+def test_unknown_key_names_path_and_suggests():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["trainer.lrr=1"])
+    msg = str(err.value)
+    assert "unknown key 'trainer.lrr'" in msg and "did you mean 'trainer.lr'" in msg
+
+
+def test_unknown_top_level_section_suggests(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("trainr:\n  lr: 1.0\n")
+    with pytest.raises(ConfigError, match="unknown key 'trainr'; did you mean 'trainer'"):
+        load_config(path)
+
+
+def test_wrong_type_names_key_value_and_type():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["orchestrator.steps=many"])
+    msg = str(err.value)
+    assert "'orchestrator.steps'" in msg and '"many"' in msg and "integer" in msg
+
+
+def test_constraint_violation_is_named():
+    with pytest.raises(ConfigError, match="'curriculum.eps'.*1.5"):
+        load_config(None, ["curriculum.eps=1.5"])
+
+
+def test_malformed_override_and_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="not of the form key=value"):
+        load_config(None, ["trainer.lr"])
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(bad)
+
+
+def test_gae_without_critic_is_rejected():
+    with pytest.raises(ConfigError, match="needs a value function"):
+        load_config(None, ["algorithm.advantage=gae"])
+
+
+def test_apply_overrides_does_not_mutate_input():
+    data = {"trainer": {"lr": 1.0}}
+    out = apply_overrides(data, ["trainer.lr=2"])
+    assert data["trainer"]["lr"] == 1.0 and out["trainer"]["lr"] == 2

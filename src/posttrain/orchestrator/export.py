@@ -1,0 +1,54 @@
+"""Export a run's trained policy as a standard Hugging Face folder (LoRA merged; config, tokenizer and
+chat template included) that transformers and vLLM load as is. Written atomically."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from posttrain.config import load_config
+from posttrain.orchestrator.checkpoint import latest_valid
+from posttrain.telemetry import RunDir
+
+
+def save_hf_folder(weights: dict[str, Any], spec: str, out: Path) -> Path:
+    """Write `weights` (HF names) into the architecture of `spec`, with its tokenizer, at `out`."""
+    from posttrain.models import load_policy, load_tokenizer
+
+    model = load_policy(spec)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to the embeddings
+    if missing or unexpected:
+        raise ValueError(f"policy weights do not match {spec}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    tokenizer = load_tokenizer(spec)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-export-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        if out.exists():
+            shutil.rmtree(out)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def export_run(run_dir: str | Path, out: str | Path) -> Path:
+    """The latest valid checkpoint's policy of `run_dir` as a HF folder at `out`."""
+    from posttrain.train import Learner
+
+    run = RunDir.open(run_dir)
+    cfg = load_config(run.config)
+    ckpt, _ = latest_valid(run.checkpoints)
+    learner = Learner(cfg.model, cfg.trainer, cfg.algorithm, seed=cfg.seed)
+    learner.load(ckpt / "learner")
+    return save_hf_folder(learner.weights(), cfg.model.spec, Path(out))

@@ -1,0 +1,164 @@
+"""The agent loop: engine + environment (+ sandbox, through the environment) -> a token-exact Trajectory.
+
+The training tokens are the rendered prompt, then exactly the ids the engine sampled, then the ids of
+the chat-template glue and observations appended between turns. The conversation is never re-rendered
+and re-tokenized: each observation's glue is tokenized once, appended, and the engine continues from
+that exact id sequence. Does not compute losses or rewards (the environment scores).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+from posttrain.models.chat import render_messages
+from posttrain.types import Message, Task, ToolSpec, Trajectory, TrajectoryStatus
+
+_PLACEHOLDER = "\x00POSTTRAIN-ASSISTANT-TURN\x00"
+
+
+class AsyncEngine(Protocol):
+    """What the agent loop needs of an engine (see posttrain.engine)."""
+
+    async def agenerate(self, request: Any) -> Any: ...
+
+
+@dataclass
+class EpisodeLimits:
+    max_turns: int = 4
+    max_episode_tokens: int = 1024  # generated + observation tokens after the prompt
+    max_new_tokens: int = 128  # per assistant turn
+
+
+class GlueRenderer:
+    """Computes, from the chat template, the exact text between the end of one assistant turn and the
+    start of the next: closing the assistant message, the observation messages, the next header.
+
+    It renders a conversation with a placeholder assistant turn twice (with and without the
+    observations) and takes the difference, so it follows whatever template the tokenizer carries.
+    """
+
+    def __init__(self, tokenizer: Any, tools: list[ToolSpec] | None) -> None:
+        self.tokenizer = tokenizer
+        self.tools = tools or None
+
+    def glue_text(self, history: list[Message], observations: list[Message], stop_text: str | None) -> str:
+        turn = Message("assistant", _PLACEHOLDER)
+        closed = render_messages(self.tokenizer, [*history, turn], self.tools, add_generation_prompt=False)
+        full = render_messages(self.tokenizer, [*history, turn, *observations], self.tools, add_generation_prompt=True)
+        if not full.startswith(closed):
+            raise ValueError("chat template is not prefix-stable: appending messages changed earlier text")
+        cut = closed.rindex(_PLACEHOLDER) + len(_PLACEHOLDER)
+        tail = closed[cut:]  # e.g. "<|im_end|>\n"
+        if stop_text and tail.startswith(stop_text):
+            tail = tail[len(stop_text) :]  # the model already produced the end-of-turn token
+        return tail + full[len(closed) :]
+
+
+async def run_episode(
+    engine: AsyncEngine,
+    tokenizer: Any,
+    domain: Any,
+    task: Task,
+    sandbox: Any,
+    sampling: Any,
+    limits: EpisodeLimits,
+    policy_version: int = 0,
+    group_id: int = 0,
+    chat_format: str = "smollm2",
+) -> Trajectory:
+    """Run one episode to the end and return its trajectory. Never raises for model output."""
+    from posttrain.engine import GenerationRequest
+
+    timings = {"generate_s": 0.0, "env_s": 0.0}
+    env = domain.make_env(sandbox, chat_format=chat_format)
+    t0 = time.perf_counter()
+    obs = await env.reset(task)
+    timings["env_s"] += time.perf_counter() - t0
+    history: list[Message] = list(obs.messages)
+    glue = GlueRenderer(tokenizer, obs.tools)
+    prompt_ids = tokenizer.encode(
+        render_messages(tokenizer, history, obs.tools or None, add_generation_prompt=True), add_special_tokens=False
+    )
+    token_ids = list(prompt_ids)
+    loss_mask = [0] * len(prompt_ids)
+    logprobs = [0.0] * len(prompt_ids)
+    budget_end = len(prompt_ids) + limits.max_episode_tokens
+    traj = Trajectory(
+        task=task,
+        token_ids=token_ids,
+        loss_mask=loss_mask,
+        behavior_logprobs=logprobs,
+        prompt_len=len(prompt_ids),
+        policy_version=policy_version,
+        timings=timings,
+        group_id=group_id,
+    )
+    eos_ids = set(getattr(sampling, "stop_token_ids", []) or [])
+    info: dict[str, Any] = {}
+    for turn in range(limits.max_turns):
+        room = budget_end - len(token_ids)
+        if room <= 0:
+            traj.status = TrajectoryStatus.TRUNCATED
+            break
+        params = replace(sampling, max_tokens=min(limits.max_new_tokens, room), n=1)
+        if sampling.seed is not None:
+            params = replace(params, seed=sampling.seed * 1009 + turn)
+        t0 = time.perf_counter()
+        try:
+            out = await engine.agenerate(GenerationRequest(prompt_token_ids=list(token_ids), params=params))
+        except Exception as err:  # an engine failure is infrastructure, not a wrong answer
+            traj.status = TrajectoryStatus.ENGINE_ERROR
+            traj.info["error"] = f"{type(err).__name__}: {err}"
+            return traj
+        timings["generate_s"] += time.perf_counter() - t0
+        completion = out.completions[0]
+        token_ids.extend(completion.token_ids)
+        loss_mask.extend([1] * len(completion.token_ids))
+        logprobs.extend(float(x) for x in completion.logprobs)
+        ends_with_stop = bool(completion.token_ids) and completion.token_ids[-1] in eos_ids
+        text = tokenizer.decode(completion.token_ids[:-1] if ends_with_stop else completion.token_ids)
+        traj.turns = turn + 1
+        t0 = time.perf_counter()
+        result = await env.step(text)
+        timings["env_s"] += time.perf_counter() - t0
+        info = dict(result.info)
+        if info.get("infra_failure"):
+            traj.status = TrajectoryStatus.SANDBOX_ERROR
+            traj.info = info
+            return traj
+        if result.done:
+            traj.reward = float(result.reward or 0.0)
+            traj.rewards = dict(result.rewards)
+            traj.info = info
+            return traj
+        stop_text = tokenizer.decode([completion.token_ids[-1]]) if ends_with_stop else None
+        glue_ids = tokenizer.encode(glue.glue_text(history, result.observations, stop_text), add_special_tokens=False)
+        history.append(Message("assistant", text))
+        history.extend(result.observations)
+        if len(token_ids) + len(glue_ids) >= budget_end:
+            traj.status = TrajectoryStatus.TRUNCATED
+            break
+        token_ids.extend(glue_ids)
+        loss_mask.extend([0] * len(glue_ids))
+        logprobs.extend([0.0] * len(glue_ids))
+    else:
+        traj.status = TrajectoryStatus.TRUNCATED
+    # Out of turns or tokens before the environment said done: scored as the environment finalises it.
+    final = await _finalize(env)
+    traj.reward = float(final.get("reward", 0.0))
+    traj.rewards = dict(final.get("rewards", {"correct": 0.0}))
+    traj.info = {**info, **final.get("info", {}), "truncated": True}
+    if traj.info.get("infra_failure"):
+        traj.status = TrajectoryStatus.SANDBOX_ERROR
+    return traj
+
+
+async def _finalize(env: Any) -> dict[str, Any]:
+    """Score an unfinished episode: environments may define `finalize()`; otherwise it scores 0."""
+    fin = getattr(env, "finalize", None)
+    if fin is None:
+        return {"reward": 0.0, "rewards": {"correct": 0.0}}
+    res = await fin()
+    return {"reward": res.reward or 0.0, "rewards": res.rewards, "info": res.info}

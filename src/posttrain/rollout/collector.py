@@ -1,0 +1,76 @@
+"""Collects groups of episodes concurrently: every episode is an asyncio task, so while some wait
+for the sandbox the engine keeps batching the others' generation. Seeds are derived per sample so
+the same tasks and seed give the same trajectories whatever the completion order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from posttrain.rollout.agent import EpisodeLimits, run_episode
+from posttrain.types import Task, Trajectory
+
+
+@dataclass
+class RolloutBatch:
+    trajectories: list[Trajectory]
+    wall_s: float
+    policy_version: int
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def sample_seed(run_seed: int, step: int, group: int, sample: int) -> int:
+    """A stable per-sample seed (fits in 63 bits)."""
+    return (run_seed * 1_000_003 + step * 10_007 + group * 101 + sample) % (2**62)
+
+
+async def collect_groups(
+    engine: Any,
+    tokenizer: Any,
+    groups: list[tuple[Any, Task]],
+    group_size: int,
+    sandbox: Any,
+    sampling: Any,
+    limits: EpisodeLimits,
+    policy_version: int,
+    run_seed: int,
+    step: int,
+    group_offset: int = 0,
+) -> RolloutBatch:
+    """Run `group_size` episodes of each (domain, task) pair concurrently."""
+    t0 = time.perf_counter()
+    coros = []
+    for g, (domain, task) in enumerate(groups):
+        gid = group_offset + g
+        for s in range(group_size):
+            params = replace(sampling, seed=sample_seed(run_seed, step, gid, s))
+            coros.append(
+                run_episode(engine, tokenizer, domain, task, sandbox, params, limits, policy_version, group_id=gid)
+            )
+    trajectories = list(await asyncio.gather(*coros))
+    wall = time.perf_counter() - t0
+    return RolloutBatch(trajectories, wall, policy_version, rollout_stats(trajectories, wall))
+
+
+def rollout_stats(trajectories: list[Trajectory], wall_s: float) -> dict[str, float]:
+    n = max(len(trajectories), 1)
+    generated = sum(t.num_generated for t in trajectories)
+    gen_s = sum(t.timings.get("generate_s", 0.0) for t in trajectories)
+    env_s = sum(t.timings.get("env_s", 0.0) for t in trajectories)
+    out = {
+        "rollout/episodes": float(len(trajectories)),
+        "rollout/generated_tokens": float(generated),
+        "rollout/tokens_per_s": generated / wall_s if wall_s > 0 else 0.0,
+        "rollout/mean_turns": sum(t.turns for t in trajectories) / n,
+        "rollout/mean_response_tokens": generated / n,
+        "rollout/infra_failures": float(sum(t.status.is_infra_failure for t in trajectories)),
+        "rollout/truncated": float(sum(t.status.value == "truncated" for t in trajectories)),
+        # episode-seconds spent awaiting the engine / the environment; their sum over the wall time
+        # says how much generation and environment work overlapped across episodes
+        "timeline/episode_generate_s": gen_s,
+        "timeline/episode_env_s": env_s,
+    }
+    return out

@@ -1,1 +1,47 @@
-"""(filled by its issue)"""
+"""The Learner: forward logprobs, micro-batching, optimizer, LoRA/full, checkpoint I/O of learner state.
+
+It does not know about environments, engines or rewards' meaning: it trains on `Sample`s.
+
+API used by the RL loop::
+
+    from posttrain.train import Learner, Sample
+
+    Sample(token_ids, loss_mask, behavior_logprobs, reward, group_id, policy_version=0)
+        # one trajectory as the engine's token ids; loss_mask 1 on generated tokens (loss_mask[0] must
+        # be 0: the first token has no logprob); behavior_logprobs from the engine (0.0 where mask 0)
+
+    learner = Learner(model_cfg, trainer_cfg, algo_cfg, seed=0, model=None, critic_model=None)
+        # LoRA when model_cfg.lora_rank > 0 (reference = adapters disabled, no second copy);
+        # full fine-tuning keeps a frozen reference copy only when algo_cfg.kl_coef > 0;
+        # critic per trainer_cfg.critic: "none" | "copy" (value head on a copy of the policy's
+        # decoder) | "separate" (value head on trainer_cfg.critic_spec's decoder, same tokenizer)
+    metrics = learner.step(samples, current_version=None)   # one whole RL update; version += 1
+    learner.compute_logprobs(batch_or_samples) -> Tensor [B, L]  # 0 where loss_mask is 0
+    learner.update(batch) -> dict                           # the optimisation on a prepared Batch
+    learner.weights() -> dict[str, Tensor]                  # HF names, LoRA merged, for the engine
+    learner.state_dict() / learner.load_state_dict(state)   # everything; bit-identical continuation
+    learner.save(directory) / Learner.load(directory, model=None)  # atomic checkpoint folder
+    learner.offload_optimizer() / learner.reload_optimizer()  # AdamW state to/from CPU (no-op on CPU)
+    learner.version                                          # bumps after each step
+
+Set `algorithm.temperature` to the engine's sampling temperature: the learner divides logits by it so
+its logprobs and the behaviour logprobs describe the same distribution.
+
+Metrics of `step` (all floats): loss, kl (when kl_coef > 0), kl_loss, entropy, clipfrac, approx_kl,
+ratio_max, grad_norm, lr, value_loss / vf_clipfrac / critic_grad_norm / value_mean (with a critic),
+mismatch_abs_log_ratio, mismatch_max_abs_log_ratio, mismatch_kl_k3, tis_clip_frac,
+ratio_masked_frac, reward_mean, reward_std, zero_signal_group_frac, advantage_mean,
+advantage_abs_mean, kl_coef, staleness_mean, staleness_max, sequences, tokens (generated),
+sequence_tokens, update_tokens, update_tokens_per_s, padding_frac, prepare_s, update_s, step_s,
+optimizer_steps, version.
+
+Packing (trainer.packing, default True): sequences are packed first-fit-decreasing into rows as long as
+the micro-batch's longest sequence, with a block-diagonal causal mask; see `posttrain bench learner`
+for the measured padded/packed figures.
+"""
+
+from posttrain.train.batch import Batch, Sample, build_batch
+from posttrain.train.learner import Learner, lr_factor
+from posttrain.train.state import load_learner, merged_weights, save_learner
+
+__all__ = ["Batch", "Learner", "Sample", "build_batch", "load_learner", "lr_factor", "merged_weights", "save_learner"]

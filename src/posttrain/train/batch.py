@@ -1,0 +1,208 @@
+"""Training batches: `Sample` (one trajectory as token ids), the typed `Batch`, micro-batch planning
+and the model inputs for a micro-batch, padded or packed.
+
+Layout: every per-token tensor is `[rows, max_len]` in token-position layout; column t is token t, and
+its logprob is predicted from position t-1, so column 0 never carries a loss. Packing places several
+sequences in one row with a block-diagonal causal mask and per-sequence position ids. No model here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Sample:
+    """One sequence (a trajectory), built from the engine's token ids directly."""
+
+    token_ids: list[int]
+    loss_mask: list[int]  # 1 on model-generated tokens
+    behavior_logprobs: list[float]  # per token, from the engine (0.0 where mask is 0)
+    reward: float
+    group_id: int  # samples of one GRPO group share group_id
+    policy_version: int = 0
+
+    def validate(self, index: int = 0) -> None:
+        n = len(self.token_ids)
+        if n < 2:
+            raise ValueError(f"sample {index}: needs at least 2 tokens (a prompt token and a generated one), got {n}")
+        if len(self.loss_mask) != n or len(self.behavior_logprobs) != n:
+            raise ValueError(
+                f"sample {index}: token_ids, loss_mask and behavior_logprobs must have the same length; got "
+                f"{n}, {len(self.loss_mask)}, {len(self.behavior_logprobs)}"
+            )
+        if any(m not in (0, 1) for m in self.loss_mask):
+            raise ValueError(f"sample {index}: loss_mask must hold only 0 and 1")
+        if self.loss_mask[0] != 0:
+            raise ValueError(
+                f"sample {index}: loss_mask[0] is 1, but the first token has no logprob (nothing predicts it); "
+                "a sample must start with at least one prompt token"
+            )
+        if not any(self.loss_mask):
+            raise ValueError(f"sample {index}: loss_mask has no 1s: there is no generated token to train on")
+
+
+@dataclass
+class Batch:
+    """A batch of sequences as right-padded `[B, L]` tensors plus what `step` computes for it."""
+
+    token_ids: Tensor  # [B, L] long, 0 after a row's length
+    lengths: Tensor  # [B] long
+    loss_mask: Tensor  # [B, L] float, generated tokens
+    behavior_logprobs: Tensor  # [B, L] float
+    rewards: Tensor  # [B] float
+    group_ids: Tensor  # [B] long
+    policy_versions: Tensor  # [B] long
+    # filled by Learner.step before update()
+    old_logprobs: Tensor | None = None  # learner logprobs before the update (the PPO ratio's denominator)
+    ref_logprobs: Tensor | None = None
+    old_values: Tensor | None = None
+    advantages: Tensor | None = None
+    returns: Tensor | None = None
+    is_weights: Tensor | None = None  # truncated importance weights (behaviour -> learner), detached
+    policy_mask: Tensor | None = None  # loss_mask minus ratio-masked tokens
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def train_mask(self) -> Tensor:
+        return self.policy_mask if self.policy_mask is not None else self.loss_mask
+
+    def select(self, rows: Tensor | list[int]) -> Batch:
+        """The rows `rows`, trimmed to their longest length."""
+        idx = torch.as_tensor(rows, dtype=torch.long, device=self.token_ids.device)
+        width = int(self.lengths[idx].max().item()) if idx.numel() else 0
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, Tensor):
+                v = v[idx]
+                if v.ndim == 2:
+                    v = v[:, :width]
+            out[f.name] = v
+        out["meta"] = dict(self.meta)
+        return replace(self, **out)
+
+    def to(self, device: torch.device | str) -> Batch:
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self) if isinstance(getattr(self, f.name), Tensor)})
+
+
+def build_batch(samples: list[Sample], device: torch.device | str = "cpu") -> Batch:
+    """Validate samples and pad them into a `Batch`."""
+    if not samples:
+        raise ValueError("empty batch: step()/update() need at least one sample")
+    for i, s in enumerate(samples):
+        s.validate(i)
+    lengths = [len(s.token_ids) for s in samples]
+    b, width = len(samples), max(lengths)
+    ids = torch.zeros(b, width, dtype=torch.long)
+    mask = torch.zeros(b, width, dtype=torch.float32)
+    blp = torch.zeros(b, width, dtype=torch.float32)
+    for i, s in enumerate(samples):
+        n = lengths[i]
+        ids[i, :n] = torch.tensor(s.token_ids, dtype=torch.long)
+        mask[i, :n] = torch.tensor(s.loss_mask, dtype=torch.float32)
+        blp[i, :n] = torch.tensor(s.behavior_logprobs, dtype=torch.float32) * mask[i, :n]
+    return Batch(
+        token_ids=ids,
+        lengths=torch.tensor(lengths, dtype=torch.long),
+        loss_mask=mask,
+        behavior_logprobs=blp,
+        rewards=torch.tensor([float(s.reward) for s in samples], dtype=torch.float32),
+        group_ids=torch.tensor([int(s.group_id) for s in samples], dtype=torch.long),
+        policy_versions=torch.tensor([int(s.policy_version) for s in samples], dtype=torch.long),
+    ).to(device)
+
+
+def last_token_index(mask: Tensor) -> Tensor:
+    """[B] index of each row's last masked position (rows must have at least one)."""
+    width = mask.shape[1]
+    pos = torch.arange(width, device=mask.device).expand_as(mask)
+    return torch.where(mask > 0, pos, torch.full_like(pos, -1)).max(dim=1).values
+
+
+def plan_micro_batches(lengths: list[int], token_budget: int, packed: bool) -> list[list[int]]:
+    """Split rows (sorted by length, longest first) into micro-batches of at most `token_budget`
+    tokens: the sum of lengths when packed, rows x longest when padded. A longer row goes alone."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    micro: list[list[int]] = []
+    cur: list[int] = []
+    cur_sum = cur_max = 0
+    for i in order:
+        n = lengths[i]
+        new_sum, new_max = cur_sum + n, max(cur_max, n)
+        cost = new_sum if packed else new_max * (len(cur) + 1)
+        if cur and cost > token_budget:
+            micro.append(cur)
+            cur, cur_sum, cur_max = [], 0, 0
+            new_sum, new_max = n, n
+        cur.append(i)
+        cur_sum, cur_max = new_sum, new_max
+    if cur:
+        micro.append(cur)
+    return micro
+
+
+@dataclass
+class ModelInputs:
+    """What the decoder sees for a micro-batch, and where each row's tokens landed in it."""
+
+    input_ids: Tensor  # [R, C]
+    position_ids: Tensor  # [R, C]
+    attention_mask: Tensor  # [R, C] (padded) or [R, 1, C, C] bool block-causal (packed)
+    flat_offset: Tensor  # [B] offset of each row's token 0 in input_ids.view(-1)
+    tokens: int  # real tokens (for throughput)
+    cells: int  # R * C (tokens computed, padding included)
+
+
+def make_inputs(token_ids: Tensor, lengths: Tensor, packed: bool, pad_id: int = 0) -> ModelInputs:
+    """Padded: one row per sequence, 2-D attention mask. Packed: first-fit-decreasing into rows of the
+    longest sequence's length, block-diagonal causal 4-D mask, position ids restarting per sequence."""
+    device = token_ids.device
+    lens = [int(x) for x in lengths.tolist()]
+    b = len(lens)
+    if not packed:
+        width = max(lens)
+        ids = token_ids[:, :width]
+        pos = torch.arange(width, device=device).expand(b, width).contiguous()
+        att = (pos < lengths[:, None]).long()
+        offsets = torch.arange(b, device=device) * width
+        return ModelInputs(ids, pos, att, offsets, sum(lens), b * width)
+    cap = max(lens)
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(b), key=lambda i: -lens[i]):
+        for j in range(len(bins)):
+            if room[j] >= lens[i]:
+                bins[j].append(i)
+                room[j] -= lens[i]
+                break
+        else:
+            bins.append([i])
+            room.append(cap - lens[i])
+    r = len(bins)
+    ids = torch.full((r, cap), pad_id, dtype=torch.long, device=device)
+    pos = torch.zeros((r, cap), dtype=torch.long, device=device)
+    seg = torch.full((r, cap), -1, dtype=torch.long, device=device)
+    offsets = torch.zeros(b, dtype=torch.long, device=device)
+    for j, members in enumerate(bins):
+        at = 0
+        for i in members:
+            n = lens[i]
+            ids[j, at : at + n] = token_ids[i, :n]
+            pos[j, at : at + n] = torch.arange(n, device=device)
+            seg[j, at : at + n] = i
+            offsets[i] = j * cap + at
+            at += n
+    causal = torch.ones(cap, cap, dtype=torch.bool, device=device).tril()
+    same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] >= 0)
+    # padding cells attend to themselves so no softmax row is empty (their outputs are never read)
+    eye = torch.eye(cap, dtype=torch.bool, device=device)[None] & (seg[:, :, None] < 0)
+    att = ((same & causal[None]) | eye)[:, None]
+    return ModelInputs(ids, pos, att, offsets, sum(lens), r * cap)

@@ -1,0 +1,108 @@
+"""Forward passes the Learner needs: decoder hidden states, chunked token logprobs and entropy, values.
+
+The LM head runs on chunks of the *selected* positions only (generated tokens), under activation
+checkpointing when gradients are on, so the full `[tokens, vocab]` logits never exist at once.
+Does not know about losses or optimizers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from posttrain.train.batch import ModelInputs
+
+
+def causal_lm(model: Any) -> Any:
+    """The transformers CausalLM inside a peft wrapper (LoRA layers stay in place), or the model."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def decoder_hidden(decoder: nn.Module, inputs: ModelInputs) -> Tensor:
+    out = decoder(
+        input_ids=inputs.input_ids,
+        attention_mask=inputs.attention_mask,
+        position_ids=inputs.position_ids,
+        use_cache=False,
+    )
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+
+@dataclass
+class Targets:
+    """Positions with a loss: row/col in `[b, L]` layout, the hidden-state index predicting them and the token."""
+
+    rows: Tensor
+    cols: Tensor
+    src: Tensor  # index into hidden.view(-1, H): position col - 1 of the row
+    token: Tensor
+
+
+def select_targets(mask: Tensor, token_ids: Tensor, flat_offset: Tensor) -> Targets:
+    rows, cols = torch.nonzero(mask > 0, as_tuple=True)
+    if bool((cols == 0).any()):
+        raise ValueError("a loss on token 0 is not possible: nothing predicts the first token")
+    src = flat_offset[rows] + cols - 1
+    return Targets(rows, cols, src, token_ids[rows, cols])
+
+
+def _logprob_entropy_chunk(lm_head: nn.Module, h: Tensor, tokens: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    logits = lm_head(h).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    lp = logits.gather(-1, tokens[:, None]).squeeze(-1) - lse
+    ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return lp, ent
+
+
+def chunked_logprobs(
+    lm_head: nn.Module, hidden: Tensor, tokens: Tensor, chunk_tokens: int, temperature: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """Logprob of `tokens[i]` under softmax(lm_head(hidden[i]) / temperature), and the entropy, by chunks.
+
+    With gradients on, each chunk is checkpointed: its logits are recomputed in backward instead of
+    being kept, so peak memory holds one chunk of logits, not all of them.
+    """
+    lps, ents = [], []
+    grad = torch.is_grad_enabled() and hidden.requires_grad
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        h = hidden[start : start + chunk_tokens]
+        t = tokens[start : start + chunk_tokens]
+        if grad:
+            lp, ent = checkpoint(_logprob_entropy_chunk, lm_head, h, t, temperature, use_reentrant=False)
+        else:
+            lp, ent = _logprob_entropy_chunk(lm_head, h, t, temperature)
+        lps.append(lp)
+        ents.append(ent)
+    if not lps:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, empty
+    return torch.cat(lps), torch.cat(ents)
+
+
+class ValueModel(nn.Module):
+    """A decoder backbone with a scalar head: V(state before token t) read at position t - 1."""
+
+    def __init__(self, decoder: nn.Module, hidden_size: int) -> None:
+        super().__init__()
+        self.decoder = decoder
+        self.head = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, inputs: ModelInputs, src: Tensor) -> Tensor:
+        hidden = decoder_hidden(self.decoder, inputs)
+        h = hidden.reshape(-1, hidden.shape[-1])[src]
+        return self.head(h).squeeze(-1).float()
+
+
+def scatter_rows(values: Tensor, targets: Targets, shape: tuple[int, int]) -> Tensor:
+    """Put per-target values back into a `[b, L]` matrix (zeros elsewhere), differentiably."""
+    out = values.new_zeros(shape)
+    return out.index_put((targets.rows, targets.cols), values)

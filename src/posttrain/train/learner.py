@@ -1,0 +1,465 @@
+"""The Learner: policy (full or LoRA), optional critic and reference, and the RL update on a batch.
+
+`step(samples)` computes old/reference logprobs, values, rewards (with KL folded in if asked),
+advantages through the `posttrain.algos` registry, importance corrections against the engine's
+behaviour logprobs, then `update()`: mini-batches x PPO epochs, token-budgeted micro-batches with
+gradient accumulation, clipping, AdamW and the LR schedule. Knows nothing about environments.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from posttrain.algos import (
+    aggregation_weights,
+    get_advantage,
+    get_policy_loss,
+    kl_estimate,
+    make_kl_controller,
+    masked_mean,
+    mismatch_metrics,
+    ratio_mask,
+    tis_weights,
+    value_loss,
+)
+from posttrain.config import AlgorithmConfig, ModelConfig, TrainerConfig
+from posttrain.train.batch import (
+    Batch,
+    Sample,
+    build_batch,
+    last_token_index,
+    make_inputs,
+    plan_micro_batches,
+)
+from posttrain.train.forward import (
+    ValueModel,
+    causal_lm,
+    chunked_logprobs,
+    decoder_hidden,
+    scatter_rows,
+    select_targets,
+)
+
+CRITIC_CHOICES = ("none", "copy", "separate")
+
+
+def lr_factor(step: int, warmup_steps: int, schedule: str, decay_steps: int) -> float:
+    """Multiplier of the base LR at optimizer step `step` (0-based): linear warmup, then the schedule."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    if decay_steps <= 0:
+        raise ValueError(f"trainer.lr_schedule={schedule} needs trainer.lr_decay_steps > 0 (total optimizer steps)")
+    progress = min(max((step - warmup_steps) / max(1, decay_steps - warmup_steps), 0.0), 1.0)
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    if schedule == "linear":
+        return 1.0 - progress
+    raise ValueError(f"unknown lr_schedule '{schedule}'; choose constant, cosine or linear")
+
+
+class Learner:
+    """Owns the trainable policy, the critic, the reference and their optimizers (see the package doc)."""
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        trainer_cfg: TrainerConfig,
+        algo_cfg: AlgorithmConfig,
+        seed: int = 0,
+        model: Any = None,
+        critic_model: Any = None,
+    ) -> None:
+        from posttrain.models import load_policy, wrap_lora
+
+        self.model_cfg, self.trainer_cfg, self.algo_cfg, self.seed = model_cfg, trainer_cfg, algo_cfg, seed
+        get_advantage(algo_cfg.advantage)  # fail early on unknown names
+        get_policy_loss(algo_cfg.policy_loss)
+        if algo_cfg.advantage == "gae" and trainer_cfg.critic == "none":
+            raise ValueError("algorithm.advantage=gae needs a value function: set trainer.critic to 'copy' or 'separate'")
+        if trainer_cfg.critic == "separate" and critic_model is None and not trainer_cfg.critic_spec:
+            raise ValueError("trainer.critic=separate needs trainer.critic_spec (a model spec for the critic)")
+        if trainer_cfg.lr_schedule != "constant" and trainer_cfg.lr_decay_steps <= 0:
+            raise ValueError(f"trainer.lr_schedule={trainer_cfg.lr_schedule} needs trainer.lr_decay_steps > 0")
+
+        torch.manual_seed(seed)
+        if model is None:
+            model = load_policy(model_cfg.spec, dtype=model_cfg.dtype, seed=seed)
+        self.device = next(model.parameters()).device
+        self.lora = model_cfg.lora_rank > 0
+
+        critic_backbone: nn.Module | None = None
+        if trainer_cfg.critic == "copy":
+            critic_backbone = copy.deepcopy(causal_lm(model).get_decoder())
+            hidden_size = causal_lm(model).config.hidden_size
+        elif trainer_cfg.critic == "separate":
+            cm = critic_model if critic_model is not None else load_policy(trainer_cfg.critic_spec, seed=seed)
+            critic_backbone = causal_lm(cm).get_decoder()
+            hidden_size = causal_lm(cm).config.hidden_size
+
+        self.reference: Any = None
+        if not self.lora and algo_cfg.kl_coef > 0:
+            self.reference = copy.deepcopy(model).eval()
+            for p in self.reference.parameters():
+                p.requires_grad_(False)
+        if self.lora:
+            model = wrap_lora(
+                model, model_cfg.lora_rank, model_cfg.lora_alpha, model_cfg.lora_dropout, model_cfg.lora_target_modules
+            )
+        self.model = model.to(self.device)
+        self.model.eval()
+        if trainer_cfg.gradient_checkpointing:
+            causal_lm(self.model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+        self.critic: ValueModel | None = None
+        if critic_backbone is not None:
+            self.critic = ValueModel(critic_backbone, hidden_size).to(self.device)
+            for p in self.critic.parameters():
+                p.requires_grad_(True)
+            self.critic.eval()
+
+        betas = tuple(trainer_cfg.betas)
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        if not self.trainable:
+            raise ValueError("the policy has no trainable parameters")
+        self.optimizer = torch.optim.AdamW(
+            self.trainable, lr=trainer_cfg.lr, betas=betas, weight_decay=trainer_cfg.weight_decay
+        )
+        self.critic_optimizer = (
+            torch.optim.AdamW(self.critic.parameters(), lr=trainer_cfg.critic_lr, betas=betas, weight_decay=trainer_cfg.weight_decay)
+            if self.critic is not None
+            else None
+        )
+        self.kl_ctl = make_kl_controller(algo_cfg.kl_coef, algo_cfg.kl_target, algo_cfg.kl_horizon)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.version = 0
+        self.optimizer_steps = 0
+        self.optimizer_offloaded = False
+        self.pad_id = int(getattr(causal_lm(self.model).config, "pad_token_id", None) or 0)
+
+    # ------------------------------------------------------------------------------------------
+    # forward passes
+
+    def _autocast(self) -> Any:
+        if self.trainer_cfg.bf16_autocast:
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return torch.autocast(device_type=self.device.type, enabled=False)
+
+    def _policy_forward(self, model: Any, batch: Batch, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """(logprobs, entropy) as `[b, L]` matrices, nonzero only where `mask` is 1."""
+        inputs = make_inputs(batch.token_ids, batch.lengths, self.trainer_cfg.packing, self.pad_id)
+        targets = select_targets(mask, batch.token_ids, inputs.flat_offset)
+        lm = causal_lm(model)
+        with self._autocast():
+            hidden = decoder_hidden(lm.get_decoder(), inputs)
+            h = hidden.reshape(-1, hidden.shape[-1])[targets.src]
+            lp, ent = chunked_logprobs(
+                lm.get_output_embeddings(), h, targets.token, self.trainer_cfg.logprob_chunk_tokens, self.algo_cfg.temperature
+            )
+        shape = tuple(batch.token_ids.shape)
+        return scatter_rows(lp, targets, shape), scatter_rows(ent, targets, shape)
+
+    def _value_forward(self, batch: Batch, mask: Tensor) -> Tensor:
+        assert self.critic is not None
+        inputs = make_inputs(batch.token_ids, batch.lengths, self.trainer_cfg.packing, self.pad_id)
+        targets = select_targets(mask, batch.token_ids, inputs.flat_offset)
+        with self._autocast():
+            v = self.critic(inputs, targets.src)
+        return scatter_rows(v.float(), targets, tuple(batch.token_ids.shape))
+
+    def _micro_batches(self, batch: Batch) -> list[list[int]]:
+        return plan_micro_batches(batch.lengths.tolist(), self.trainer_cfg.micro_batch_tokens, self.trainer_cfg.packing)
+
+    @torch.no_grad()
+    def _no_grad_map(self, batch: Batch, fn: Any) -> Tensor:
+        out = torch.zeros_like(batch.loss_mask)
+        for rows in self._micro_batches(batch):
+            sub = batch.select(rows)
+            idx = torch.as_tensor(rows, device=self.device)
+            out[idx, : sub.token_ids.shape[1]] = fn(sub)
+        return out
+
+    def compute_logprobs(self, batch: Batch | list[Sample], model: Any = None) -> Tensor:
+        """Learner logprobs `[B, L]` of the tokens where `loss_mask` is 1 (0 elsewhere), no grad."""
+        if isinstance(batch, list):
+            batch = build_batch(batch, self.device)
+        model = self.model if model is None else model
+        return self._no_grad_map(batch, lambda sub: self._policy_forward(model, sub, sub.loss_mask)[0])
+
+    def compute_ref_logprobs(self, batch: Batch | list[Sample]) -> Tensor:
+        """Reference logprobs: LoRA adapters disabled, or the frozen copy for full fine-tuning."""
+        if isinstance(batch, list):
+            batch = build_batch(batch, self.device)
+        if self.lora:
+            with self.model.disable_adapter():
+                return self.compute_logprobs(batch)
+        if self.reference is None:
+            raise RuntimeError("no reference model: full fine-tuning keeps a frozen copy only when algorithm.kl_coef > 0")
+        return self.compute_logprobs(batch, model=self.reference)
+
+    def compute_values(self, batch: Batch) -> Tensor:
+        if self.critic is None:
+            raise RuntimeError("no critic: set trainer.critic to 'copy' or 'separate'")
+        return self._no_grad_map(batch, lambda sub: self._value_forward(sub, sub.loss_mask))
+
+    # ------------------------------------------------------------------------------------------
+    # the RL step
+
+    def step(self, samples: list[Sample], current_version: int | None = None) -> dict[str, float]:
+        """The whole RL update for one batch of samples; returns metrics. Bumps `version`."""
+        t0 = time.perf_counter()
+        a = self.algo_cfg
+        batch = build_batch(samples, self.device)
+        mask = batch.loss_mask
+        current = self.version if current_version is None else current_version
+        metrics: dict[str, float] = {}
+
+        batch.old_logprobs = self.compute_logprobs(batch)
+        use_kl = self.kl_ctl.value > 0
+        if use_kl:
+            batch.ref_logprobs = self.compute_ref_logprobs(batch)
+        if self.critic is not None:
+            batch.old_values = self.compute_values(batch)
+        t_prep = time.perf_counter()
+
+        # token rewards: the outcome reward on the last generated token, minus beta * KL if folded in
+        token_rewards = torch.zeros_like(mask)
+        last = last_token_index(mask)
+        token_rewards[torch.arange(batch.size, device=self.device), last] = batch.rewards
+        if use_kl:
+            kl_tok = kl_estimate(batch.old_logprobs, batch.ref_logprobs, a.kl_estimator) * mask
+            metrics["kl"] = float(masked_mean(kl_tok, mask).item())
+            if a.kl_in_reward:
+                token_rewards = token_rewards - self.kl_ctl.value * kl_tok
+        adv_out = get_advantage(a.advantage)(
+            token_rewards,
+            mask,
+            batch.group_ids,
+            values=batch.old_values,
+            gamma=a.gamma,
+            lam=a.lam,
+            normalize_std=a.normalize_std,
+        )
+        batch.advantages, batch.returns = adv_out.advantages, adv_out.returns
+
+        # importance correction: behaviour (engine, maybe stale) -> learner before the update
+        level = a.tis_level
+        batch.policy_mask = ratio_mask(batch.old_logprobs, batch.behavior_logprobs, mask, a.mask_ratio_low, a.mask_ratio_high, level)
+        if a.tis_cap is not None:
+            batch.is_weights = tis_weights(batch.old_logprobs, batch.behavior_logprobs, mask, a.tis_cap, level)
+        metrics.update(mismatch_metrics(batch.old_logprobs, batch.behavior_logprobs, mask, a.tis_cap, batch.policy_mask))
+
+        metrics.update(self.update(batch))
+
+        if use_kl:
+            self.kl_ctl.update(metrics["kl"], batch.size)
+        groups = torch.unique(batch.group_ids)
+        zero_groups = torch.unique(batch.group_ids[adv_out.zero_signal])
+        staleness = (current - batch.policy_versions).float()
+        metrics.update(
+            reward_mean=float(batch.rewards.mean().item()),
+            reward_std=float(batch.rewards.std().item()) if batch.size > 1 else 0.0,
+            zero_signal_group_frac=float(zero_groups.numel() / max(groups.numel(), 1)),
+            advantage_mean=float(masked_mean(batch.advantages, mask).item()),
+            advantage_abs_mean=float(masked_mean(batch.advantages.abs(), mask).item()),
+            kl_coef=float(self.kl_ctl.value),
+            staleness_mean=float(staleness.mean().item()),
+            staleness_max=float(staleness.max().item()),
+            sequences=float(batch.size),
+            tokens=float(mask.sum().item()),
+            sequence_tokens=float(batch.lengths.sum().item()),
+            prepare_s=t_prep - t0,
+            step_s=time.perf_counter() - t0,
+        )
+        if batch.old_values is not None:
+            metrics["value_mean"] = float(masked_mean(batch.old_values, mask).item())
+        self.version += 1
+        metrics["version"] = float(self.version)
+        return metrics
+
+    # ------------------------------------------------------------------------------------------
+    # the optimisation
+
+    def _set_lr(self) -> float:
+        tc = self.trainer_cfg
+        f = lr_factor(self.optimizer_steps, tc.warmup_steps, tc.lr_schedule, tc.lr_decay_steps)
+        for g in self.optimizer.param_groups:
+            g["lr"] = tc.lr * f
+        if self.critic_optimizer is not None:
+            for g in self.critic_optimizer.param_groups:
+                g["lr"] = tc.critic_lr * f
+        return tc.lr * f
+
+    def update(self, batch: Batch) -> dict[str, float]:
+        """Optimise on a prepared batch (old_logprobs and advantages set); returns metrics."""
+        if batch.old_logprobs is None or batch.advantages is None:
+            raise ValueError("update() needs batch.old_logprobs and batch.advantages (step() fills them)")
+        if self.critic is not None and (batch.returns is None or batch.old_values is None):
+            raise ValueError("update() with a critic needs batch.returns and batch.old_values")
+        if self.optimizer_offloaded:
+            self.reload_optimizer()
+        tc, a = self.trainer_cfg, self.algo_cfg
+        policy_loss_fn = get_policy_loss(a.policy_loss)
+        use_kl_loss = batch.ref_logprobs is not None and not a.kl_in_reward and self.kl_ctl.value > 0
+        t0 = time.perf_counter()
+        sums: dict[str, float] = {}
+        counts: dict[str, float] = {}
+
+        def add(key: str, value: float, weight: float = 1.0) -> None:
+            sums[key] = sums.get(key, 0.0) + value * weight
+            counts[key] = counts.get(key, 0.0) + weight
+
+        cells = tokens = 0
+        ratio_max = 1.0
+        self.model.train()
+        if self.critic is not None:
+            self.critic.train()
+        try:
+            for _ in range(tc.ppo_epochs):
+                perm = torch.randperm(batch.size, generator=self.generator).tolist()
+                n_mini = min(tc.mini_batches, batch.size)
+                bounds = [round(i * batch.size / n_mini) for i in range(n_mini + 1)]
+                for k in range(n_mini):
+                    mb = batch.select(perm[bounds[k] : bounds[k + 1]])
+                    w_pol = aggregation_weights(mb.train_mask, a.loss_agg, a.loss_norm_tokens)
+                    w_tok = aggregation_weights(mb.loss_mask, "token_mean")
+                    lr = self._set_lr()
+                    self.optimizer.zero_grad(set_to_none=True)
+                    if self.critic_optimizer is not None:
+                        self.critic_optimizer.zero_grad(set_to_none=True)
+                    mb_loss = mb_vloss = 0.0
+                    for rows in self._micro_batches(mb):
+                        mi = mb.select(rows)
+                        width = mi.token_ids.shape[1]
+                        ridx = torch.as_tensor(rows, device=self.device)
+                        wp, wt = w_pol[ridx, :width], w_tok[ridx, :width]
+                        mmask = mi.train_mask
+                        inputs = make_inputs(mi.token_ids, mi.lengths, tc.packing, self.pad_id)
+                        cells += inputs.cells
+                        tokens += inputs.tokens
+                        lp, ent = self._policy_forward(self.model, mi, mi.loss_mask)
+                        out = policy_loss_fn(
+                            lp,
+                            mi.old_logprobs,
+                            mi.advantages,
+                            mmask,
+                            clip_low=a.clip_low,
+                            clip_high=a.clip_high,
+                            dual_clip=a.dual_clip,
+                            weights=mi.is_weights,
+                        )
+                        loss = (out.loss_tokens * wp).sum()
+                        pg = float(loss.item())
+                        if a.entropy_coef != 0.0:
+                            loss = loss - a.entropy_coef * (ent * wp).sum()
+                        if use_kl_loss:
+                            kl_tok = kl_estimate(lp, mi.ref_logprobs, a.kl_estimator) * mi.loss_mask
+                            kl_term = (kl_tok * wp).sum()
+                            loss = loss + self.kl_ctl.value * kl_term
+                            add("kl_loss", float(kl_term.item()))
+                        loss.backward()
+                        mb_loss += pg
+                        m = mmask > 0
+                        n_mi = float(m.sum().item())
+                        with torch.no_grad():
+                            lr_ = (lp - mi.old_logprobs)[m]
+                            add("clipfrac", float(out.clipped[m].float().mean().item()) if n_mi else 0.0, n_mi)
+                            add("entropy", float(ent[mi.loss_mask > 0].mean().item()), float(mi.loss_mask.sum().item()))
+                            add("approx_kl", float((torch.exp(-lr_) - 1 + lr_).mean().item()) if n_mi else 0.0, n_mi)
+                            if n_mi:
+                                ratio_max = max(ratio_max, float(out.ratio[m].max().item()))
+                        if self.critic is not None:
+                            v = self._value_forward(mi, mi.loss_mask)
+                            vl, vclipped = value_loss(v, mi.old_values, mi.returns, mi.loss_mask, a.value_clip)
+                            vloss = (vl * wt).sum()
+                            (a.value_coef * vloss).backward()
+                            mb_vloss += float(vloss.item())
+                            nv = float(mi.loss_mask.sum().item())
+                            add("vf_clipfrac", float(vclipped[mi.loss_mask > 0].float().mean().item()), nv)
+                    grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, tc.max_grad_norm)
+                    self.optimizer.step()
+                    if self.critic is not None and self.critic_optimizer is not None:
+                        add("critic_grad_norm", float(torch.nn.utils.clip_grad_norm_(self.critic.parameters(), tc.max_grad_norm)))
+                        self.critic_optimizer.step()
+                        add("value_loss", mb_vloss)
+                    self.optimizer_steps += 1
+                    add("policy_loss", mb_loss)
+                    add("grad_norm", float(grad_norm))
+                    add("lr", lr)
+        finally:
+            self.model.eval()
+            if self.critic is not None:
+                self.critic.eval()
+        wall = time.perf_counter() - t0
+        out_metrics = {k: (sums[k] / counts[k] if counts.get(k) else sums[k]) for k in sums}
+        out_metrics["loss"] = out_metrics.pop("policy_loss")
+        out_metrics.update(
+            ratio_max=ratio_max,
+            update_s=wall,
+            update_tokens=float(tokens),
+            update_tokens_per_s=tokens / wall if wall > 0 else 0.0,
+            padding_frac=1.0 - tokens / cells if cells else 0.0,
+            optimizer_steps=float(self.optimizer_steps),
+        )
+        return out_metrics
+
+    # ------------------------------------------------------------------------------------------
+    # weights and state
+
+    def weights(self) -> dict[str, Tensor]:
+        """HF-named policy weights for the engine; LoRA deltas merged in (the model is not modified)."""
+        from posttrain.train.state import merged_weights
+
+        return merged_weights(self.model)
+
+    def state_dict(self) -> dict[str, Any]:
+        from posttrain.train.state import learner_state_dict
+
+        return learner_state_dict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from posttrain.train.state import load_learner_state_dict
+
+        load_learner_state_dict(self, state)
+
+    def save(self, directory: str) -> None:
+        from posttrain.train.state import save_learner
+
+        save_learner(self, directory)
+
+    @classmethod
+    def load(cls, directory: str, model: Any = None, critic_model: Any = None) -> Learner:
+        from posttrain.train.state import load_learner
+
+        return load_learner(directory, model=model, critic_model=critic_model)
+
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        return [o for o in (self.optimizer, self.critic_optimizer) if o is not None]
+
+    def offload_optimizer(self) -> None:
+        """Move AdamW state to CPU memory (frees accelerator memory for the engine). On a CPU-only
+        learner the state already lives in CPU memory: nothing moves, only the flag is recorded."""
+        if self.device.type != "cpu":
+            for opt in self._optimizers():
+                for st in opt.state.values():
+                    for k, v in st.items():
+                        if isinstance(v, Tensor) and v.device.type != "cpu":
+                            st[k] = v.to("cpu", non_blocking=True)
+        self.optimizer_offloaded = True
+
+    def reload_optimizer(self) -> None:
+        """Move AdamW state back to the learner's device (a no-op on CPU)."""
+        if self.device.type != "cpu":
+            for opt in self._optimizers():
+                for st in opt.state.values():
+                    for k, v in st.items():
+                        if isinstance(v, Tensor) and k != "step":
+                            st[k] = v.to(self.device, non_blocking=True)
+        self.optimizer_offloaded = False

@@ -1,0 +1,157 @@
+"""`posttrain bench curriculum`: every sampler against the simulated learner of `sim.py`, same token
+budget, several seeds, bootstrap 95% intervals over seeds; figures relative to uniform_by_domain.
+
+Owns the metrics (final macro accuracy, AUC vs tokens, tokens to uniform's final macro accuracy,
+worst arm, forgetting) and the table. `--real` (the 135M model through the RL loop) is not here yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from posttrain.config import CurriculumConfig
+from posttrain.curriculum.sim import SimRun, SimSettings, budget_tokens, make_learner, run
+
+BASELINE = "uniform_by_domain"
+ALL = ["uniform_by_domain", "uniform_by_data", "dapo_filter_only", "sec", "dump", "adaptive"]
+
+
+def first_crossing(tokens: np.ndarray, macro: np.ndarray, threshold: float) -> float:
+    """Tokens spent when macro accuracy first reaches threshold; inf if it never does."""
+    hit = np.flatnonzero(macro >= threshold - 1e-12)
+    return float(tokens[hit[0]]) if len(hit) else float("inf")
+
+
+def auc_vs_tokens(tokens: np.ndarray, macro: np.ndarray, budget: float) -> float:
+    """Mean macro accuracy over [0, budget] of tokens (trapezoid; the curve is cut at the budget)."""
+    grid_t = np.append(tokens[tokens < budget], budget)
+    grid_m = np.interp(grid_t, tokens, macro)
+    return float(np.sum((grid_t[1:] - grid_t[:-1]) * (grid_m[1:] + grid_m[:-1]) / 2.0) / budget)
+
+
+def run_metrics(r: SimRun, budget: float, threshold: float) -> dict[str, float]:
+    macro = r.p.mean(axis=1)
+    return {
+        "final_macro_accuracy": float(macro[-1]),
+        "auc": auc_vs_tokens(r.tokens, macro, budget),
+        "worst_arm_accuracy": float(r.p[-1].min()),
+        "forgetting": float((r.p.max(axis=0) - r.p[-1]).mean()),
+        "tokens_to_threshold": first_crossing(r.tokens, macro, threshold),
+        "probe_token_share": float(r.probe_tokens / r.tokens[-1]),
+    }
+
+
+def bootstrap_ci(values: np.ndarray, n_boot: int, seed: int = 0) -> tuple[float, float]:
+    """Percentile 95% interval of the mean over seeds."""
+    values = np.asarray(values, dtype=np.float64)
+    if len(values) < 2:
+        return float(values.mean()), float(values.mean())
+    rng = np.random.default_rng(seed)
+    means = values[rng.integers(0, len(values), size=(n_boot, len(values)))].mean(axis=1)
+    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+def main(args: list[str]) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(prog="posttrain bench curriculum", description=__doc__)
+    ap.add_argument("--seeds", type=int, default=8, help="simulated learners (>= 5 for the report)")
+    ap.add_argument("--samplers", default=",".join(ALL), help=f"comma list; must include {BASELINE}")
+    ap.add_argument("--groups-per-step", type=int, default=SimSettings.groups_per_step)
+    ap.add_argument("--budget-steps", type=int, default=SimSettings.budget_uniform_steps,
+                    help="token budget in full batches at the mean rollout length")
+    ap.add_argument("--boot", type=int, default=2000, help="bootstrap resamples")
+    ap.add_argument("--plot", default=None, help="write adaptive's domain shares (seed 0) to this PNG")
+    ap.add_argument("--real", action="store_true", help="the 135M model through the RL loop")
+    ns = ap.parse_args(args)
+    if ns.real:
+        print("error: `bench curriculum --real` needs the RL loop: not yet available", file=sys.stderr)
+        raise SystemExit(1)
+    names = [n.strip() for n in ns.samplers.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ALL]
+    if unknown or BASELINE not in names:
+        ap.error(f"--samplers: unknown {unknown}" if unknown else f"--samplers must include {BASELINE}")
+    if ns.seeds < 1 or ns.groups_per_step < 1 or ns.budget_steps < 1:
+        ap.error("--seeds, --groups-per-step and --budget-steps must be >= 1")
+    names = [BASELINE] + [n for n in names if n != BASELINE]
+
+    cfg = CurriculumConfig()
+    settings = SimSettings(groups_per_step=ns.groups_per_step, budget_uniform_steps=ns.budget_steps)
+    t0 = time.perf_counter()
+    per: dict[str, dict[str, list[float]]] = {n: {} for n in names}
+    for seed in range(ns.seeds):
+        budget = budget_tokens(make_learner(seed), settings)
+        base = run(BASELINE, seed, cfg, settings)
+        threshold = float(base.p[-1].mean())
+        base_m = run_metrics(base, budget, threshold)
+        for name in names:
+            if name == BASELINE:
+                m = base_m
+            else:
+                r = run(name, seed, cfg, settings, log_weights=(ns.plot is not None and seed == 0 and name == "adaptive"))
+                m = run_metrics(r, budget, threshold)
+                if ns.plot is not None and seed == 0 and name == "adaptive":
+                    from posttrain.curriculum.plot import plot_domain_shares
+
+                    plot_domain_shares(r.weight_rows, ns.plot)
+            reached = np.isfinite(m["tokens_to_threshold"])
+            # never reached: censor at the tokens it spent (a lower bound on its ratio)
+            t_hit = m["tokens_to_threshold"] if reached else budget
+            m["tokens_to_threshold_ratio"] = t_hit / base_m["tokens_to_threshold"]
+            m["reached_threshold"] = float(reached)
+            for k, v in m.items():
+                per[name].setdefault(k, []).append(v)
+    wall_s = time.perf_counter() - t0
+
+    metrics = ["tokens_to_threshold_ratio", "final_macro_accuracy", "auc", "worst_arm_accuracy", "forgetting",
+               "reached_threshold", "probe_token_share"]
+    out: dict[str, Any] = {"seeds": ns.seeds, "baseline": BASELINE, "wall_s": round(wall_s, 2)}
+    for k in metrics:
+        out[k] = {n: float(np.mean(per[n][k])) for n in names}
+        if k not in ("reached_threshold", "probe_token_share"):
+            out[k + "_ci95"] = {n: bootstrap_ci(np.array(per[n][k]), ns.boot) for n in names}
+    # paired differences against uniform (same learner per seed), for the no-worse-than claims
+    for k in ("worst_arm_accuracy", "forgetting"):
+        out[k + "_diff_vs_uniform_ci95"] = {
+            n: bootstrap_ci(np.array(per[n][k]) - np.array(per[BASELINE][k]), ns.boot) for n in names if n != BASELINE
+        }
+    if "adaptive" in names:
+        a = "adaptive"
+        out["targets"] = {
+            "tokens_to_threshold_ratio<=0.75": out["tokens_to_threshold_ratio"][a] <= 0.75,
+            "worst_arm_not_worse_than_uniform": out["worst_arm_accuracy"][a] >= out["worst_arm_accuracy"][BASELINE],
+            "forgetting_not_worse_than_uniform": out["forgetting"][a] <= out["forgetting"][BASELINE],
+            **{f"forgetting_better_than_{b}": out["forgetting"][a] < out["forgetting"][b] for b in ("sec", "dump")
+               if b in names},
+        }
+    _print_table(out, names)
+    return out
+
+
+def _print_table(out: dict[str, Any], names: list[str]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"curriculum simulation: {out['seeds']} seeds, same token budget, mean [95% bootstrap CI]")
+    cols = [("tokens_to_threshold_ratio", "tokens to uniform's final (x uniform)"), ("final_macro_accuracy", "final macro"),
+            ("auc", "AUC vs tokens"), ("worst_arm_accuracy", "worst arm"), ("forgetting", "forgetting")]
+    t.add_column("sampler")
+    for _, title in cols:
+        t.add_column(title, justify="right")
+    t.add_column("reached", justify="right")
+    t.add_column("probe tokens", justify="right")
+    for n in names:
+        cells = []
+        for k, _ in cols:
+            lo, hi = out[k + "_ci95"][n]
+            cells.append(f"{out[k][n]:.3f} [{lo:.3f}, {hi:.3f}]")
+        t.add_row(n, *cells, f"{out['reached_threshold'][n]:.0%}", f"{out['probe_token_share'][n]:.1%}")
+    console = Console(width=170)
+    console.print(t)
+    if "targets" in out:
+        for k, v in out["targets"].items():
+            console.print(f"  {'met' if v else 'NOT met'}: {k}")
+    console.print(f"  wall {out['wall_s']} s (shared 2-core machine)")

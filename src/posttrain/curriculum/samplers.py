@@ -1,0 +1,424 @@
+"""The curriculum samplers: which (domain, difficulty) arm the next groups come from, and which prompt.
+
+Owns every sampler's state (per-arm counts, learnability EMA, probe scores, per-prompt success
+records, the RNG), its JSON round trip, and the registry behind `make_sampler`. It does not run
+rollouts, evaluate probes or touch tensors: the RL loop feeds it rewards and probe scores.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from posttrain.config import CurriculumConfig
+from posttrain.curriculum.arms import Arm, check_arms
+from posttrain.curriculum.policy import adaptive_policy, grpo_abs_advantages, group_abs_dev, softmax
+
+STATE_VERSION = 1
+
+SAMPLERS: dict[str, type[Sampler]] = {}
+
+
+def register_sampler(name: str) -> Callable[[type[Sampler]], type[Sampler]]:
+    def deco(cls: type[Sampler]) -> type[Sampler]:
+        cls.name = name
+        SAMPLERS[name] = cls
+        return cls
+
+    return deco
+
+
+def check_config(cfg: CurriculumConfig) -> None:
+    """Re-check the numbers a sampler depends on (a config built with model_construct skips pydantic)."""
+    if not isinstance(cfg, CurriculumConfig):
+        raise ValueError(f"make_sampler needs a CurriculumConfig, got {type(cfg).__name__}")
+    checks = [
+        ("eps", 0.0 <= cfg.eps <= 1.0, "in [0, 1]"),
+        ("alpha", 0.0 < cfg.alpha <= 1.0, "in (0, 1]"),
+        ("tau", cfg.tau > 0.0, "> 0"),
+        ("c", cfg.c >= 0.0, ">= 0"),
+        ("lam", cfg.lam >= 0.0, ">= 0"),
+        ("max_share", 0.0 < cfg.max_share <= 1.0, "in (0, 1]"),
+        ("probe_every", cfg.probe_every >= 0, ">= 0 (0 = no probes)"),
+        ("probe_size", cfg.probe_size >= 1, ">= 1"),
+        ("replay_rate", 0.0 <= cfg.replay_rate <= 1.0, "in [0, 1]"),
+        ("mastered_p", 0.0 < cfg.mastered_p <= 1.0, "in (0, 1]"),
+        ("sec_alpha", 0.0 < cfg.sec_alpha <= 1.0, "in (0, 1]"),
+        ("sec_tau", cfg.sec_tau > 0.0, "> 0"),
+        ("dump_window", cfg.dump_window >= 1, ">= 1"),
+        ("dump_tau", cfg.dump_tau > 0.0, "> 0"),
+    ]
+    for key, ok, want in checks:
+        value = getattr(cfg, key)
+        if not (ok and math.isfinite(float(value))):
+            raise ValueError(f"curriculum.{key} must be {want}, got {value!r}")
+    if cfg.sampler not in SAMPLERS:
+        raise ValueError(f"curriculum.sampler '{cfg.sampler}' is unknown; choose one of: {', '.join(SAMPLERS)}")
+
+
+def _check_groups(arm: Arm, group_rewards: Sequence[Sequence[float]]) -> list[list[float]]:
+    if isinstance(group_rewards, str | bytes) or not isinstance(group_rewards, Sequence):
+        raise ValueError(f"group_rewards for {arm.key} must be a list of groups (lists of rewards)")
+    out = []
+    for i, g in enumerate(group_rewards):
+        if isinstance(g, str | bytes) or not isinstance(g, Sequence) or len(g) == 0:
+            raise ValueError(f"group {i} for {arm.key} must be a non-empty list of rewards, got {g!r}")
+        vals = [float(r) for r in g]
+        if not all(math.isfinite(v) for v in vals):
+            raise ValueError(f"group {i} for {arm.key} has a non-finite reward: {vals}")
+        out.append(vals)
+    return out
+
+
+class Sampler:
+    """Shared state and bookkeeping; subclasses define `_policy` (and may observe groups)."""
+
+    name = "base"
+    uses_probes = False  # only samplers whose rule reads forgetting ask for probes
+    filters_groups = False  # dapo_filter_only: the loop drops all-equal groups and resamples
+
+    def __init__(self, cfg: CurriculumConfig, arms: Sequence[Arm], seed: int):
+        self.cfg = cfg
+        self.arms = check_arms(arms)
+        self._index = {a: i for i, a in enumerate(self.arms)}
+        self.domains = sorted({a.domain for a in self.arms})
+        self.seed = int(seed)
+        self._rng = np.random.Generator(np.random.PCG64(self.seed))
+        k = len(self.arms)
+        self._s: dict[str, Any] = {
+            "n_groups": [0] * k,
+            "n_rollouts": [0] * k,
+            "dev_ema": [None] * k,  # EMA of per-update mean |r - group mean|, in reward units
+            "probe_best": [None] * k,
+            "probe_last": [None] * k,
+            "data_size": [None] * k,  # None = unknown (available), 0 = no data now
+            "prompts": [{} for _ in range(k)],  # prompt_id -> [n rewards, sum of range-normalised rewards]
+            "reward_lo": {d: 0.0 for d in self.domains},  # running reward range per domain, starts at [0, 1]
+            "reward_hi": {d: 1.0 for d in self.domains},
+            "last_step": None,
+        }
+        self._init_extra(k)
+
+    # -- hooks for subclasses --------------------------------------------------------------------
+
+    def _init_extra(self, k: int) -> None:
+        pass
+
+    def _observe(self, i: int, groups: list[list[float]]) -> None:
+        pass
+
+    def _policy(self, avail: np.ndarray) -> np.ndarray:
+        """Weights over the available arms `avail` (indices), summing to 1."""
+        raise NotImplementedError
+
+    # -- lookups ----------------------------------------------------------------------------------
+
+    def _idx(self, arm: object) -> int:
+        if isinstance(arm, tuple) and len(arm) == 2:
+            a = Arm(*arm)
+            if a in self._index:
+                return self._index[a]
+            if a.domain not in self.domains:
+                raise ValueError(f"unknown domain '{a.domain}' in arm {a!r}; this curriculum has domains {self.domains}")
+            levels = sorted(x.difficulty for x in self.arms if x.domain == a.domain)
+            raise ValueError(f"unknown arm {a.key}: domain '{a.domain}' has difficulties {levels}")
+        raise ValueError(f"{arm!r} is not an arm (domain, difficulty)")
+
+    def _available(self) -> np.ndarray:
+        return np.array([i for i, n in enumerate(self._s["data_size"]) if n != 0], dtype=np.int64)
+
+    def _scale(self, domain: str) -> float:
+        return self._s["reward_hi"][domain] - self._s["reward_lo"][domain]
+
+    def _widen_range(self, domain: str, rewards: Sequence[float]) -> None:
+        if rewards:
+            self._s["reward_lo"][domain] = min(self._s["reward_lo"][domain], min(rewards))
+            self._s["reward_hi"][domain] = max(self._s["reward_hi"][domain], max(rewards))
+
+    def learnability(self) -> np.ndarray:
+        """L_k = EMA of mean |r - group mean| / the domain's running reward range; 0 before any group."""
+        return np.array(
+            [0.0 if e is None else e / self._scale(a.domain) for a, e in zip(self.arms, self._s["dev_ema"], strict=True)]
+        )
+
+    def forgetting(self) -> np.ndarray:
+        """F_k = max(0, best probe score - latest probe score); 0 before any probe."""
+        return np.array(
+            [
+                0.0 if b is None else max(0.0, b - c)
+                for b, c in zip(self._s["probe_best"], self._s["probe_last"], strict=True)
+            ]
+        )
+
+    # -- the API the RL loop uses -----------------------------------------------------------------
+
+    def weights(self) -> dict[Arm, float]:
+        """Current sampling distribution over all arms (0 for arms whose data is unavailable)."""
+        return dict(zip(self.arms, self._weight_vector().tolist(), strict=True))
+
+    def _weight_vector(self) -> np.ndarray:
+        avail = self._available()
+        w = np.zeros(len(self.arms))
+        if len(avail):
+            w[avail] = self._policy(avail)
+        return w
+
+    def sample(self, n: int) -> list[Arm]:
+        """Arms for the next n groups: systematic sampling of n points through the weights' CDF (so
+        counts are within one of n*pi_k), in a random order. Deterministic given seed and history."""
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"sample(n): n must be an integer >= 0, got {n!r}")
+        w = self._weight_vector()
+        if w.sum() <= 0:
+            raise ValueError("no arm has data: every arm was given data size 0 (see set_data_size)")
+        if n == 0:
+            return []
+        cdf = np.cumsum(w / w.sum())
+        points = (self._rng.random() + np.arange(n)) / n
+        idx = np.searchsorted(cdf, points, side="right")
+        last_positive = int(np.flatnonzero(w > 0)[-1])
+        idx = np.minimum(idx, last_positive)
+        idx = self._rng.permutation(idx)
+        return [self.arms[int(i)] for i in idx]
+
+    def update(self, step: int, arm: Arm, group_rewards: Sequence[Sequence[float]]) -> None:
+        """Feed the groups arm produced at `step` (one inner list per group, all rewards of one prompt).
+        Call once per arm per step with all of that arm's groups: each call is one EMA step."""
+        i = self._idx(arm)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"update: step must be an integer >= 0, got {step!r}")
+        groups = _check_groups(self.arms[i], group_rewards)
+        if not groups:
+            return
+        self._widen_range(self.arms[i].domain, [r for g in groups for r in g])
+        x = float(np.mean([group_abs_dev(g) for g in groups]))
+        prev = self._s["dev_ema"][i]
+        self._s["dev_ema"][i] = x if prev is None else (1.0 - self.cfg.alpha) * prev + self.cfg.alpha * x
+        self._s["n_groups"][i] += len(groups)
+        self._s["n_rollouts"][i] += sum(len(g) for g in groups)
+        self._s["last_step"] = step
+        self._observe(i, groups)
+
+    def set_data_size(self, arm: Arm, n_prompts: int) -> None:
+        """Tell the sampler how many prompts an arm has now; 0 removes it from sampling until restored.
+        `uniform_by_data` weighs arms by these sizes (unknown sizes count as the mean known size)."""
+        i = self._idx(arm)
+        if isinstance(n_prompts, bool) or not isinstance(n_prompts, int) or n_prompts < 0:
+            raise ValueError(f"set_data_size({self.arms[i].key}): n_prompts must be an integer >= 0, got {n_prompts!r}")
+        self._s["data_size"][i] = n_prompts
+
+    def probe_due(self, step: int) -> bool:
+        """True on steps where the loop should run retention probes (every probe_every steps, from 0),
+        for samplers whose rule uses forgetting."""
+        return self.uses_probes and self.cfg.probe_every > 0 and step % self.cfg.probe_every == 0
+
+    def record_probe(self, step: int, arm: Arm, score: float) -> None:
+        """A held-out probe score for an arm (e.g. greedy accuracy on its share of the domain's probe)."""
+        i = self._idx(arm)
+        score = float(score)
+        if not math.isfinite(score):
+            raise ValueError(f"record_probe({self.arms[i].key}): score must be finite, got {score}")
+        best = self._s["probe_best"][i]
+        self._s["probe_best"][i] = score if best is None else max(best, score)
+        self._s["probe_last"][i] = score
+
+    def record_prompt(self, arm: Arm, prompt_id: str, rewards: Sequence[float]) -> None:
+        """Rewards observed for one prompt of an arm; they set that prompt's observed success rate."""
+        i = self._idx(arm)
+        vals = _check_groups(self.arms[i], [rewards])[0]
+        domain = self.arms[i].domain
+        self._widen_range(domain, vals)
+        lo, scale = self._s["reward_lo"][domain], self._scale(domain)
+        rec = self._s["prompts"][i].setdefault(str(prompt_id), [0, 0.0])
+        rec[0] += len(vals)
+        rec[1] += sum((v - lo) / scale for v in vals)
+
+    def choose_prompt(self, arm: Arm, candidates: Sequence[str]) -> str:
+        """Pick one prompt id of an arm.
+
+        With probability replay_rate (when any candidate is mastered: observed success >= mastered_p)
+        a mastered prompt, uniformly. Otherwise Thompson sampling on p(1-p): each remaining candidate
+        draws p ~ Beta(1 + successes, 1 + failures) (range-normalised rewards), the largest p(1-p)
+        wins. Unseen prompts have the uniform prior (unknown), so they are explored; prompts observed
+        near p = 0.5 win most often; all-fail and all-pass prompts rarely.
+        """
+        i = self._idx(arm)
+        if isinstance(candidates, str) or len(candidates) == 0:
+            raise ValueError(f"choose_prompt({self.arms[i].key}): candidates must be a non-empty list of prompt ids")
+        stats = self._s["prompts"][i]
+        n = np.array([stats.get(str(c), [0, 0.0])[0] for c in candidates], dtype=np.float64)
+        s = np.array([stats.get(str(c), [0, 0.0])[1] for c in candidates], dtype=np.float64)
+        mean = np.divide(s, n, out=np.zeros_like(s), where=n > 0)
+        mastered = (n > 0) & (mean >= self.cfg.mastered_p)
+        if mastered.any() and self._rng.random() < self.cfg.replay_rate:
+            pick = np.flatnonzero(mastered)
+            return candidates[int(pick[self._rng.integers(len(pick))])]
+        pool = np.flatnonzero(~mastered) if not mastered.all() else np.arange(len(candidates))
+        p = self._rng.beta(1.0 + s[pool], 1.0 + np.maximum(n[pool] - s[pool], 0.0))
+        return candidates[int(pool[int(np.argmax(p * (1.0 - p)))])]
+
+    @staticmethod
+    def filter_groups(group_rewards: Sequence[Sequence[float]]) -> list[bool]:
+        """DAPO dynamic sampling: keep a group unless all its rewards are equal (zero advantage)."""
+        keep = []
+        for i, g in enumerate(group_rewards):
+            if isinstance(g, str | bytes) or not isinstance(g, Sequence) or len(g) == 0:
+                raise ValueError(f"filter_groups: group {i} must be a non-empty list of rewards, got {g!r}")
+            keep.append(max(g) - min(g) > 1e-12)
+        return keep
+
+    def signals(self) -> dict[str, float]:
+        """Flat per-arm and per-domain figures for the metric log (keys like curriculum/weight/math:0)."""
+        w = self._weight_vector()
+        L, F = self.learnability(), self.forgetting()
+        out: dict[str, float] = {"curriculum/total_groups": float(sum(self._s["n_groups"]))}
+        for i, a in enumerate(self.arms):
+            out[f"curriculum/weight/{a.key}"] = float(w[i])
+            out[f"curriculum/L/{a.key}"] = float(L[i])
+            out[f"curriculum/F/{a.key}"] = float(F[i])
+            out[f"curriculum/groups/{a.key}"] = float(self._s["n_groups"][i])
+        for d in self.domains:
+            out[f"curriculum/domain_share/{d}"] = float(sum(w[i] for i, a in enumerate(self.arms) if a.domain == d))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state: counts, signals, prompt records and the RNG, for exact resume."""
+        return {
+            "version": STATE_VERSION,
+            "sampler": self.name,
+            "arms": [a.key for a in self.arms],
+            "seed": self.seed,
+            "rng": copy.deepcopy(self._rng.bit_generator.state),
+            "stats": copy.deepcopy(self._s),
+        }
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        if not isinstance(d, dict) or d.get("version") != STATE_VERSION:
+            got = d.get("version") if isinstance(d, dict) else type(d).__name__
+            raise ValueError(f"curriculum state: expected version {STATE_VERSION}, got {got!r}")
+        if d.get("sampler") != self.name:
+            raise ValueError(f"curriculum state was saved by sampler '{d.get('sampler')}', this is '{self.name}'")
+        keys = [a.key for a in self.arms]
+        if d.get("arms") != keys:
+            raise ValueError(f"curriculum state has arms {d.get('arms')}, this sampler has {keys}")
+        stats = copy.deepcopy(d["stats"])
+        missing = set(self._s) - set(stats)
+        if missing:
+            raise ValueError(f"curriculum state lacks {sorted(missing)}")
+        rng = np.random.Generator(np.random.PCG64())
+        rng.bit_generator.state = copy.deepcopy(d["rng"])
+        self._rng, self._s, self.seed = rng, stats, int(d["seed"])
+
+
+@register_sampler("adaptive")
+class AdaptiveSampler(Sampler):
+    """Learnability + UCB exploration + forgetting; see `policy.adaptive_policy`."""
+
+    uses_probes = True
+
+    def _policy(self, avail: np.ndarray) -> np.ndarray:
+        cfg = self.cfg
+        counts = np.array(self._s["n_groups"], dtype=np.float64)
+        pi, _ = adaptive_policy(
+            self.learnability()[avail],
+            counts[avail],
+            int(sum(self._s["n_groups"])),
+            self.forgetting()[avail],
+            c=cfg.c,
+            lam=cfg.lam,
+            tau=cfg.tau,
+            eps=cfg.eps,
+            max_share=cfg.max_share,
+        )
+        return pi
+
+
+def _uniform_by_domain(arms: list[Arm], avail: np.ndarray) -> np.ndarray:
+    domains = sorted({arms[i].domain for i in avail})
+    per_domain = {d: sum(1 for i in avail if arms[i].domain == d) for d in domains}
+    return np.array([1.0 / len(domains) / per_domain[arms[i].domain] for i in avail])
+
+
+@register_sampler("uniform_by_domain")
+class UniformByDomain(Sampler):
+    """Each domain with data gets the same share, split evenly over its difficulties (ROLL-style static)."""
+
+    def _policy(self, avail: np.ndarray) -> np.ndarray:
+        return _uniform_by_domain(self.arms, avail)
+
+
+@register_sampler("uniform_by_data")
+class UniformByData(Sampler):
+    """Shares proportional to each arm's prompt count (set_data_size); unknown counts use the mean known."""
+
+    def _policy(self, avail: np.ndarray) -> np.ndarray:
+        sizes = [self._s["data_size"][i] for i in avail]
+        known = [s for s in sizes if s is not None]
+        fill = float(np.mean(known)) if known else 1.0
+        w = np.array([fill if s is None else float(s) for s in sizes])
+        return w / w.sum()
+
+
+@register_sampler("dapo_filter_only")
+class DapoFilterOnly(UniformByDomain):
+    """uniform_by_domain weights plus DAPO dynamic sampling (the loop drops all-equal groups and
+    resamples), so its difference to uniform_by_domain is the filter alone."""
+
+    filters_groups = True
+
+
+@register_sampler("sec")
+class SecSampler(Sampler):
+    """Self-Evolving Curriculum (Chen et al. 2025): Q_k <- sec_alpha * r + (1 - sec_alpha) * Q_k with r
+    the mean GRPO |advantage| of the arm's rollouts this update (TD(0) on a one-state bandit);
+    pi = softmax(Q / sec_tau) over arms. Q starts at 0; no floor, no forgetting term."""
+
+    def _init_extra(self, k: int) -> None:
+        self._s["sec_q"] = [0.0] * k
+
+    def _observe(self, i: int, groups: list[list[float]]) -> None:
+        r = float(np.mean(np.concatenate([grpo_abs_advantages(g) for g in groups])))
+        a = self.cfg.sec_alpha
+        self._s["sec_q"][i] = a * r + (1.0 - a) * self._s["sec_q"][i]
+
+    def _policy(self, avail: np.ndarray) -> np.ndarray:
+        return softmax(np.array(self._s["sec_q"])[avail] / self.cfg.sec_tau)
+
+
+@register_sampler("dump")
+class DumpSampler(Sampler):
+    """DUMP (Wang et al. 2025): UCB_k = mean of the last dump_window GRPO |advantage| values of arm k
+    + sqrt(2 ln(N + 1) / (n_k + 1)) with n counted in rollouts (the +1s keep unseen arms finite);
+    pi = softmax(UCB / dump_tau)."""
+
+    def _init_extra(self, k: int) -> None:
+        self._s["dump_window"] = [[] for _ in range(k)]
+
+    def _observe(self, i: int, groups: list[list[float]]) -> None:
+        win = self._s["dump_window"][i]
+        win.extend(float(v) for g in groups for v in grpo_abs_advantages(g))
+        del win[: max(0, len(win) - self.cfg.dump_window)]
+
+    def _policy(self, avail: np.ndarray) -> np.ndarray:
+        n = np.array(self._s["n_rollouts"], dtype=np.float64)
+        total = float(n.sum())
+        mean_adv = np.array([float(np.mean(w)) if w else 0.0 for w in self._s["dump_window"]])
+        ucb = mean_adv + np.sqrt(2.0 * np.log(total + 1.0) / (n + 1.0))
+        return softmax(ucb[avail] / self.cfg.dump_tau)
+
+
+def make_sampler(
+    cfg: CurriculumConfig, arms: Sequence[Arm], seed: int, data_sizes: dict[Arm, int] | None = None
+) -> Sampler:
+    """Build the sampler named by cfg.sampler; ValueError names a bad setting or a bad arm."""
+    check_config(cfg)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"make_sampler: seed must be an integer, got {seed!r}")
+    sampler = SAMPLERS[cfg.sampler](cfg, arms, seed)
+    for arm, n in (data_sizes or {}).items():
+        sampler.set_data_size(arm, n)
+    return sampler

@@ -68,18 +68,25 @@ class EnvsConfig(Section):
 
 
 class CurriculumConfig(Section):
+    """Domain/difficulty sampling; the rules are documented in `posttrain.curriculum`."""
+
     sampler: Literal["adaptive", "uniform_by_domain", "uniform_by_data", "dapo_filter_only", "sec", "dump"] = (
         "adaptive"
     )
     alpha: float = Field(0.5, gt=0.0, le=1.0, description="EMA rate of the learnability signal")
-    tau: float = Field(0.4, gt=0.0)
+    tau: float = Field(0.4, gt=0.0, description="softmax temperature over min-max normalised scores")
     c: float = Field(1.0, ge=0.0, description="exploration bonus weight")
-    eps: float = Field(0.15, ge=0.0, le=1.0)
+    eps: float = Field(0.15, ge=0.0, le=1.0, description="uniform mixing; every arm keeps >= eps/K")
     lam: float = Field(1.0, ge=0.0, description="forgetting weight")
-    max_share: float = Field(0.5, gt=0.0, le=1.0)
-    probe_every: int = Field(10, ge=0)
-    probe_size: int = Field(64, ge=1)
-    replay_rate: float = Field(0.05, ge=0.0, le=1.0)
+    max_share: float = Field(0.5, gt=0.0, le=1.0, description="cap on one arm's share (raised to 1/K if below)")
+    probe_every: int = Field(10, ge=0, description="retention probe period in steps; 0 = no probes")
+    probe_size: int = Field(64, ge=1, description="held-out probe prompts per domain")
+    replay_rate: float = Field(0.05, ge=0.0, le=1.0, description="chance to replay a mastered prompt")
+    mastered_p: float = Field(0.9, gt=0.0, le=1.0, description="observed success rate that marks a prompt mastered")
+    sec_alpha: float = Field(0.5, gt=0.0, le=1.0, description="sec: TD(0) step size")
+    sec_tau: float = Field(1.0, gt=0.0, description="sec: Boltzmann temperature")
+    dump_window: int = Field(300, ge=1, description="dump: |advantage| values kept per arm")
+    dump_tau: float = Field(0.1, gt=0.0, description="dump: softmax temperature over UCB scores")
 
 
 class AlgorithmConfig(Section):

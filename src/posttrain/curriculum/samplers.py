@@ -16,7 +16,7 @@ import numpy as np
 
 from posttrain.config import CurriculumConfig
 from posttrain.curriculum.arms import Arm, check_arms
-from posttrain.curriculum.policy import adaptive_policy, grpo_abs_advantages, group_abs_dev, softmax
+from posttrain.curriculum.policy import adaptive_policy, group_abs_dev, grpo_abs_advantages, softmax
 
 STATE_VERSION = 1
 

@@ -53,6 +53,10 @@ def train(
     else:
         cfg = load_config_or_exit(config, set_)
         try:
+            RLRun.check(cfg)
+        except (ValueError, KeyError, ModelNotFoundError) as err:
+            fail(f"cannot start the run: {err}", EXIT_USAGE)
+        try:
             run = RunDir.create(cfg.telemetry.run_dir, name or cfg.telemetry.name, overwrite=overwrite)
         except FileExistsError as err:
             fail(str(err), EXIT_USAGE)

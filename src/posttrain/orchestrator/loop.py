@@ -61,6 +61,19 @@ class RLRun:
 
     # ------------------------------------------------------------------ construction
 
+    @staticmethod
+    def check(cfg: RunConfig) -> None:
+        """Cheap checks before any work: the model exists, every domain and difficulty is valid."""
+        from posttrain.envs import get_domain
+        from posttrain.models import resolve
+
+        resolve(cfg.model.spec)
+        for d in cfg.envs.domains:
+            valid = get_domain(d.name, **d.options).difficulties
+            bad = [lvl for lvl in d.difficulties if lvl not in valid]
+            if bad:
+                raise ValueError(f"envs.domains: '{d.name}' has no difficulty {bad[0]}; valid levels are {valid}")
+
     def build(self) -> None:
         """Load the model twice (learner, engine), the environments, sampler and sandbox."""
         if self._built:

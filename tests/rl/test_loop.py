@@ -1,0 +1,228 @@
+"""The RL loop end to end on a tiny model: a short run with a code (sandbox) and a tool domain, exact
+resume, sync == async with staleness 0, infrastructure failures excluded, phase order, bad configs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from posttrain.config import load_config
+from posttrain.orchestrator import RLRun, list_checkpoints, verify
+from posttrain.sandbox import ExecResult, ExecStatus
+from posttrain.telemetry import RunDir, read_metrics
+
+TINY = [
+    "model.spec=tiny:llama",
+    "engine.num_kv_blocks=512",
+    "engine.max_new_tokens=24",
+    "engine.max_num_seqs=16",
+    "envs.max_episode_tokens=96",
+    "envs.max_turns=2",
+    "algorithm.group_size=2",
+    "orchestrator.tasks_per_step=3",
+    "orchestrator.checkpoint_every=2",
+    "curriculum.probe_every=2",
+    "curriculum.probe_size=2",
+    "trainer.lr=1e-3",
+    "telemetry.progress=false",
+    "telemetry.tensorboard=false",
+]
+DOMAINS = [
+    "envs.domains=[{name: math, difficulties: [0]}, {name: tools.apis, difficulties: [0]}]",
+]
+TIMING_PREFIXES = ("timeline/", "time", "rollout/wall_s", "rollout/tokens_per_s", "train/tokens_per_s")
+
+
+def _cfg(tmp_path: Path, *extra: str):
+    return load_config(None, [*TINY, *DOMAINS, f"telemetry.run_dir={tmp_path}", *extra])
+
+
+def _run(cfg, name: str, resume: bool = False) -> RLRun:
+    run_dir = RunDir.open(Path(cfg.telemetry.run_dir) / name) if resume else RunDir.create(cfg.telemetry.run_dir, name)
+    if not resume:
+        from posttrain.config import save_config
+
+        save_config(cfg, run_dir.config)
+    rl = RLRun(cfg, run_dir)
+    if resume:
+        rl.load()
+    rl.train()
+    return rl
+
+
+def _untimed(rows):
+    return [
+        {k: v for k, v in r.items() if not any(k.startswith(p) for p in TIMING_PREFIXES) and not k.endswith("_per_s")}
+        for r in rows
+    ]
+
+
+def test_resume_is_bit_exact(tmp_path):
+    straight = _run(_cfg(tmp_path, "orchestrator.steps=4"), "straight")
+    first = _run(_cfg(tmp_path, "orchestrator.steps=2"), "resumed")
+    first.close()
+    resumed = _run(_cfg(tmp_path, "orchestrator.steps=4"), "resumed", resume=True)
+    a, b = straight.learner.weights(), resumed.learner.weights()
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    ma = _untimed(read_metrics(straight.run_dir.metrics))
+    mb = _untimed(read_metrics(resumed.run_dir.metrics))
+    assert [r["step"] for r in ma] == [1, 2, 3, 4]
+    assert ma == mb
+    straight.close()
+    resumed.close()
+
+
+def test_async_with_staleness_zero_equals_sync(tmp_path):
+    sync = _run(_cfg(tmp_path, "orchestrator.steps=2"), "sync")
+    asyn = _run(_cfg(tmp_path, "orchestrator.steps=2", "orchestrator.mode=async", "orchestrator.max_staleness=0"), "async")
+    a, b = sync.learner.weights(), asyn.learner.weights()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    ra = [r["reward/mean"] for r in read_metrics(sync.run_dir.metrics)]
+    rb = [r["reward/mean"] for r in read_metrics(asyn.run_dir.metrics)]
+    assert ra == rb
+    sync.close()
+    asyn.close()
+
+
+def test_async_staleness_one_overlaps_and_respects_bound(tmp_path):
+    rl = _run(_cfg(tmp_path, "orchestrator.steps=3", "orchestrator.mode=async", "orchestrator.max_staleness=1"), "a1")
+    rows = read_metrics(rl.run_dir.metrics)
+    assert len(rows) == 3
+    assert all(r["staleness/max"] <= 1 for r in rows)
+    assert any(r["staleness/max"] == 1 for r in rows[1:])  # later batches were generated ahead
+    rl.close()
+
+
+def test_phase_order_frees_kv_before_every_update(tmp_path):
+    rl = _run(_cfg(tmp_path, "orchestrator.steps=2"), "phases")
+    ev = [e for e in rl.phases.events if e in ("generate", "release_kv", "update", "sync_weights")]
+    # initial weight push, then per step: generate -> release_kv -> update -> sync_weights
+    assert ev == ["sync_weights"] + ["generate", "release_kv", "update", "sync_weights"] * 2
+    rl.close()
+
+
+class FailingSandbox:
+    """Every job fails as infrastructure."""
+
+    async def run(self, job):
+        return ExecResult(ExecStatus.SANDBOX_ERROR, error="worker died (test)")
+
+    async def run_batch(self, jobs):
+        return [await self.run(j) for j in jobs]
+
+    async def close(self):
+        return None
+
+
+def test_infrastructure_failures_are_excluded_and_counted(tmp_path, monkeypatch):
+    cfg = load_config(
+        None,
+        [*TINY, "envs.domains=[{name: code.unit_tests, difficulties: [0]}, {name: math, difficulties: [0]}]",
+         f"telemetry.run_dir={tmp_path}", "orchestrator.steps=1", "curriculum.probe_every=0",
+         "curriculum.sampler=uniform_by_domain"],
+    )
+    run_dir = RunDir.create(cfg.telemetry.run_dir, "infra")
+    rl = RLRun(cfg, run_dir)
+    monkeypatch.setattr(rl, "_make_sandbox", lambda: FailingSandbox())
+    rl.build()
+    seen = []
+    real_step = rl.learner.step
+
+    def spy(samples, current_version=None):
+        seen.extend(samples)
+        return real_step(samples, current_version=current_version)
+
+    monkeypatch.setattr(rl.learner, "step", spy)
+    rl.train()
+    rows = read_metrics(run_dir.metrics)
+    failures = rows[-1]["counters/infra_failures"]
+    assert failures > 0
+    # only math trajectories reached the learner: each is one group of group_size samples
+    assert len(seen) + failures == cfg.orchestrator.tasks_per_step * cfg.algorithm.group_size
+    assert "reward/code.unit_tests" not in rows[-1]
+    rl.close()
+
+
+def test_bad_domain_difficulty_fails_before_work(tmp_path):
+    cfg = load_config(None, [*TINY, "envs.domains=[{name: math, difficulties: [99]}]", f"telemetry.run_dir={tmp_path}"])
+    rl = RLRun(cfg, RunDir.create(tmp_path, "bad"))
+    with pytest.raises(ValueError, match="no difficulty 99"):
+        rl.build()
+
+
+def test_corrupt_checkpoint_falls_back_to_previous(tmp_path):
+    rl = _run(_cfg(tmp_path, "orchestrator.steps=4", "orchestrator.checkpoint_every=2", "orchestrator.keep_checkpoints=3"), "c")
+    ckpts = list_checkpoints(rl.run_dir.checkpoints)
+    assert [c.name for c in ckpts] == ["step-000002", "step-000004"]
+    victim = next(p for p in ckpts[-1].rglob("*") if p.is_file() and p.name != "manifest.json")
+    victim.write_bytes(victim.read_bytes()[:-7] + b"garbage")
+    assert not verify(ckpts[-1]) and verify(ckpts[0])
+    rl.close()
+    again = RLRun(rl.cfg, RunDir.open(rl.run_dir.path))
+    warnings = again.load()
+    assert again.step == 2 and any("corrupt" in w for w in warnings)
+    again.close()
+
+
+def _cli(*args: str, env=None, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "posttrain", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, **kw)
+
+
+def test_cli_train_three_steps_with_code_and_tool_domains(tmp_path):
+    sets = [f"--set={s}" for s in TINY] + [
+        "--set=envs.domains=[{name: code.unit_tests, difficulties: [0]}, {name: tools.apis, difficulties: [0]}]",
+        f"--set=telemetry.run_dir={tmp_path}",
+        "--set=orchestrator.steps=3",
+    ]
+    proc = _cli("train", "--name", "e2e", *sets)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    run = tmp_path / "e2e"
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    domains_seen = {k.split("/", 1)[1] for r in rows for k in r if k.startswith("reward/") and k != "reward/mean"}
+    assert domains_seen <= {"code.unit_tests", "tools.apis"} and domains_seen
+    assert (run / "policy" / "config.json").is_file()
+    assert (run / "checkpoints" / "latest").read_text() == "step-000003"
+
+
+def test_sigterm_during_a_step_leaves_a_loadable_checkpoint(tmp_path):
+    sets = [f"--set={s}" for s in TINY + DOMAINS] + [
+        f"--set=telemetry.run_dir={tmp_path}", "--set=orchestrator.steps=50", "--set=orchestrator.checkpoint_every=0"
+    ]
+    proc = _cli("train", "--name", "term", *sets)
+    metrics = tmp_path / "term" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().strip()):
+        time.sleep(0.2)
+    assert metrics.exists(), "the run never finished a step"
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    ckpts = list_checkpoints(tmp_path / "term" / "checkpoints")
+    assert ckpts and verify(ckpts[-1])
+    state = json.loads((ckpts[-1] / "run_state.json").read_text())
+    assert 1 <= state["step"] < 50
+    cfg = load_config(tmp_path / "term" / "config.yaml")
+    again = RLRun(cfg, RunDir.open(tmp_path / "term"))
+    again.load()
+    assert again.step == state["step"]
+    again.close()
+
+
+def test_cli_bad_config_fails_before_work(tmp_path):
+    proc = _cli("train", "--set", "envs.domains=[{name: nosuchdomain}]", "--set", f"telemetry.run_dir={tmp_path}",
+                "--set", "model.spec=tiny:llama", env={**os.environ})
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2, out
+    assert "unknown domain 'nosuchdomain'" in out

@@ -1,0 +1,93 @@
+"""Token exactness of the agent loop: the training tokens are the engine's ids plus the appended
+observation glue, never a re-tokenized conversation, and they decode to the rendered conversation."""
+
+from __future__ import annotations
+
+import asyncio
+
+from posttrain.engine import SamplingParams
+from posttrain.envs import get_domain
+from posttrain.models import render_messages
+from posttrain.rollout import EpisodeLimits, run_episode
+from posttrain.types import Message, TrajectoryStatus
+
+from .conftest import ScriptedEngine
+
+
+def _conversation(domain, task, script):
+    """Replay the script through a fresh environment to get the messages a renderer would show."""
+
+    async def go():
+        env = domain.make_env(None)
+        obs = await env.reset(task)
+        msgs = list(obs.messages)
+        for text in script:
+            res = await env.step(text)
+            msgs.append(Message("assistant", text))
+            if res.done:
+                break
+            msgs.extend(res.observations)
+        return msgs, obs.tools
+
+    return asyncio.run(go())
+
+
+def _run(engine, tokenizer, domain, task, max_turns=8):
+    params = SamplingParams(max_tokens=256, stop_token_ids=[tokenizer.eos_token_id])
+    return asyncio.run(
+        run_episode(engine, tokenizer, domain, task, None, params, EpisodeLimits(max_turns, 4096, 256))
+    )
+
+
+def test_multi_turn_tool_episode_is_token_exact(tokenizer):
+    domain = get_domain("tools.apis")
+    task = domain.task("train", 0, 3)
+    script = domain.reference(task)
+    assert len(script) >= 2, "tools.apis reference must take more than one turn"
+    engine = ScriptedEngine(tokenizer, script)
+    traj = _run(engine, tokenizer, domain, task)
+
+    assert traj.status == TrajectoryStatus.OK and traj.reward == 1.0
+    assert traj.turns == len(script)
+    # every engine request is exactly the trajectory prefix, and every output sits right after it, masked 1
+    for req, out in zip(engine.requests, engine.outputs, strict=True):
+        assert traj.token_ids[: len(req)] == req
+        assert traj.token_ids[len(req) : len(req) + len(out)] == out
+        assert traj.loss_mask[len(req) : len(req) + len(out)] == [1] * len(out)
+        assert traj.behavior_logprobs[len(req) : len(req) + len(out)] == [-0.25] * len(out)
+    assert sum(traj.loss_mask) == sum(len(o) for o in engine.outputs)
+    assert all(lp == 0.0 for lp, m in zip(traj.behavior_logprobs, traj.loss_mask, strict=True) if m == 0)
+    # the whole token sequence decodes to the conversation as the chat template renders it
+    messages, tools = _conversation(domain, task, script)
+    rendered = render_messages(tokenizer, messages, tools, add_generation_prompt=False)
+    assert tokenizer.decode(traj.token_ids) + "\n" == rendered
+
+
+def test_single_turn_episode_is_token_exact(tokenizer):
+    domain = get_domain("math")
+    task = domain.task("train", 0, 0)
+    script = domain.reference(task)
+    engine = ScriptedEngine(tokenizer, script)
+    traj = _run(engine, tokenizer, domain, task)
+    assert traj.turns == 1 and traj.reward == 1.0
+    assert traj.token_ids == engine.requests[0] + engine.outputs[0]
+    assert traj.loss_mask == [0] * len(engine.requests[0]) + [1] * len(engine.outputs[0])
+    assert traj.prompt_len == len(engine.requests[0])
+
+
+def test_wrong_answer_is_scored_not_crashed(tokenizer):
+    domain = get_domain("math")
+    task = domain.task("train", 0, 0)
+    engine = ScriptedEngine(tokenizer, ["\x00\x01 <tool_call>{not json</tool_call> I refuse."])
+    traj = _run(engine, tokenizer, domain, task)
+    assert traj.status == TrajectoryStatus.OK and traj.reward < 1.0
+
+
+def test_turn_limit_truncates_and_scores(tokenizer):
+    domain = get_domain("tools.apis")
+    task = domain.task("train", 0, 3)
+    script = domain.reference(task)
+    engine = ScriptedEngine(tokenizer, script)
+    traj = _run(engine, tokenizer, domain, task, max_turns=1)
+    assert traj.status == TrajectoryStatus.TRUNCATED
+    assert traj.turns == 1 and traj.reward < 1.0

@@ -1,0 +1,96 @@
+"""The simulator's dynamics, the benchmark's metrics and contract, and the domain-share plot."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from posttrain.curriculum import Arm, plot_domain_shares
+from posttrain.curriculum.bench import auc_vs_tokens, bootstrap_ci, first_crossing, main
+from posttrain.curriculum.plot import domain_shares
+from posttrain.curriculum.sim import Learner
+
+
+def _learner(theta, arms, **kw) -> Learner:
+    k = len(arms)
+    return Learner(
+        arms=arms,
+        roles=["learnable"] * k,
+        theta=np.array(theta, dtype=float),
+        floor=np.full(k, -10.0),
+        eta=np.ones(k),
+        kappa=kw.get("kappa", np.zeros(k)),
+        delta=kw.get("delta", np.zeros(k)),
+        tokens=np.full(k, 100.0),
+        data_size=np.full(k, 100),
+        rho=kw.get("rho", {a.domain: 0.0 for a in arms}),
+    )
+
+
+def test_learner_step_is_bernoulli_policy_gradient():
+    L = _learner([0.0], [Arm("a", 0)])
+    L.train(np.array([0]), np.array([[1.0, 0.0]]))
+    # p = 0.5: mean((r - 0.5) * (r - 0.5)) = 0.25, eta 1, one group in the batch
+    assert L.theta[0] == pytest.approx(0.25)
+    L.train(np.array([0]), np.array([[1.0, 1.0]]))  # all-equal group teaches nothing
+    assert L.theta[0] == pytest.approx(0.25)
+
+
+def test_learner_transfer_interference_and_disuse():
+    arms = [Arm("a", 0), Arm("a", 1), Arm("b", 0)]
+    L = _learner([0.0, 0.0, 0.0], arms, rho={"a": 0.5, "b": 0.0}, kappa=np.array([0.0, 0.0, 1.0]),
+                 delta=np.array([0.0, 0.0, 0.1]))
+    L.train(np.array([0]), np.array([[1.0, 0.0]]))
+    assert L.theta[0] == pytest.approx(0.25)
+    assert L.theta[1] == pytest.approx(0.125)  # same-domain transfer rho * step
+    # arm b: disuse exp(-0.1) then interference exp(-1 * 0.25) toward the floor -10
+    assert L.theta[2] == pytest.approx(-10 + 10 * np.exp(-0.1) * np.exp(-0.25))
+
+
+def test_metrics_hand_computed():
+    tokens = np.array([0.0, 10.0, 20.0, 30.0])
+    macro = np.array([0.0, 0.5, 0.4, 1.0])
+    assert first_crossing(tokens, macro, 0.45) == 10.0
+    assert first_crossing(tokens, macro, 1.1) == float("inf")
+    # trapezoids 2.5 + 4.5 + then cut at 25 tokens: (0.4 + 0.7)/2 * 5 = 2.75 -> 9.75 / 25
+    assert auc_vs_tokens(tokens, macro, 25.0) == pytest.approx(9.75 / 25)
+    lo, hi = bootstrap_ci(np.array([1.0, 2.0, 3.0]), 500)
+    assert 1.0 <= lo < 2.0 < hi <= 3.0
+
+
+def test_bench_small_run_reports_every_sampler(tmp_path):
+    png = tmp_path / "shares.png"
+    out = main(["--seeds", "2", "--budget-steps", "15", "--groups-per-step", "8", "--boot", "50", "--plot", str(png)])
+    for key in ("tokens_to_threshold_ratio", "forgetting", "worst_arm_accuracy", "auc", "final_macro_accuracy"):
+        assert set(out[key]) == {"uniform_by_domain", "uniform_by_data", "dapo_filter_only", "sec", "dump", "adaptive"}
+    assert out["tokens_to_threshold_ratio"]["uniform_by_domain"] == 1.0
+    assert out["probe_token_share"]["adaptive"] > 0 and out["probe_token_share"]["sec"] == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_real_says_not_yet_available(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--real"])
+    assert exc.value.code == 1
+    assert "needs the RL loop: not yet available" in capsys.readouterr().err
+
+
+def test_domain_shares_and_plot(tmp_path):
+    rows = [
+        {"step": 1, "curriculum/weight/math:0": 0.2, "curriculum/weight/math:1": 0.3, "curriculum/weight/code:0": 0.5},
+        {"step": 2, "loss": 1.0},
+        {"step": 3, "curriculum/weight/math:0": 0.1, "curriculum/weight/math:1": 0.1, "curriculum/weight/code:0": 0.8},
+    ]
+    steps, shares = domain_shares(rows)
+    assert steps == [1.0, 3.0]
+    assert shares["math"] == pytest.approx([0.5, 0.2]) and shares["code"] == pytest.approx([0.5, 0.8])
+    out = plot_domain_shares(rows, tmp_path / "d" / "p.png")
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="nothing to plot"):
+        plot_domain_shares([{"step": 1, "loss": 0.1}], tmp_path / "x.png")
+
+
+def test_curriculum_does_not_import_torch():
+    code = "import sys, posttrain.curriculum, posttrain.curriculum.bench; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -172,8 +172,14 @@ class SandboxConfig(Section):
     pool_size: int = Field(0, ge=0, description="0 = follow the CPU count")
     recycle_after: int = Field(500, ge=1)
     allow_unisolated: bool = False
+    allow_network: bool = Field(False, description="let jobs with Limits.network=True reach the network")
     wall_time_s: float = Field(5.0, gt=0.0)
     memory_mb: int = Field(512, ge=16)
+    job_disk_mb: int = Field(64, ge=1, description="size of each worker's private job tmpfs")
+    memory_backstop_mb: int = Field(2048, ge=64, description="cgroup memory cap per worker (all its jobs)")
+    max_pids: int = Field(128, ge=8, description="cgroup pids cap per worker (worker + job processes)")
+    max_request_mb: int = Field(16, ge=1, description="remote mode: largest accepted request body")
+    max_concurrent_requests: int = Field(64, ge=1, description="remote mode: requests handled at once")
 
 
 class TelemetryConfig(Section):

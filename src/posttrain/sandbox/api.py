@@ -11,7 +11,7 @@ import asyncio
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 class ExecStatus(enum.StrEnum):
@@ -34,6 +34,7 @@ class Limits:
     max_output_bytes: int = 64 * 1024
     max_file_bytes: int = 8 * 1024 * 1024
     network: bool = False
+    max_returned_files_bytes: int = 1024 * 1024  # files the job wrote, returned in ExecResult.files
 
 
 @dataclass
@@ -59,6 +60,7 @@ class ExecResult:
     wall_ms: float = 0.0
     cpu_ms: float = 0.0
     max_rss_bytes: int = 0
+    compile_ms: float = 0.0
     files: dict[str, bytes] = field(default_factory=dict)
     error: str = ""  # infrastructure detail when status is SANDBOX_ERROR
 
@@ -82,6 +84,37 @@ class Sandbox(Protocol):
     async def run_batch(self, jobs: Sequence[Job]) -> list[ExecResult]: ...
 
     async def close(self) -> None: ...
+
+
+LANGUAGES = ("python", "bash", "c", "cpp")
+
+
+def validate_job(job: Job, profiles: Any = None, gcc: bool = True) -> None:
+    """Raise ValueError naming the bad field of `job` (checked before it is queued)."""
+    if not isinstance(job.code, str):
+        raise ValueError(f"Job.code must be str, got {type(job.code).__name__}")
+    if job.language not in LANGUAGES:
+        raise ValueError(f"unknown language '{job.language}'; choose one of: {', '.join(LANGUAGES)}")
+    if job.language in ("c", "cpp") and not gcc:
+        raise ValueError(f"language '{job.language}' needs gcc/g++, which is not installed")
+    if profiles is not None and job.profile not in profiles:
+        raise ValueError(f"unknown sandbox profile '{job.profile}'; known: {', '.join(profiles)}")
+    if not isinstance(job.stdin, bytes | bytearray):
+        raise ValueError(f"Job.stdin must be bytes, got {type(job.stdin).__name__}")
+    for name, data in job.files.items():
+        parts = name.split("/")
+        if not name or name.startswith("/") or ".." in parts or "" in parts or name.startswith(".tmp"):
+            raise ValueError(f"Job.files name {name!r} must be a relative path inside the job dir")
+        if not isinstance(data, bytes | bytearray):
+            raise ValueError(f"Job.files[{name!r}] must be bytes, got {type(data).__name__}")
+    lim = job.limits
+    for key in ("wall_time_s", "cpu_time_s", "memory_bytes", "max_processes", "max_output_bytes",
+                "max_file_bytes"):
+        value = getattr(lim, key)
+        if not isinstance(value, int | float) or value <= 0:
+            raise ValueError(f"Limits.{key} must be a positive number, got {value!r}")
+    if lim.max_returned_files_bytes < 0:
+        raise ValueError(f"Limits.max_returned_files_bytes must be >= 0, got {lim.max_returned_files_bytes}")
 
 
 def run_sync(sandbox: Sandbox, job: Job) -> ExecResult:

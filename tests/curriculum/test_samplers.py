@@ -240,3 +240,13 @@ def test_reward_scale_normalises_learnability_across_domains():
     sig = s.signals()
     assert sig["curriculum/L/math:0"] == pytest.approx(0.5)
     assert sig["curriculum/L/judge:0"] == pytest.approx(0.5)
+
+
+def test_numpy_integers_are_accepted():
+    import numpy as np
+
+    s = make_sampler(cfg(), [Arm("math", np.int64(0))], seed=np.int64(3))
+    s.update(np.int64(2), Arm("math", np.int64(0)), [HALF])
+    assert s.sample(np.int64(2)) == [Arm("math", 0), Arm("math", 0)]
+    with pytest.raises(ValueError, match="step must be an integer >= 0, got 1.5"):
+        s.update(1.5, Arm("math", 0), [HALF])

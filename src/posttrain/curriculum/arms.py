@@ -6,6 +6,7 @@ a list of arms is usable. It does not know which domains exist (that is `posttra
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -41,9 +42,9 @@ def check_arms(arms: Iterable[object]) -> list[Arm]:
             raise ValueError(f"arm {raw!r}: domain must be a non-empty string")
         if ":" in domain:
             raise ValueError(f"arm {raw!r}: domain '{domain}' must not contain ':' (it separates the key)")
-        if isinstance(difficulty, bool) or not isinstance(difficulty, int) or difficulty < 0:
+        if isinstance(difficulty, bool) or not isinstance(difficulty, numbers.Integral) or difficulty < 0:
             raise ValueError(f"arm {raw!r}: difficulty must be an integer >= 0, got {difficulty!r}")
-        out.append(Arm(domain, difficulty))
+        out.append(Arm(domain, int(difficulty)))
     if not out:
         raise ValueError("the curriculum needs at least one arm (domain, difficulty); got none")
     keys = [a.key for a in out]

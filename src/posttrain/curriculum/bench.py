@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from posttrain.config import CurriculumConfig
+from posttrain.config import ConfigError, load_config
 from posttrain.curriculum.sim import SimRun, SimSettings, budget_tokens, make_learner, run
 
 BASELINE = "uniform_by_domain"
@@ -34,15 +34,16 @@ def auc_vs_tokens(tokens: np.ndarray, macro: np.ndarray, budget: float) -> float
     return float(np.sum((grid_t[1:] - grid_t[:-1]) * (grid_m[1:] + grid_m[:-1]) / 2.0) / budget)
 
 
-def run_metrics(r: SimRun, budget: float, threshold: float) -> dict[str, float]:
+def run_metrics(r: SimRun, budget: float, threshold: float, probes_charged: bool = True) -> dict[str, float]:
     macro = r.p.mean(axis=1)
+    all_tokens = r.tokens[-1] + (0.0 if probes_charged else r.probe_tokens)
     return {
         "final_macro_accuracy": float(macro[-1]),
         "auc": auc_vs_tokens(r.tokens, macro, budget),
         "worst_arm_accuracy": float(r.p[-1].min()),
         "forgetting": float((r.p.max(axis=0) - r.p[-1]).mean()),
         "tokens_to_threshold": first_crossing(r.tokens, macro, threshold),
-        "probe_token_share": float(r.probe_tokens / r.tokens[-1]),
+        "probe_token_share": float(r.probe_tokens / all_tokens),
     }
 
 
@@ -65,6 +66,9 @@ def main(args: list[str]) -> dict[str, Any]:
                     help="token budget in full batches at the mean rollout length")
     ap.add_argument("--boot", type=int, default=2000, help="bootstrap resamples")
     ap.add_argument("--plot", default=None, help="write adaptive's domain shares (seed 0) to this PNG")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="curriculum config override for every sampler, e.g. --set c=0.5 (repeatable)")
+    ap.add_argument("--free-probes", action="store_true", help="do not charge probe tokens to the budget")
     ap.add_argument("--real", action="store_true", help="the 135M model through the RL loop")
     ns = ap.parse_args(args)
     if ns.real:
@@ -78,21 +82,25 @@ def main(args: list[str]) -> dict[str, Any]:
         ap.error("--seeds, --groups-per-step and --budget-steps must be >= 1")
     names = [BASELINE] + [n for n in names if n != BASELINE]
 
-    cfg = CurriculumConfig()
-    settings = SimSettings(groups_per_step=ns.groups_per_step, budget_uniform_steps=ns.budget_steps)
+    try:
+        cfg = load_config(None, [f"curriculum.{o}" for o in ns.overrides]).curriculum
+    except ConfigError as err:
+        ap.error(str(err))
+    settings = SimSettings(groups_per_step=ns.groups_per_step, budget_uniform_steps=ns.budget_steps,
+                           charge_probes=not ns.free_probes)
     t0 = time.perf_counter()
     per: dict[str, dict[str, list[float]]] = {n: {} for n in names}
     for seed in range(ns.seeds):
         budget = budget_tokens(make_learner(seed), settings)
         base = run(BASELINE, seed, cfg, settings)
         threshold = float(base.p[-1].mean())
-        base_m = run_metrics(base, budget, threshold)
+        base_m = run_metrics(base, budget, threshold, settings.charge_probes)
         for name in names:
             if name == BASELINE:
                 m = base_m
             else:
                 r = run(name, seed, cfg, settings, log_weights=(ns.plot is not None and seed == 0 and name == "adaptive"))
-                m = run_metrics(r, budget, threshold)
+                m = run_metrics(r, budget, threshold, settings.charge_probes)
                 if ns.plot is not None and seed == 0 and name == "adaptive":
                     from posttrain.curriculum.plot import plot_domain_shares
 
@@ -108,7 +116,8 @@ def main(args: list[str]) -> dict[str, Any]:
 
     metrics = ["tokens_to_threshold_ratio", "final_macro_accuracy", "auc", "worst_arm_accuracy", "forgetting",
                "reached_threshold", "probe_token_share"]
-    out: dict[str, Any] = {"seeds": ns.seeds, "baseline": BASELINE, "wall_s": round(wall_s, 2)}
+    out: dict[str, Any] = {"seeds": ns.seeds, "baseline": BASELINE, "wall_s": round(wall_s, 2),
+                           "overrides": ns.overrides, "probe_tokens_charged": not ns.free_probes}
     for k in metrics:
         out[k] = {n: float(np.mean(per[n][k])) for n in names}
         if k not in ("reached_threshold", "probe_token_share"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -58,6 +59,13 @@ def check_config(cfg: CurriculumConfig) -> None:
             raise ValueError(f"curriculum.{key} must be {want}, got {value!r}")
     if cfg.sampler not in SAMPLERS:
         raise ValueError(f"curriculum.sampler '{cfg.sampler}' is unknown; choose one of: {', '.join(SAMPLERS)}")
+
+
+def _as_int(value: object, what: str, minimum: int = 0) -> int:
+    """Accept Python and numpy integers (not bools or floats) at or above minimum."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < minimum:
+        raise ValueError(f"{what} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
 
 
 def _check_groups(arm: Arm, group_rewards: Sequence[Sequence[float]]) -> list[list[float]]:
@@ -170,8 +178,7 @@ class Sampler:
     def sample(self, n: int) -> list[Arm]:
         """Arms for the next n groups: systematic sampling of n points through the weights' CDF (so
         counts are within one of n*pi_k), in a random order. Deterministic given seed and history."""
-        if not isinstance(n, int) or n < 0:
-            raise ValueError(f"sample(n): n must be an integer >= 0, got {n!r}")
+        n = _as_int(n, "sample(n): n")
         w = self._weight_vector()
         if w.sum() <= 0:
             raise ValueError("no arm has data: every arm was given data size 0 (see set_data_size)")
@@ -189,8 +196,7 @@ class Sampler:
         """Feed the groups arm produced at `step` (one inner list per group, all rewards of one prompt).
         Call once per arm per step with all of that arm's groups: each call is one EMA step."""
         i = self._idx(arm)
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"update: step must be an integer >= 0, got {step!r}")
+        step = _as_int(step, "update: step")
         groups = _check_groups(self.arms[i], group_rewards)
         if not groups:
             return
@@ -207,13 +213,12 @@ class Sampler:
         """Tell the sampler how many prompts an arm has now; 0 removes it from sampling until restored.
         `uniform_by_data` weighs arms by these sizes (unknown sizes count as the mean known size)."""
         i = self._idx(arm)
-        if isinstance(n_prompts, bool) or not isinstance(n_prompts, int) or n_prompts < 0:
-            raise ValueError(f"set_data_size({self.arms[i].key}): n_prompts must be an integer >= 0, got {n_prompts!r}")
-        self._s["data_size"][i] = n_prompts
+        self._s["data_size"][i] = _as_int(n_prompts, f"set_data_size({self.arms[i].key}): n_prompts")
 
     def probe_due(self, step: int) -> bool:
         """True on steps where the loop should run retention probes (every probe_every steps, from 0),
         for samplers whose rule uses forgetting."""
+        step = _as_int(step, "probe_due: step")
         return self.uses_probes and self.cfg.probe_every > 0 and step % self.cfg.probe_every == 0
 
     def record_probe(self, step: int, arm: Arm, score: float) -> None:
@@ -416,8 +421,7 @@ def make_sampler(
 ) -> Sampler:
     """Build the sampler named by cfg.sampler; ValueError names a bad setting or a bad arm."""
     check_config(cfg)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"make_sampler: seed must be an integer, got {seed!r}")
+    seed = _as_int(seed, "make_sampler: seed")
     sampler = SAMPLERS[cfg.sampler](cfg, arms, seed)
     for arm, n in (data_sizes or {}).items():
         sampler.set_data_size(arm, n)

@@ -156,6 +156,7 @@ class SimSettings:
     removed_from: float = 0.35
     removed_until: float = 0.65
     max_resample_rounds: int = 2  # dapo_filter_only
+    charge_probes: bool = True  # probe tokens count against the budget
 
 
 @dataclass
@@ -202,7 +203,7 @@ def run(sampler_name: str, seed: int, cfg: CurriculumConfig, s: SimSettings, log
                 for i in members:
                     sampler.record_probe(step, learner.arms[i], rng.binomial(m, p[i]) / m)
                     probe_spent += m * learner.tokens[i]
-                    spent += m * learner.tokens[i]
+                    spent += m * learner.tokens[i] if s.charge_probes else 0.0
         arms = sampler.sample(s.groups_per_step)
         idx = np.array([index[a] for a in arms])
         rewards = (rng.random((len(idx), s.group_size)) < learner.p[idx, None]).astype(np.float64)

@@ -1,0 +1,96 @@
+"""Pulling answers and code out of free model text: final-answer extraction for math/logic and
+fenced-code extraction for code tasks. Pure string functions; they never raise on any input.
+
+Answer extraction order (first rule that matches wins; within a rule the LAST occurrence is used):
+  1. `<answer>...</answer>` tags            -> method "tags"
+  2. `\\boxed{...}` (braces balanced)        -> method "boxed"
+  3. "answer is X" / "answer: X"            -> method "phrase"  (X up to the end of the line/sentence)
+  4. the last number in the text            -> method "last_number"
+  otherwise None                            -> method "none"
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+MAX_SCAN_CHARS = 20_000  # answers live at the end; very long outputs are scanned from their tail
+
+_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
+_PHRASE = re.compile(r"answer\s*(?:is|:|=)\s*:?\s*(.+)", re.IGNORECASE)
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
+
+
+@dataclass
+class ExtractedAnswer:
+    text: str | None
+    method: str  # "tags" | "boxed" | "phrase" | "last_number" | "none"
+
+
+def _last_boxed(text: str) -> str | None:
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    i = start + len("\\boxed{")
+    depth = 1
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i:j]
+    return None
+
+
+def _clean(answer: str) -> str:
+    answer = answer.strip().strip("$").strip()
+    if answer.endswith("."):
+        answer = answer[:-1].rstrip()
+    return answer
+
+
+def extract_answer(text: str) -> ExtractedAnswer:
+    if not isinstance(text, str) or not text.strip():
+        return ExtractedAnswer(None, "none")
+    text = text[-MAX_SCAN_CHARS:]
+    tags = _TAG.findall(text)
+    if tags:
+        return ExtractedAnswer(_clean(tags[-1]), "tags")
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        return ExtractedAnswer(_clean(boxed), "boxed")
+    phrases = _PHRASE.findall(text)
+    if phrases:
+        line = re.split(r"\.(?:\s|$)|\n", phrases[-1].strip())[0]
+        if line.strip():
+            return ExtractedAnswer(_clean(line), "phrase")
+    numbers = _NUMBER.findall(text)
+    if numbers:
+        return ExtractedAnswer(numbers[-1].replace(",", ""), "last_number")
+    return ExtractedAnswer(None, "none")
+
+
+def normalize_number(answer: str) -> str:
+    """'1,234' -> '1234', '7.0' -> '7', '+5' -> '5'; anything that is not a plain number is returned as is."""
+    s = answer.strip().replace(",", "")
+    if re.fullmatch(r"[+-]?\d+(?:\.\d+)?", s):
+        if "." in s:
+            s = s.rstrip("0").rstrip(".")
+        s = s.lstrip("+")
+        if s in ("-0", ""):
+            s = "0"
+    return s if re.fullmatch(r"-?\d+(?:\.\d+)?", s) else answer.strip()
+
+
+def extract_code(text: str, language: str = "python") -> str | None:
+    """The last fenced code block tagged `language` (or untagged); None when there is no fenced block."""
+    if not isinstance(text, str):
+        return None
+    blocks = _FENCE.findall(text[-200_000:])
+    chosen = [body for lang, body in blocks if lang.lower() in ("", language, "py" if language == "python" else language)]
+    if not chosen:
+        return None
+    code = chosen[-1]
+    return code if code.strip() else None

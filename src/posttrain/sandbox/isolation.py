@@ -227,7 +227,7 @@ class JailSpec:
                 argv += ["--ro-bind", str(path), f"{JAIL_ROOT}/site/{path.name}"]
         argv += ["--proc", "/proc", "--dev", "/dev",
                  "--perms", "01777", "--size", str(self.job_disk_bytes), "--tmpfs", JAIL_JOB_ROOT,
-                 "--symlink", f"{JAIL_JOB_ROOT}/run/.tmp", "/tmp",
+                 "--symlink", f"{JAIL_JOB_ROOT}/.tmp", "/tmp",
                  "--remount-ro", "/", "--chdir", JAIL_JOB_ROOT, "--clearenv",
                  "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8",
                  "--setenv", "OPENBLAS_NUM_THREADS", "1", "--setenv", "OMP_NUM_THREADS", "1"]

@@ -37,6 +37,7 @@ COMPILE_ALLOWANCE_S = 30.0
 _STOP = object()
 FRAME = struct.Struct("!II")  # same framing as jailed/worker.py: header length, blob length
 _INSTANCES = itertools.count()
+_UID_COUNTER = itertools.count()  # process-wide: two sandboxes must never share a jail uid
 
 
 class WorkerError(RuntimeError):
@@ -287,7 +288,6 @@ class LocalSandbox:
         )
         self._pools: dict[tuple[str, bool], _Pool] = {}
         self._lock = threading.Lock()
-        self._uid_counter = itertools.count()
         self.instance = next(_INSTANCES)
         self._closed = False
         self.stats: dict[str, int] = {"jobs": 0, "sandbox_errors": 0, "recycles": 0}
@@ -297,7 +297,7 @@ class LocalSandbox:
     def slot_uid_index(self) -> int:
         with self._lock:
             # distinct per process and per live worker, so RLIMIT_NPROC counts one jail only
-            return (os.getpid() % 900) * 64 + next(self._uid_counter) % 64
+            return (os.getpid() % 900) * 64 + next(_UID_COUNTER) % 64
 
     def count(self, key: str) -> None:
         with self._lock:

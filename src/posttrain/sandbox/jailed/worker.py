@@ -75,7 +75,7 @@ class Worker:
     def __init__(self, cfg: dict) -> None:
         self.cfg = cfg
         self.job_root = cfg["job_root"]
-        self.jobdir = os.path.join(self.job_root, "run")
+        self.jobdir = self.job_root  # the job owns the whole private tmpfs; it is emptied after each job
         self.in_pidns = bool(cfg.get("pidns"))
         self.libc = ctypes.CDLL(None, use_errno=True)
         self.seccomp_program: bytes | None = None
@@ -185,7 +185,8 @@ class Worker:
                 self.recycle_hint = True
 
     def _fresh_jobdir(self) -> None:
-        os.mkdir(self.jobdir, 0o700)
+        if os.listdir(self.jobdir):
+            raise RuntimeError("job dir not empty at job start")
         os.mkdir(os.path.join(self.jobdir, ".tmp"), 0o700)
 
     def _write_input(self, name: str, data: bytes) -> None:
@@ -227,10 +228,9 @@ class Worker:
         return names, blobs
 
     def _wipe_jobdir(self) -> bool:
-        if not os.path.lexists(self.jobdir):
-            return True
+        """Empty the job dir; a job may have chmod-ed its own dirs to 000, so fix modes as we go."""
 
-        def fix(func, path, _exc):  # a job may chmod 000 its own dirs
+        def fix(func, path, _exc):
             try:
                 os.chmod(os.path.dirname(path), 0o700)
                 if os.path.isdir(path) and not os.path.islink(path):
@@ -239,8 +239,28 @@ class Worker:
             except OSError:
                 pass
 
-        shutil.rmtree(self.jobdir, onerror=fix)
-        return not os.path.lexists(self.jobdir)
+        if not self.in_pidns:  # our own temp dir (the jail's /job is root-owned and 1777)
+            try:
+                os.chmod(self.jobdir, 0o700)
+            except OSError:
+                pass
+        try:
+            entries = os.listdir(self.jobdir)
+        except OSError:
+            return False
+        for name in entries:
+            path = os.path.join(self.jobdir, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, onerror=fix)
+            else:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+        try:
+            return not os.listdir(self.jobdir)
+        except OSError:
+            return False
 
     def _watch(self, pid: int, t0: float, limits: dict, out_r: int, err_r: int, st_r: int):
         cap = int(limits["max_output_bytes"])

@@ -1,8 +1,10 @@
 """`posttrain bench curriculum`: every sampler against the simulated learner of `sim.py`, same token
-budget, several seeds, bootstrap 95% intervals over seeds; figures relative to uniform_by_domain.
+budget (adaptive's probe tokens included), several seeds, bootstrap 95% intervals over seeds.
 
-Owns the metrics (final macro accuracy, AUC vs tokens, tokens to uniform's final macro accuracy,
-worst arm, forgetting) and the table. `--real` (the 135M model through the RL loop) is not here yet.
+Owns the metrics and the table: final macro accuracy, AUC of macro accuracy vs tokens, tokens to reach
+uniform_by_domain's final macro accuracy (per seed, as a ratio; a sampler that never gets there is
+censored at the budget), worst-arm accuracy, forgetting (max over time minus final, per arm, averaged).
+`--real` (the 135M model through the RL loop) is not here yet.
 """
 
 from __future__ import annotations

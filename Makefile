@@ -13,13 +13,18 @@ SMOLLM2_VERSION ?= 0.1.2
 
 setup: system-deps $(STAMP)
 
-# bubblewrap is the sandbox's namespace layer; gcc runs the C/C++ sandbox language.
+# bubblewrap is the sandbox's namespace layer; chromium renders the run report in its browser test.
+DEBIAN_PACKAGES := bubblewrap:bwrap chromium:chromium
 system-deps:
-	@if ! command -v bwrap >/dev/null 2>&1; then \
+	@missing=""; for pair in $(DEBIAN_PACKAGES); do \
+	  pkg=$${pair%%:*}; cmd=$${pair##*:}; command -v $$cmd >/dev/null 2>&1 || missing="$$missing $$pkg"; \
+	done; \
+	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = "0" ]; then \
-	    echo "installing bubblewrap"; \
-	    (apt-get install -y -q bubblewrap >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q bubblewrap >/dev/null)); \
-	  else echo "warning: bubblewrap missing and not root: the sandbox namespace layer will be off"; fi; \
+	    echo "installing Debian packages:$$missing"; \
+	    (DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing >/dev/null 2>&1 || \
+	     (apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing >/dev/null)); \
+	  else echo "warning: missing Debian packages$$missing and not root: install them for full isolation and the report test"; fi; \
 	fi
 
 $(STAMP): pyproject.toml requirements.lock

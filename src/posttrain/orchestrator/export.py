@@ -49,6 +49,5 @@ def export_run(run_dir: str | Path, out: str | Path) -> Path:
     run = RunDir.open(run_dir)
     cfg = load_config(run.config)
     ckpt, _ = latest_valid(run.checkpoints)
-    learner = Learner(cfg.model, cfg.trainer, cfg.algorithm, seed=cfg.seed)
-    learner.load(ckpt / "learner")
+    learner = Learner.load(str(ckpt / "learner"))
     return save_hf_folder(learner.weights(), cfg.model.spec, Path(out))

@@ -121,8 +121,9 @@ class RLRun:
         e = self.cfg.engine
         stop_ids = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         if train:
+            # the learner divides logits by algorithm.temperature, so sampling must use the same one
             return SamplingParams(
-                temperature=e.temperature, top_p=e.top_p, top_k=e.top_k, max_tokens=e.max_new_tokens, stop_token_ids=stop_ids
+                temperature=self.cfg.algorithm.temperature, top_p=e.top_p, top_k=e.top_k, max_tokens=e.max_new_tokens, stop_token_ids=stop_ids
             )
         return SamplingParams(temperature=0.0, max_tokens=e.max_new_tokens, stop_token_ids=stop_ids)
 
@@ -333,7 +334,10 @@ class RLRun:
         self.build()
         path, warnings = latest_valid(self.run_dir.checkpoints)
         state = json.loads((path / RUN_STATE).read_text())
-        self.learner.load(path / LEARNER_DIR)
+        from posttrain.train.state import read_learner_state
+
+        _, learner_state = read_learner_state(path / LEARNER_DIR)
+        self.learner.load_state_dict(learner_state)
         self.step = state["step"]
         self.cursors = state["cursors"]
         self.seen_prompts = {k: list(v) for k, v in state["seen_prompts"].items()}

@@ -134,13 +134,14 @@ class Domain(ABC):
     def draw(self, split: str, difficulty: int, index: int, seed: int, make) -> Task:
         """Draw candidates `make(rng) -> (content_key, build)` until one lands in `split`; return build().
 
-        `build` is a zero-argument callable producing the Task (so rejected candidates cost little).
+        `build` is a zero-argument callable producing the Task (so rejected candidates cost little);
+        a candidate with key None is rejected (the generator found nothing usable with this rng).
         """
         self._validate(split, difficulty, index)
         for attempt in range(MAX_SPLIT_ATTEMPTS):
             rng = candidate_rng(self.name, split, difficulty, index, seed, attempt)
             key, build = make(rng)
-            if split_of(key) == split:
+            if key is not None and split_of(key) == split:
                 task: Task = build()
                 task.id = f"{self.name}:{split}:d{difficulty}:s{seed}:{index}"
                 task.domain = self.name

@@ -46,7 +46,8 @@ def _child(spec, test, wfd):
             exec(compile(test["code"], "<test>", "exec"), ns)
             out = {"ok": True}
     except BaseException:
-        out = {"ok": False, "error": traceback.format_exc()[-CAP:]}
+        tb = traceback.format_exc().replace(os.getcwd() + os.sep, "")
+        out = {"ok": False, "error": tb[-CAP:]}
     try:
         data = json.dumps(out, default=repr).encode()
     except Exception:

@@ -51,7 +51,11 @@ class ToolEnvironment(Environment):
         self._final = None
         self.counts = {"tool_calls": 0, "invalid_tool_calls": 0, "tool_errors": 0, "unparseable": 0,
                        "tool_internal_errors": 0, "overlong": 0}
-        messages, self.tools = await self.setup(task)
+        try:
+            messages, self.tools = await self.setup(task)
+        except InfraError as err:  # reported by the first step(), so reset() never raises on infrastructure
+            self._finish_infra(str(err))
+            return Observation(messages=list(task.prompt), tools=list(task.tools))
         return Observation(messages=messages, tools=tool_specs(self.tools))
 
     def format_hint(self) -> str:

@@ -1,0 +1,254 @@
+"""`swe.ci_fix`: "fix the failing build". A generated Python repository (3-8 modules under `app/`, tests
+under `tests/`) with one injected bug; the observation is the failing test log and the file listing;
+tools are `read_file`, `write_file`, `run_tests` and `submit`. All test runs go through the sandbox.
+
+Reward = fraction of all the repository's tests (originally passing and originally failing) that pass
+after the episode, and 0 when any file under `tests/` was modified or created. Components: `passed`
+(the fraction) and `tests_untouched`. Levels: 0 = 3 modules and an operator/constant bug; 1 = 4-5
+modules, any mutation; 2 = 6-8 modules, any mutation.
+
+Generation checks that the bug makes at least one test fail by running the generated tests with the
+same harness in a local subprocess (our own generated code only, never model output).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import random
+import re
+import subprocess
+import sys
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from posttrain.envs.base import Domain, Environment
+from posttrain.envs.domains import swe_repos as repos
+from posttrain.envs.harness import HARNESS_SOURCE, build_job, parse_result
+from posttrain.envs.parsers import get_parser
+from posttrain.envs.registry import register_env
+from posttrain.envs.tool_env import ToolEnvironment
+from posttrain.envs.tools import InfraError, Tool, ToolError, fn_schema
+from posttrain.types import Message, Task, ToolSpec
+
+MAX_FILE_CHARS = 50_000
+MAX_FILES = 60
+_PATH = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*(/[A-Za-z0-9_][A-Za-z0-9_.\-]*)*$")
+LEVELS = {0: ((3, 3), ("wrong_operator", "off_by_one")), 1: ((4, 5), repos.MUTATION_KINDS),
+          2: ((6, 8), repos.MUTATION_KINDS)}
+
+SYSTEM = ("You are fixing a failing build in a Python repository. Use the tools to read files, write the "
+          "fixed file (write_file replaces the whole file), run the tests, and call submit when done. "
+          "Do not modify the tests.")
+
+TOOL_SPECS = {s.name: s for s in [
+    ToolSpec("read_file", "Read a file of the repository.", fn_schema({"path": {"type": "string", "maxLength": 200}},
+                                                                      ["path"])),
+    ToolSpec("write_file", "Replace (or create) a file with the given full content.",
+             fn_schema({"path": {"type": "string", "maxLength": 200},
+                        "content": {"type": "string", "maxLength": MAX_FILE_CHARS}}, ["path", "content"])),
+    ToolSpec("run_tests", "Run the test suite and report failures.", fn_schema({})),
+    ToolSpec("submit", "Finish: submit the repository as it is now.", fn_schema({})),
+]}
+
+
+def test_ids(files: dict[str, str]) -> list[str]:
+    """'tests/test_x.py::test_name' for every test function, in file order."""
+    out = []
+    for path in sorted(files):
+        if path.startswith("tests/test_") and path.endswith(".py"):
+            try:
+                tree = ast.parse(files[path])
+            except SyntaxError:
+                continue
+            out += [f"{path}::{n.name}" for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test")]
+    return out
+
+
+def _test_snippet(test_id: str) -> str:
+    path, name = test_id.split("::")
+    module = path[:-3].replace("/", ".")
+    return f"import importlib\nimportlib.import_module({module!r}).{name}()"
+
+
+def harness_tests(ids: list[str]) -> list[dict[str, str]]:
+    return [{"code": _test_snippet(t)} for t in ids]
+
+
+def _encode(files: dict[str, str]) -> dict[str, bytes]:
+    return {p: c.encode() for p, c in files.items()}
+
+
+def run_tests_locally(files: dict[str, str], ids: list[str]) -> list[dict[str, Any]]:
+    """Run OUR generated repository's tests in a subprocess (generation-time check only)."""
+    job = build_job("exec", harness_tests(ids), files=_encode(files), sys_path=["."], per_test_timeout_s=5.0)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, data in job.files.items():
+            p = Path(tmp, name)
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(data)
+        Path(tmp, "harness.py").write_text(HARNESS_SOURCE)
+        proc = subprocess.run([sys.executable, "-I", "harness.py"], cwd=tmp, capture_output=True, timeout=60)
+    from posttrain.sandbox.api import ExecResult, ExecStatus
+
+    report = parse_result(ExecResult(status=ExecStatus.OK, exit_code=proc.returncode, stdout=proc.stdout,
+                                     stderr=proc.stderr), len(ids))
+    return report.results
+
+
+def build_repo(rng: random.Random, n_modules: int) -> dict[str, str]:
+    a, b = rng.randint(1, 9), rng.randint(2, 7)
+    files = {f"{repos.PKG}/__init__.py": "", "tests/__init__.py": ""}
+    for name in repos.choose_modules(rng, n_modules):
+        t = repos.BY_NAME[name]
+        files[f"{repos.PKG}/{name}.py"] = ast.unparse(ast.parse(repos.fill(t.source, a, b))) + "\n"
+        files[f"tests/test_{name}.py"] = repos.fill(t.tests, a, b)
+    return files
+
+
+@lru_cache(maxsize=256)
+def _verified_bug(files_json: str, order_json: str) -> tuple[str, str, str, list[dict[str, Any]]] | None:
+    """The first mutation in `order` that breaks at least one test: (path, kind#site, mutated, results)."""
+    files = json.loads(files_json)
+    ids = test_ids(files)
+    funcs = {f"{repos.PKG}.{p[len(repos.PKG) + 1:-3]}": repos.public_functions(src)
+             for p, src in files.items() if p.startswith(repos.PKG + "/") and p.endswith(".py")}
+    for path, kind, site in json.loads(order_json):
+        mutated = repos.apply_mutation(files[path], repos.Mutation(kind, site), funcs)
+        if mutated is None or mutated == files[path]:
+            continue
+        results = run_tests_locally({**files, path: mutated}, ids)
+        if not all(r.get("ok") for r in results):
+            return path, f"{kind}#{site}", mutated, results
+    return None
+
+
+def format_test_log(ids: list[str], results: list[dict[str, Any]], max_chars: int = 3000) -> str:
+    failed = [(t, r) for t, r in zip(ids, results, strict=True) if not r.get("ok")]
+    lines = [f"{len(ids) - len(failed)} passed, {len(failed)} failed"]
+    for t, r in failed:
+        err = (r.get("error") or "").strip().splitlines()
+        lines.append(f"FAILED {t}")
+        lines += ["    " + e for e in err[-4:]]
+    text = "\n".join(lines)
+    return text if len(text) <= max_chars else text[:max_chars] + "\n... (truncated)"
+
+
+class CiFixEnv(ToolEnvironment):
+    terminal_tools = frozenset({"submit"})
+
+    def __init__(self, sandbox: Any, chat_format: str = "smollm2", max_turns: int = 10) -> None:
+        super().__init__(chat_format, max_turns)
+        self.sandbox = sandbox
+
+    async def _run(self, files: dict[str, str]) -> tuple[list[str], list[dict[str, Any]]]:
+        ids = test_ids(self.task.meta["original_files"])
+        job = build_job("exec", harness_tests(ids), files=_encode(files), sys_path=["."], per_test_timeout_s=2.0)
+        try:
+            result = await self.sandbox.run(job)
+        except Exception as err:  # noqa: BLE001 - a sandbox that raises is an infrastructure failure
+            raise InfraError(f"{type(err).__name__}: {err}") from err
+        report = parse_result(result, len(ids))
+        if report.infra_failure:
+            raise InfraError(report.error)
+        return ids, report.results
+
+    async def setup(self, task: Task) -> tuple[list[Message], dict[str, Tool]]:
+        self.files: dict[str, str] = dict(task.meta["files"])
+        self.max_turns = int(task.meta.get("max_turns", self.max_turns))
+        tools = {"read_file": Tool(TOOL_SPECS["read_file"], self.read_file),
+                 "write_file": Tool(TOOL_SPECS["write_file"], self.write_file),
+                 "run_tests": Tool(TOOL_SPECS["run_tests"], self.run_tests),
+                 "submit": Tool(TOOL_SPECS["submit"], self.submit)}
+        return list(task.prompt), tools
+
+    def read_file(self, path: str) -> str:
+        if path not in self.files:
+            raise ToolError("not_found", f"no file '{path}' (files: {', '.join(sorted(self.files))})")
+        return self.files[path]
+
+    def write_file(self, path: str, content: str) -> str:
+        if not _PATH.match(path) or ".." in path.split("/"):
+            raise ToolError("invalid_argument", f"'{path}' is not a relative path inside the repository")
+        if path not in self.files and len(self.files) >= MAX_FILES:
+            raise ToolError("invalid_argument", f"too many files (limit {MAX_FILES})")
+        self.files[path] = content
+        return f"wrote {len(content)} characters to {path}"
+
+    async def run_tests(self) -> str:
+        ids, results = await self._run(self.files)
+        return format_test_log(ids, results)
+
+    def submit(self) -> str:
+        return "submitted"
+
+    async def score(self) -> tuple[float, dict[str, float], dict[str, Any]]:
+        original = self.task.meta["original_files"]
+        touched = sorted(p for p in set(self.files) | set(original)
+                         if p.startswith("tests/") and self.files.get(p) != original.get(p))
+        ids, results = await self._run(self.files)
+        passed = sum(bool(r.get("ok")) for r in results) / max(1, len(ids))
+        untouched = 0.0 if touched else 1.0
+        info = {"tests_passed": sum(bool(r.get("ok")) for r in results), "tests_total": len(ids),
+                "modified_tests": touched[:10], "submitted": self.called_terminal}
+        return passed * untouched, {"passed": passed, "tests_untouched": untouched}, info
+
+
+@register_env("swe.ci_fix")
+class CiFixDomain(Domain):
+    difficulties = [0, 1, 2]
+    requires_sandbox = True
+    description = "generated multi-module repo with an injected bug; fix it with read/write/run_tests/submit"
+
+    def __init__(self, max_turns: int = 10) -> None:
+        if max_turns < 1:
+            raise ValueError(f"swe.ci_fix: max_turns must be >= 1, got {max_turns}")
+        self.max_turns = max_turns
+
+    def task(self, split: str, difficulty: int, index: int, seed: int = 0) -> Task:
+        (lo, hi), kinds = LEVELS[difficulty]
+
+        def make(rng: random.Random):
+            files = build_repo(rng, rng.randint(lo, hi))
+            sites = [(p, m.kind, m.site) for p in sorted(files) if p.startswith(repos.PKG + "/") and files[p]
+                     for m in repos.candidate_mutations(files[p]) if m.kind in kinds]
+            rng.shuffle(sites)
+            found = _verified_bug(json.dumps(files, sort_keys=True), json.dumps(sites[:40]))
+            if found is None:
+                return None, None
+            path, mutation, mutated, results = found
+            key = json.dumps([files, path, mutated], sort_keys=True)
+
+            def build() -> Task:
+                buggy = {**files, path: mutated}
+                ids = test_ids(files)
+                meta = {"files": buggy, "original_files": files, "bug_path": path, "mutation": mutation,
+                        "failing_tests": [t for t, r in zip(ids, results, strict=True) if not r.get("ok")],
+                        "fixed_source": files[path], "max_turns": self.max_turns}
+                listing = "\n".join(sorted(buggy))
+                user = (f"The CI build is failing. Repository files:\n{listing}\n\nTest log:\n"
+                        f"{format_test_log(ids, results)}\n\nFind and fix the bug in the code under app/, "
+                        "then call submit.")
+                prompt = [Message("system", SYSTEM), Message("user", user)]
+                return Task(id="", domain=self.name, difficulty=difficulty, prompt=prompt,
+                            tools=list(TOOL_SPECS.values()), meta=meta)
+
+            return key, build
+
+        return self.draw(split, difficulty, index, seed, make)
+
+    def reference(self, task: Task, chat_format: str = "smollm2") -> list[str]:
+        fmt = get_parser(chat_format)
+        path = task.meta["bug_path"]
+        return [fmt.format_calls([("read_file", {"path": path})]),
+                fmt.format_calls([("write_file", {"path": path, "content": task.meta["fixed_source"]})]),
+                fmt.format_calls([("run_tests", {})]),
+                fmt.format_calls([("submit", {})])]
+
+    def make_env(self, sandbox: Any = None, chat_format: str = "smollm2") -> Environment:
+        if sandbox is None:
+            raise ValueError("domain 'swe.ci_fix' runs tests: pass a sandbox to make_env "
+                             "(posttrain.sandbox.make_sandbox(cfg))")
+        return CiFixEnv(sandbox, chat_format, self.max_turns)

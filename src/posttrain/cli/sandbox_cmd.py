@@ -1,15 +1,145 @@
-"""`posttrain sandbox run|doctor|serve` (filled by the sandbox issue)."""
+"""`posttrain sandbox run|doctor|serve|bench`: run a file in the jail, report isolation layers, serve
+the sandbox over HTTP. The sandbox itself lives in `posttrain.sandbox`; this module only parses
+arguments and prints."""
 
 from __future__ import annotations
 
+import secrets
+import sys
+from pathlib import Path
+
 import typer
 
-from posttrain.cli.common import not_yet_available
+from posttrain.cli.common import EXIT_USAGE, console, err_console, fail, print_json_last
 
 app = typer.Typer(help="Run untrusted code in the isolated sandbox.", no_args_is_help=True)
 
+EXTENSIONS = {".py": "python", ".sh": "bash", ".bash": "bash", ".c": "c", ".cc": "cpp", ".cpp": "cpp",
+              ".cxx": "cpp"}
+
+
+@app.command("run")
+def run(
+    file: Path = typer.Argument(..., help="source file to execute"),
+    language: str | None = typer.Option(None, "--language", "-l", help="python|bash|c|cpp (default: from extension)"),
+    stdin_file: Path | None = typer.Option(None, "--stdin", help="file fed to the job's stdin"),
+    wall_time_s: float = typer.Option(5.0, "--wall", help="wall-clock limit in seconds"),
+    memory_mb: int = typer.Option(512, "--memory-mb", help="memory limit in MiB"),
+    profile: str = typer.Option("default", "--profile", help="warm pool profile, e.g. default or numpy"),
+    json_out: bool = typer.Option(False, "--json", help="print the result as one JSON object, last"),
+    allow_unisolated: bool = typer.Option(False, "--allow-unisolated", help="run even without namespaces"),
+) -> None:
+    """Run FILE in the sandbox; prints its stdout/stderr and exits with its exit code."""
+    from posttrain.sandbox import Job, Limits, LocalSandbox, SandboxUnavailable
+    from posttrain.sandbox.api import LANGUAGES, result_to_dict
+
+    if not file.is_file():
+        fail(f"no such file: {file}", EXIT_USAGE)
+    lang = language or EXTENSIONS.get(file.suffix)
+    if lang not in LANGUAGES:
+        fail(f"cannot tell the language of '{file.name}'; pass --language one of: {', '.join(LANGUAGES)}", EXIT_USAGE)
+    job = Job(code=file.read_text(), language=lang, stdin=stdin_file.read_bytes() if stdin_file else b"",
+              limits=Limits(wall_time_s=wall_time_s, cpu_time_s=wall_time_s, memory_bytes=memory_mb << 20),
+              profile=profile)
+    try:
+        with LocalSandbox(pool_size=1, allow_unisolated=allow_unisolated) as sb:
+            res = sb.run_blocking(job)
+    except (SandboxUnavailable, ValueError) as err:
+        fail(str(err), EXIT_USAGE)
+    if json_out:
+        print_json_last(result_to_dict(res))
+    else:
+        sys.stdout.buffer.write(res.stdout)
+        sys.stdout.flush()
+        sys.stderr.buffer.write(res.stderr)
+        err_console.print(f"[dim]status={res.status.value} exit={res.exit_code} signal={res.signal} "
+                      f"wall={res.wall_ms:.1f}ms cpu={res.cpu_ms:.1f}ms rss={res.max_rss_bytes >> 20}MiB"
+                      f"{' ' + res.error if res.error else ''}[/]", highlight=False)
+    if res.is_infra_failure:
+        raise typer.Exit(1)
+    raise typer.Exit(res.exit_code if res.exit_code is not None else 1)
+
 
 @app.command("doctor")
-def doctor() -> None:
-    """Report which isolation layers are active."""
-    not_yet_available("`posttrain sandbox doctor`", "the sandbox issue")
+def doctor(json_out: bool = typer.Option(False, "--json", help="print the report as JSON, last")) -> None:
+    """Report which isolation layers are active (a worker is really started to confirm seccomp)."""
+    from rich.table import Table
+
+    from posttrain.sandbox import Job, LocalSandbox, SandboxUnavailable
+    from posttrain.sandbox import isolation as iso_mod
+
+    iso = iso_mod.detect()
+    probe: dict = {}
+    if iso.isolated:
+        try:
+            with LocalSandbox(pool_size=1) as sb:
+                res = sb.run_blocking(Job(code="import os; print(os.getuid(), len(os.environ))"))
+                probe = {"job_status": res.status.value, "job_stdout": res.stdout_text.strip(),
+                         "worker": sb.worker_info}
+        except SandboxUnavailable as err:
+            probe = {"error": str(err)}
+    rows = [
+        ("namespaces (bwrap)", iso.namespaces, iso.details.get("namespaces", iso.bwrap or "")),
+        ("seccomp filter", iso.seccomp, iso.details.get("seccomp", "verified by a worker self-test"
+                                                         if probe.get("worker", {}).get("seccomp") == "on" else "")),
+        ("cgroups (memory, pids)", bool(iso.cgroups), iso.details.get("cgroups", "")),
+        ("uid drop", iso.uid_drop, iso.details.get("uid_drop", "one unprivileged uid per worker slot")),
+        ("rlimits", True, "AS, DATA, CPU, FSIZE, NOFILE, NPROC, CORE=0 per job"),
+        ("clean environment", True, "jobs see a fixed 9-variable environment"),
+    ]
+    if json_out:
+        print_json_last({"layers": iso.layers, "missing": iso.missing, "isolated": iso.isolated, "probe": probe})
+        return
+    table = Table(title="posttrain sandbox doctor")
+    table.add_column("layer")
+    table.add_column("active")
+    table.add_column("detail")
+    for name, active, detail in rows:
+        table.add_row(name, "[green]yes[/]" if active else "[bold red]NO[/]", detail)
+    console.print(table)
+    if probe:
+        console.print(f"probe job: {probe}", highlight=False)
+    if not iso.isolated:
+        console.print("[bold red]WARNING: no namespace isolation; untrusted code will be refused unless "
+                      "sandbox.allow_unisolated=true[/]")
+
+
+@app.command("serve")
+def serve(
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8765, "--port"),
+    token: str | None = typer.Option(None, "--token", envvar="POSTTRAIN_SANDBOX_TOKEN",
+                                     help="bearer token clients must send (default: a random one, printed)"),
+    pool_size: int = typer.Option(0, "--pool-size", help="workers per profile (0 = CPU count)"),
+    max_request_mb: int = typer.Option(16, "--max-request-mb"),
+    max_concurrent: int = typer.Option(64, "--max-concurrent", help="requests executing at once"),
+) -> None:
+    """Serve the sandbox over HTTP (POST /run, POST /run_batch, GET /health)."""
+    from posttrain.sandbox import LocalSandbox, SandboxUnavailable
+    from posttrain.sandbox.remote import make_server
+
+    token = token or secrets.token_urlsafe(24)
+    try:
+        sb = LocalSandbox(pool_size=pool_size)
+        sb.warm()
+        srv = make_server(sb, host, port, token, max_request_mb << 20, max_concurrent)
+    except (SandboxUnavailable, OSError, ValueError) as err:
+        fail(str(err))
+    console.print(f"sandbox service on {srv.url}  token: {token}  layers: {', '.join(sb.layers)}", highlight=False)
+    try:
+        srv.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        srv.server_close()
+        sb.close_blocking()
+
+
+@app.command("bench", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench(ctx: typer.Context, json_out: bool = typer.Option(False, "--json")) -> None:
+    """Same as `posttrain bench sandbox`: pool vs subprocess vs bwrap per execution."""
+    from posttrain.sandbox.bench import main
+
+    result = main(list(ctx.args))
+    if json_out:
+        print_json_last(result)

@@ -8,6 +8,8 @@ never scored 0. No torch here.
 from __future__ import annotations
 
 import asyncio
+import base64
+import dataclasses
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -115,6 +117,62 @@ def validate_job(job: Job, profiles: Any = None, gcc: bool = True) -> None:
             raise ValueError(f"Limits.{key} must be a positive number, got {value!r}")
     if lim.max_returned_files_bytes < 0:
         raise ValueError(f"Limits.max_returned_files_bytes must be >= 0, got {lim.max_returned_files_bytes}")
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _unb64(text: Any, what: str) -> bytes:
+    if not isinstance(text, str):
+        raise ValueError(f"{what} must be a base64 string")
+    return base64.b64decode(text.encode("ascii"), validate=True)
+
+
+def job_to_dict(job: Job) -> dict:
+    """JSON-ready form (bytes as base64) used by the remote service."""
+    return {"code": job.code, "language": job.language, "stdin": _b64(job.stdin),
+            "files": {k: _b64(v) for k, v in job.files.items()}, "argv": list(job.argv),
+            "limits": dataclasses.asdict(job.limits), "profile": job.profile}
+
+
+def job_from_dict(data: Any) -> Job:
+    """Inverse of `job_to_dict`, for untrusted input: ValueError naming the bad field."""
+    if not isinstance(data, dict):
+        raise ValueError("a job must be a JSON object")
+    unknown = set(data) - {"code", "language", "stdin", "files", "argv", "limits", "profile"}
+    if unknown:
+        raise ValueError(f"unknown job fields: {sorted(unknown)}")
+    limits_in = data.get("limits") or {}
+    known = {f.name for f in dataclasses.fields(Limits)}
+    if not isinstance(limits_in, dict) or set(limits_in) - known:
+        raise ValueError(f"limits must be an object with keys among {sorted(known)}")
+    files = data.get("files") or {}
+    argv = data.get("argv") or []
+    if not isinstance(files, dict) or not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+        raise ValueError("files must be an object of base64 strings and argv a list of strings")
+    job = Job(code=data.get("code"), language=data.get("language", "python"),
+              stdin=_unb64(data.get("stdin", ""), "stdin"),
+              files={str(k): _unb64(v, f"files[{k!r}]") for k, v in files.items()}, argv=argv,
+              limits=Limits(**limits_in), profile=data.get("profile", "default"))
+    validate_job(job)
+    return job
+
+
+def result_to_dict(res: ExecResult) -> dict:
+    out = dataclasses.asdict(res)
+    out["status"] = res.status.value
+    out["stdout"], out["stderr"] = _b64(res.stdout), _b64(res.stderr)
+    out["files"] = {k: _b64(v) for k, v in res.files.items()}
+    return out
+
+
+def result_from_dict(data: dict) -> ExecResult:
+    data = dict(data)
+    data["status"] = ExecStatus(data["status"])
+    data["stdout"], data["stderr"] = _unb64(data["stdout"], "stdout"), _unb64(data["stderr"], "stderr")
+    data["files"] = {k: _unb64(v, k) for k, v in data.get("files", {}).items()}
+    return ExecResult(**data)
 
 
 def run_sync(sandbox: Sandbox, job: Job) -> ExecResult:

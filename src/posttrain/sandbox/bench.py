@@ -1,0 +1,193 @@
+"""`posttrain bench sandbox`: executions/s and latency of the warm jailed pool against two baselines
+measured in the same run on the same jobs: `subprocess.run([python, -c])` and one `bwrap` jail per
+execution. Closed loop: C clients each submit their next job when the previous one returns.
+
+Scenarios: (a) a trivial snippet, (b) a solution with 10 assert tests (the pool grades with the
+nonce harness; the baselines run solution + asserts as one script), (c) a numpy import snippet
+(numpy profile). It only measures; the pool lives in `pool`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+from posttrain.sandbox import isolation as iso_mod
+from posttrain.sandbox.api import ExecStatus, Job, Limits
+from posttrain.sandbox.grading import grade_asserts
+from posttrain.sandbox.pool import LocalSandbox
+
+TRIVIAL = "print(sum(range(10)))"
+SOLUTION = "def add(a, b):\n    return a + b\n"
+TESTS = [f"assert add({i}, {i + 1}) == {2 * i + 1}" for i in range(10)]
+NUMPY = "import numpy as np\nprint(int(np.arange(10).sum()))"
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def _summary(latencies_s: list[float], elapsed_s: float, errors: int) -> dict:
+    return {"per_s": len(latencies_s) / elapsed_s if elapsed_s else 0.0,
+            "p50_ms": _percentile(latencies_s, 0.50) * 1000, "p99_ms": _percentile(latencies_s, 0.99) * 1000,
+            "n": len(latencies_s), "errors": errors}
+
+
+def _closed_loop_threads(fn: Callable[[], bool], clients: int, seconds: float) -> dict:
+    latencies: list[float] = []
+    errors = [0]
+    lock = threading.Lock()
+    deadline = time.monotonic() + seconds
+
+    def client() -> None:
+        while time.monotonic() < deadline:
+            t0 = time.monotonic()
+            ok = fn()
+            dt = time.monotonic() - t0
+            with lock:
+                latencies.append(dt)
+                errors[0] += 0 if ok else 1
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return _summary(latencies, time.monotonic() - t0, errors[0])
+
+
+async def _closed_loop_async(fn: Callable, clients: int, seconds: float) -> dict:
+    latencies: list[float] = []
+    errors = 0
+    deadline = time.monotonic() + seconds
+
+    async def client() -> None:
+        nonlocal errors
+        while time.monotonic() < deadline:
+            t0 = time.monotonic()
+            ok = await fn()
+            latencies.append(time.monotonic() - t0)
+            errors += 0 if ok else 1
+
+    t0 = time.monotonic()
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return _summary(latencies, time.monotonic() - t0, errors)
+
+
+def _subprocess_runner(argv_prefix: list[str], code: str, env: dict) -> Callable[[], bool]:
+    def run() -> bool:
+        proc = subprocess.run([*argv_prefix, code], capture_output=True, env=env, timeout=60)
+        return proc.returncode == 0
+    return run
+
+
+def _bwrap_prefix(binds: list) -> list[str] | None:
+    iso = iso_mod.detect()
+    if not iso.namespaces or not iso.bwrap:
+        return None
+    spec = iso_mod.JailSpec(iso_mod.python_install(), iso_mod.JAIL_UID_BASE + 63 if iso.uid_drop else None,
+                            binds, False, 16 << 20)
+    argv = spec.bwrap_argv(iso.bwrap)
+    if binds:
+        argv += ["--setenv", "PYTHONPATH", f"{iso_mod.JAIL_ROOT}/site"]
+    if iso.uid_drop:
+        uid = str(iso_mod.JAIL_UID_BASE + 63)
+        argv += ["/usr/bin/setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
+                 "--bounding-set=-all", "--"]
+    return [*argv, spec.python.jail_executable, "-I", "-c"]
+
+
+def main(args: list[str]) -> dict:
+    parser = argparse.ArgumentParser(prog="posttrain bench sandbox", description=__doc__)
+    parser.add_argument("--seconds", type=float, default=3.0, help="duration of each measurement")
+    parser.add_argument("--clients", type=int, default=0, help="concurrent clients (default: 2 x pool size)")
+    parser.add_argument("--pool-size", type=int, default=0, help="workers per profile (default: CPU count)")
+    parser.add_argument("--skip-numpy", action="store_true")
+    opts = parser.parse_args(args)
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(stderr=True)
+    sb = LocalSandbox(pool_size=opts.pool_size)
+    pool_size = sb.settings.pool_size
+    clients = opts.clients or 2 * pool_size
+    limits = Limits(wall_time_s=10, cpu_time_s=10)
+    scenarios = [("trivial", TRIVIAL, "default"), ("asserts", SOLUTION + "\n".join(TESTS), "default")]
+    if not opts.skip_numpy:
+        scenarios.append(("numpy", NUMPY, "numpy"))
+    rows: dict[str, dict[str, dict]] = {}
+    base_env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "OPENBLAS_NUM_THREADS": "1"}
+    try:
+        sb.warm(*{p for _, _, p in scenarios})
+
+        async def pool_measure(name: str, code: str, profile: str) -> dict:
+            if name == "asserts":
+                async def one() -> bool:
+                    g = await grade_asserts(sb, SOLUTION, TESTS, limits)
+                    return g.passed == len(TESTS)
+            else:
+                job = Job(code=code, limits=limits, profile=profile)
+
+                async def one() -> bool:
+                    return (await sb.run(job)).status == ExecStatus.OK
+            for _ in range(2 * pool_size):  # warm every worker once
+                await one()
+            return await _closed_loop_async(one, clients, opts.seconds)
+
+        for name, code, profile in scenarios:
+            console.print(f"[dim]measuring {name} ...[/]")
+            rows[name] = {"pool": asyncio.run(pool_measure(name, code, profile))}
+            env = dict(base_env)
+            python = sys.executable
+            if profile == "numpy":
+                binds = iso_mod.package_dirs(("numpy",))
+            else:
+                binds = []
+            rows[name]["subprocess"] = _closed_loop_threads(
+                _subprocess_runner([python, "-c"] if profile == "numpy" else [python, "-I", "-c"], code, env),
+                clients, opts.seconds)
+            prefix = _bwrap_prefix(binds)
+            if prefix is not None:
+                rows[name]["bwrap"] = _closed_loop_threads(_subprocess_runner(prefix, code, env), clients, opts.seconds)
+    finally:
+        sb.close_blocking()
+
+    table = Table(title=f"sandbox: executions/s, closed loop, {clients} clients, pool {pool_size}, "
+                        f"{os.cpu_count()} CPUs")
+    for col in ("scenario", "runner", "exec/s", "p50 ms", "p99 ms", "n", "errors"):
+        table.add_column(col)
+    for name, runners in rows.items():
+        for runner, s in runners.items():
+            table.add_row(name, runner, f"{s['per_s']:.1f}", f"{s['p50_ms']:.1f}", f"{s['p99_ms']:.1f}",
+                          str(s["n"]), str(s["errors"]))
+    console.print(table)
+    console.print(f"isolation layers active: {', '.join(sb.layers)}", highlight=False)
+
+    out: dict = {"isolation": sb.layers, "pool_size": pool_size, "clients": clients, "seconds": opts.seconds,
+                 "cpu_count": os.cpu_count(), "bwrap_available": shutil.which("bwrap") is not None,
+                 "sandbox_errors": sb.stats.get("sandbox_errors", 0)}
+    for name, runners in rows.items():
+        prefix = "" if name == "trivial" else f"{name}_"
+        pool = runners["pool"]
+        out[f"{name}_per_s"] = pool["per_s"]
+        out[f"{name}_p50_ms"] = pool["p50_ms"]
+        out[f"{name}_p99_ms"] = pool["p99_ms"]
+        for base in ("subprocess", "bwrap"):
+            if base in runners:
+                out[f"{prefix}{base}_per_s"] = runners[base]["per_s"]
+                out[f"{prefix}{base}_p99_ms"] = runners[base]["p99_ms"]
+                out[f"{prefix}ratio_vs_{base}"] = pool["per_s"] / runners[base]["per_s"] if runners[base]["per_s"] else None
+        out[f"{name}_errors"] = pool["errors"] + sum(r["errors"] for r in runners.values() if r is not pool)
+    out["trivial_p50_ms"] = rows["trivial"]["pool"]["p50_ms"]
+    return out

@@ -1,15 +1,170 @@
-"""`posttrain tasks list|sample|check` (filled by the environments issue)."""
+"""`posttrain tasks list|sample|check`: show the task domains, print sample tasks with their reference
+solutions, and run every reference solution through its verifier. The domains live in `posttrain.envs`;
+this module only parses arguments and prints."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+from typing import Any
+
 import typer
 
-from posttrain.cli.common import not_yet_available
+from posttrain.cli.common import EXIT_USAGE, console, fail, load_config_or_exit, print_json_last
 
 app = typer.Typer(help="Task domains: list, sample, check reference solutions.", no_args_is_help=True)
 
 
+def _options(items: list[str] | None) -> dict[str, Any]:
+    from posttrain.config import parse_override_value
+
+    out: dict[str, Any] = {}
+    for item in items or []:
+        if "=" not in item:
+            fail(f"--option '{item}' is not of the form key=value (e.g. --option datasets=[gcd])", EXIT_USAGE)
+        key, raw = item.split("=", 1)
+        out[key.strip()] = parse_override_value(raw)
+    return out
+
+
+def _domain(name: str, options: dict[str, Any]) -> Any:
+    from posttrain.envs import UnknownDomainError, get_domain
+
+    try:
+        return get_domain(name, **options)
+    except UnknownDomainError as err:
+        fail(str(err), EXIT_USAGE)
+    except ValueError as err:
+        fail(str(err), EXIT_USAGE)
+
+
 @app.command("list")
-def list_domains() -> None:
-    """Show the domains and their difficulty levels."""
-    not_yet_available("`posttrain tasks list`", "the environments issue")
+def list_cmd(json_out: bool = typer.Option(False, "--json", help="print the table as JSON, last line")) -> None:
+    """Show the domains with their difficulty levels and splits."""
+    from rich.table import Table
+
+    from posttrain.envs import get_domain, list_domains
+
+    rows = []
+    for name in list_domains():
+        d = get_domain(name)
+        rows.append({"domain": name, "difficulties": d.difficulties, "splits": list(d.splits),
+                     "sandbox": d.requires_sandbox, "description": d.description})
+    table = Table(title="task domains")
+    for col in ("domain", "difficulties", "splits", "sandbox", "description"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["domain"], ", ".join(map(str, r["difficulties"])), ", ".join(r["splits"]),
+                      "yes" if r["sandbox"] else "no", r["description"])
+    console.print(table)
+    if json_out:
+        print_json_last(rows)
+
+
+@app.command("sample")
+def sample(
+    domain: str = typer.Argument(..., help="domain name, see `posttrain tasks list`"),
+    n: int = typer.Option(3, "--n", min=1, help="how many tasks"),
+    seed: int = typer.Option(0, "--seed"),
+    difficulty: int | None = typer.Option(None, "--difficulty", help="default: the lowest level"),
+    split: str | None = typer.Option(None, "--split", help="train | heldout | eval (default: the first split)"),
+    option: list[str] = typer.Option(None, "--option", help="domain option key=value, e.g. datasets=[gcd]"),
+    json_out: bool = typer.Option(False, "--json", help="print the tasks as JSON, last line"),
+) -> None:
+    """Print N tasks of DOMAIN with their reference solutions."""
+    d = _domain(domain, _options(option))
+    level = d.difficulties[0] if difficulty is None else difficulty
+    split_name = split or d.splits[0]
+    out = []
+    for i in range(n):
+        try:
+            task = d.task(split_name, level, i, seed)
+        except ValueError as err:
+            fail(str(err), EXIT_USAGE)
+        ref = d.reference(task)
+        out.append({"task": task.to_dict(), "reference": ref})
+        console.rule(f"[bold]{task.id}[/]")
+        for m in task.prompt:
+            console.print(f"[cyan]{m.role}[/]: {m.content}", highlight=False, markup=False)
+        if task.tools:
+            console.print(f"[dim]tools: {', '.join(t.name for t in task.tools)}[/]")
+        for j, text in enumerate(ref):
+            console.print(f"[green]reference {j + 1}/{len(ref)}[/]: ", end="")
+            console.print(text, highlight=False, markup=False)
+    if json_out:
+        print_json_last(out)
+
+
+async def _check(domains: list[Any], n: int, seed: int, sandbox: Any) -> list[dict[str, Any]]:
+    from posttrain.envs import check_reference
+
+    rows = []
+    for d in domains:
+        for split in d.splits:
+            for level in d.difficulties:
+                rewards, failures = [], []
+                for i in range(n):
+                    task = d.task(split, level, i, seed)
+                    again = d.task(split, level, i, seed)
+                    if json.dumps(task.to_dict(), sort_keys=True, default=str) != json.dumps(
+                            again.to_dict(), sort_keys=True, default=str):
+                        failures.append(f"{task.id}: generator is not deterministic")
+                    res = await check_reference(d, task, sandbox if d.requires_sandbox else None)
+                    if res.info.get("infra_failure"):
+                        failures.append(f"{task.id}: sandbox failure: {res.info.get('infra_error')}")
+                        continue
+                    rewards.append(res.reward)
+                    if res.reward != 1.0:
+                        failures.append(f"{task.id}: reference scored {res.reward} {res.rewards} {res.info}")
+                rows.append({"domain": d.name, "split": split, "difficulty": level, "n": n,
+                             "mean_reward": sum(rewards) / max(1, len(rewards)), "failures": failures})
+    return rows
+
+
+@app.command("check")
+def check(
+    domain: str = typer.Argument(None, help="domain name (or use --all)"),
+    all_: bool = typer.Option(False, "--all", help="check every domain"),
+    n: int = typer.Option(3, "--n", min=1, help="tasks per split and difficulty"),
+    seed: int = typer.Option(0, "--seed"),
+    config: str = typer.Option(None, "--config", help="run config whose `sandbox` section is used"),
+    set_: list[str] = typer.Option(None, "--set", help="config override, e.g. --set sandbox.pool_size=2"),
+    json_out: bool = typer.Option(False, "--json", help="print the results as JSON, last line"),
+) -> None:
+    """Run every reference solution through its verifier; exit 1 unless all score 1.0."""
+    from rich.table import Table
+
+    from posttrain.envs import list_domains
+
+    if all_ == (domain is not None):
+        fail("give either a DOMAIN or --all", EXIT_USAGE)
+    names = list_domains() if all_ else [domain]
+    domains = [_domain(name, {}) for name in names]
+    cfg = load_config_or_exit(config, set_)
+    sandbox = None
+    if any(d.requires_sandbox for d in domains):
+        from posttrain.sandbox import make_sandbox
+
+        try:
+            sandbox = make_sandbox(cfg.sandbox)
+        except Exception as err:  # noqa: BLE001 - shown to the user with the reason
+            fail(f"cannot start the sandbox needed by {', '.join(d.name for d in domains if d.requires_sandbox)}: {err}")
+    try:
+        rows = asyncio.run(_check(domains, n, seed, sandbox))
+    finally:
+        if sandbox is not None:
+            asyncio.run(sandbox.close())
+    table = Table(title=f"reference solutions ({n} per split and level, seed {seed})")
+    for col in ("domain", "split", "difficulty", "mean reward", "result"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["domain"], r["split"], str(r["difficulty"]), f"{r['mean_reward']:.3f}",
+                      "[green]ok[/]" if not r["failures"] else f"[red]{len(r['failures'])} failed[/]")
+    console.print(table)
+    failures = [f for r in rows for f in r["failures"]]
+    for f in failures[:20]:
+        console.print(f"[red]FAIL[/] {f}", highlight=False)
+    if json_out:
+        print_json_last({"ok": not failures, "rows": rows})
+    if failures:
+        raise typer.Exit(1)

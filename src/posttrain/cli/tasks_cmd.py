@@ -72,6 +72,8 @@ def sample(
     json_out: bool = typer.Option(False, "--json", help="print the tasks as JSON, last line"),
 ) -> None:
     """Print N tasks of DOMAIN with their reference solutions."""
+    from rich.text import Text
+
     d = _domain(domain, _options(option))
     level = d.difficulties[0] if difficulty is None else difficulty
     split_name = split or d.splits[0]
@@ -83,14 +85,13 @@ def sample(
             fail(str(err), EXIT_USAGE)
         ref = d.reference(task)
         out.append({"task": task.to_dict(), "reference": ref})
-        console.rule(f"[bold]{task.id}[/]")
+        console.rule(Text(task.id, style="bold"))
         for m in task.prompt:
-            console.print(f"[cyan]{m.role}[/]: {m.content}", highlight=False, markup=False)
+            console.print(Text.assemble((m.role, "cyan"), ": ", m.content))
         if task.tools:
-            console.print(f"[dim]tools: {', '.join(t.name for t in task.tools)}[/]")
+            console.print(Text("tools: " + ", ".join(t.name for t in task.tools), style="dim"))
         for j, text in enumerate(ref):
-            console.print(f"[green]reference {j + 1}/{len(ref)}[/]: ", end="")
-            console.print(text, highlight=False, markup=False)
+            console.print(Text.assemble((f"reference {j + 1}/{len(ref)}", "green"), ": ", text))
     if json_out:
         print_json_last(out)
 
@@ -133,6 +134,7 @@ def check(
 ) -> None:
     """Run every reference solution through its verifier; exit 1 unless all score 1.0."""
     from rich.table import Table
+    from rich.text import Text
 
     from posttrain.envs import list_domains
 
@@ -163,7 +165,7 @@ def check(
     console.print(table)
     failures = [f for r in rows for f in r["failures"]]
     for f in failures[:20]:
-        console.print(f"[red]FAIL[/] {f}", highlight=False)
+        console.print(Text.assemble(("FAIL ", "red"), f))
     if json_out:
         print_json_last({"ok": not failures, "rows": rows})
     if failures:

@@ -116,6 +116,12 @@ class AlgorithmConfig(Section):
     mask_ratio_high: float | None = None
     dynamic_sampling: bool = False
     max_resample_rounds: int = Field(2, ge=0)
+    temperature: float = Field(
+        1.0, gt=0.0, description="sampling temperature of the behaviour logprobs; the learner divides logits by it"
+    )
+    loss_norm_tokens: int | None = Field(
+        None, ge=1, description="constant divisor of seq_mean_token_sum_norm (default: the batch's padded length)"
+    )
 
 
 class TrainerConfig(Section):
@@ -123,13 +129,8 @@ class TrainerConfig(Section):
     weight_decay: float = Field(0.0, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.999)
     warmup_steps: int = Field(0, ge=0)
-    temperature: float = Field(
-        1.0, gt=0.0, description="sampling temperature of the behaviour logprobs; the learner divides logits by it"
-    )
-    loss_norm_tokens: int | None = Field(
-        None, ge=1, description="constant divisor of seq_mean_token_sum_norm (default: the batch's padded length)"
-    )
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    lr_decay_steps: int = Field(0, ge=0, description="optimizer steps of the cosine/linear decay (needed by them)")
     max_grad_norm: float = Field(1.0, gt=0.0)
     ppo_epochs: int = Field(1, ge=1)
     mini_batches: int = Field(1, ge=1)
@@ -137,7 +138,6 @@ class TrainerConfig(Section):
     gradient_checkpointing: bool = False
     bf16_autocast: bool = False
     packing: bool = True
-    lr_decay_steps: int = Field(0, ge=0, description="optimizer steps of the cosine/linear decay (needed by them)")
     logprob_chunk_tokens: int = Field(1024, ge=1)
     critic: Literal["none", "copy", "separate"] = "none"
     critic_spec: str | None = None

@@ -81,11 +81,13 @@ def _outcome(adv_seq: Tensor, mask: Tensor, zero_signal: Tensor) -> AdvantageOut
 def grpo(
     token_rewards: Tensor, mask: Tensor, group_ids: Tensor, *, normalize_std: bool = True, eps: float = 1e-6, **_: object
 ) -> AdvantageOutput:
-    """(score - group mean) / (group std + eps); singletons keep their raw score (no baseline)."""
+    """(score - group mean) / (group std + eps), std unbiased; a singleton keeps its raw score (no baseline)."""
     scores = sequence_scores(token_rewards, mask)
     st = group_stats(scores, group_ids)
-    centred = torch.where(st.size > 1, scores - st.mean, scores)
-    adv = centred / (st.std + eps) if normalize_std else centred
+    multi = st.size > 1
+    centred = torch.where(multi, scores - st.mean, scores)
+    std = torch.where(multi, st.std, torch.ones_like(st.std))
+    adv = centred / (std + eps) if normalize_std else centred
     return _outcome(adv, mask, st.equal)
 
 

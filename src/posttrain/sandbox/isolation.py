@@ -13,9 +13,11 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -277,7 +279,28 @@ class CgroupSlot:
             pass
         return 0
 
+    def kill_all(self, timeout_s: float = 5.0) -> bool:
+        """SIGKILL every process still in the group and wait until it is empty."""
+        deadline = time.monotonic() + timeout_s
+        procs = self.dirs[1] / "cgroup.procs"
+        while True:
+            try:
+                pids = [int(p) for p in procs.read_text().split()]
+            except OSError:
+                return True
+            if not pids:
+                return True
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+
     def remove(self) -> None:
+        self.kill_all()
         for d in self.dirs:
             try:
                 d.rmdir()

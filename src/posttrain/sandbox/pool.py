@@ -153,6 +153,8 @@ class _WorkerProc:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             log.error("sandbox worker %d did not die after SIGKILL", self.proc.pid)
+        if self.cgroup is not None and not self.cgroup.kill_all():
+            log.error("sandbox cgroup still has processes after SIGKILL: %s", self.cgroup.dirs[1])
         for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             try:
                 stream.close()  # type: ignore[union-attr]

@@ -143,17 +143,18 @@ class _SockFprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
 
-_LIBC = None
+class Installer:
+    """Holds libc and the filter buffer, prepared once in the worker so each forked job child only
+    makes the two prctl calls."""
 
+    def __init__(self, program: bytes) -> None:
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.buf = ctypes.create_string_buffer(program, len(program))
+        self.prog = _SockFprog(len(program) // 8, ctypes.cast(self.buf, ctypes.c_void_p))
 
-def install(program: bytes) -> None:
-    """Install `program` on the calling thread (no_new_privs first). Irreversible for this process."""
-    global _LIBC
-    if _LIBC is None:
-        _LIBC = ctypes.CDLL(None, use_errno=True)
-    buf = ctypes.create_string_buffer(program, len(program))
-    prog = _SockFprog(len(program) // 8, ctypes.cast(buf, ctypes.c_void_p))
-    if _LIBC.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-        raise SeccompUnsupported(f"prctl(NO_NEW_PRIVS) failed: errno {ctypes.get_errno()}")
-    if _LIBC.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0:
-        raise SeccompUnsupported(f"prctl(SECCOMP) failed: errno {ctypes.get_errno()}")
+    def install(self) -> None:
+        """Install on the calling thread (no_new_privs first). Irreversible for this process."""
+        if self.libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+            raise SeccompUnsupported(f"prctl(NO_NEW_PRIVS) failed: errno {ctypes.get_errno()}")
+        if self.libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(self.prog), 0, 0) != 0:
+            raise SeccompUnsupported(f"prctl(SECCOMP) failed: errno {ctypes.get_errno()}")

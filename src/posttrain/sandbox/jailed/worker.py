@@ -78,7 +78,7 @@ class Worker:
         self.jobdir = self.job_root  # the job owns the whole private tmpfs; it is emptied after each job
         self.in_pidns = bool(cfg.get("pidns"))
         self.libc = ctypes.CDLL(None, use_errno=True)
-        self.seccomp_program: bytes | None = None
+        self.seccomp: seccomp.Installer | None = None
         self.seccomp_status = "off"
         self.base_vm_bytes = 0
         self.recycle_hint = False
@@ -98,12 +98,13 @@ class Worker:
                 failed[name] = f"{type(err).__name__}: {err}"
         if self.cfg.get("seccomp", True):
             try:
-                self.seccomp_program = seccomp.build_filter((os.getpid(),), bool(self.cfg.get("network")))
+                program = seccomp.build_filter((os.getpid(),), bool(self.cfg.get("network")))
+                self.seccomp = seccomp.Installer(program)
                 self.seccomp_status = self._verify_seccomp()
             except seccomp.SeccompUnsupported as err:
                 self.seccomp_status = f"unavailable: {err}"
             if self.seccomp_status != "on":
-                self.seccomp_program = None
+                self.seccomp = None
         gc.collect()
         gc.freeze()  # keeps forked children from copying the worker's heap on the first GC
         self.base_vm_bytes = _vm_size()
@@ -116,7 +117,7 @@ class Worker:
         if pid == 0:
             code = 3
             try:
-                seccomp.install(self.seccomp_program)  # type: ignore[arg-type]
+                self.seccomp.install()  # type: ignore[union-attr]
                 try:
                     os.kill(os.getppid(), 0)
                     code = 1
@@ -421,8 +422,8 @@ class Worker:
         env = {"PATH": "/usr/bin:/bin", "HOME": self.jobdir, "TMPDIR": os.path.join(self.jobdir, ".tmp"),
                "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
                "PYTHONIOENCODING": "utf-8", "PYTHONHASHSEED": "0"}
-        if self.seccomp_program is not None:
-            seccomp.install(self.seccomp_program)
+        if self.seccomp is not None:
+            self.seccomp.install()
         if target[0] == "exec":
             os.execve(target[1][0], target[1], env)
         os.environ.clear()

@@ -20,7 +20,8 @@ TRAIN = "train"
 HELDOUT = "heldout"
 EVAL = "eval"
 
-# A task's split is a pure function of its content key: sha256(key) mod 100 < HELDOUT_PERCENT -> heldout.
+# A task's split is a pure function of its content key (`content_digest` of what the generator drew):
+# sha256(key) mod 100 < HELDOUT_PERCENT -> heldout.
 # Generators draw candidates until one lands in the requested split, so train and heldout can never
 # share a task, however many are drawn (tested per domain).
 HELDOUT_PERCENT = 20
@@ -56,6 +57,11 @@ def stable_hash(*parts: Any) -> int:
     """A process-independent 64-bit hash of JSON-serialisable parts (Python's hash() is salted)."""
     blob = json.dumps(parts, sort_keys=True, default=str).encode()
     return int.from_bytes(hashlib.sha256(blob).digest()[:8], "big")
+
+
+def content_digest(content: str) -> str:
+    """A task's identity: sha256 of its generator's canonical content string (first 32 hex digits)."""
+    return hashlib.sha256(content.encode()).hexdigest()[:32]
 
 
 def split_of(content_key: str) -> str:
@@ -135,19 +141,22 @@ class Domain(ABC):
         """Draw candidates `make(rng) -> (content_key, build)` until one lands in `split`; return build().
 
         `build` is a zero-argument callable producing the Task (so rejected candidates cost little);
-        a candidate with key None is rejected (the generator found nothing usable with this rng).
+        when it returns None the candidate is rejected and the next one drawn.
         """
         self._validate(split, difficulty, index)
         for attempt in range(MAX_SPLIT_ATTEMPTS):
             rng = candidate_rng(self.name, split, difficulty, index, seed, attempt)
             key, build = make(rng)
-            if key is not None and split_of(key) == split:
-                task: Task = build()
+            digest = content_digest(key)
+            if split_of(digest) == split:
+                task: Task | None = build()
+                if task is None:
+                    continue
                 task.id = f"{self.name}:{split}:d{difficulty}:s{seed}:{index}"
                 task.domain = self.name
                 task.split = split
                 task.difficulty = difficulty
                 task.seed = seed
-                task.meta.setdefault("content_key", key)
+                task.meta["content_key"] = digest
                 return task
         raise RuntimeError(f"{self.name}: no {split} task found at difficulty {difficulty} (generator too narrow)")

@@ -215,13 +215,15 @@ class CiFixDomain(Domain):
             sites = [(p, m.kind, m.site) for p in sorted(files) if p.startswith(repos.PKG + "/") and files[p]
                      for m in repos.candidate_mutations(files[p]) if m.kind in kinds]
             rng.shuffle(sites)
-            found = _verified_bug(json.dumps(files, sort_keys=True), json.dumps(sites[:40]))
-            if found is None:
-                return None, None
-            path, mutation, mutated, results = found
-            key = json.dumps([files, path, mutated], sort_keys=True)
+            # The split is decided by the repository alone (before the costly bug search), so a repository
+            # and every bug injected into it belong to one split only.
+            key = json.dumps(files, sort_keys=True)
 
-            def build() -> Task:
+            def build() -> Task | None:
+                found = _verified_bug(key, json.dumps(sites[:40]))
+                if found is None:
+                    return None
+                path, mutation, mutated, results = found
                 buggy = {**files, path: mutated}
                 ids = test_ids(files)
                 meta = {"files": buggy, "original_files": files, "bug_path": path, "mutation": mutation,

@@ -265,3 +265,13 @@ def test_sleeping_past_the_wall_limit(jail):
     res = run(jail, "import time\ntime.sleep(30)", wall_time_s=0.5, cpu_time_s=10)
     assert res.status == ExecStatus.TIMEOUT and 450 < res.wall_ms < 2000 and res.cpu_ms < 200
     assert_serves_next(jail)
+
+
+@pytest.mark.parametrize("language,code", [
+    ("cpp", "#include <vector>\nint main(){std::vector<std::vector<char>> v; while(1) v.emplace_back(1<<24, 1);}"),
+    ("c", "#include <stdlib.h>\n#include <string.h>\nint main(){while(1){char*p=malloc(1<<24); memset(p,1,1<<24);}}"),
+])
+def test_native_memory_bomb(jail, language, code):
+    res = jail.run_blocking(Job(code=code, language=language, limits=Limits(memory_bytes=256 << 20)))
+    assert res.status == ExecStatus.MEMORY_EXCEEDED and res.max_rss_bytes < 300 << 20
+    assert_serves_next(jail)

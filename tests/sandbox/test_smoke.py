@@ -35,3 +35,89 @@ def test_bash_and_c_and_compile_error(sandbox):
 def test_infinite_loop_times_out(sandbox):
     res = sandbox.run_blocking(Job(code="while True: pass", limits=Limits(wall_time_s=0.5, cpu_time_s=5)))
     assert res.status == ExecStatus.TIMEOUT and 450 <= res.wall_ms < 2000
+
+
+def test_numpy_profile_sees_numpy_and_default_does_not(sandbox):
+    res = sandbox.run_blocking(Job(code="import numpy as np\nprint(int(np.arange(5).sum()))", profile="numpy"))
+    assert (res.status, res.stdout) == (ExecStatus.OK, b"10\n")
+    res = sandbox.run_blocking(Job(code="import numpy"))
+    assert res.status == ExecStatus.RUNTIME_ERROR and b"ModuleNotFoundError: No module named 'numpy'" in res.stderr
+
+
+def test_bad_jobs_are_refused_with_a_named_field(sandbox):
+    import pytest
+
+    with pytest.raises(ValueError, match="unknown language 'cobol'"):
+        sandbox.submit(Job(code="", language="cobol"))
+    with pytest.raises(ValueError, match="Limits.wall_time_s must be a positive number"):
+        sandbox.submit(Job(code="", limits=Limits(wall_time_s=0)))
+    with pytest.raises(ValueError, match="must be a relative path"):
+        sandbox.submit(Job(code="", files={"../x": b""}))
+    with pytest.raises(ValueError, match="unknown sandbox profile 'gpu'"):
+        sandbox.submit(Job(code="", profile="gpu"))
+    with pytest.raises(ValueError, match="allow_network is false"):
+        sandbox.submit(Job(code="", limits=Limits(network=True)))
+
+
+def test_files_in_and_out_and_argv_and_stdin(sandbox):
+    code = "import sys\nprint(open('data/in.txt').read(), sys.argv[1:], sys.stdin.read())\nopen('out.bin', 'wb').write(b'\\x00\\x01')"
+    res = sandbox.run_blocking(Job(code=code, files={"data/in.txt": b"payload"}, argv=["-v", "x"], stdin=b"from stdin"))
+    assert res.stdout == b"payload ['-v', 'x'] from stdin\n"
+    assert res.files == {"out.bin": b"\x00\x01"}  # inputs and the source are not returned
+
+
+def test_many_concurrent_asyncio_tasks(sandbox):
+    import asyncio
+
+    async def episode(i):
+        await asyncio.sleep(0)
+        return (await sandbox.run(Job(code=f"print({i} * 3)"))).stdout
+
+    async def go():
+        return await asyncio.gather(*(episode(i) for i in range(64)))
+
+    assert asyncio.run(go()) == [f"{i * 3}\n".encode() for i in range(64)]
+
+
+def test_worker_killed_from_outside_is_an_infra_failure_then_replaced():
+    import glob
+    import os
+    import signal
+    import time
+
+    from posttrain.sandbox import LocalSandbox
+
+    with LocalSandbox(pool_size=1) as sb:
+        sb.warm()
+        fut = sb.submit(Job(code="import time\ntime.sleep(3)\nprint('done')"))
+        time.sleep(0.3)
+        procs = glob.glob(f"/sys/fs/cgroup/pids/posttrain-sandbox-{os.getpid()}/i{sb.instance}-default-*/cgroup.procs")
+        assert procs, "cgroups are needed to find the worker's processes"
+        for pid in open(procs[0]).read().split():
+            os.kill(int(pid), signal.SIGKILL)
+        res = fut.result(timeout=30)
+        assert res.status == ExecStatus.SANDBOX_ERROR and res.is_infra_failure and "worker exited" in res.error
+        assert sb.stats["sandbox_errors"] == 1
+        assert sb.run_blocking(Job(code="print('next')")).stdout == b"next\n"
+
+
+def test_network_pool_when_allowed():
+    import socket
+
+    from posttrain.sandbox import LocalSandbox
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
+    code = f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=5)\ns.sendall(b'hi')\nprint('sent')"
+    try:
+        with LocalSandbox(pool_size=1, allow_network=True) as sb:
+            res = sb.run_blocking(Job(code=code, limits=Limits(network=True)))
+            conn, _ = listener.accept()
+            assert res.stdout == b"sent\n" and conn.recv(2) == b"hi"
+            conn.close()
+            blocked = sb.run_blocking(Job(code=code))  # same sandbox, network not asked: no network
+            assert blocked.status == ExecStatus.RUNTIME_ERROR and b"PermissionError" in blocked.stderr
+    finally:
+        listener.close()

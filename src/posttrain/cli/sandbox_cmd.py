@@ -97,8 +97,13 @@ def doctor(json_out: bool = typer.Option(False, "--json", help="print the report
     for name, active, detail in rows:
         table.add_row(name, "[green]yes[/]" if active else "[bold red]NO[/]", detail)
     console.print(table)
-    if probe:
-        console.print(f"probe job: {probe}", highlight=False)
+    if probe.get("error"):
+        console.print(f"[bold red]probe job failed:[/] {probe['error']}", highlight=False)
+    elif probe:
+        worker = probe["worker"]
+        console.print(f"probe job: status {probe['job_status']}; worker pid {worker.get('pid')} uid "
+                      f"{worker.get('uid')} python {worker.get('python')}, {len(worker.get('preloaded', []))} "
+                      "modules pre-imported", highlight=False)
     if not iso.isolated:
         console.print("[bold red]WARNING: no namespace isolation; untrusted code will be refused unless "
                       "sandbox.allow_unisolated=true[/]")

@@ -12,6 +12,11 @@ from posttrain.sandbox.isolation import SandboxUnavailable
 from posttrain.sandbox.pool import LocalSandbox
 
 
+def limits_from_config(cfg: Any) -> Limits:
+    """Default job limits from a `SandboxConfig` (wall and CPU time from wall_time_s, memory_mb)."""
+    return Limits(wall_time_s=cfg.wall_time_s, cpu_time_s=cfg.wall_time_s, memory_bytes=cfg.memory_mb << 20)
+
+
 def make_sandbox(cfg: Any = None) -> Sandbox:
     """The sandbox a run config asks for: `LocalSandbox` (mode local) or `RemoteSandbox` (mode remote)."""
     from posttrain.config import SandboxConfig
@@ -28,5 +33,5 @@ def make_sandbox(cfg: Any = None) -> Sandbox:
 
 __all__ = [
     "ExecResult", "ExecStatus", "Job", "Limits", "LocalSandbox", "Sandbox", "SandboxUnavailable",
-    "make_sandbox", "run_sync", "validate_job",
+    "limits_from_config", "make_sandbox", "run_sync", "validate_job",
 ]

@@ -310,7 +310,11 @@ class Worker:
         else:
             exit_code = os.WEXITSTATUS(wstatus)
         stderr = bytes(bufs[err_r])
-        memory = MEMORY_MARK in mark or b"std::bad_alloc" in stderr[-4096:]
+        # Python reports MemoryError on fd 3; C++ aborts with bad_alloc; C usually segfaults on a NULL
+        # malloc, which we only attribute to memory when the job really was near its limit.
+        near_limit = ru.ru_maxrss * 1024 >= 0.8 * limits["memory_bytes"]
+        memory = (MEMORY_MARK in mark or b"std::bad_alloc" in stderr[-4096:]
+                  or (sig == signal.SIGSEGV and near_limit))
         if reason == "timeout":
             status = "timeout"
         elif reason == "output":

@@ -1,0 +1,77 @@
+from __future__ import annotations
+
+import pytest
+
+from posttrain.envs import get_domain, run_episode
+
+from .conftest import run
+
+
+def _score(task, text):
+    d = get_domain("math")
+    return run(run_episode(d.make_env(), task, [text]))
+
+
+def test_level0_is_one_step_small_addition_or_subtraction():
+    d = get_domain("math")
+    for i in range(20):
+        t = d.task("train", 0, i)
+        a, op, b = t.meta["question"].removeprefix("Calculate ").rstrip(".").split()
+        assert op in "+-" and 0 <= int(a) <= 10 and 0 <= int(b) <= 10
+        assert int(t.meta["answer"]) == (int(a) + int(b) if op == "+" else int(a) - int(b))
+        assert "<answer></answer>" in t.prompt[-1].content
+
+
+def test_reward_weighting():
+    d = get_domain("math")
+    task = d.task("train", 0, 0)
+    ans = task.meta["answer"]
+    wrong = str(int(ans) + 1)
+    cases = {
+        f"<answer>{ans}</answer>": (1.0, 1.0, 1.0),
+        f"The answer is {ans}.": (0.85, 1.0, 0.0),  # correct, but not in the requested tags
+        f"<answer>{wrong}</answer>": (0.15, 0.0, 1.0),  # format only
+        f"<answer> {ans}.0 </answer>": (1.0, 1.0, 1.0),  # numeric normalisation
+        "": (0.0, 0.0, 0.0),
+    }
+    for text, (reward, correct, fmt) in cases.items():
+        res = _score(task, text)
+        assert res.reward == pytest.approx(reward), text
+        assert res.rewards == {"correct": correct, "format": fmt}, text
+
+
+def test_dataset_scorer_partial_credit_is_used():
+    # reasoning-gym's default scorer gives len(oracle)/len(answer) when the oracle is a substring
+    d = get_domain("math", datasets=["letter_counting"])
+    task = d.task("train", 0, 0)
+    ans = task.meta["answer"]
+    res = _score(task, f"<answer>{ans} x</answer>")
+    assert res.rewards["correct"] == pytest.approx(len(ans) / len(ans + " x"))
+
+
+def test_any_reasoning_gym_dataset_by_name_with_config():
+    d = get_domain("math", datasets={"chain_sum": {"min_terms": 3, "max_terms": 3, "max_digits": 1}})
+    assert d.difficulties == [0]
+    task = d.task("heldout", 0, 4)
+    assert task.meta["dataset"] == "chain_sum" and task.meta["question"].count("+") + task.meta["question"].count("-") >= 2
+    assert _score(task, d.reference(task)[0]).reward == 1.0
+
+
+def test_unknown_dataset_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown reasoning-gym dataset 'gsm9k'"):
+        get_domain("math", datasets=["gsm9k"])
+
+
+def test_step_after_done_repeats_the_result():
+    d = get_domain("math")
+    task = d.task("train", 0, 0)
+
+    async def go():
+        env = d.make_env()
+        await env.reset(task)
+        first = await env.step(d.reference(task)[0])
+        again = await env.step("<answer>nonsense</answer>")
+        return first, again
+
+    first, again = run(go())
+    assert first.done and again.reward == first.reward == 1.0

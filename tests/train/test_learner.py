@@ -1,0 +1,244 @@
+"""The Learner: logprob alignment, packed == padded, micro-batching exactness, LoRA vs full, reference,
+merged weights, state round trip (bit-identical continuation), KL paths, importance metrics, errors."""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+
+import pytest
+import torch
+
+from posttrain.config import AlgorithmConfig, ModelConfig, TrainerConfig
+from posttrain.models import load_policy, merged_state_dict
+from posttrain.train import Batch, Learner, Sample, build_batch, lr_factor
+from posttrain.train.batch import make_inputs, plan_micro_batches
+
+TINY = ModelConfig(spec="tiny:llama")
+
+
+def make_samples(n: int = 8, seed: int = 0, vocab: int = 1000, group: int = 4) -> list[Sample]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        length = rng.randint(5, 14)
+        prompt = rng.randint(2, 4)
+        ids = [rng.randrange(vocab) for _ in range(length)]
+        mask = [0] * prompt + [1] * (length - prompt)
+        if length > 8:
+            mask[prompt + 2] = 0  # an observation token in the middle (multi-turn)
+        blp = [-rng.uniform(5, 12) if m else 0.0 for m in mask]
+        out.append(Sample(ids, mask, blp, reward=float(rng.random() < 0.5), group_id=i // group, policy_version=0))
+    return out
+
+
+def learner(trainer: TrainerConfig | None = None, algo: AlgorithmConfig | None = None, model_cfg=TINY, model=None):
+    return Learner(model_cfg, trainer or TrainerConfig(lr=1e-3), algo or AlgorithmConfig(), seed=0, model=model)
+
+
+@pytest.fixture(scope="module")
+def base_model():
+    return load_policy("tiny:llama")
+
+
+def test_logprobs_align_with_hf_logits_and_temperature(base_model):
+    samples = make_samples(4)
+    for temperature in (1.0, 2.0):
+        lrn = learner(algo=AlgorithmConfig(temperature=temperature), model=copy.deepcopy(base_model))
+        batch = build_batch(samples)
+        lp = lrn.compute_logprobs(batch)
+        for i, s in enumerate(samples):
+            with torch.no_grad():
+                logits = base_model(torch.tensor([s.token_ids])).logits[0] / temperature
+            ref = torch.log_softmax(logits, -1)
+            for t, m in enumerate(s.loss_mask):
+                expected = ref[t - 1, s.token_ids[t]].item() if m else 0.0
+                assert lp[i, t].item() == pytest.approx(expected, abs=1e-4)
+
+
+def test_packed_equals_padded_and_packs_fewer_cells(base_model):
+    samples = make_samples(8)
+    batch = build_batch(samples)
+    packed = learner(TrainerConfig(packing=True), model=copy.deepcopy(base_model)).compute_logprobs(batch)
+    padded = learner(TrainerConfig(packing=False), model=copy.deepcopy(base_model)).compute_logprobs(batch)
+    assert torch.allclose(packed, padded, atol=1e-5)
+    lengths = torch.tensor([14, 4, 5, 9, 10])
+    ids = torch.arange(70).reshape(5, 14)
+    pi, di = make_inputs(ids, lengths, True), make_inputs(ids, lengths, False)
+    assert pi.tokens == di.tokens == 42
+    assert (pi.cells, di.cells) == (3 * 14, 5 * 14)  # rows: [14], [10, 4], [9, 5]
+    assert pi.position_ids[1].tolist() == list(range(10)) + list(range(4))
+
+
+def test_chunked_logprobs_equal_unchunked(base_model):
+    batch = build_batch(make_samples(6))
+    a = learner(TrainerConfig(logprob_chunk_tokens=3), model=copy.deepcopy(base_model)).compute_logprobs(batch)
+    b = learner(TrainerConfig(logprob_chunk_tokens=4096), model=copy.deepcopy(base_model)).compute_logprobs(batch)
+    assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_micro_batch_plan_respects_token_budget():
+    lengths = [10, 3, 7, 12, 5, 5]
+    for packed in (True, False):
+        plan = plan_micro_batches(lengths, 15, packed)
+        assert sorted(i for mb in plan for i in mb) == list(range(6))
+        for mb in plan:
+            cost = sum(lengths[i] for i in mb) if packed else len(mb) * max(lengths[i] for i in mb)
+            assert cost <= 15 or len(mb) == 1
+    assert plan_micro_batches([20], 5, True) == [[0]]
+
+
+def test_gradient_accumulation_over_micro_batches_matches_one_batch(base_model):
+    """Loss weights are computed per mini-batch, so the split into micro-batches does not change the update."""
+    samples = make_samples(8)
+    algo = AlgorithmConfig(loss_agg="seq_mean_token_mean")
+    outs = []
+    for budget in (16, 4096):
+        lrn = learner(TrainerConfig(lr=1e-2, micro_batch_tokens=budget), algo, model=copy.deepcopy(base_model))
+        m = lrn.step(samples)
+        outs.append((m, {n: p.grad.clone() for n, p in lrn.model.named_parameters()}))
+    (m1, g1), (m2, g2) = outs
+    assert m1["loss"] == pytest.approx(m2["loss"], abs=1e-6)
+    assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-4)
+    for k in g1:  # (compared on gradients: Adam's first step amplifies float noise in tiny gradients)
+        assert (g1[k] - g2[k]).abs().max() <= 1e-4 * g2[k].abs().max() + 1e-10, k
+
+
+def test_step_changes_weights_and_reports_metrics(base_model):
+    lrn = learner(TrainerConfig(lr=1e-2, mini_batches=2, ppo_epochs=2), model=copy.deepcopy(base_model))
+    before = {k: v.clone() for k, v in lrn.weights().items()}
+    m = lrn.step(make_samples(8), current_version=3)
+    after = lrn.weights()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert lrn.version == 1 and m["version"] == 1.0 and m["optimizer_steps"] == 4.0  # 2 epochs x 2 mini-batches
+    for key in ("loss", "entropy", "clipfrac", "grad_norm", "lr", "reward_mean", "zero_signal_group_frac", "tokens"):
+        assert math.isfinite(m[key]), key
+    assert m["staleness_mean"] == 3.0 and m["lr"] == pytest.approx(1e-2)
+    # behaviour logprobs are far from the learner's: the mismatch shows and TIS caps clip most tokens
+    assert m["mismatch_abs_log_ratio"] > 0.5 and m["tis_clip_frac"] > 0.0
+
+
+def test_lora_and_full_give_the_same_step0_loss_and_lora_reference_is_the_base(base_model):
+    samples = make_samples(8)
+    full = learner(TrainerConfig(lr=1e-2), model=copy.deepcopy(base_model))
+    lora_cfg = ModelConfig(spec="tiny:llama", lora_rank=4, lora_alpha=8)
+    lora = learner(TrainerConfig(lr=1e-2), AlgorithmConfig(kl_coef=0.1), model_cfg=lora_cfg, model=copy.deepcopy(base_model))
+    batch = build_batch(samples)
+    assert torch.equal(full.compute_logprobs(batch), lora.compute_logprobs(batch))
+    m_full, m_lora = full.step(samples), lora.step(samples)
+    assert m_full["loss"] == pytest.approx(m_lora["loss"], abs=1e-6)
+    # after a step the LoRA policy moved, its reference (adapters disabled) is still exactly the base model
+    base_lp = learner(model=copy.deepcopy(base_model)).compute_logprobs(batch)
+    assert torch.equal(lora.compute_ref_logprobs(batch), base_lp)
+    assert not torch.allclose(lora.compute_logprobs(batch), base_lp, atol=1e-4)
+    # merged weights equal peft's merge_and_unload and reproduce the policy's logprobs in a plain model
+    w = lora.weights()
+    ref = merged_state_dict(lora.model)
+    assert set(w) == set(ref) and all(torch.allclose(w[k], ref[k], atol=1e-6) for k in w)
+    plain = copy.deepcopy(base_model)
+    plain.load_state_dict(w)
+    assert torch.allclose(learner(model=plain).compute_logprobs(batch), lora.compute_logprobs(batch), atol=1e-5)
+
+
+def test_full_finetune_keeps_a_reference_copy_only_with_kl(base_model):
+    assert learner(model=copy.deepcopy(base_model)).reference is None
+    lrn = learner(TrainerConfig(lr=1e-2), AlgorithmConfig(kl_coef=0.05), model=copy.deepcopy(base_model))
+    samples = make_samples(8)
+    batch = build_batch(samples)
+    start = lrn.compute_logprobs(batch)
+    m0 = lrn.step(samples)
+    m1 = lrn.step(samples)
+    assert m0["kl"] == pytest.approx(0.0, abs=1e-7)  # policy == reference before the first update
+    assert m1["kl"] > 0 and "kl_loss" in m1
+    assert torch.equal(lrn.compute_ref_logprobs(batch), start)
+
+
+def test_kl_in_reward_and_adaptive_coefficient(base_model):
+    algo = AlgorithmConfig(kl_coef=0.1, kl_in_reward=True, kl_target=1e-6, kl_horizon=10, advantage="reinforce_pp")
+    lrn = learner(TrainerConfig(lr=1e-2), algo, model=copy.deepcopy(base_model))
+    samples = make_samples(8)
+    lrn.step(samples)
+    m = lrn.step(samples)
+    assert "kl_loss" not in m  # folded into the reward, not a loss term
+    # step 1: kl = 0 (policy == reference), error clipped to -0.2 -> x (1 - 0.2 * 8 / 10);
+    # step 2: kl far above the target, error clipped to +0.2 -> x (1 + 0.2 * 8 / 10)
+    assert m["kl"] > 1e-3
+    assert m["kl_coef"] == pytest.approx(0.1 * 0.84 * 1.16, rel=1e-6)
+
+
+def _weights_equal(a: dict, b: dict) -> bool:
+    return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("variant", ["full", "lora_critic"])
+def test_state_round_trip_continues_bit_identically(tmp_path, variant):
+    if variant == "full":
+        mcfg, tcfg = TINY, TrainerConfig(lr=1e-2, mini_batches=2, warmup_steps=2, lr_schedule="cosine", lr_decay_steps=8)
+        acfg = AlgorithmConfig(kl_coef=0.05, kl_target=0.01)
+    else:
+        mcfg = ModelConfig(spec="tiny:llama", lora_rank=4, lora_dropout=0.1)
+        tcfg, acfg = TrainerConfig(lr=1e-2, critic="copy", mini_batches=2), AlgorithmConfig(advantage="gae")
+    s1, s2, s3 = make_samples(8, 1), make_samples(8, 2), make_samples(8, 3)
+    a = Learner(mcfg, tcfg, acfg, seed=0)
+    a.step(s1)
+    a.save(tmp_path / "ckpt")
+    mem = a.state_dict()
+    a.step(s2)
+    a.step(s3)
+    b = Learner.load(tmp_path / "ckpt")
+    assert b.version == 1
+    b.step(s2)
+    b.step(s3)
+    assert _weights_equal(a.weights(), b.weights())
+    if variant != "full":
+        assert _weights_equal(a.critic.state_dict(), b.critic.state_dict())
+    c = Learner(mcfg, tcfg, acfg, seed=0)
+    c.load_state_dict(mem)
+    c.step(s2)
+    c.step(s3)
+    assert _weights_equal(a.weights(), c.weights())
+    assert a.kl_ctl.value == b.kl_ctl.value == c.kl_ctl.value
+
+
+def test_lr_schedule():
+    assert [lr_factor(s, 2, "constant", 0) for s in range(3)] == [0.5, 1.0, 1.0]
+    assert lr_factor(2, 2, "cosine", 6) == pytest.approx(1.0)
+    assert lr_factor(4, 2, "cosine", 6) == pytest.approx(0.5)
+    assert lr_factor(6, 2, "linear", 6) == pytest.approx(0.0)
+    with pytest.raises(ValueError, match="lr_decay_steps"):
+        Learner(TINY, TrainerConfig(lr_schedule="cosine"), AlgorithmConfig(), model=load_policy("tiny:llama"))
+
+
+def test_bad_input_errors_name_the_problem(base_model):
+    lrn = learner(model=copy.deepcopy(base_model))
+    with pytest.raises(ValueError, match="first token has no logprob"):
+        lrn.step([Sample([1, 2, 3], [1, 1, 1], [0.0, -1.0, -1.0], 1.0, 0)])
+    with pytest.raises(ValueError, match="same length"):
+        lrn.step([Sample([1, 2, 3], [0, 1], [0.0, -1.0], 1.0, 0)])
+    with pytest.raises(ValueError, match="no generated token"):
+        lrn.step([Sample([1, 2, 3], [0, 0, 0], [0.0] * 3, 1.0, 0)])
+    with pytest.raises(ValueError, match="empty batch"):
+        lrn.step([])
+    with pytest.raises(ValueError, match="needs batch.old_logprobs"):
+        lrn.update(build_batch(make_samples(2)))
+    with pytest.raises(ValueError, match="gae needs a value function"):
+        Learner(TINY, TrainerConfig(), AlgorithmConfig(advantage="gae"), model=base_model)
+    with pytest.raises(KeyError, match="unknown policy loss"):
+        Learner(TINY, TrainerConfig(), AlgorithmConfig(policy_loss="ppo"), model=base_model)
+
+
+def test_offload_optimizer_is_recorded_and_update_reloads(base_model):
+    lrn = learner(model=copy.deepcopy(base_model))
+    lrn.step(make_samples(4))
+    lrn.offload_optimizer()
+    assert lrn.optimizer_offloaded
+    assert all(v.device.type == "cpu" for st in lrn.optimizer.state.values() for v in st.values())
+    lrn.step(make_samples(4))
+    assert not lrn.optimizer_offloaded
+
+
+def test_batch_select_trims_to_longest_row():
+    batch = build_batch(make_samples(6))
+    sub = batch.select([0, 1])
+    assert isinstance(sub, Batch) and sub.token_ids.shape == (2, int(batch.lengths[:2].max()))

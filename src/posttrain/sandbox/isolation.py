@@ -243,7 +243,8 @@ class JailSpec:
             uid = str(self.slot_uid)
             argv += ["/usr/bin/setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
                      "--inh-caps=-all", "--bounding-set=-all", "--"]
-        cfg = dict(cfg, job_root=JAIL_JOB_ROOT, pidns=True,
+        # RLIMIT_NPROC counts the jail uid's processes: the worker, plus bwrap's init when it shares the uid
+        cfg = dict(cfg, job_root=JAIL_JOB_ROOT, pidns=True, nproc_extra=1 if self.slot_uid is not None else 2,
                    sys_path=[f"{JAIL_ROOT}/site"] if self.binds else [])
         return argv + [self.python.jail_executable, "-I", "-S", "-B", f"{JAIL_ROOT}/jailed/worker.py",
                        json.dumps(cfg)]

@@ -262,9 +262,11 @@ class LocalSandbox:
     """
 
     def __init__(self, config: Any = None, **overrides: Any) -> None:
-        from posttrain.config import SandboxConfig
+        if config is None:
+            from posttrain.config import SandboxConfig
 
-        cfg = config if config is not None else SandboxConfig()
+            config = SandboxConfig()
+        cfg = config
         if overrides:
             cfg = cfg.model_copy(update=overrides)
         self.config = cfg

@@ -415,7 +415,7 @@ class Worker:
             (resource.RLIMIT_AS, as_limit), (resource.RLIMIT_DATA, as_limit),
             (resource.RLIMIT_CPU, (cpu, cpu + 1)), (resource.RLIMIT_FSIZE, int(limits["max_file_bytes"])),
             (resource.RLIMIT_NOFILE, CHILD_FDS_LIMIT), (resource.RLIMIT_CORE, 0),
-            (resource.RLIMIT_NPROC, int(limits["max_processes"]) + 1), (resource.RLIMIT_STACK, 64 << 20),
+            (resource.RLIMIT_NPROC, int(limits["max_processes"]) + int(self.cfg.get("nproc_extra", 1))), (resource.RLIMIT_STACK, 64 << 20),
         ]
         for res, val in rl:
             soft, hard = val if isinstance(val, tuple) else (val, val)

@@ -121,3 +121,25 @@ def test_network_pool_when_allowed():
             assert blocked.status == ExecStatus.RUNTIME_ERROR and b"PermissionError" in blocked.stderr
     finally:
         listener.close()
+
+
+def test_a_hung_worker_hits_the_backstop(monkeypatch):
+    import json
+    import sys
+
+    import pytest
+
+    from posttrain.sandbox import pool
+
+    ready = json.dumps({"ready": True, "blobs": []}).encode()
+    fake = ("import os, struct, time, sys\n"
+            f"os.write(1, struct.pack('!II', {len(ready)}, 0) + {ready!r})\n"
+            "time.sleep(60)\n")
+    monkeypatch.setattr(pool, "BACKSTOP_GRACE_S", 0.3)
+    worker = pool._WorkerProc([sys.executable, "-c", fake], None, None)
+    try:
+        with pytest.raises(pool.WorkerError, match="no reply before the backstop timeout"):
+            worker.execute(Job(code="print(1)", limits=Limits(wall_time_s=0.2)))
+    finally:
+        worker.kill()
+    assert worker.proc.returncode == -9

@@ -543,7 +543,9 @@ def main() -> None:
             return
         header, blobs = frame
         if header.get("op") == "ping":
-            write_frame(proto_out, {"pong": True}, [])
+            me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+            write_frame(proto_out, {"pong": True, "cpu_s": me.ru_utime + me.ru_stime,
+                                    "children_cpu_s": kids.ru_utime + kids.ru_stime}, [])
             continue
         worker.recycle_hint = False
         res, out = worker.handle(header, blobs)

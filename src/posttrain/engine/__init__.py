@@ -1,1 +1,54 @@
-"""(filled by its issue)"""
+"""Inference: the paged engine (KV cache in blocks, continuous batching, prefix sharing, exact logprobs),
+the HF `generate` baseline behind the same interface, and `make_engine` to pick one from the config.
+Knows nothing of rewards or tasks.
+
+The contract every backend keeps (PagedEngine, HFEngine, VLLMEngine):
+
+    engine.generate(requests: list[GenerationRequest]) -> list[GenerationOutput]    # batch, blocking
+    await engine.agenerate(request) -> GenerationOutput
+        Concurrent callers on one asyncio loop are batched together by ONE background stepping loop
+        (continuous batching); each engine step runs in a worker thread, so other coroutines (sandbox
+        I/O) progress between steps. Do not mix with generate() while async requests are in flight.
+    async for delta in engine.stream(request): ...        # StreamDelta(request_id, index, token_ids, logprobs, text, finish_reason)
+    engine.load_weights(weights, version=None)            # HF names as in model.state_dict(), a "base_model.model."
+                                                          # prefix is stripped; in place; bumps engine.version
+    engine.release_kv_cache()                             # free the KV pool; the next step re-allocates it
+    engine.kv_stats() -> dict                             # blocks_allocated, tokens_stored, waste_frac,
+                                                          # prefix_hit_tokens, fork_shared_blocks, peak_*, preemptions
+
+Completions (what the trainer relies on):
+- `token_ids` include the stop token id when generation stopped on one (EOS of the model, or one of
+  `stop_token_ids`), and end with the token that completed a stop string (nothing is trimmed).
+- `logprobs[i]` is the logprob of `token_ids[i]` under the distribution it was sampled from: after
+  repetition penalty and temperature, BEFORE top-k/top-p/min-p truncation. At temperature 0 (greedy)
+  it is the logprob under the untempered softmax (after repetition penalty).
+- `text` decodes `token_ids` without a trailing stop token; `finish_reason` is "stop" or "length".
+- The same `seed` gives the same completions whatever else is batched (one torch.Generator per
+  sequence); the i-th of `n` samples uses a generator derived from (seed, i). Without a seed, seeds
+  come from the engine's own generator (seeded at construction), so a run is reproducible.
+- The model's EOS ids always stop a completion unless `SamplingParams.ignore_eos` (benchmarks use it).
+"""
+
+from posttrain.engine.factory import make_engine
+from posttrain.engine.hf import HFEngine
+from posttrain.engine.paged import PagedEngine
+from posttrain.engine.types import (
+    BadRequestError,
+    Completion,
+    GenerationOutput,
+    GenerationRequest,
+    SamplingParams,
+    StreamDelta,
+)
+
+__all__ = [
+    "BadRequestError",
+    "Completion",
+    "GenerationOutput",
+    "GenerationRequest",
+    "HFEngine",
+    "PagedEngine",
+    "SamplingParams",
+    "StreamDelta",
+    "make_engine",
+]

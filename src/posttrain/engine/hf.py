@@ -1,0 +1,149 @@
+"""HFEngine: transformers' `generate` behind the engine interface, the baseline the paged engine is measured against.
+
+Batches requests with identical sampling parameters into one left-padded `generate` call (n samples
+via `num_return_sequences`). Logprobs come from the raw logits after temperature and repetition
+penalty, like the paged engine's. Seeds are per call, not per request (HF draws for the whole batch).
+Does not page, share prefixes or batch continuously: that is what it is the baseline for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+import torch
+
+from posttrain.engine.sampling import apply_repetition_penalty
+from posttrain.engine.types import (
+    Completion,
+    GenerationOutput,
+    GenerationRequest,
+    SamplingParams,
+    StreamDelta,
+    validate_request,
+)
+
+
+class HFEngine:
+    def __init__(self, model: Any, tokenizer: Any, *, max_model_len: int = 4096, max_batch_size: int = 64) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.max_batch_size = max_batch_size
+        self.version = 0
+        self._ids = itertools.count()
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = int(pad)
+        eos = getattr(model.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
+        self.eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+
+    def _key(self, p: SamplingParams) -> tuple:
+        return (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty, p.max_tokens, tuple(p.stop),
+                tuple(p.stop_token_ids), p.seed, p.n, p.ignore_eos)
+
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
+        for r in requests:
+            validate_request(r, self.model.config.vocab_size, self.max_model_len)
+        outputs: list[GenerationOutput | None] = [None] * len(requests)
+        groups: dict[tuple, list[int]] = {}
+        for i, r in enumerate(requests):
+            groups.setdefault(self._key(r.params), []).append(i)
+        for idxs in groups.values():
+            per_call = max(1, self.max_batch_size // requests[idxs[0]].params.n)
+            for k in range(0, len(idxs), per_call):
+                chunk = idxs[k : k + per_call]
+                for i, out in zip(chunk, self._generate_group([requests[i] for i in chunk]), strict=True):
+                    outputs[i] = out
+        return [o for o in outputs if o is not None]
+
+    @torch.inference_mode()
+    def _generate_group(self, reqs: list[GenerationRequest]) -> list[GenerationOutput]:
+        p = reqs[0].params
+        t0 = time.perf_counter()
+        width = max(len(r.prompt_token_ids) for r in reqs)
+        ids = torch.full((len(reqs), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(reqs), width), dtype=torch.long)
+        for i, r in enumerate(reqs):
+            n = len(r.prompt_token_ids)
+            ids[i, width - n :] = torch.tensor(r.prompt_token_ids)
+            mask[i, width - n :] = 1
+        stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_ids)
+        kwargs: dict[str, Any] = dict(
+            max_new_tokens=min(p.max_tokens, self.max_model_len - width),
+            num_return_sequences=p.n,
+            return_dict_in_generate=True,
+            output_logits=True,
+            pad_token_id=self.pad_id,
+            eos_token_id=stop_ids or None,
+            repetition_penalty=p.repetition_penalty,
+        )
+        if p.temperature == 0.0:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        else:
+            kwargs.update(do_sample=True, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or None,
+                          min_p=p.min_p or None)
+        if p.stop:
+            kwargs.update(stop_strings=list(p.stop), tokenizer=self.tokenizer)
+        if p.seed is not None:
+            torch.manual_seed(p.seed)
+        out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        ttft = time.perf_counter() - t0  # HF returns all at once: its first token is its last
+        new = out.sequences[:, width:]
+        raw = torch.stack(out.logits, dim=1).float() if out.logits else torch.empty(new.shape[0], 0, 1)
+        results = []
+        for i, r in enumerate(reqs):
+            comps = []
+            for j in range(p.n):
+                row = i * p.n + j
+                toks: list[int] = []
+                lps: list[float] = []
+                reason = "length"
+                history = list(r.prompt_token_ids)
+                for t in range(new.shape[1]):
+                    tok = int(new[row, t])
+                    logits = apply_repetition_penalty(raw[row, t], history, p.repetition_penalty)
+                    if p.temperature > 0.0:
+                        logits = logits / p.temperature
+                    toks.append(tok)
+                    lps.append(float(torch.log_softmax(logits, -1)[tok]))
+                    history.append(tok)
+                    if tok in stop_ids:
+                        reason = "stop"
+                        break
+                    if p.stop and any(s in self.tokenizer.decode(toks) for s in p.stop):
+                        reason = "stop"
+                        break
+                text_ids = toks[:-1] if reason == "stop" and toks and toks[-1] in stop_ids else toks
+                comps.append(Completion(toks, lps, self.tokenizer.decode(text_ids), reason))
+            rid = r.request_id if r.request_id is not None else f"hf-{next(self._ids)}"
+            results.append(GenerationOutput(rid, list(r.prompt_token_ids), comps, ttft))
+        return results
+
+    async def agenerate(self, request: GenerationRequest) -> GenerationOutput:
+        return (await asyncio.to_thread(self.generate, [request]))[0]
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[StreamDelta]:
+        out = await self.agenerate(request)
+        for j, c in enumerate(out.completions):
+            yield StreamDelta(out.request_id, j, c.token_ids, c.logprobs, c.text, c.finish_reason)
+
+    def load_weights(self, weights: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+        items = weights.items() if isinstance(weights, dict) else weights
+        params = dict(self.model.named_parameters())
+        params.update(dict(self.model.named_buffers()))
+        with torch.no_grad():
+            for name, tensor in items:
+                key = name.removeprefix("base_model.model.")
+                if key not in params:
+                    raise ValueError(f"unknown parameter name '{name}'")
+                params[key].copy_(tensor)
+        self.version = self.version + 1 if version is None else int(version)
+
+    def release_kv_cache(self) -> None:
+        """Nothing to release: HF allocates its cache per generate call."""
+
+    def kv_stats(self) -> dict:
+        return {}

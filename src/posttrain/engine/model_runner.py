@@ -1,0 +1,381 @@
+"""The Llama-family forward pass over a paged KV cache, in plain PyTorch (CPU or GPU).
+
+Owns the engine's copy of the weights (q/k/v and gate/up fused for fewer matmuls), the per-layer
+KV block pools `[num_blocks, block_size, kv_heads, head_dim]`, RoPE tables, and one varlen forward
+that runs decode tokens (batched over a padded gather of their blocks) and prefill chunks (one
+attention call per sequence, no padding) together. Supports Llama, Qwen2 (q/k/v bias), Qwen3
+(q/k RMSNorm) and Mistral without a sliding window. Does not schedule or sample.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class ModelSpec:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_hf_config(cls, config: Any, max_model_len: int) -> ModelSpec:
+        mt = getattr(config, "model_type", None)
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"the paged engine supports model types {SUPPORTED_MODEL_TYPES}, got '{mt}'")
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"the paged engine supports SwiGLU (hidden_act 'silu'), got '{act}'")
+        window = getattr(config, "sliding_window", None)
+        uses_window = getattr(config, "use_sliding_window", mt == "mistral")
+        if window is not None and uses_window and window < max_model_len:
+            raise ValueError(
+                f"sliding-window attention (window {window}) is not supported; set max_model_len <= {window}"
+            )
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(
+            model_type=mt,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qkv_bias=mt == "qwen2" or bool(getattr(config, "attention_bias", False)),
+            qk_norm=mt == "qwen3",
+        )
+
+
+def rope_tables(config: Any, head_dim: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin `[max_len, head_dim]` in float32, as transformers computes them (scaling included)."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        base = float(params["rope_theta"])
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        scaling = 1.0
+    elif rope_type in ("linear", "llama3", "yarn"):
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    else:
+        raise ValueError(f"RoPE type '{rope_type}' is not supported (default, linear, llama3, yarn are)")
+    if inv_freq.numel() * 2 != head_dim:
+        raise ValueError("partial rotary embeddings are not supported")
+    pos = torch.arange(max_len, dtype=torch.float32)
+    freqs = pos[:, None] * inv_freq.float()[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * scaling, emb.sin() * scaling
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@dataclass
+class PrefillChunk:
+    row: int  # first row of this chunk in the flat batch
+    num_tokens: int
+    start_pos: int  # tokens of this sequence already in the cache
+    block_ids: torch.Tensor  # the blocks covering start_pos + num_tokens tokens
+
+
+@dataclass
+class StepBatch:
+    """One forward: decode rows first (one token each), then prefill chunks, all flattened."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T] flat slot = block * block_size + offset
+    num_decode: int
+    decode_block_tables: torch.Tensor | None  # [D, max_blocks]
+    decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] True where attended
+    prefills: list[PrefillChunk]
+    logit_rows: torch.Tensor  # rows whose next-token logits are needed
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: Any,
+        state_dict: dict[str, torch.Tensor],
+        *,
+        dtype: str = "float32",
+        kv_cache_dtype: str = "auto",
+        block_size: int = 16,
+        num_blocks: int = 1024,
+        max_model_len: int = 4096,
+        device: str = "cpu",
+    ) -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {list(DTYPES)}, got '{dtype}'")
+        if kv_cache_dtype != "auto" and kv_cache_dtype not in DTYPES:
+            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {list(DTYPES)}, got '{kv_cache_dtype}'")
+        self.spec = ModelSpec.from_hf_config(config, max_model_len)
+        self.dtype = DTYPES[dtype]
+        self.kv_dtype = self.dtype if kv_cache_dtype == "auto" else DTYPES[kv_cache_dtype]
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.max_model_len = max_model_len
+        s = self.spec
+        self.q_size = s.num_heads * s.head_dim
+        self.kv_size = s.num_kv_heads * s.head_dim
+        self.scale = 1.0 / math.sqrt(s.head_dim)
+        cos, sin = rope_tables(config, s.head_dim, max_model_len)
+        self.cos = cos.to(self.device, self.dtype)
+        self.sin = sin.to(self.device, self.dtype)
+        self._init_weights()
+        self.load_weights(state_dict.items(), strict=True)
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    # ---- weights -------------------------------------------------------------------------------
+
+    def _empty(self, *shape: int) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=self.dtype, device=self.device)
+
+    def _init_weights(self) -> None:
+        s = self.spec
+        self.embed = self._empty(s.vocab_size, s.hidden_size)
+        self.lm_head = self.embed if s.tie_word_embeddings else self._empty(s.vocab_size, s.hidden_size)
+        self.final_norm = self._empty(s.hidden_size)
+        self.layers: list[dict[str, torch.Tensor]] = []
+        for _ in range(s.num_layers):
+            layer = {
+                "in_norm": self._empty(s.hidden_size),
+                "wqkv": self._empty(self.q_size + 2 * self.kv_size, s.hidden_size),
+                "wo": self._empty(s.hidden_size, self.q_size),
+                "post_norm": self._empty(s.hidden_size),
+                "wgu": self._empty(2 * s.intermediate_size, s.hidden_size),
+                "wd": self._empty(s.hidden_size, s.intermediate_size),
+            }
+            if s.qkv_bias:
+                layer["bqkv"] = self._empty(self.q_size + 2 * self.kv_size)
+            if s.qk_norm:
+                layer["q_norm"] = self._empty(s.head_dim)
+                layer["k_norm"] = self._empty(s.head_dim)
+            self.layers.append(layer)
+
+    _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+    def _target(self, name: str) -> torch.Tensor | None:
+        """The engine tensor (or fused slice of one) that the HF parameter `name` maps to; None to skip."""
+        s = self.spec
+        if name == "model.embed_tokens.weight":
+            return self.embed
+        if name == "lm_head.weight":
+            return self.lm_head
+        if name == "model.norm.weight":
+            return self.final_norm
+        if name.endswith("rotary_emb.inv_freq"):
+            return None
+        m = self._LAYER_RE.match(name)
+        if not m or int(m.group(1)) >= s.num_layers:
+            raise KeyError(name)
+        layer, rest = self.layers[int(m.group(1))], m.group(2)
+        q, kv, inter = self.q_size, self.kv_size, s.intermediate_size
+        table: dict[str, tuple[str, int, int] | str] = {
+            "input_layernorm.weight": "in_norm",
+            "post_attention_layernorm.weight": "post_norm",
+            "self_attn.o_proj.weight": "wo",
+            "mlp.down_proj.weight": "wd",
+            "self_attn.q_proj.weight": ("wqkv", 0, q),
+            "self_attn.k_proj.weight": ("wqkv", q, q + kv),
+            "self_attn.v_proj.weight": ("wqkv", q + kv, q + 2 * kv),
+            "self_attn.q_proj.bias": ("bqkv", 0, q),
+            "self_attn.k_proj.bias": ("bqkv", q, q + kv),
+            "self_attn.v_proj.bias": ("bqkv", q + kv, q + 2 * kv),
+            "mlp.gate_proj.weight": ("wgu", 0, inter),
+            "mlp.up_proj.weight": ("wgu", inter, 2 * inter),
+            "self_attn.q_norm.weight": "q_norm",
+            "self_attn.k_norm.weight": "k_norm",
+        }
+        entry = table.get(rest)
+        if entry is None:
+            raise KeyError(name)
+        if isinstance(entry, str):
+            if entry not in layer:
+                raise KeyError(name)
+            return layer[entry]
+        key, lo, hi = entry
+        if key not in layer:
+            raise KeyError(name)
+        return layer[key][lo:hi]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = False) -> int:
+        """Copy HF-named tensors into the engine's weights in place; returns how many were loaded.
+
+        `strict` requires every engine tensor to be covered (used at construction)."""
+        loaded: set[str] = set()
+        unknown: list[str] = []
+        for raw_name, tensor in weights:
+            name = raw_name.removeprefix("base_model.model.")
+            try:
+                target = self._target(name)
+            except KeyError:
+                unknown.append(raw_name)
+                continue
+            if target is None:
+                continue
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(f"weight '{raw_name}' has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+            with torch.no_grad():
+                target.copy_(tensor.detach())
+            loaded.add(name)
+        if unknown:
+            raise ValueError(f"unknown parameter names for a {self.spec.model_type} model: {unknown[:5]}")
+        if strict:
+            required = {"model.embed_tokens.weight", "model.norm.weight"}
+            if not self.spec.tie_word_embeddings:
+                required.add("lm_head.weight")
+            for i in range(self.spec.num_layers):
+                required.update(
+                    f"model.layers.{i}.{p}"
+                    for p in ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight",
+                              "mlp.down_proj.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                              "self_attn.v_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight")
+                )
+            missing = sorted(required - loaded)
+            if missing:
+                raise ValueError(f"state dict lacks {len(missing)} parameters, e.g. {missing[:3]}")
+        return len(loaded)
+
+    # ---- KV cache ------------------------------------------------------------------------------
+
+    def allocate_kv_cache(self) -> None:
+        if self.k_cache is not None:
+            return
+        s = self.spec
+        shape = (s.num_layers, self.num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+
+    def release_kv_cache(self) -> None:
+        self.k_cache = None
+        self.v_cache = None
+
+    def kv_cache_bytes(self) -> int:
+        s = self.spec
+        per = s.num_layers * self.num_blocks * self.block_size * s.num_kv_heads * s.head_dim
+        return 2 * per * torch.tensor([], dtype=self.kv_dtype).element_size()
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        assert self.k_cache is not None and self.v_cache is not None
+        src = torch.tensor([p[0] for p in pairs], device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.device)
+        self.k_cache[:, dst] = self.k_cache[:, src]
+        self.v_cache[:, dst] = self.v_cache[:, src]
+
+    # ---- forward -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        """Next-token logits `[len(logit_rows), vocab]` in float32; writes the batch's K/V to the cache."""
+        assert self.k_cache is not None and self.v_cache is not None
+        s = self.spec
+        eps = s.rms_norm_eps
+        T = batch.input_ids.shape[0]
+        x = F.embedding(batch.input_ids, self.embed)
+        cos = self.cos[batch.positions].unsqueeze(1)
+        sin = self.sin[batch.positions].unsqueeze(1)
+        H, KV, hd = s.num_heads, s.num_kv_heads, s.head_dim
+        for li, layer in enumerate(self.layers):
+            h = _rms_norm(x, layer["in_norm"], eps)
+            qkv = F.linear(h, layer["wqkv"], layer.get("bqkv"))
+            q = qkv[:, : self.q_size].view(T, H, hd)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(T, KV, hd)
+            v = qkv[:, self.q_size + self.kv_size :].view(T, KV, hd)
+            if s.qk_norm:
+                q = _rms_norm(q, layer["q_norm"], eps)
+                k = _rms_norm(k, layer["k_norm"], eps)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            kc = self.k_cache[li].view(-1, KV, hd)
+            vc = self.v_cache[li].view(-1, KV, hd)
+            kc.index_copy_(0, batch.slot_mapping, k.to(self.kv_dtype))
+            vc.index_copy_(0, batch.slot_mapping, v.to(self.kv_dtype))
+            attn = self._attention(li, q, k, v, batch)
+            x = x + F.linear(attn, layer["wo"])
+            h = _rms_norm(x, layer["post_norm"], eps)
+            gu = F.linear(h, layer["wgu"])
+            gate, up = gu.chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer["wd"])
+        x = x[batch.logit_rows]
+        x = _rms_norm(x, self.final_norm, eps)
+        return F.linear(x, self.lm_head).float()
+
+    def _attention(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        s = self.spec
+        H, KV, hd = s.num_heads, s.num_kv_heads, s.head_dim
+        g = H // KV
+        T = q.shape[0]
+        out = torch.empty(T, H * hd, dtype=q.dtype, device=q.device)
+        D = batch.num_decode
+        if D:
+            assert batch.decode_block_tables is not None
+            nb = batch.decode_block_tables.shape[1]
+            kd = self.k_cache[li][batch.decode_block_tables].view(D, nb * self.block_size, KV, hd)
+            vd = self.v_cache[li][batch.decode_block_tables].view(D, nb * self.block_size, KV, hd)
+            qd = q[:D].view(D, KV, g, hd)  # the g query heads of a KV head act as g "query positions"
+            o = F.scaled_dot_product_attention(
+                qd, kd.transpose(1, 2).to(q.dtype), vd.transpose(1, 2).to(q.dtype),
+                attn_mask=batch.decode_mask, scale=self.scale,
+            )
+            out[:D] = o.reshape(D, H * hd)
+        for c in batch.prefills:
+            r0, n = c.row, c.num_tokens
+            qc = q[r0 : r0 + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
+            if c.start_pos == 0:
+                kc, vc = k[r0 : r0 + n], v[r0 : r0 + n]
+                mask, causal = None, True
+            else:
+                ctx = c.start_pos + n
+                kc = self.k_cache[li][c.block_ids].view(-1, KV, hd)[:ctx].to(q.dtype)
+                vc = self.v_cache[li][c.block_ids].view(-1, KV, hd)[:ctx].to(q.dtype)
+                qpos = torch.arange(c.start_pos, ctx, device=q.device)
+                mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]
+                causal = False
+            o = F.scaled_dot_product_attention(
+                qc, kc.transpose(0, 1).unsqueeze(0), vc.transpose(0, 1).unsqueeze(0),
+                attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True,
+            )
+            out[r0 : r0 + n] = o[0].transpose(0, 1).reshape(n, H * hd)
+        return out

@@ -1,0 +1,424 @@
+"""PagedEngine: the embedded inference engine (paged KV cache, continuous batching, prefix sharing).
+
+Owns the request lifecycle: validation, per-sequence generators, building each step's flat batch,
+stop conditions, forking the n samples of a request after one prefill, the async driver that batches
+concurrent `agenerate`/`stream` callers through one stepping loop, weight reloads and KV statistics.
+The forward pass is model_runner.py, scheduling scheduler.py, block accounting block_manager.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from posttrain.engine.block_manager import BlockManager
+from posttrain.engine.model_runner import ModelRunner, PrefillChunk, StepBatch
+from posttrain.engine.sampling import sample, seed_for
+from posttrain.engine.scheduler import Scheduler
+from posttrain.engine.sequence import Sequence
+from posttrain.engine.types import (
+    BadRequestError,
+    Completion,
+    GenerationOutput,
+    GenerationRequest,
+    StreamDelta,
+    validate_request,
+)
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    request: GenerationRequest
+    generators: list[torch.Generator]
+    arrival_s: float
+    completions: list[Completion | None]
+    first_token_s: float | None = None
+    future: asyncio.Future | None = None
+    queue: asyncio.Queue | None = None
+    emitted_text: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        return all(c is not None for c in self.completions)
+
+
+def _hf_config_and_state(model: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    if isinstance(model, tuple) and len(model) == 2:
+        return model
+    if hasattr(model, "config") and hasattr(model, "state_dict"):
+        base = model
+        if hasattr(model, "merge_and_unload") and hasattr(model, "peft_config"):
+            raise ValueError("pass a merged model (posttrain.models.merged_state_dict) rather than a PEFT wrapper")
+        return base.config, base.state_dict()
+    raise TypeError(f"model must be a transformers PreTrainedModel or a (config, state_dict) pair, got {type(model).__name__}")
+
+
+class PagedEngine:
+    """Generates with a paged KV cache; see `posttrain.engine` for the contract."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        dtype: str = "float32",
+        kv_cache_dtype: str = "auto",
+        block_size: int = 16,
+        num_blocks: int = 2048,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int = 4096,
+        enable_prefix_caching: bool = True,
+        device: str = "cpu",
+        seed: int = 0,
+    ) -> None:
+        for name, value in (("block_size", block_size), ("num_blocks", num_blocks), ("max_num_seqs", max_num_seqs),
+                            ("max_num_batched_tokens", max_num_batched_tokens), ("max_model_len", max_model_len)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        config, state = _hf_config_and_state(model)
+        self.runner = ModelRunner(
+            config, state, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size,
+            num_blocks=num_blocks, max_model_len=max_model_len, device=device,
+        )
+        self.tokenizer = tokenizer
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.bm, max_num_seqs, max_num_batched_tokens)
+        self.eos_ids = self._eos_ids(config, tokenizer)
+        self.version = 0
+        self._seed_rng = torch.Generator().manual_seed(seed)
+        self._ids = itertools.count()
+        self._states: dict[str, _RequestState] = {}
+        self._seq_state: dict[int, _RequestState] = {}
+        self._step_lock = threading.Lock()
+        self._pending: list[tuple[_RequestState, list[Sequence]]] = []
+        self._driver: asyncio.Task | None = None
+        self._peak: dict | None = None
+        self.num_steps = 0
+
+    @staticmethod
+    def _eos_ids(config: Any, tokenizer: Any) -> set[int]:
+        ids: set[int] = set()
+        for src in (getattr(config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+            if isinstance(src, int):
+                ids.add(src)
+            elif isinstance(src, (list, tuple)):
+                ids.update(int(t) for t in src)
+        return ids
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def _make_state(self, req: GenerationRequest) -> tuple[_RequestState, list[Sequence]]:
+        validate_request(req, self.runner.spec.vocab_size, self.max_model_len)
+        p = req.params
+        need = -(-min(len(req.prompt_token_ids) + p.max_tokens, self.max_model_len) // self.block_size)
+        if need > self.bm.num_blocks:
+            raise BadRequestError(
+                f"a request of {len(req.prompt_token_ids)} prompt + {p.max_tokens} new tokens needs {need} KV blocks; "
+                f"the pool holds {self.bm.num_blocks} (raise num_blocks or lower max_tokens)"
+            )
+        rid = req.request_id if req.request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._states:
+            raise BadRequestError(f"request_id '{rid}' is already in flight")
+        base = p.seed if p.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
+        gens = [torch.Generator().manual_seed(seed_for(base, i)) for i in range(p.n)]
+        now = time.perf_counter()
+        state = _RequestState(rid, req, gens, now, [None] * p.n)
+        seq = Sequence(rid, 0, req.prompt_token_ids, p, gens[0], now, num_forks=p.n)
+        return state, [seq]
+
+    def _admit(self, state: _RequestState, seqs: list[Sequence]) -> None:
+        self._states[state.request_id] = state
+        for seq in seqs:
+            self._seq_state[id(seq)] = state
+            self.scheduler.add(seq)
+
+    def _finish_seq(self, seq: Sequence, reason: str) -> Completion:
+        state = self._seq_state.pop(id(seq))
+        seq.finish_reason = reason
+        self.scheduler.finish(seq)
+        ids = seq.output_ids
+        text_ids = ids[:-1] if reason == "stop" and ids and self._is_stop_token(seq, ids[-1]) else ids
+        comp = Completion(list(ids), list(seq.logprobs), self.tokenizer.decode(text_ids), reason)
+        state.completions[seq.index] = comp
+        return comp
+
+    def _is_stop_token(self, seq: Sequence, token: int) -> bool:
+        return token in seq.params.stop_token_ids or (not seq.params.ignore_eos and token in self.eos_ids)
+
+    def _stop_reason(self, seq: Sequence) -> str | None:
+        p = seq.params
+        out = seq.output_ids
+        if self._is_stop_token(seq, out[-1]):
+            return "stop"
+        if p.stop:
+            width = max(len(s) for s in p.stop) + 3
+            tail = self.tokenizer.decode(out[-width:])
+            if any(s in tail for s in p.stop):
+                return "stop"
+        if len(out) >= p.max_tokens or len(seq) >= self.max_model_len:
+            return "length"
+        return None
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def _build_batch(self, work: list[tuple[Sequence, int]]) -> tuple[StepBatch, list[Sequence]]:
+        bs = self.block_size
+        dev = self.runner.device
+        decodes = [(s, n) for s, n in work if n == 1]
+        prefills = [(s, n) for s, n in work if n > 1]
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        logit_rows: list[int] = []
+        samplers: list[Sequence] = []
+        chunks: list[PrefillChunk] = []
+        for seq, n in decodes + prefills:
+            start = seq.num_computed
+            row = len(ids)
+            ids.extend(seq.token_ids[start : start + n])
+            pos.extend(range(start, start + n))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if n > 1:
+                nb = -(-(start + n) // bs)
+                chunks.append(PrefillChunk(row, n, start, torch.tensor(table[:nb], device=dev)))
+            if start + n == len(seq):
+                logit_rows.append(row + n - 1)
+                samplers.append(seq)
+        D = len(decodes)
+        tables = mask = None
+        if D:
+            nbs = [-(-(s.num_computed + 1) // bs) for s, _ in decodes]
+            width = max(nbs)
+            tables = torch.tensor([s.block_table[:nb] + [0] * (width - nb) for (s, _), nb in zip(decodes, nbs, strict=True)], device=dev)
+            ctx = torch.tensor([s.num_computed + 1 for s, _ in decodes], device=dev)
+            mask = (torch.arange(width * bs, device=dev)[None, :] < ctx[:, None])[:, None, None, :]
+        batch = StepBatch(
+            input_ids=torch.tensor(ids, device=dev),
+            positions=torch.tensor(pos, device=dev),
+            slot_mapping=torch.tensor(slots, device=dev),
+            num_decode=D,
+            decode_block_tables=tables,
+            decode_mask=mask,
+            prefills=chunks,
+            logit_rows=torch.tensor(logit_rows, device=dev, dtype=torch.long),
+        )
+        return batch, samplers
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        state = self._seq_state[id(parent)]
+        children = []
+        for i in range(1, parent.num_forks):
+            child = parent.fork(i, state.generators[i])
+            self.bm.fork(parent, child)
+            self._seq_state[id(child)] = state
+            self.scheduler.running.append(child)
+            children.append(child)
+        parent.num_forks = 1
+        return children
+
+    def _step(self) -> list[tuple[_RequestState, Sequence, int, float, str | None]]:
+        """Run one scheduled forward and sample; returns (state, seq, token, logprob, finish_reason) events."""
+        with self._step_lock:
+            work = self.scheduler.schedule()
+            if not work:
+                if self.scheduler.has_work():
+                    raise RuntimeError("the scheduler cannot make progress: the KV pool is too small for one sequence")
+                return []
+            self.runner.allocate_kv_cache()
+            self.runner.copy_blocks(self.bm.pending_copies)
+            self.bm.pending_copies = []
+            batch, samplers = self._build_batch(work)
+            logits = self.runner.forward(batch)
+            for seq, n in work:
+                seq.num_computed += n
+                self.bm.register_full_blocks(seq)
+            self.num_steps += 1
+            self._track_peak()
+            if not samplers:
+                return []
+            rows: list[int] = []
+            seqs: list[Sequence] = []
+            for r, seq in enumerate(samplers):
+                group = [seq] + (self._fork(seq) if seq.num_forks > 1 else [])
+                rows.extend([r] * len(group))
+                seqs.extend(group)
+            if len(rows) != len(samplers):
+                logits = logits[torch.tensor(rows)]
+            tokens, logprobs = sample(
+                logits, [s.params for s in seqs],
+                [s.token_ids if s.params.repetition_penalty != 1.0 else [] for s in seqs],
+                [s.generator for s in seqs],
+            )
+            now = time.perf_counter()
+            events = []
+            for seq, tok, lp in zip(seqs, tokens, logprobs, strict=True):
+                seq.token_ids.append(tok)
+                seq.logprobs.append(lp)
+                state = self._seq_state[id(seq)]
+                if state.first_token_s is None:
+                    state.first_token_s = now
+                reason = self._stop_reason(seq)
+                if reason is not None:
+                    self._finish_seq(seq, reason)
+                events.append((state, seq, tok, lp, reason))
+            return events
+
+    def _track_peak(self) -> None:
+        used = self.bm.num_blocks - self.bm.num_free
+        if self._peak is None or used >= self._peak["blocks_allocated"]:
+            self._peak = self.bm.stats(self.scheduler.running)
+
+    def _output(self, state: _RequestState) -> GenerationOutput:
+        self._states.pop(state.request_id, None)
+        ttft = (state.first_token_s or state.arrival_s) - state.arrival_s
+        comps = [c for c in state.completions if c is not None]
+        return GenerationOutput(state.request_id, list(state.request.prompt_token_ids), comps, ttft)
+
+    def _abort_all(self, err: BaseException) -> None:
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            if seq.block_table:
+                self.bm.free_seq(seq)
+        self.scheduler.running.clear()
+        self.scheduler.waiting.clear()
+        for state in self._states.values():
+            if state.future is not None and not state.future.done():
+                state.future.set_exception(err)
+            if state.queue is not None:
+                state.queue.put_nowait(err)
+        self._states.clear()
+        self._seq_state.clear()
+        self._pending.clear()
+
+    # ---- public API ----------------------------------------------------------------------------
+
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
+        """Generate every request (batched together); blocks until all are done."""
+        if self._driver is not None and not self._driver.done():
+            raise RuntimeError("generate() called while async requests are in flight; use agenerate() from that loop")
+        made = [self._make_state(r) for r in requests]
+        ids = [s.request_id for s, _ in made]
+        if len(set(ids)) != len(ids):
+            raise BadRequestError("duplicate request_id in one generate() call")
+        for state, seqs in made:
+            self._admit(state, seqs)
+        try:
+            while not all(state.done for state, _ in made):
+                self._step()
+        except BaseException as err:
+            self._abort_all(err)
+            raise
+        return [self._output(state) for state, _ in made]
+
+    async def agenerate(self, request: GenerationRequest) -> GenerationOutput:
+        """Generate one request; concurrent callers on one event loop are batched by one stepping loop."""
+        state, seqs = self._make_state(request)
+        state.future = asyncio.get_running_loop().create_future()
+        self._submit(state, seqs)
+        return await state.future
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[StreamDelta]:
+        """Yield StreamDelta objects as tokens are generated; each completion's last delta has a finish_reason."""
+        state, seqs = self._make_state(request)
+        state.queue = asyncio.Queue()
+        self._submit(state, seqs)
+        remaining = request.params.n
+        while remaining:
+            item = await state.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finish_reason is not None:
+                remaining -= 1
+            yield item
+        self._states.pop(state.request_id, None)
+
+    def _submit(self, state: _RequestState, seqs: list[Sequence]) -> None:
+        if state.request_id in self._states or any(s.request_id == state.request_id for s, _ in self._pending):
+            raise BadRequestError(f"request_id '{state.request_id}' is already in flight")
+        self._pending.append((state, seqs))
+        if self._driver is None or self._driver.done():
+            self._driver = asyncio.get_running_loop().create_task(self._drive())
+
+    async def _drive(self) -> None:
+        """The one stepping loop: each step runs in a worker thread so other coroutines progress between steps."""
+        try:
+            while True:
+                for state, seqs in self._pending:
+                    self._admit(state, seqs)
+                self._pending.clear()
+                if not self.scheduler.has_work():
+                    return
+                events = await asyncio.to_thread(self._step)
+                self._deliver(events)
+        except BaseException as err:
+            self._abort_all(err)
+            if not isinstance(err, Exception):
+                raise
+
+    def _deliver(self, events: list[tuple[_RequestState, Sequence, int, float, str | None]]) -> None:
+        for state, seq, _tok, _lp, reason in events:
+            if state.queue is not None:
+                ids = seq.output_ids
+                text_ids = ids[:-1] if reason == "stop" and self._is_stop_token(seq, ids[-1]) else ids
+                text = self.tokenizer.decode(text_ids)
+                if reason is None and text.endswith("\ufffd"):
+                    text = state.emitted_text.get(seq.index, "")  # wait for the rest of a multi-byte character
+                prev = state.emitted_text.get(seq.index, "")
+                new_ids = ids[seq.num_emitted :]
+                new_lps = seq.logprobs[seq.num_emitted :]
+                seq.num_emitted = len(ids)
+                state.emitted_text[seq.index] = text
+                state.queue.put_nowait(StreamDelta(state.request_id, seq.index, new_ids, new_lps, text[len(prev) :], reason))
+            if state.future is not None and state.done and not state.future.done():
+                state.future.set_result(self._output(state))
+
+    def load_weights(self, weights: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+        """Copy HF-named weights in place (a `base_model.model.` prefix is stripped); bumps `version`.
+
+        The prefix cache is dropped (its K/V belong to the old weights); sequences in flight keep the
+        K/V they already computed."""
+        items = weights.items() if isinstance(weights, dict) else weights
+        with self._step_lock:
+            self.runner.load_weights(items)
+            self.bm.reset_prefix_cache()
+            self.version = self.version + 1 if version is None else int(version)
+
+    def release_kv_cache(self) -> None:
+        """Free the KV block pool (e.g. while a colocated learner trains); the next step re-allocates it."""
+        with self._step_lock:
+            if self.scheduler.has_work() or self._pending:
+                raise RuntimeError("cannot release the KV cache while requests are in flight")
+            self.runner.release_kv_cache()
+            self.bm.reset_prefix_cache()
+
+    def kv_stats(self) -> dict:
+        """Current and peak KV usage: blocks allocated, tokens stored, waste fraction, prefix-cache hits."""
+        now = self.bm.stats(self.scheduler.running)
+        peak = self._peak or now
+        return {
+            **now,
+            "peak_blocks_allocated": peak["blocks_allocated"],
+            "peak_tokens_stored": peak["tokens_stored"],
+            "peak_tokens_logical": peak["tokens_logical"],
+            "peak_waste_frac": peak["waste_frac"],
+            "preemptions": self.scheduler.num_preemptions,
+            "kv_cache_bytes": self.runner.kv_cache_bytes(),
+            "kv_cache_allocated": self.runner.k_cache is not None,
+        }
+
+    def reset_stats(self) -> None:
+        self._peak = None
+        self.bm.prefix_hit_tokens = 0
+        self.bm.shared_fork_blocks = 0
+        self.scheduler.num_preemptions = 0

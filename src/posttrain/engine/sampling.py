@@ -1,0 +1,115 @@
+"""Turning next-token logits into tokens and their logprobs, one generator per sequence.
+
+Order (as transformers applies it): repetition penalty, temperature, then top-k, top-p, min-p.
+The logprob returned is that of the sampled token under the distribution after repetition penalty
+and temperature, before truncation (for temperature 0, greedy, under the untempered softmax). Each
+row draws from its own torch.Generator, so a seeded sequence samples the same tokens whatever else
+is in the batch. Does not decide when to stop (paged.py does).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from posttrain.engine.types import SamplingParams
+
+_MIX = 0x9E3779B97F4A7C15
+
+
+def seed_for(seed: int, index: int) -> int:
+    """The generator seed of completion `index` of a request seeded `seed` (distinct across (seed, index))."""
+    return (seed * _MIX + index * 0xBF58476D1CE4E5B9 + 1) % (2**63 - 1)
+
+
+def apply_repetition_penalty(logits: torch.Tensor, token_ids: list[int], penalty: float) -> torch.Tensor:
+    """HF semantics: a seen token's logit is divided by the penalty if positive, multiplied if negative."""
+    if penalty == 1.0 or not token_ids:
+        return logits
+    ids = torch.tensor(sorted(set(token_ids)), dtype=torch.long, device=logits.device)
+    seen = logits.index_select(-1, ids)
+    logits = logits.clone()
+    logits[..., ids] = torch.where(seen > 0, seen / penalty, seen * penalty)
+    return logits
+
+
+def truncate(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Mask (to -inf) what top-k, then top-p, then min-p exclude from one row of tempered logits."""
+    neg = torch.finfo(logits.dtype).min
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, neg)
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=False)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        remove_sorted = cum <= (1.0 - top_p)
+        remove_sorted[-1] = False  # always keep the most likely token
+        remove = torch.zeros_like(remove_sorted).scatter(0, order, remove_sorted)
+        logits = logits.masked_fill(remove, neg)
+    if min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), neg)
+    return logits
+
+
+def sample_row(
+    logits: torch.Tensor, params: SamplingParams, history: list[int], generator: torch.Generator
+) -> tuple[int, float]:
+    """One token and its logprob from one row of float32 logits `[vocab]`."""
+    logits = apply_repetition_penalty(logits, history, params.repetition_penalty)
+    if params.temperature == 0.0:
+        token = int(torch.argmax(logits))
+        return token, float(torch.log_softmax(logits, -1)[token])
+    tempered = logits / params.temperature
+    logp = torch.log_softmax(tempered, -1)
+    if params.top_k or params.top_p < 1.0 or params.min_p > 0.0:
+        probs = truncate(tempered, params.top_k, params.top_p, params.min_p).softmax(-1)
+    else:
+        probs = logp.exp()
+    token = int(_inverse_cdf(probs[None, :], torch.rand(1, generator=generator, dtype=torch.float64))[0])
+    return token, float(logp[token])
+
+
+def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of `probs` `[B, V]` from one uniform in [0, 1) per row (float64 cumsum).
+
+    The target (1 - u) * total lies in (0, total], so the first index whose cumulative mass reaches it
+    always has non-zero probability."""
+    cdf = probs.double().cumsum(-1)
+    target = (1.0 - uniforms) * cdf[:, -1]
+    return torch.searchsorted(cdf, target[:, None]).clamp_(max=probs.shape[-1] - 1)[:, 0]
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    histories: list[list[int]],
+    generators: list[torch.Generator],
+) -> tuple[list[int], list[float]]:
+    """Tokens and logprobs for a batch `[B, vocab]`; greedy rows without penalties go through one argmax."""
+    B = logits.shape[0]
+    tokens: list[int] = [0] * B
+    logprobs: list[float] = [0.0] * B
+    simple_greedy = [i for i, p in enumerate(params) if p.temperature == 0.0 and p.repetition_penalty == 1.0]
+    if simple_greedy:
+        idx = torch.tensor(simple_greedy)
+        rows = logits[idx]
+        top = rows.argmax(-1)
+        lp = torch.log_softmax(rows, -1).gather(-1, top[:, None])[:, 0]
+        for j, i in enumerate(simple_greedy):
+            tokens[i], logprobs[i] = int(top[j]), float(lp[j])
+    plain = [i for i, p in enumerate(params) if p.temperature > 0.0 and p.repetition_penalty == 1.0
+             and not (p.top_k or p.top_p < 1.0 or p.min_p > 0.0)]
+    if plain:
+        idx = torch.tensor(plain)
+        temps = torch.tensor([params[i].temperature for i in plain], dtype=logits.dtype)
+        logp = torch.log_softmax(logits[idx] / temps[:, None], -1)
+        uniforms = torch.cat([torch.rand(1, generator=generators[i], dtype=torch.float64) for i in plain])
+        top = _inverse_cdf(logp.exp(), uniforms)
+        lp = logp.gather(-1, top[:, None])[:, 0]
+        for j, i in enumerate(plain):
+            tokens[i], logprobs[i] = int(top[j]), float(lp[j])
+    done = set(simple_greedy) | set(plain)
+    for i in range(B):
+        if i not in done:
+            tokens[i], logprobs[i] = sample_row(logits[i], params[i], histories[i], generators[i])
+    return tokens, logprobs

@@ -1,0 +1,87 @@
+"""Continuous batching: which sequences run in the next step, and how many of their tokens.
+
+Owns the waiting and running queues, the per-step token budget (chunked prefill: a long prompt is
+split over steps, decodes always go first), preemption by recompute when blocks run out (the most
+recently admitted sequence goes first, back to the front of the queue, so the oldest always
+progresses: no starvation). Does not run the model or sample.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from posttrain.engine.block_manager import BlockManager
+from posttrain.engine.sequence import Sequence, Status
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _slots(self, seq: Sequence) -> int:
+        return seq.num_forks if seq.num_forks > 1 else 1
+
+    def preempt(self, seq: Sequence) -> None:
+        self.bm.free_seq(seq)
+        seq.status = Status.WAITING
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """The next step's work: (sequence, number of its tokens to compute)."""
+        budget = self.max_num_batched_tokens
+        out: list[tuple[Sequence, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed, budget)
+            while not self.bm.ensure(seq, seq.num_computed + n):
+                victim = self.running[-1]
+                self.preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                out.append((seq, n))
+                budget -= n
+                i += 1
+                continue
+            break  # seq itself was preempted: it was the last one running
+        if preempted:
+            return out
+        used_slots = sum(self._slots(s) for s in self.running)
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if used_slots + self._slots(seq) > self.max_num_seqs:
+                break
+            if not seq.block_table:
+                self.bm.allocate_cached_prefix(seq)
+            n = min(seq.num_uncomputed, budget)
+            if not self.bm.ensure(seq, seq.num_computed + n):
+                self.bm.free_seq(seq)  # drop its cached-prefix references until it can run
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            used_slots += self._slots(seq)
+            out.append((seq, n))
+            budget -= n
+        return out
+
+    def finish(self, seq: Sequence) -> None:
+        seq.status = Status.FINISHED
+        self.bm.free_seq(seq)
+        self.running.remove(seq)

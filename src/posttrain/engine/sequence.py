@@ -1,0 +1,71 @@
+"""One sequence being generated: its tokens, how many have KV in the cache, its block table.
+
+Owns per-sequence state (tokens, sampled logprobs, the sampling generator, stop bookkeeping). Does
+not allocate blocks (block_manager.py) or decide when it runs (scheduler.py).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from posttrain.engine.types import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Tokens = prompt + generated; `num_computed` of them have their K/V in the cache."""
+
+    def __init__(
+        self,
+        request_id: str,
+        index: int,
+        prompt: list[int],
+        params: SamplingParams,
+        generator: torch.Generator,
+        arrival_s: float,
+        num_forks: int = 1,
+    ) -> None:
+        self.request_id = request_id
+        self.index = index  # which of the request's n completions
+        self.token_ids: list[int] = list(prompt)
+        self.num_prompt = len(prompt)
+        self.params = params
+        self.generator = generator
+        self.arrival_s = arrival_s
+        self.num_forks = num_forks  # > 1: fork into this many sequences when the prompt is prefilled
+        self.num_computed = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chain hashes of this sequence's full, computed blocks
+        self.logprobs: list[float] = []
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.first_token_s: float | None = None
+        self.num_emitted = 0  # completion tokens already handed to a stream
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    def fork(self, index: int, generator: torch.Generator) -> Sequence:
+        """A sibling sharing this sequence's tokens so far (the block table is shared by the block manager)."""
+        child = Sequence(self.request_id, index, self.token_ids, self.params, generator, self.arrival_s)
+        child.num_prompt = self.num_prompt
+        child.num_computed = self.num_computed
+        child.block_hashes = list(self.block_hashes)
+        child.logprobs = list(self.logprobs)
+        child.status = self.status
+        return child

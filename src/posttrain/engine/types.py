@@ -1,0 +1,116 @@
+"""The engine's request and result types, shared by every backend (paged, hf, vllm).
+
+Owns validation of sampling parameters and requests (clear errors for bad input). Does not
+generate: the backends in `paged.py`, `hf.py` and `vllm_backend.py` do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class BadRequestError(ValueError):
+    """A request the engine cannot serve; the message names the field and what would be right."""
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request.
+
+    temperature 0 is greedy. top_k 0 and top_p 1 and min_p 0 mean no truncation. `stop` strings and
+    `stop_token_ids` end a completion (the model's EOS ids always do, unless `ignore_eos`). `seed`
+    makes the completions reproducible whatever else is in the batch; `n` completions share the
+    prompt's KV blocks.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int = 128
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+    n: int = 1
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        if not self.temperature >= 0.0:
+            raise BadRequestError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise BadRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise BadRequestError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 <= self.min_p < 1.0:
+            raise BadRequestError(f"min_p must be in [0, 1), got {self.min_p}")
+        if not self.repetition_penalty > 0.0:
+            raise BadRequestError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        if self.max_tokens <= 0:
+            raise BadRequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.n < 1:
+            raise BadRequestError(f"n must be >= 1, got {self.n}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise BadRequestError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+
+
+@dataclass
+class GenerationRequest:
+    prompt_token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str | None = None
+
+
+@dataclass
+class Completion:
+    """One sampled continuation.
+
+    `token_ids` include the stop token when generation stopped on one (the trainer must learn to
+    emit it), and end with the token that completed a stop string. `logprobs[i]` is the logprob of
+    `token_ids[i]` under the distribution it was sampled from: after repetition penalty and
+    temperature, before top-k/top-p/min-p truncation (for temperature 0: the untempered softmax).
+    `text` decodes `token_ids` without a trailing stop token. `finish_reason` is "stop" or "length".
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str
+
+
+@dataclass
+class GenerationOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    completions: list[Completion]
+    ttft_s: float
+
+
+@dataclass
+class StreamDelta:
+    """New tokens of one completion (`index` of n) since the last delta; the last one has a finish_reason."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str | None = None
+
+
+def validate_request(req: GenerationRequest, vocab_size: int, max_model_len: int) -> None:
+    """Raise BadRequestError for an empty prompt, out-of-vocabulary ids, or a prompt too long."""
+    if not isinstance(req, GenerationRequest):
+        raise BadRequestError(f"expected a GenerationRequest, got {type(req).__name__}")
+    req.params.validate()
+    ids = req.prompt_token_ids
+    if len(ids) == 0:
+        raise BadRequestError("prompt_token_ids is empty; a request needs at least one prompt token")
+    bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+    if bad:
+        raise BadRequestError(f"prompt_token_ids holds ids outside [0, {vocab_size}): {bad[:5]}")
+    if len(ids) >= max_model_len:
+        raise BadRequestError(
+            f"prompt of {len(ids)} tokens does not fit the context: max_model_len is {max_model_len} "
+            "and at least one new token is needed"
+        )

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import threading
@@ -41,6 +42,14 @@ def _summary(latencies_s: list[float], elapsed_s: float, errors: int) -> dict:
     return {"per_s": len(latencies_s) / elapsed_s if elapsed_s else 0.0,
             "p50_ms": _percentile(latencies_s, 0.50) * 1000, "p99_ms": _percentile(latencies_s, 0.99) * 1000,
             "n": len(latencies_s), "errors": errors}
+
+
+def _median_summary(runs: list[dict]) -> dict:
+    """Median of each figure over repeated measurements; counts are summed."""
+    out = {k: statistics.median(r[k] for r in runs) for k in ("per_s", "p50_ms", "p99_ms")}
+    out["n"] = sum(r["n"] for r in runs)
+    out["errors"] = sum(r["errors"] for r in runs)
+    return out
 
 
 def _closed_loop_threads(fn: Callable[[], bool], clients: int, seconds: float) -> dict:
@@ -110,7 +119,8 @@ def _bwrap_prefix(binds: list) -> list[str] | None:
 
 def main(args: list[str]) -> dict:
     parser = argparse.ArgumentParser(prog="posttrain bench sandbox", description=__doc__)
-    parser.add_argument("--seconds", type=float, default=3.0, help="duration of each measurement")
+    parser.add_argument("--seconds", type=float, default=1.5, help="duration of each measurement")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians are reported")
     parser.add_argument("--clients", type=int, default=0, help="concurrent clients (default: 2 x pool size)")
     parser.add_argument("--pool-size", type=int, default=0, help="workers per profile (default: CPU count)")
     parser.add_argument("--skip-numpy", action="store_true")
@@ -147,24 +157,27 @@ def main(args: list[str]) -> dict:
 
         for name, code, profile in scenarios:
             console.print(f"[dim]measuring {name} ...[/]")
-            rows[name] = {"pool": asyncio.run(pool_measure(name, code, profile))}
-            env = dict(base_env)
-            python = sys.executable
-            if profile == "numpy":
-                binds = iso_mod.package_dirs(("numpy",))
-            else:
-                binds = []
-            rows[name]["subprocess"] = _closed_loop_threads(
-                _subprocess_runner([python, "-c"] if profile == "numpy" else [python, "-I", "-c"], code, env),
-                clients, opts.seconds)
+            binds = iso_mod.package_dirs(("numpy",)) if profile == "numpy" else []
+            python = [sys.executable, "-c"] if profile == "numpy" else [sys.executable, "-I", "-c"]
+            runners: dict[str, Callable[[], dict]] = {
+                "pool": lambda name=name, code=code, profile=profile: asyncio.run(pool_measure(name, code, profile)),
+                "subprocess": lambda code=code, python=python: _closed_loop_threads(
+                    _subprocess_runner(python, code, base_env), clients, opts.seconds),
+            }
             prefix = _bwrap_prefix(binds)
             if prefix is not None:
-                rows[name]["bwrap"] = _closed_loop_threads(_subprocess_runner(prefix, code, env), clients, opts.seconds)
+                runners["bwrap"] = lambda code=code, prefix=prefix: _closed_loop_threads(
+                    _subprocess_runner(prefix, code, base_env), clients, opts.seconds)
+            samples: dict[str, list[dict]] = {r: [] for r in runners}
+            for _ in range(opts.repeats):  # interleaved, so load drift hits every runner alike
+                for runner, measure in runners.items():
+                    samples[runner].append(measure())
+            rows[name] = {runner: _median_summary(runs) for runner, runs in samples.items()}
     finally:
         sb.close_blocking()
 
-    table = Table(title=f"sandbox: executions/s, closed loop, {clients} clients, pool {pool_size}, "
-                        f"{os.cpu_count()} CPUs")
+    table = Table(title=f"sandbox: executions/s (median of {opts.repeats}), closed loop, {clients} clients, "
+                        f"pool {pool_size}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
     for col in ("scenario", "runner", "exec/s", "p50 ms", "p99 ms", "n", "errors"):
         table.add_column(col)
     for name, runners in rows.items():
@@ -175,6 +188,7 @@ def main(args: list[str]) -> dict:
     console.print(f"isolation layers active: {', '.join(sb.layers)}", highlight=False)
 
     out: dict = {"isolation": sb.layers, "pool_size": pool_size, "clients": clients, "seconds": opts.seconds,
+                 "repeats": opts.repeats, "load_avg_1m": os.getloadavg()[0],
                  "cpu_count": os.cpu_count(), "bwrap_available": shutil.which("bwrap") is not None,
                  "sandbox_errors": sb.stats.get("sandbox_errors", 0)}
     for name, runners in rows.items():

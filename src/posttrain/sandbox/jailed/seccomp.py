@@ -2,7 +2,8 @@
 
 Runs inside the jail (stdlib only, never imports posttrain). Owns the deny list and its encoding for
 x86_64; on other architectures `build_filter` raises `SeccompUnsupported` and the caller reports the
-layer as missing. It does not decide when to install the filter: the worker does, in each job child.
+layer as missing. It does not decide when to install the filter: the worker installs it on itself
+once, before serving jobs, so every forked job child inherits it (it cannot be removed).
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ X86_64_DENY = {
     "process_vm_readv": 310, "process_vm_writev": 311, "finit_module": 313, "kexec_file_load": 320,
     "bpf": 321, "userfaultfd": 323, "pidfd_send_signal": 424, "io_uring_setup": 425,
     "io_uring_enter": 426, "io_uring_register": 427, "open_tree": 428, "move_mount": 429,
-    "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433, "pidfd_open": 434,
-    "mount_setattr": 442,
+    "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433, "pidfd_getfd": 438,
+    "process_madvise": 440, "mount_setattr": 442, "process_mrelease": 448,
 }
 X86_64_NET_DENY = {"connect": 42, "accept": 43, "bind": 49, "listen": 50, "accept4": 288}
 NR_SOCKET, NR_SOCKETPAIR, NR_CLONE, NR_CLONE3 = 41, 53, 56, 435

@@ -103,7 +103,11 @@ class Worker:
                 self.seccomp_status = self._verify_seccomp()
             except seccomp.SeccompUnsupported as err:
                 self.seccomp_status = f"unavailable: {err}"
-            if self.seccomp_status != "on":
+            if self.seccomp_status == "on":
+                # The worker runs under the filter itself, so each job child inherits it for free. The
+                # filter forbids signalling this pid, so the worker sweeps by walking its process tree.
+                self.seccomp.install()  # type: ignore[union-attr]
+            else:
                 self.seccomp = None
         gc.collect()
         gc.freeze()  # keeps forked children from copying the worker's heap on the first GC
@@ -139,10 +143,11 @@ class Worker:
                 self._write_input(name, data)
             lang = header["language"]
             limits = header["limits"]
-            stdin_fd = os.memfd_create("stdin", 0)
+            stdin_fd = os.memfd_create("stdin", 0) if stdin else os.open("/dev/null", os.O_RDONLY)
             try:
-                os.write(stdin_fd, stdin) if stdin else None
-                os.lseek(stdin_fd, 0, os.SEEK_SET)
+                if stdin:
+                    os.write(stdin_fd, stdin)
+                    os.lseek(stdin_fd, 0, os.SEEK_SET)
                 compile_ms = 0.0
                 if lang in COMPILE:
                     argv, src = COMPILE[lang]
@@ -354,14 +359,13 @@ class Worker:
         return False
 
     def _kill_descendants(self) -> bool:
-        """SIGKILL and reap every process the job left behind (daemons too); True when none remain."""
+        """SIGKILL and reap every process the job left behind (daemons too); True when none remain.
+
+        We are a subreaper, so orphans come back to us; the PID namespace holds nothing else."""
         deadline = time.monotonic() + 1.0
         while True:
-            if self.in_pidns:
-                _kill_quiet(-1)  # everyone in this PID namespace but us and its init
-            for child in _children():
-                _kill_quiet(child)
-                _kill_quiet(-child)
+            for pid in _descendants():
+                _kill_quiet(pid)
             while True:
                 try:
                     got, _ = os.waitpid(-1, os.WNOHANG)
@@ -405,9 +409,9 @@ class Worker:
         os.closerange(4, 1 << 16)
         os.set_inheritable(3, False)
         os.chdir(self.jobdir)
-        signal.signal(signal.SIGPIPE, signal.SIG_DFL if target[0] == "exec" else signal.SIG_IGN)
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
-            signal.signal(sig, signal.SIG_DFL)
+        if target[0] == "exec":  # Python jobs keep Python's own handlers (SIGPIPE, SIGXFSZ ignored)
+            signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
         mem = int(limits["memory_bytes"])
         as_limit = mem + (self.base_vm_bytes if target[0] == "python" else 0)
         cpu = max(1, int(limits["cpu_time_s"] + 0.999))
@@ -426,8 +430,6 @@ class Worker:
         env = {"PATH": "/usr/bin:/bin", "HOME": self.jobdir, "TMPDIR": os.path.join(self.jobdir, ".tmp"),
                "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
                "PYTHONIOENCODING": "utf-8", "PYTHONHASHSEED": "0"}
-        if self.seccomp is not None:
-            self.seccomp.install()
         if target[0] == "exec":
             os.execve(target[1][0], target[1], env)
         os.environ.clear()
@@ -497,17 +499,22 @@ def _vm_size() -> int:
         return 64 << 20
 
 
-def _walk_files(root: str):
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in filenames:
-            path = os.path.join(dirpath, name)
-            try:
-                st = os.lstat(path)
-            except OSError:
-                continue
-            if stat.S_ISREG(st.st_mode):
-                yield os.path.relpath(path, root), st
-        dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d))]
+def _walk_files(root: str, rel: str = ""):
+    """(relative path, lstat) of every regular file under root, not following symlinks."""
+    try:
+        entries = list(os.scandir(os.path.join(root, rel) if rel else root))
+    except OSError:
+        return
+    for entry in entries:
+        name = f"{rel}/{entry.name}" if rel else entry.name
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            yield name, st
+        elif stat.S_ISDIR(st.st_mode):
+            yield from _walk_files(root, name)
 
 
 def _kill_quiet(pid: int) -> None:
@@ -517,15 +524,25 @@ def _kill_quiet(pid: int) -> None:
         pass
 
 
-def _children() -> list[int]:
-    pids: list[int] = []
-    try:
-        for tid in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{tid}/children") as fh:
-                pids.extend(int(p) for p in fh.read().split())
-    except OSError:
-        pass
-    return pids
+def _descendants() -> list[int]:
+    """Every live descendant of this process, from /proc/<pid>/task/<tid>/children."""
+    found: list[int] = []
+    frontier = [os.getpid()]
+    while frontier:
+        pid = frontier.pop()
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children") as fh:
+                    kids = [int(k) for k in fh.read().split()]
+            except OSError:
+                continue
+            found.extend(kids)
+            frontier.extend(kids)
+    return found
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ import torch
 from posttrain.models import load_policy
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny(family: str, seed: int = 0):
     return load_policy(f"tiny:{family}", seed=seed)
 
@@ -21,9 +21,13 @@ def random_prompts(lengths: list[int], seed: int = 0, vocab: int = 49152) -> lis
 
 @torch.inference_mode()
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 @torch.inference_mode()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from posttrain.engine import GenerationRequest, PagedEngine, SamplingParams
 from engine.helpers import hf_greedy, hf_logprobs, random_prompts, tiny
+from posttrain.engine import GenerationRequest, PagedEngine, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20)
 
@@ -66,7 +66,9 @@ def test_sampled_logprobs_are_tempered_full_forward_logprobs(tokenizer):
     prompts = random_prompts([6, 19], seed=6)
     engine = PagedEngine(model, tokenizer, block_size=4, num_blocks=64)
     params = SamplingParams(temperature=0.7, top_k=50, max_tokens=16, seed=3)
-    for prompt, out in zip(prompts, engine.generate([GenerationRequest(p, params) for p in prompts]), strict=True):
+    for prompt, out in zip(
+        prompts, engine.generate([GenerationRequest(p, params) for p in prompts]), strict=True
+    ):
         comp = out.completions[0]
         ref = hf_logprobs(model, prompt, comp.token_ids, temperature=0.7)
         assert max(abs(a - b) for a, b in zip(ref, comp.logprobs, strict=True)) < 1e-4
@@ -78,6 +80,8 @@ def test_embedded_135m_model_greedy_matches_hf(tokenizer):
     model = load_policy("smollm2-135m")
     prompts = [tokenizer.encode("The capital of France is"), tokenizer.encode("def fibonacci(n):")]
     engine = PagedEngine(model, tokenizer, num_blocks=64)
-    outs = engine.generate([GenerationRequest(p, SamplingParams(temperature=0.0, max_tokens=12)) for p in prompts])
+    outs = engine.generate(
+        [GenerationRequest(p, SamplingParams(temperature=0.0, max_tokens=12)) for p in prompts]
+    )
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.completions[0].token_ids == hf_greedy(model, prompt, 12)

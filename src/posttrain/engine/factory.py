@@ -17,16 +17,25 @@ def make_engine(engine_cfg: EngineConfig, model: Any, tokenizer: Any, *, seed: i
         from posttrain.engine.paged import PagedEngine
 
         return PagedEngine(
-            model, tokenizer, dtype=engine_cfg.dtype, kv_cache_dtype=engine_cfg.kv_cache_dtype,
-            block_size=engine_cfg.block_size, num_blocks=engine_cfg.num_kv_blocks,
-            max_num_seqs=engine_cfg.max_num_seqs, max_num_batched_tokens=engine_cfg.max_num_batched_tokens,
-            max_model_len=engine_cfg.max_model_len, enable_prefix_caching=engine_cfg.enable_prefix_caching,
-            device=engine_cfg.device, seed=seed,
+            model,
+            tokenizer,
+            dtype=engine_cfg.dtype,
+            kv_cache_dtype=engine_cfg.kv_cache_dtype,
+            block_size=engine_cfg.block_size,
+            num_blocks=engine_cfg.num_kv_blocks,
+            max_num_seqs=engine_cfg.max_num_seqs,
+            max_num_batched_tokens=engine_cfg.max_num_batched_tokens,
+            max_model_len=engine_cfg.max_model_len,
+            enable_prefix_caching=engine_cfg.enable_prefix_caching,
+            device=engine_cfg.device,
+            seed=seed,
         )
     if engine_cfg.backend == "hf":
         from posttrain.engine.hf import HFEngine
 
-        return HFEngine(model, tokenizer, max_model_len=engine_cfg.max_model_len, max_batch_size=engine_cfg.max_num_seqs)
+        return HFEngine(
+            model, tokenizer, max_model_len=engine_cfg.max_model_len, max_batch_size=engine_cfg.max_num_seqs
+        )
     if engine_cfg.backend == "vllm":
         from posttrain.engine.vllm_backend import VLLMEngine
 

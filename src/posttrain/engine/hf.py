@@ -28,7 +28,9 @@ from posttrain.engine.types import (
 
 
 class HFEngine:
-    def __init__(self, model: Any, tokenizer: Any, *, max_model_len: int = 4096, max_batch_size: int = 64) -> None:
+    def __init__(
+        self, model: Any, tokenizer: Any, *, max_model_len: int = 4096, max_batch_size: int = 64
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -41,8 +43,19 @@ class HFEngine:
         self.eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
 
     def _key(self, p: SamplingParams) -> tuple:
-        return (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty, p.max_tokens, tuple(p.stop),
-                tuple(p.stop_token_ids), p.seed, p.n, p.ignore_eos)
+        return (
+            p.temperature,
+            p.top_p,
+            p.top_k,
+            p.min_p,
+            p.repetition_penalty,
+            p.max_tokens,
+            tuple(p.stop),
+            tuple(p.stop_token_ids),
+            p.seed,
+            p.n,
+            p.ignore_eos,
+        )
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
         for r in requests:
@@ -83,8 +96,13 @@ class HFEngine:
         if p.temperature == 0.0:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         else:
-            kwargs.update(do_sample=True, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or None,
-                          min_p=p.min_p or None)
+            kwargs.update(
+                do_sample=True,
+                temperature=p.temperature,
+                top_p=p.top_p,
+                top_k=p.top_k or None,
+                min_p=p.min_p or None,
+            )
         if p.stop:
             kwargs.update(stop_strings=list(p.stop), tokenizer=self.tokenizer)
         if p.seed is not None:
@@ -130,7 +148,11 @@ class HFEngine:
         for j, c in enumerate(out.completions):
             yield StreamDelta(out.request_id, j, c.token_ids, c.logprobs, c.text, c.finish_reason)
 
-    def load_weights(self, weights: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+    def load_weights(
+        self,
+        weights: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        version: int | None = None,
+    ) -> None:
         items = weights.items() if isinstance(weights, dict) else weights
         params = dict(self.model.named_parameters())
         params.update(dict(self.model.named_buffers()))

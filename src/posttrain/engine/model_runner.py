@@ -145,7 +145,9 @@ class ModelRunner:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got '{dtype}'")
         if kv_cache_dtype != "auto" and kv_cache_dtype not in DTYPES:
-            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {list(DTYPES)}, got '{kv_cache_dtype}'")
+            raise ValueError(
+                f"kv_cache_dtype must be 'auto' or one of {list(DTYPES)}, got '{kv_cache_dtype}'"
+            )
         self.spec = ModelSpec.from_hf_config(config, max_model_len)
         self.dtype = DTYPES[dtype]
         self.kv_dtype = self.dtype if kv_cache_dtype == "auto" else DTYPES[kv_cache_dtype]
@@ -254,7 +256,9 @@ class ModelRunner:
             if target is None:
                 continue
             if tuple(target.shape) != tuple(tensor.shape):
-                raise ValueError(f"weight '{raw_name}' has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+                raise ValueError(
+                    f"weight '{raw_name}' has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+                )
             with torch.no_grad():
                 target.copy_(tensor.detach())
             loaded.add(name)
@@ -267,9 +271,17 @@ class ModelRunner:
             for i in range(self.spec.num_layers):
                 required.update(
                     f"model.layers.{i}.{p}"
-                    for p in ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight",
-                              "mlp.down_proj.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                              "self_attn.v_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight")
+                    for p in (
+                        "input_layernorm.weight",
+                        "post_attention_layernorm.weight",
+                        "self_attn.o_proj.weight",
+                        "mlp.down_proj.weight",
+                        "self_attn.q_proj.weight",
+                        "self_attn.k_proj.weight",
+                        "self_attn.v_proj.weight",
+                        "mlp.gate_proj.weight",
+                        "mlp.up_proj.weight",
+                    )
                 )
             missing = sorted(required - loaded)
             if missing:
@@ -342,7 +354,9 @@ class ModelRunner:
         x = _rms_norm(x, self.final_norm, eps)
         return F.linear(x, self.lm_head).float()
 
-    def _attention(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+    def _attention(
+        self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch
+    ) -> torch.Tensor:
         s = self.spec
         H, KV, hd = s.num_heads, s.num_kv_heads, s.head_dim
         g = H // KV
@@ -356,8 +370,11 @@ class ModelRunner:
             vd = self.v_cache[li][batch.decode_block_tables].view(D, nb * self.block_size, KV, hd)
             qd = q[:D].view(D, KV, g, hd)  # the g query heads of a KV head act as g "query positions"
             o = F.scaled_dot_product_attention(
-                qd, kd.transpose(1, 2).to(q.dtype), vd.transpose(1, 2).to(q.dtype),
-                attn_mask=batch.decode_mask, scale=self.scale,
+                qd,
+                kd.transpose(1, 2).to(q.dtype),
+                vd.transpose(1, 2).to(q.dtype),
+                attn_mask=batch.decode_mask,
+                scale=self.scale,
             )
             out[:D] = o.reshape(D, H * hd)
         for c in batch.prefills:
@@ -374,8 +391,13 @@ class ModelRunner:
                 mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]
                 causal = False
             o = F.scaled_dot_product_attention(
-                qc, kc.transpose(0, 1).unsqueeze(0), vc.transpose(0, 1).unsqueeze(0),
-                attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True,
+                qc,
+                kc.transpose(0, 1).unsqueeze(0),
+                vc.transpose(0, 1).unsqueeze(0),
+                attn_mask=mask,
+                is_causal=causal,
+                scale=self.scale,
+                enable_gqa=True,
             )
             out[r0 : r0 + n] = o[0].transpose(0, 1).reshape(n, H * hd)
         return out

@@ -56,9 +56,13 @@ def _hf_config_and_state(model: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     if hasattr(model, "config") and hasattr(model, "state_dict"):
         base = model
         if hasattr(model, "merge_and_unload") and hasattr(model, "peft_config"):
-            raise ValueError("pass a merged model (posttrain.models.merged_state_dict) rather than a PEFT wrapper")
+            raise ValueError(
+                "pass a merged model (posttrain.models.merged_state_dict) rather than a PEFT wrapper"
+            )
         return base.config, base.state_dict()
-    raise TypeError(f"model must be a transformers PreTrainedModel or a (config, state_dict) pair, got {type(model).__name__}")
+    raise TypeError(
+        f"model must be a transformers PreTrainedModel or a (config, state_dict) pair, got {type(model).__name__}"
+    )
 
 
 class PagedEngine:
@@ -80,14 +84,25 @@ class PagedEngine:
         device: str = "cpu",
         seed: int = 0,
     ) -> None:
-        for name, value in (("block_size", block_size), ("num_blocks", num_blocks), ("max_num_seqs", max_num_seqs),
-                            ("max_num_batched_tokens", max_num_batched_tokens), ("max_model_len", max_model_len)):
+        for name, value in (
+            ("block_size", block_size),
+            ("num_blocks", num_blocks),
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_model_len", max_model_len),
+        ):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         config, state = _hf_config_and_state(model)
         self.runner = ModelRunner(
-            config, state, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size,
-            num_blocks=num_blocks, max_model_len=max_model_len, device=device,
+            config,
+            state,
+            dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            max_model_len=max_model_len,
+            device=device,
         )
         self.tokenizer = tokenizer
         self.block_size = block_size
@@ -201,7 +216,10 @@ class PagedEngine:
         if D:
             nbs = [-(-(s.num_computed + 1) // bs) for s, _ in decodes]
             width = max(nbs)
-            tables = torch.tensor([s.block_table[:nb] + [0] * (width - nb) for (s, _), nb in zip(decodes, nbs, strict=True)], device=dev)
+            tables = torch.tensor(
+                [s.block_table[:nb] + [0] * (width - nb) for (s, _), nb in zip(decodes, nbs, strict=True)],
+                device=dev,
+            )
             ctx = torch.tensor([s.num_computed + 1 for s, _ in decodes], device=dev)
             mask = (torch.arange(width * bs, device=dev)[None, :] < ctx[:, None])[:, None, None, :]
         batch = StepBatch(
@@ -234,7 +252,9 @@ class PagedEngine:
             work = self.scheduler.schedule()
             if not work:
                 if self.scheduler.has_work():
-                    raise RuntimeError("the scheduler cannot make progress: the KV pool is too small for one sequence")
+                    raise RuntimeError(
+                        "the scheduler cannot make progress: the KV pool is too small for one sequence"
+                    )
                 return []
             self.runner.allocate_kv_cache()
             self.runner.copy_blocks(self.bm.pending_copies)
@@ -257,7 +277,8 @@ class PagedEngine:
             if len(rows) != len(samplers):
                 logits = logits[torch.tensor(rows)]
             tokens, logprobs = sample(
-                logits, [s.params for s in seqs],
+                logits,
+                [s.params for s in seqs],
                 [s.token_ids if s.params.repetition_penalty != 1.0 else [] for s in seqs],
                 [s.generator for s in seqs],
             )
@@ -306,7 +327,9 @@ class PagedEngine:
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
         """Generate every request (batched together); blocks until all are done."""
         if self._driver is not None and not self._driver.done():
-            raise RuntimeError("generate() called while async requests are in flight; use agenerate() from that loop")
+            raise RuntimeError(
+                "generate() called while async requests are in flight; use agenerate() from that loop"
+            )
         made = [self._make_state(r) for r in requests]
         ids = [s.request_id for s, _ in made]
         if len(set(ids)) != len(ids):
@@ -344,7 +367,9 @@ class PagedEngine:
         self._states.pop(state.request_id, None)
 
     def _submit(self, state: _RequestState, seqs: list[Sequence]) -> None:
-        if state.request_id in self._states or any(s.request_id == state.request_id for s, _ in self._pending):
+        if state.request_id in self._states or any(
+            s.request_id == state.request_id for s, _ in self._pending
+        ):
             raise BadRequestError(f"request_id '{state.request_id}' is already in flight")
         self._pending.append((state, seqs))
         if self._driver is None or self._driver.done():
@@ -373,17 +398,25 @@ class PagedEngine:
                 text_ids = ids[:-1] if reason == "stop" and self._is_stop_token(seq, ids[-1]) else ids
                 text = self.tokenizer.decode(text_ids)
                 if reason is None and text.endswith("\ufffd"):
-                    text = state.emitted_text.get(seq.index, "")  # wait for the rest of a multi-byte character
+                    text = state.emitted_text.get(
+                        seq.index, ""
+                    )  # wait for the rest of a multi-byte character
                 prev = state.emitted_text.get(seq.index, "")
                 new_ids = ids[seq.num_emitted :]
                 new_lps = seq.logprobs[seq.num_emitted :]
                 seq.num_emitted = len(ids)
                 state.emitted_text[seq.index] = text
-                state.queue.put_nowait(StreamDelta(state.request_id, seq.index, new_ids, new_lps, text[len(prev) :], reason))
+                state.queue.put_nowait(
+                    StreamDelta(state.request_id, seq.index, new_ids, new_lps, text[len(prev) :], reason)
+                )
             if state.future is not None and state.done and not state.future.done():
                 state.future.set_result(self._output(state))
 
-    def load_weights(self, weights: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+    def load_weights(
+        self,
+        weights: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        version: int | None = None,
+    ) -> None:
         """Copy HF-named weights in place (a `base_model.model.` prefix is stripped); bumps `version`.
 
         The prefix cache is dropped (its K/V belong to the old weights); sequences in flight keep the

@@ -97,8 +97,13 @@ def sample(
         lp = torch.log_softmax(rows, -1).gather(-1, top[:, None])[:, 0]
         for j, i in enumerate(simple_greedy):
             tokens[i], logprobs[i] = int(top[j]), float(lp[j])
-    plain = [i for i, p in enumerate(params) if p.temperature > 0.0 and p.repetition_penalty == 1.0
-             and not (p.top_k or p.top_p < 1.0 or p.min_p > 0.0)]
+    plain = [
+        i
+        for i, p in enumerate(params)
+        if p.temperature > 0.0
+        and p.repetition_penalty == 1.0
+        and not (p.top_k or p.top_p < 1.0 or p.min_p > 0.0)
+    ]
     if plain:
         idx = torch.tensor(plain)
         temps = torch.tensor([params[i].temperature for i in plain], dtype=logits.dtype)

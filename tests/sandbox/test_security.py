@@ -275,3 +275,11 @@ def test_native_memory_bomb(jail, language, code):
     res = jail.run_blocking(Job(code=code, language=language, limits=Limits(memory_bytes=256 << 20)))
     assert res.status == ExecStatus.MEMORY_EXCEEDED and res.max_rss_bytes < 300 << 20
     assert_serves_next(jail)
+
+
+def test_inode_flood_recycles_the_worker_instead_of_wiping(jail):
+    before = jail.stats["recycles"]
+    code = "import os\nfor i in range(20000):\n    os.close(os.open(f'f{i}', os.O_CREAT | os.O_WRONLY))\nprint('made')"
+    assert run(jail, code, wall_time_s=20).stdout == b"made\n"
+    assert jail.stats["recycles"] == before + 1  # the jail (and its tmpfs) was thrown away
+    assert_serves_next(jail)

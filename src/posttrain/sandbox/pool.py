@@ -221,11 +221,12 @@ class _Pool:
                         worker.kill()
                     worker = None
                     worker = self._spawn(slot)
+                ooms_before = worker.cgroup.oom_kills() if worker.cgroup is not None else 0
                 header, blobs = worker.execute(job)
                 result = _to_result(header, blobs)
                 recycle = bool(header.get("recycle")) or worker.jobs_done >= self.owner.settings.recycle_after
-                if worker.cgroup is not None and worker.cgroup.oom_kills() > 0:
-                    if result.signal == signal.SIGKILL:
+                if worker.cgroup is not None and worker.cgroup.oom_kills() > ooms_before:
+                    if result.signal == signal.SIGKILL:  # the kernel's OOM killer, not a limit of ours
                         result.status = ExecStatus.MEMORY_EXCEEDED
                     recycle = True
                 if result.status == ExecStatus.SANDBOX_ERROR:

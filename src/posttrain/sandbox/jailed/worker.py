@@ -30,6 +30,7 @@ PR_SET_CHILD_SUBREAPER = 36
 PR_SET_DUMPABLE = 4
 MEMORY_MARK = b"M"
 CHILD_FDS_LIMIT = 256
+MAX_INODES_TO_WIPE = 5000
 COMPILE = {
     "c": (["/usr/bin/gcc", "-O2", "-std=gnu17", "-o", "main", "main.c", "-lm"], "main.c"),
     "cpp": (["/usr/bin/g++", "-O2", "-std=gnu++17", "-o", "main", "main.cpp"], "main.cpp"),
@@ -187,7 +188,8 @@ class Worker:
             return {"status": "sandbox_error", "error": f"worker: {type(err).__name__}: {err}",
                     "wall_ms": (time.monotonic() - t0) * 1000, "recycle": True}, [b"", b""]
         finally:
-            if not self._wipe_jobdir():
+            # Millions of empty files cost kernel memory and a slow wipe: let the jail die instead.
+            if self._used_inodes() > MAX_INODES_TO_WIPE or not self._wipe_jobdir():
                 self.recycle_hint = True
 
     def _fresh_jobdir(self) -> None:
@@ -232,6 +234,13 @@ class Worker:
             names.append([rel, True])
             blobs.append(data)
         return names, blobs
+
+    def _used_inodes(self) -> int:
+        try:
+            st = os.statvfs(self.jobdir)
+        except OSError:
+            return 0
+        return st.f_files - st.f_ffree if self.in_pidns else 0  # only meaningful on the jail's own tmpfs
 
     def _wipe_jobdir(self) -> bool:
         """Empty the job dir; a job may have chmod-ed its own dirs to 000, so fix modes as we go."""

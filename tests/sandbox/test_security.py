@@ -283,3 +283,26 @@ def test_inode_flood_recycles_the_worker_instead_of_wiping(jail):
     assert run(jail, code, wall_time_s=20).stdout == b"made\n"
     assert jail.stats["recycles"] == before + 1  # the jail (and its tmpfs) was thrown away
     assert_serves_next(jail)
+
+
+def test_memory_spread_over_processes_hits_the_cgroup_backstop():
+    """Each process stays under RLIMIT_AS; together they exceed the worker's cgroup memory cap, the
+    kernel OOM-kills the biggest (the job itself) and the pool reports MEMORY_EXCEEDED and recycles."""
+    code = """
+import os, time
+for i in range(2):
+    if os.fork() == 0:
+        b = b'x' * (80 << 20)
+        time.sleep(5)
+        os._exit(0)
+time.sleep(0.5)
+a = b'x' * (250 << 20)
+print('survived')
+"""
+    with LocalSandbox(pool_size=1, memory_backstop_mb=256) as sb:
+        if sb.isolation.cgroups is None:
+            pytest.skip("no writable cgroups here")
+        res = sb.run_blocking(Job(code=code, limits=Limits(wall_time_s=10)))
+        assert (res.status, res.signal, res.stdout) == (ExecStatus.MEMORY_EXCEEDED, 9, b"")
+        assert sb.stats["recycles"] == 1
+        assert_serves_next(sb)

@@ -143,3 +143,15 @@ def test_a_hung_worker_hits_the_backstop(monkeypatch):
     finally:
         worker.kill()
     assert worker.proc.returncode == -9
+
+
+def test_overrides_are_validated_like_the_config():
+    import pydantic
+    import pytest
+
+    from posttrain.sandbox import LocalSandbox
+
+    with pytest.raises(pydantic.ValidationError, match="pool_sise"):
+        LocalSandbox(pool_sise=2)
+    with pytest.raises(pydantic.ValidationError, match="recycle_after"):
+        LocalSandbox(recycle_after=0)

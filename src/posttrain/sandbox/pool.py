@@ -268,8 +268,8 @@ class LocalSandbox:
 
             config = SandboxConfig()
         cfg = config
-        if overrides:
-            cfg = cfg.model_copy(update=overrides)
+        if overrides:  # validated like the config file would be (unknown keys and bad values raise)
+            cfg = type(cfg).model_validate({**cfg.model_dump(), **overrides})
         self.config = cfg
         self.isolation = iso_mod.detect()
         if not self.isolation.isolated and not cfg.allow_unisolated:

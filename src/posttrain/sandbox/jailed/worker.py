@@ -162,7 +162,8 @@ class Worker:
                     res, out, err = self.supervise(("exec", argv), climits, None)
                     compile_ms = res["wall_ms"]
                     if res["status"] != "ok":
-                        status = "compile_error" if res["status"] == "runtime_error" else res["status"]
+                        failed = res["status"] in ("runtime_error", "output_truncated")
+                        status = "compile_error" if failed else res["status"]
                         res.update(status=status, compile_ms=compile_ms)
                         return res, [out, err]
                     target = ("exec", ["./main", *header.get("argv", [])])

@@ -168,15 +168,17 @@ class PlacementConfig(Section):
 
 
 class SandboxConfig(Section):
+    """Where untrusted code runs: a local warm pool of jailed workers, or a remote sandbox service."""
+
     mode: Literal["local", "remote"] = "local"
-    url: str | None = None
-    token: str | None = None
-    pool_size: int = Field(0, ge=0, description="0 = follow the CPU count")
-    recycle_after: int = Field(500, ge=1)
-    allow_unisolated: bool = False
+    url: str | None = Field(None, description="remote mode: http://host:port of `posttrain sandbox serve`")
+    token: str | None = Field(None, description="remote mode: the service's bearer token")
+    pool_size: int = Field(0, ge=0, description="workers per profile; 0 = follow the CPU count")
+    recycle_after: int = Field(500, ge=1, description="replace a worker after this many jobs")
+    allow_unisolated: bool = Field(False, description="run without namespaces (bwrap) when unavailable: unsafe")
     allow_network: bool = Field(False, description="let jobs with Limits.network=True reach the network")
-    wall_time_s: float = Field(5.0, gt=0.0)
-    memory_mb: int = Field(512, ge=16)
+    wall_time_s: float = Field(5.0, gt=0.0, description="default job wall/CPU limit (limits_from_config)")
+    memory_mb: int = Field(512, ge=16, description="default job memory limit (limits_from_config)")
     job_disk_mb: int = Field(64, ge=1, description="size of each worker's private job tmpfs")
     memory_backstop_mb: int = Field(2048, ge=64, description="cgroup memory cap per worker (all its jobs)")
     max_pids: int = Field(128, ge=8, description="cgroup pids cap per worker (worker + job processes)")

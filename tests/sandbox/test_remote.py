@@ -3,6 +3,7 @@
 import asyncio
 import socket
 import threading
+import time
 
 import httpx
 import pytest
@@ -83,3 +84,29 @@ def test_make_sandbox_remote_needs_url():
     with pytest.raises(ValueError, match="sandbox.url is not set"):
         make_sandbox(SandboxConfig(mode="remote"))
     assert isinstance(make_sandbox(SandboxConfig(mode="remote", url="http://x:1", token="t")), RemoteSandbox)
+
+
+def test_bounded_concurrency_serializes_excess_requests(sandbox):
+    srv = make_server(sandbox, "127.0.0.1", 0, TOKEN, max_concurrent=1)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    try:
+        async def go():
+            async with RemoteSandbox(srv.url, TOKEN) as sb:
+                job = Job(code="import time\ntime.sleep(0.4)\nprint('slept')")
+                t0 = time.monotonic()
+                results = await asyncio.gather(sb.run(job), sb.run(job))
+                return results, time.monotonic() - t0
+
+        results, elapsed = asyncio.run(go())
+        assert [r.stdout for r in results] == [b"slept\n", b"slept\n"]
+        assert elapsed >= 0.8  # two workers were free, but one request at a time was admitted
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_run_sync_wrapper(sandbox):
+    from posttrain.sandbox import run_sync
+
+    assert run_sync(sandbox, Job(code="print('sync')")).stdout == b"sync\n"

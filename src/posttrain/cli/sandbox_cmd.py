@@ -11,9 +11,11 @@ from pathlib import Path
 import typer
 
 from posttrain.cli.common import EXIT_USAGE, console, err_console, fail, print_json_last
+from posttrain.config import SandboxConfig
 
 app = typer.Typer(help="Run untrusted code in the isolated sandbox.", no_args_is_help=True)
 
+_DEFAULTS = SandboxConfig()
 EXTENSIONS = {".py": "python", ".sh": "bash", ".bash": "bash", ".c": "c", ".cc": "cpp", ".cpp": "cpp",
               ".cxx": "cpp"}
 
@@ -116,8 +118,9 @@ def serve(
     token: str | None = typer.Option(None, "--token", envvar="POSTTRAIN_SANDBOX_TOKEN",
                                      help="bearer token clients must send (default: a random one, printed)"),
     pool_size: int = typer.Option(0, "--pool-size", help="workers per profile (0 = CPU count)"),
-    max_request_mb: int = typer.Option(16, "--max-request-mb"),
-    max_concurrent: int = typer.Option(64, "--max-concurrent", help="requests executing at once"),
+    max_request_mb: int = typer.Option(_DEFAULTS.max_request_mb, "--max-request-mb"),
+    max_concurrent: int = typer.Option(_DEFAULTS.max_concurrent_requests, "--max-concurrent",
+                                       help="requests executing at once"),
 ) -> None:
     """Serve the sandbox over HTTP (POST /run, POST /run_batch, GET /health)."""
     from posttrain.sandbox import LocalSandbox, SandboxUnavailable

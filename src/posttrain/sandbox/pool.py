@@ -231,18 +231,26 @@ class _Pool:
                     recycle = True
                 if result.status == ExecStatus.SANDBOX_ERROR:
                     self.owner.count("sandbox_errors")
-                if recycle:
-                    self.owner.count("recycles")
-                    worker.kill()
-                    worker = self._spawn(slot)
             except Exception as err:
                 self.owner.count("sandbox_errors")
                 result = ExecResult(status=ExecStatus.SANDBOX_ERROR, error=f"{type(err).__name__}: {err}")
+                recycle = False
                 if worker is not None:
                     worker.kill()
                     worker = None
             self.owner.count("jobs")
+            recycle = recycle and worker is not None
+            if recycle:
+                self.owner.count("recycles")
             fut.set_result(result)
+            if recycle:  # after answering: the replacement starts off the job's clock
+                assert worker is not None
+                worker.kill()
+                worker = None
+                try:
+                    worker = self._spawn(slot)
+                except Exception as err:  # the next job retries and reports it
+                    log.error("sandbox worker failed to restart: %s", err)
         if worker is not None:
             worker.kill()
             if worker.cgroup is not None:

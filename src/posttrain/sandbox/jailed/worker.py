@@ -28,6 +28,7 @@ import seccomp  # noqa: E402  (sibling module inside the jail)
 FRAME = struct.Struct("!II")  # header length, total blob length
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_DUMPABLE = 4
+PR_SET_PDEATHSIG = 1
 MEMORY_MARK = b"M"
 CHILD_FDS_LIMIT = 256
 MAX_INODES_TO_WIPE = 5000
@@ -419,6 +420,8 @@ class Worker:
         os.closerange(4, 1 << 16)
         os.set_inheritable(3, False)
         os.chdir(self.jobdir)
+        if not self.in_pidns:  # no PID namespace to take the job down with the worker
+            self.libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if target[0] == "exec":  # Python jobs keep Python's own handlers (SIGPIPE, SIGXFSZ ignored)
             signal.signal(signal.SIGPIPE, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -84,6 +84,7 @@ class Worker:
         self.seccomp_status = "off"
         self.base_vm_bytes = 0
         self.recycle_hint = False
+        self.job_env: dict[str, str] = {}
 
     # ---- setup -------------------------------------------------------------------------------
     def setup(self) -> dict:
@@ -111,6 +112,12 @@ class Worker:
                 self.seccomp.install()  # type: ignore[union-attr]
             else:
                 self.seccomp = None
+        # The worker's own environment becomes the jobs' (set once here, inherited by every fork).
+        self.job_env = {"PATH": "/usr/bin:/bin", "HOME": self.jobdir, "TMPDIR": os.path.join(self.jobdir, ".tmp"),
+                        "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "OPENBLAS_NUM_THREADS": "1",
+                        "OMP_NUM_THREADS": "1", "PYTHONIOENCODING": "utf-8", "PYTHONHASHSEED": "0"}
+        os.environ.clear()
+        os.environ.update(self.job_env)
         gc.collect()
         gc.freeze()  # keeps forked children from copying the worker's heap on the first GC
         self.base_vm_bytes = _vm_size()
@@ -440,25 +447,23 @@ class Worker:
                 resource.setrlimit(res, (soft, hard))
             except (ValueError, OSError):
                 resource.setrlimit(res, (min(soft, hard), hard))
-        env = {"PATH": "/usr/bin:/bin", "HOME": self.jobdir, "TMPDIR": os.path.join(self.jobdir, ".tmp"),
-               "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
-               "PYTHONIOENCODING": "utf-8", "PYTHONHASHSEED": "0"}
         if target[0] == "exec":
-            os.execve(target[1][0], target[1], env)
-        os.environ.clear()
-        os.environ.update(env)
+            os.execve(target[1][0], target[1], self.job_env)
         _run_python(target[1], argv)
 
 
 def _run_python(code: bytes, argv: list) -> None:
     """Execute user code in this (freshly forked, pre-warmed) interpreter, then exit like python."""
     sys.argv = ["solution.py", *argv]
-    sys.stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)), encoding="utf-8",
-                                 errors="surrogateescape")
-    sys.stdout = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)), encoding="utf-8",
-                                  errors="surrogateescape", write_through=False)
-    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
-                                  errors="backslashreplace", write_through=True)
+    if _STDIO_REUSABLE:  # the interpreter's own (never used) stdio objects now sit on the job's fds
+        sys.stdin, sys.stdout, sys.stderr = sys.__stdin__, sys.__stdout__, sys.__stderr__
+    else:
+        sys.stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)), encoding="utf-8",
+                                     errors="surrogateescape")
+        sys.stdout = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)), encoding="utf-8",
+                                      errors="surrogateescape")
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
+                                      errors="backslashreplace", write_through=True)
     sys.path[0] = os.getcwd()
     status = 0
     try:
@@ -488,6 +493,17 @@ def _run_python(code: bytes, argv: list) -> None:
         except (OSError, ValueError):  # the job closed its own stdout
             pass
     os._exit(status)
+
+
+def _stdio_reusable() -> bool:
+    """True when the interpreter's startup stdio is UTF-8 with the error handlers jobs expect."""
+    want = (("utf-8", "surrogateescape"), ("utf-8", "surrogateescape"), ("utf-8", "backslashreplace"))
+    streams = (sys.__stdin__, sys.__stdout__, sys.__stderr__)
+    return all(s is not None and (s.encoding.lower().replace("_", "-"), s.errors) == w
+               for s, w in zip(streams, want, strict=True))
+
+
+_STDIO_REUSABLE = False
 
 
 def _write_quiet(fd: int, data: bytes) -> None:
@@ -565,6 +581,8 @@ def main() -> None:
     os.dup2(null, 0)
     os.dup2(null, 1)
     os.close(null)
+    global _STDIO_REUSABLE
+    _STDIO_REUSABLE = _stdio_reusable()
     worker = Worker(cfg)
     write_frame(proto_out, worker.setup(), [])
     while True:

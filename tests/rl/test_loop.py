@@ -59,8 +59,9 @@ def _run(cfg, name: str, resume: bool = False) -> RLRun:
 
 
 def _untimed(rows):
+    """Metrics without wall-clock figures (seconds, rates, timestamps), which no two runs share."""
     return [
-        {k: v for k, v in r.items() if not any(k.startswith(p) for p in TIMING_PREFIXES) and not k.endswith("_per_s")}
+        {k: v for k, v in r.items() if not any(k.startswith(p) for p in TIMING_PREFIXES) and not k.endswith(("_s", "_per_s"))}
         for r in rows
     ]
 
@@ -123,6 +124,29 @@ class FailingSandbox:
         return None
 
 
+class FixedTextEngine:
+    """Answers every request with one fixed text (plus EOS); weight calls go to the real engine."""
+
+    def __init__(self, inner, tokenizer, text):
+        self.inner, self.text = inner, text
+        self.ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+
+    @property
+    def version(self):
+        return self.inner.version
+
+    def load_weights(self, weights, version=None):
+        self.inner.load_weights(weights, version=version)
+
+    def release_kv_cache(self):
+        self.inner.release_kv_cache()
+
+    async def agenerate(self, request):
+        from posttrain.engine import Completion, GenerationOutput
+
+        return GenerationOutput("fixed", list(request.prompt_token_ids), [Completion(self.ids, [-1.0] * len(self.ids), self.text, "stop")], 0.0)
+
+
 def test_infrastructure_failures_are_excluded_and_counted(tmp_path, monkeypatch):
     cfg = load_config(
         None,
@@ -134,6 +158,8 @@ def test_infrastructure_failures_are_excluded_and_counted(tmp_path, monkeypatch)
     rl = RLRun(cfg, run_dir)
     monkeypatch.setattr(rl, "_make_sandbox", lambda: FailingSandbox())
     rl.build()
+    # every answer carries a code block, so code episodes reach the (failing) sandbox
+    rl.engine = FixedTextEngine(rl.engine, rl.tokenizer, "```python\ndef solve(x):\n    return x\n```")
     seen = []
     real_step = rl.learner.step
 

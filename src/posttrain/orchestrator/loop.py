@@ -58,6 +58,8 @@ class RLRun:
         self._stop_signal: int | None = None
         self._loop = asyncio.new_event_loop()
         self._built = False
+        self._in_async = False
+        self._async_probe_metrics: dict[str, float] = {}
 
     # ------------------------------------------------------------------ construction
 
@@ -249,7 +251,9 @@ class RLRun:
             )
             for t in fresh
         ]
-        if self.cfg.orchestrator.free_kv_during_update:
+        # colocated phases: nothing generates during the update unless async rollouts run ahead
+        overlapped = self.cfg.orchestrator.mode == "async" and self.cfg.orchestrator.max_staleness > 0
+        if self.cfg.orchestrator.free_kv_during_update and not overlapped:
             self.engine.release_kv_cache()
             self.phases.add("release_kv")
         if self.cfg.orchestrator.offload_optimizer:
@@ -394,9 +398,14 @@ class RLRun:
     def _after_step(self, logger: MetricsLogger, progress: Progress, metrics: dict[str, float]) -> None:
         cfg = self.cfg
         self.step += 1
-        if cfg.curriculum.probe_every and self.sampler.probe_due(self.step):
+        metrics.update(self._async_probe_metrics)
+        self._async_probe_metrics = {}
+        if cfg.curriculum.probe_every and self.sampler.probe_due(self.step) and not self._in_async:
             t0 = time.perf_counter()
             metrics.update(self._probe(self.step))
+            # cached prefix KV from the probe would make the next step's numerics depend on whether the
+            # run was resumed here (a resumed engine starts cold); start every step from a cold cache
+            self.engine.release_kv_cache()
             metrics["timeline/probe_s"] = time.perf_counter() - t0
         metrics.update({k: float(v) for k, v in self.sampler.signals().items()})
         metrics.update({f"counters/{k}": v for k, v in self.counters.items()})
@@ -473,6 +482,13 @@ class RLRun:
                     old_loop, self._loop = self._loop, loop
                     try:
                         with sampler_lock:
+                            # in async mode probes run here, on the engine's own thread, between batches
+                            if b > 0 and self.cfg.curriculum.probe_every and self.sampler.probe_due(b):
+                                t0 = time.perf_counter()
+                                probe = self._probe(b)
+                                self.engine.release_kv_cache()
+                                probe["timeline/probe_s"] = time.perf_counter() - t0
+                                self._async_probe_metrics.update(probe)
                             result = self._collect_step(b)
                     finally:
                         self._loop = old_loop
@@ -486,6 +502,7 @@ class RLRun:
             finally:
                 loop.close()
 
+        self._in_async = True
         thread = threading.Thread(target=producer, name="posttrain-rollout", daemon=True)
         thread.start()
         metrics: dict[str, float] = {}
@@ -537,6 +554,7 @@ class RLRun:
                     self._stop_signal = -1
                 cond.notify_all()
             thread.join()
+            self._in_async = False
             if self._stop_signal == -1:
                 self._stop_signal = None
         return metrics

@@ -65,6 +65,13 @@ def lr_factor(step: int, warmup_steps: int, schedule: str, decay_steps: int) -> 
     raise ValueError(f"unknown lr_schedule '{schedule}'; choose constant, cosine or linear")
 
 
+def _adamw(params: list[nn.Parameter], lr: float, betas: tuple, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW, fused where torch has a fused kernel for these tensors (about 10x faster on CPU than the
+    per-parameter loop: the optimizer step is memory-bound)."""
+    fused = all(p.dtype in (torch.float32, torch.bfloat16, torch.float16) and p.device.type in ("cpu", "cuda") for p in params)
+    return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=fused or None)
+
+
 class Learner:
     """Owns the trainable policy, the critic, the reference and their optimizers (see the package doc)."""
 
@@ -129,11 +136,9 @@ class Learner:
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         if not self.trainable:
             raise ValueError("the policy has no trainable parameters")
-        self.optimizer = torch.optim.AdamW(
-            self.trainable, lr=trainer_cfg.lr, betas=betas, weight_decay=trainer_cfg.weight_decay
-        )
+        self.optimizer = _adamw(self.trainable, trainer_cfg.lr, betas, trainer_cfg.weight_decay)
         self.critic_optimizer = (
-            torch.optim.AdamW(self.critic.parameters(), lr=trainer_cfg.critic_lr, betas=betas, weight_decay=trainer_cfg.weight_decay)
+            _adamw(list(self.critic.parameters()), trainer_cfg.critic_lr, betas, trainer_cfg.weight_decay)
             if self.critic is not None
             else None
         )

@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from posttrain.sandbox import ExecStatus, Job, Limits, LocalSandbox
+from posttrain.sandbox.isolation import own_cgroup_dir
 
 CODES = [
     "print(1)",
@@ -35,7 +36,6 @@ def _check_no_leaks(n_jobs: int) -> None:
     threads_before = threading.active_count()
     tmp_before = set(glob.glob("/tmp/posttrain-sbx-*"))
     sb = LocalSandbox(pool_size=2, recycle_after=max(10, n_jobs // 10))
-    cgroup_dirs = glob.glob(f"/sys/fs/cgroup/*/posttrain-sandbox-{os.getpid()}/i{sb.instance}-*")
     try:
         jobs = [Job(code=CODES[i % len(CODES)], limits=Limits(wall_time_s=5)) for i in range(n_jobs)]
 
@@ -48,7 +48,9 @@ def _check_no_leaks(n_jobs: int) -> None:
         assert sb.stats["recycles"] >= n_jobs // max(10, n_jobs // 10) - 2
         last = sb.run_blocking(Job(code="import os\nprint(sorted(os.listdir('/job')), len([p for p in os.listdir('/proc') if p.isdigit()]))"))
         assert last.stdout == b"['.tmp', 'solution.py'] 3\n"
-        cgroup_dirs = glob.glob(f"/sys/fs/cgroup/*/posttrain-sandbox-{os.getpid()}/i{sb.instance}-*")
+        cgroup_dirs = [d for ctl in ("memory", "pids") for d in
+                       glob.glob(f"{own_cgroup_dir(ctl)}/posttrain-sandbox-{os.getpid()}/i{sb.instance}-*")]
+        assert len(cgroup_dirs) == (4 if sb.isolation.cgroups else 0)  # 2 slots x (memory, pids)
     finally:
         sb.close_blocking()
     assert _zombie_children() == []

@@ -91,7 +91,10 @@ def test_worker_killed_from_outside_is_an_infra_failure_then_replaced():
         sb.warm()
         fut = sb.submit(Job(code="import time\ntime.sleep(3)\nprint('done')"))
         time.sleep(0.3)
-        procs = glob.glob(f"/sys/fs/cgroup/pids/posttrain-sandbox-{os.getpid()}/i{sb.instance}-default-*/cgroup.procs")
+        from posttrain.sandbox.isolation import own_cgroup_dir
+
+        base = own_cgroup_dir("pids") / f"posttrain-sandbox-{os.getpid()}"
+        procs = glob.glob(f"{base}/i{sb.instance}-default-*/cgroup.procs")
         assert procs, "cgroups are needed to find the worker's processes"
         for pid in open(procs[0]).read().split():
             os.kill(int(pid), signal.SIGKILL)

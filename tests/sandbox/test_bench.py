@@ -1,8 +1,11 @@
 """The benchmark's JSON contract: named figures, ratios computed from the same run, no errors."""
 
+import os
+
 import pytest
 
 from posttrain.sandbox import bench
+from posttrain.sandbox import isolation as iso_mod
 
 
 def test_bench_reports_the_contract_keys():
@@ -15,6 +18,10 @@ def test_bench_reports_the_contract_keys():
     assert out["trivial_errors"] == 0 and out["asserts_errors"] == 0 and out["sandbox_errors"] == 0
     assert "seccomp" in out["isolation"] and out["trivial_p50_ms"] <= out["trivial_p99_ms"]
     assert "numpy_per_s" not in out
+    if "trivial_cpu_ms_per_exec" in out:  # cpuacct available: per-execution CPU and the capacity from it
+        assert out["trivial_capacity_per_s"] == pytest.approx(out["cpu_count"] * 1000 / out["trivial_cpu_ms_per_exec"])
+        assert out["bwrap_cpu_ms_per_exec"] > out["trivial_cpu_ms_per_exec"]
+    assert not list(iso_mod.own_cgroup_dir("cpuacct").glob(f"posttrain-bench-{os.getpid()}"))
 
 
 def test_percentile_and_median_summary():

@@ -4,7 +4,9 @@ execution. Closed loop: C clients each submit their next job when the previous o
 
 Scenarios: (a) a trivial snippet, (b) a solution with 10 assert tests (the pool grades with the
 nonce harness; the baselines run solution + asserts as one script), (c) a numpy import snippet
-(numpy profile). It only measures; the pool lives in `pool`.
+(numpy profile). Where cgroup v1 cpuacct is writable it also reports CPU ms per execution (all
+processes involved), which unlike executions/s does not depend on how busy a shared machine is.
+It only measures; the pool lives in `pool`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from posttrain.sandbox import isolation as iso_mod
 from posttrain.sandbox.api import ExecStatus, Job, Limits
@@ -44,9 +47,53 @@ def _summary(latencies_s: list[float], elapsed_s: float, errors: int) -> dict:
             "n": len(latencies_s), "errors": errors}
 
 
+class _CpuMeter:
+    """CPU time of this process and everything it starts (workers, jails, baselines), from a cpuacct
+    cgroup nested under our own: a per-execution cost that does not depend on how busy the machine is.
+    Absent (usage None) where cgroup v1 cpuacct is not writable."""
+
+    def __init__(self) -> None:
+        self.home = iso_mod.own_cgroup_dir("cpuacct")
+        self.dir: Path | None = self.home / f"posttrain-bench-{os.getpid()}"
+        try:
+            self.dir.mkdir(exist_ok=True)
+            (self.dir / "cgroup.procs").write_text(str(os.getpid()))
+        except OSError:
+            self.dir = None
+
+    def usage_ns(self) -> int | None:
+        if self.dir is None:
+            return None
+        return int((self.dir / "cpuacct.usage").read_text())
+
+    def close(self) -> None:
+        if self.dir is None:
+            return
+        try:
+            (self.home / "cgroup.procs").write_text(str(os.getpid()))
+            for _ in range(100):  # the last jail processes may still be exiting
+                try:
+                    self.dir.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.05)
+        except OSError:
+            pass
+
+
+def _metered(meter: _CpuMeter, measure: Callable[[], dict]) -> dict:
+    before = meter.usage_ns()
+    summary = measure()
+    after = meter.usage_ns()
+    if before is not None and after is not None and summary["n"]:
+        summary["cpu_ms"] = (after - before) / 1e6 / summary["n"]
+    return summary
+
+
 def _median_summary(runs: list[dict]) -> dict:
     """Median of each figure over repeated measurements; counts are summed."""
-    out = {k: statistics.median(r[k] for r in runs) for k in ("per_s", "p50_ms", "p99_ms")}
+    keys = ["per_s", "p50_ms", "p99_ms"] + (["cpu_ms"] if all("cpu_ms" in r for r in runs) else [])
+    out = {k: statistics.median(r[k] for r in runs) for k in keys}
     out["n"] = sum(r["n"] for r in runs)
     out["errors"] = sum(r["errors"] for r in runs)
     return out
@@ -129,7 +176,12 @@ def main(args: list[str]) -> dict:
     from rich.table import Table
 
     console = Console(stderr=True)
-    sb = LocalSandbox(pool_size=opts.pool_size)
+    meter = _CpuMeter()  # before the pool starts, so its workers are counted too
+    try:
+        sb = LocalSandbox(pool_size=opts.pool_size)
+    except BaseException:
+        meter.close()
+        raise
     pool_size = sb.settings.pool_size
     clients = opts.clients or 2 * pool_size
     limits = Limits(wall_time_s=10, cpu_time_s=10)
@@ -171,18 +223,20 @@ def main(args: list[str]) -> dict:
             samples: dict[str, list[dict]] = {r: [] for r in runners}
             for _ in range(opts.repeats):  # interleaved, so load drift hits every runner alike
                 for runner, measure in runners.items():
-                    samples[runner].append(measure())
+                    samples[runner].append(_metered(meter, measure))
             rows[name] = {runner: _median_summary(runs) for runner, runs in samples.items()}
     finally:
         sb.close_blocking()
+        meter.close()
 
     table = Table(title=f"sandbox: executions/s (median of {opts.repeats}), closed loop, {clients} clients, "
                         f"pool {pool_size}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
-    for col in ("scenario", "runner", "exec/s", "p50 ms", "p99 ms", "n", "errors"):
+    for col in ("scenario", "runner", "exec/s", "p50 ms", "p99 ms", "CPU ms/exec", "n", "errors"):
         table.add_column(col)
     for name, runners in rows.items():
         for runner, s in runners.items():
-            table.add_row(name, runner, f"{s['per_s']:.1f}", f"{s['p50_ms']:.1f}", f"{s['p99_ms']:.1f}",
+            cpu = f"{s['cpu_ms']:.2f}" if "cpu_ms" in s else "n/a"
+            table.add_row(name, runner, f"{s['per_s']:.1f}", f"{s['p50_ms']:.1f}", f"{s['p99_ms']:.1f}", cpu,
                           str(s["n"]), str(s["errors"]))
     console.print(table)
     console.print(f"isolation layers active: {', '.join(sb.layers)}", highlight=False)
@@ -203,5 +257,12 @@ def main(args: list[str]) -> dict:
                 out[f"{prefix}{base}_p99_ms"] = runners[base]["p99_ms"]
                 out[f"{prefix}ratio_vs_{base}"] = pool["per_s"] / runners[base]["per_s"] if runners[base]["per_s"] else None
         out[f"{name}_errors"] = pool["errors"] + sum(r["errors"] for r in runners.values() if r is not pool)
+        for runner, figures in runners.items():
+            if "cpu_ms" in figures:
+                key = f"{name}_cpu_ms_per_exec" if runner == "pool" else f"{prefix}{runner}_cpu_ms_per_exec"
+                out[key] = figures["cpu_ms"]
+        if "cpu_ms" in pool and pool["cpu_ms"] > 0:
+            # what the machine's CPUs would sustain if nothing else ran on them
+            out[f"{name}_capacity_per_s"] = (os.cpu_count() or 1) * 1000.0 / pool["cpu_ms"]
     out["trivial_p50_ms"] = rows["trivial"]["pool"]["p50_ms"]
     return out

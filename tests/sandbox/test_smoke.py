@@ -120,6 +120,9 @@ def test_network_pool_when_allowed():
             conn, _ = listener.accept()
             assert res.stdout == b"sent\n" and conn.recv(2) == b"hi"
             conn.close()
+            names = sb.run_blocking(Job(code="import socket\nprint(socket.getaddrinfo('localhost', 80)[0][4][0])",
+                                        limits=Limits(network=True)))
+            assert names.stdout in (b"127.0.0.1\n", b"::1\n")  # /etc/hosts is visible to network jobs
             blocked = sb.run_blocking(Job(code=code))  # same sandbox, network not asked: no network
             assert blocked.status == ExecStatus.RUNTIME_ERROR and b"PermissionError" in blocked.stderr
     finally:

@@ -110,6 +110,7 @@ class Isolation:
         out = []
         if not self.namespaces:
             out.append(f"namespaces: {self.details.get('namespaces', 'bwrap not found')}")
+            out.append("rlimit NPROC: off without a jail (it would count every process of this user)")
         if not self.seccomp:
             out.append(f"seccomp: {self.details.get('seccomp', 'unavailable')}")
         if not self.cgroups:
@@ -270,7 +271,8 @@ class JailSpec:
 
 def unisolated_worker_argv(job_root: str, binds: list[Path], cfg: dict) -> list[str]:
     """The worker without a jail (allow_unisolated): rlimits, seccomp and a clean env only."""
-    cfg = dict(cfg, job_root=job_root, pidns=False, sys_path=sorted({str(p.parent) for p in binds}))
+    cfg = dict(cfg, job_root=job_root, pidns=False, nproc_extra=None,
+               sys_path=sorted({str(p.parent) for p in binds}))
     return [python_install().host_executable, "-I", "-S", "-B", str(JAILED_DIR / "worker.py"), json.dumps(cfg)]
 
 

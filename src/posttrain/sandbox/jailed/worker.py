@@ -439,14 +439,18 @@ class Worker:
             (resource.RLIMIT_AS, as_limit), (resource.RLIMIT_DATA, as_limit),
             (resource.RLIMIT_CPU, (cpu, cpu + 1)), (resource.RLIMIT_FSIZE, int(limits["max_file_bytes"])),
             (resource.RLIMIT_NOFILE, CHILD_FDS_LIMIT), (resource.RLIMIT_CORE, 0),
-            (resource.RLIMIT_NPROC, int(limits["max_processes"]) + int(self.cfg.get("nproc_extra", 1))), (resource.RLIMIT_STACK, 64 << 20),
+            (resource.RLIMIT_STACK, 64 << 20),
         ]
+        nproc_extra = self.cfg.get("nproc_extra", 1)
+        if nproc_extra is not None:  # None without a jail: the count would include all our user's processes
+            rl.append((resource.RLIMIT_NPROC, int(limits["max_processes"]) + int(nproc_extra)))
         for res, val in rl:
             soft, hard = val if isinstance(val, tuple) else (val, val)
             try:
                 resource.setrlimit(res, (soft, hard))
-            except (ValueError, OSError):
-                resource.setrlimit(res, (min(soft, hard), hard))
+            except (ValueError, OSError):  # cannot raise above an inherited hard limit: clamp to it
+                cur_hard = resource.getrlimit(res)[1]
+                resource.setrlimit(res, (min(soft, cur_hard), min(hard, cur_hard)))
         if target[0] == "exec":
             os.execve(target[1][0], target[1], self.job_env)
         _run_python(target[1], argv)

@@ -17,6 +17,11 @@ from typing import Any, Protocol, runtime_checkable
 
 
 class ExecStatus(enum.StrEnum):
+    """How a job ended. TIMEOUT: wall or CPU limit. MEMORY_EXCEEDED: MemoryError, std::bad_alloc, a
+    segfault at >= 80% of the memory limit, or the worker cgroup's OOM killer. OUTPUT_TRUNCATED: stdout
+    or stderr passed max_output_bytes (the job is killed then). KILLED: SIGKILL not caused by a limit.
+    RUNTIME_ERROR: non-zero exit or any other signal. SANDBOX_ERROR: the infrastructure failed."""
+
     OK = "ok"
     RUNTIME_ERROR = "runtime_error"
     TIMEOUT = "timeout"
@@ -29,6 +34,10 @@ class ExecStatus(enum.StrEnum):
 
 @dataclass
 class Limits:
+    """Per-job limits. max_processes counts the job's own process; max_output_bytes applies to stdout
+    and stderr each; max_file_bytes is per file (RLIMIT_FSIZE); memory_bytes is per process (address
+    space) with a per-worker cgroup backstop; network=True needs sandbox.allow_network."""
+
     wall_time_s: float = 5.0
     cpu_time_s: float = 5.0
     memory_bytes: int = 512 * 1024 * 1024

@@ -36,3 +36,10 @@ def test_extract_code_takes_last_python_or_bare_block():
     assert extract_code(text) == "def b(): pass\n"
     assert extract_code("no code") is None
     assert extract_code("```python\n   \n```") is None
+
+
+def test_extract_code_prefers_the_block_defining_the_function():
+    text = "```python\ndef f(x):\n    return x\n```\nUsage:\n```python\nprint(f(3))\n```"
+    assert extract_code(text, prefer=r"^\s*def\s+f\s*\(") == "def f(x):\n    return x\n"
+    assert extract_code(text) == "print(f(3))\n"
+    assert extract_code(text, prefer=r"^\s*def\s+g\s*\(") == "print(f(3))\n"

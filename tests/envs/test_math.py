@@ -19,7 +19,7 @@ def test_level0_is_one_step_small_addition_or_subtraction():
         a, op, b = t.meta["question"].removeprefix("Calculate ").rstrip(".").split()
         assert op in "+-" and 0 <= int(a) <= 10 and 0 <= int(b) <= 10
         assert int(t.meta["answer"]) == (int(a) + int(b) if op == "+" else int(a) - int(b))
-        assert "<answer></answer>" in t.prompt[-1].content
+        assert "between <answer> and </answer>" in t.prompt[-1].content
 
 
 def test_reward_weighting():

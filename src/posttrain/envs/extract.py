@@ -84,13 +84,21 @@ def normalize_number(answer: str) -> str:
     return s if re.fullmatch(r"-?\d+(?:\.\d+)?", s) else answer.strip()
 
 
-def extract_code(text: str, language: str = "python") -> str | None:
-    """The last fenced code block tagged `language` (or untagged); None when there is no fenced block."""
+def code_blocks(text: str, language: str = "python") -> list[str]:
+    """All non-empty fenced code blocks tagged `language` (or untagged), in order."""
     if not isinstance(text, str):
-        return None
-    blocks = _FENCE.findall(text[-200_000:])
-    chosen = [body for lang, body in blocks if lang.lower() in ("", language, "py" if language == "python" else language)]
-    if not chosen:
-        return None
-    code = chosen[-1]
-    return code if code.strip() else None
+        return []
+    names = ("", language, "py") if language == "python" else ("", language)
+    return [body for lang, body in _FENCE.findall(text[-200_000:]) if lang.lower() in names and body.strip()]
+
+
+def extract_code(text: str, language: str = "python", prefer: str | None = None) -> str | None:
+    """The last fenced code block tagged `language` (or untagged) - or, when `prefer` is given, the last
+    one containing that regex (e.g. the requested `def name(`), falling back to the last block. None when
+    there is no non-empty fenced block."""
+    blocks = code_blocks(text, language)
+    if prefer is not None:
+        matching = [b for b in blocks if re.search(prefer, b, re.MULTILINE)]
+        if matching:
+            return matching[-1]
+    return blocks[-1] if blocks else None

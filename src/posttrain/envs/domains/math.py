@@ -22,7 +22,7 @@ from posttrain.envs.registry import register_env
 from posttrain.types import Message, Task
 
 W_CORRECT, W_FORMAT = 0.85, 0.15
-INSTRUCTION = "Give only the final answer inside <answer></answer> tags."
+INSTRUCTION = "Put the final answer between <answer> and </answer>."
 _INDEX_SPACE = 100_000  # some datasets (gsm_symbolic) precompute `size` items at construction
 
 # difficulty -> [(reasoning-gym dataset, config overrides)], drawn uniformly within a level.

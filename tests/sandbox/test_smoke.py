@@ -161,3 +161,25 @@ def test_overrides_are_validated_like_the_config():
         LocalSandbox(pool_sise=2)
     with pytest.raises(pydantic.ValidationError, match="recycle_after"):
         LocalSandbox(recycle_after=0)
+
+
+def test_works_when_the_caller_holds_more_than_1024_fds():
+    import os
+    import resource
+
+    from posttrain.sandbox import LocalSandbox
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        import pytest
+
+        pytest.skip("cannot open 1100 descriptors here")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = [os.open("/dev/null", os.O_RDONLY) for _ in range(1100)]
+    try:
+        with LocalSandbox(pool_size=1) as sb:  # its pipes get descriptor numbers above 1024
+            assert sb.run_blocking(Job(code="print('many fds')")).stdout == b"many fds\n"
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

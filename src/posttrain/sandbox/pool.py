@@ -70,6 +70,8 @@ class _WorkerProc:
         assert self.proc.stdin and self.proc.stdout and self.proc.stderr
         self.wfd = self.proc.stdin.fileno()
         self.rfd = self.proc.stdout.fileno()
+        self.poller = select.poll()
+        self.poller.register(self.rfd, select.POLLIN)
         os.set_blocking(self.proc.stderr.fileno(), False)
         self.jobs_done = 0
         self.info: dict = {}
@@ -96,8 +98,8 @@ class _WorkerProc:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise WorkerError("no reply before the backstop timeout")
-            ready, _, _ = select.select([self.rfd], [], [], left)
-            if not ready:
+            # poll, not select: a trainer process may well hold more than 1024 file descriptors
+            if not self.poller.poll(left * 1000):
                 continue
             chunk = os.read(self.rfd, min(n - got, 1 << 20))
             if not chunk:

@@ -67,9 +67,24 @@ def test_bad_arguments_are_observations_the_model_can_recover_from():
     tool_msg = res.transcript[3]
     assert tool_msg.role == "tool" and "invalid_arguments" in tool_msg.content
     assert res.info["invalid_tool_calls"] == 1
-    # state is right and the model finished, but the invalid call costs the format component
-    assert res.rewards == {"state": 1.0, "correct": 1.0, "format": 0.0, "finished": 1.0}
-    assert res.reward == pytest.approx(0.85)
+    # state is right and the model finished, but the invalid call halves the format component
+    assert res.rewards == {"state": 1.0, "correct": 1.0, "format": 0.5, "finished": 1.0}
+    assert res.reward == pytest.approx(0.85 + 0.15 * 0.5)
+
+
+def test_format_credit_is_graded():
+    d = get_domain("tools.apis")
+    task = d.task("train", 0, 0)
+    assert "Use " in task.prompt[-1].content and "<tool_call>" in task.prompt[-1].content
+    cases = {
+        "I would rather not.": 0.0,
+        "<tool_call>set_price SKU</tool_call> then done": 0.25,
+        '<tool_call>[{"name": "nope", "arguments": {}}]</tool_call>': 0.5,
+    }
+    for text, fmt in cases.items():
+        res = run(run_episode(d.make_env(), task, [text, "ok"]))
+        assert res.rewards["format"] == fmt and res.rewards["correct"] == 0.0, text
+        assert res.reward == pytest.approx(0.15 * fmt)
 
 
 def test_truncated_episode_gets_half_correctness_credit():

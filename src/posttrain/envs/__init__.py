@@ -10,8 +10,11 @@ Using it (the rollout loop does exactly this)::
     domain.name, domain.difficulties, domain.splits            # splits: ("train", "heldout") or ("eval",)
     task = domain.task("train", difficulty=0, index=7, seed=0) # deterministic; train/heldout never overlap
     texts = domain.reference(task)                             # reference assistant texts, SmolLM2 tool markup
-    env = domain.make_env(sandbox, chat_format="smollm2")      # one instance per episode ("hermes"/"qwen" too)
-    obs = await env.reset(task)                                # Observation(messages, tools); env.max_turns set
+                                                               # (tool domains: reference(task, chat_format="hermes"))
+    env = domain.make_env(sandbox, chat_format="smollm2")      # one instance per episode ("hermes"/"qwen" too);
+                                                               # code/swe domains raise ValueError without a sandbox
+    obs = await env.reset(task)                                # Observation(messages, tools); env.max_turns is
+                                                               # final after reset (tool domains size it per task)
     res = await env.step(assistant_text)                       # StepResult(observations, reward, done, rewards, info)
     res = await env.finalize()                                 # score now if the caller's budget ran out first
 
@@ -20,6 +23,10 @@ the messages (role "tool" or "user") to append before the next assistant turn. O
 [0, 1] with named components in `rewards` (weights documented in each domain module) and `info` holds
 counts (`turns`, `tool_calls`, `invalid_tool_calls`, `unparseable`, ...). When the sandbox fails,
 `info["infra_failure"]` is True, `done` is True and `reward` is None: never train on such an episode.
+
+Generation cost: math, tools.apis and code.unit_tests make a task in about a millisecond; swe.ci_fix
+runs the generated repository's tests in a local subprocess to verify the injected bug (0.1-1 s per
+new task, cached), so call it off the event loop (`asyncio.to_thread`) when latency matters.
 
 Adding a domain: subclass `Domain`, decorate it with `@register_env("name")`, and implement `task`,
 `reference` and `make_env` (multi-turn tool domains subclass `tool_env.ToolEnvironment`).

@@ -5,13 +5,15 @@ one is asked.
 
 The service runs in-process, is rebuilt from the task per episode, and rejects bad arguments with typed
 errors (`not_found`, `invalid_argument`, `conflict`, `insufficient_stock`). Levels: 0 = one call with
-the ids given (only 4 tools shown, to keep the prompt short), 1 = lookup then act/answer, 2 = 2-4
-dependent calls, 3 = conditional or fan-out requests.
+the tool named and the ids given, plus a reminder of the call syntax (only 4 tools shown, to keep the
+prompt short), 1 = lookup then act/answer, 2 = 2-4 dependent calls, 3 = conditional or fan-out requests.
 
 Reward = 0.85 * correct * finished + 0.15 * format. `correct` = 1 when the final state equals the gold
 state and (where asked) the `<answer>` equals the gold answer; `finished` = 1 when the model ended the
-episode itself (a plain-text reply) and 0.5 when the turn limit cut it off; `format` = 1 when every tool
-call parsed and passed its schema and at least one call was made (every task needs a call).
+episode itself (a plain-text reply) and 0.5 when the turn limit cut it off; `format` (see `format_score`)
+= 1 when every tool call parsed and passed its schema and at least one was made (every task needs a
+call), 0.5 when some but not all did, 0.25 when the model only attempted the markup - a graded signal,
+because SmolLM2-135M almost never writes a valid call unprompted.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ FIRST = ["Alice", "Bob", "Carol", "David", "Erin", "Frank", "Grace", "Henry", "I
 LAST = ["Smith", "Jones", "Brown", "Garcia", "Miller", "Davis", "Wilson", "Moore", "Taylor", "Clark"]
 _EMAIL = re.compile(r"^[^@\s]+@[^@\s]+\.[a-z]{2,}$")
 
+LEVEL0_HINT = 'Reply with only the tool call: <tool_call>[{"name": ..., "arguments": {...}}]</tool_call>'
 SYSTEM = ("You operate a shop's back office through the tools. Use the exact ids the tools return. "
           "When the request is done, reply in plain text; if a question was asked, put the answer inside "
           "<answer></answer> tags.")
@@ -221,24 +224,24 @@ def _gen_level0(rng: random.Random, st: dict) -> tuple[str, list, list[str]]:
     sku = rng.choice(sorted(st["products"]))
     if kind == "price":
         price = rng.randint(5, 99)
-        return f"Set the price of product {sku} to {price}.", [["set_price", {"sku": sku, "price": price}]], \
+        return f"Use set_price to set the price of product {sku} to {price}.", [["set_price", {"sku": sku, "price": price}]], \
             ["set_price", "update_stock", "get_product", "cancel_order"]
     if kind == "stock":
         n = rng.randint(2, 20)
-        return f"Add {n} units to the stock of product {sku}.", [["update_stock", {"sku": sku, "delta": n}]], \
+        return f"Use update_stock to add {n} units to the stock of product {sku}.", [["update_stock", {"sku": sku, "delta": n}]], \
             ["update_stock", "set_price", "get_product", "create_customer"]
     if kind == "customer":
         taken = {c["name"] for c in st["customers"].values()}
         f, last = rng.choice([(f, la) for f in FIRST for la in LAST if f"{f} {la}" not in taken])
         email = f"{f.lower()}@{last.lower()}.com"
-        return (f"Create a customer named {f} {last} with email {email}.",
+        return (f"Use create_customer to create a customer named {f} {last} with email {email}.",
                 [["create_customer", {"name": f"{f} {last}", "email": email}]],
                 ["create_customer", "find_customer", "set_price", "cancel_order"])
     open_orders = sorted(o for o, v in st["orders"].items() if v["status"] == "open")
     if not open_orders:
         return _gen_level0(rng, st)
     oid = rng.choice(open_orders)
-    return f"Cancel order {oid}.", [["cancel_order", {"order_id": oid}]], \
+    return f"Use cancel_order to cancel order {oid}.", [["cancel_order", {"order_id": oid}]], \
         ["cancel_order", "list_orders", "update_stock", "get_product"]
 
 
@@ -317,6 +320,14 @@ def _gen_level3(rng: random.Random, st: dict) -> tuple[str, list, str | None]:
             + [["set_price", {"sku": p["sku"], "price": p["price"] + k}] for p in members], None)
 
 
+def format_score(counts: dict[str, int]) -> float:
+    """1 = all calls parsed and valid; 0.5 = some call parsed but some were invalid or unparseable;
+    0.25 = tool-call markup attempted but never parseable; 0 = no attempt at a tool call."""
+    if counts["tool_calls"] > 0:
+        return 1.0 if counts["invalid_tool_calls"] == 0 and counts["unparseable"] == 0 else 0.5
+    return 0.25 if counts["unparseable"] > 0 else 0.0
+
+
 def answers_match(given: str | None, gold: str) -> bool:
     if given is None:
         return False
@@ -348,8 +359,7 @@ class ShopEnv(ToolEnvironment):
             rewards["answer"] = ans_ok
             correct *= ans_ok
             info["extracted_answer"] = got
-        c = self.counts
-        fmt = float(c["tool_calls"] > 0 and c["invalid_tool_calls"] == 0 and c["unparseable"] == 0)
+        fmt = format_score(self.counts)
         finished = 0.5 if self.truncated else 1.0
         rewards.update(correct=correct, format=fmt, finished=finished)
         return clip01(W_CORRECT * correct * finished + W_FORMAT * fmt), rewards, info
@@ -380,6 +390,8 @@ class ToolsApisDomain(Domain):
 
             def build() -> Task:
                 text = request if answer is None else request + " Put the answer inside <answer></answer> tags."
+                if difficulty == 0:
+                    text += " " + LEVEL0_HINT
                 max_turns = self.max_turns_override or len(actions) + 2
                 meta = {"initial_state": st, "gold_actions": actions, "answer": answer, "tool_names": tool_names,
                         "max_turns": max_turns, "request": request}

@@ -1,0 +1,160 @@
+"""`posttrain bench rl`: per-step wall time of our RL loop against TRL's GRPOTrainer at equal settings
+(the embedded 135M model, 8 completions of up to 48 new tokens per step, one prompt per step, math
+tasks), both measured in this run. TRL is an optional benchmark dependency (`pip install trl`); when
+it is missing the reference figure from the issue (about 14 s/step here) is printed, marked as not
+measured in this run, and no ratio is claimed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+TRL_REFERENCE_S = 14.0  # measured on this machine kind when the issue was filed
+
+
+def _ours(steps: int, completions: int, new_tokens: int, dtype: str, seed: int) -> list[float]:
+    from posttrain.config import load_config
+    from posttrain.orchestrator.loop import RLRun
+    from posttrain.telemetry import RunDir, read_metrics
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load_config(
+            None,
+            [
+                f"seed={seed}",
+                "model.spec=smollm2-135m",
+                f"engine.dtype={dtype}",
+                f"engine.max_new_tokens={new_tokens}",
+                "envs.domains=[{name: math, difficulties: [0]}]",
+                f"algorithm.group_size={completions}",
+                "orchestrator.tasks_per_step=1",
+                f"orchestrator.steps={steps}",
+                "orchestrator.checkpoint_every=0",
+                "curriculum.probe_every=0",
+                "telemetry.progress=false",
+                "telemetry.tensorboard=false",
+                f"telemetry.run_dir={tmp}",
+                *(["trainer.bf16_autocast=true"] if dtype == "bfloat16" else []),
+            ],
+        )
+        run = RunDir.create(tmp, "bench")
+        rl = RLRun(cfg, run, show_progress=False)
+        try:
+            rl.train()
+        finally:
+            rl.close()
+        rows = read_metrics(run.metrics)
+    # the final step also writes a checkpoint; step_s excludes it
+    return [r["timeline/step_s"] for r in rows]
+
+
+def _trl(steps: int, completions: int, new_tokens: int, seed: int) -> list[float]:
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from posttrain.envs import get_domain
+    from posttrain.envs.domains.math import score_math
+    from posttrain.models import ensure_embedded, load_tokenizer
+
+    torch.manual_seed(seed)
+    domain = get_domain("math")
+    tasks = [domain.task("train", 0, i, seed=seed) for i in range(steps)]
+    data = Dataset.from_list(
+        [{"prompt": [{"role": m.role, "content": m.content} for m in t.prompt], "meta_index": i} for i, t in enumerate(tasks)]
+    )
+
+    def reward(prompts: list, completions: list, meta_index: list, **_: Any) -> list[float]:
+        out = []
+        for c, i in zip(completions, meta_index, strict=True):
+            text = c[0]["content"] if isinstance(c, list) else c
+            out.append(score_math(text, tasks[i].meta)[0])
+        return out
+
+    times: list[float] = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):  # noqa: ANN001
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):  # noqa: ANN001
+            times.append(time.perf_counter() - self.t0)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = GRPOConfig(
+            output_dir=tmp,
+            per_device_train_batch_size=completions,
+            num_generations=completions,
+            max_completion_length=new_tokens,
+            max_steps=steps,
+            learning_rate=1e-6,
+            logging_steps=1,
+            report_to=[],
+            save_strategy="no",
+            use_cpu=True,
+            bf16=False,
+            seed=seed,
+            temperature=1.0,
+            beta=0.0,
+            shuffle_dataset=False,
+        )
+        trainer = GRPOTrainer(
+            model=str(ensure_embedded()),
+            reward_funcs=reward,
+            args=args,
+            train_dataset=data,
+            processing_class=load_tokenizer("smollm2-135m"),
+            callbacks=[StepTimer()],
+        )
+        trainer.train()
+    return times
+
+
+def main(args: list[str]) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="posttrain bench rl", description=__doc__)
+    parser.add_argument("--steps", type=int, default=4, help="steps per system (the first is warm-up)")
+    parser.add_argument("--completions", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--no-trl", action="store_true", help="skip the TRL baseline")
+    parser.add_argument("--seed", type=int, default=0)
+    ns = parser.parse_args(args)
+    console = Console()
+    ours = _ours(ns.steps, ns.completions, ns.new_tokens, ns.dtype, ns.seed)
+    ours_s = statistics.median(ours[1:] or ours)
+    trl_s: float | None = None
+    trl_note = "measured in this run"
+    if not ns.no_trl:
+        try:
+            trl_times = _trl(ns.steps, ns.completions, ns.new_tokens, ns.seed)
+            trl_s = statistics.median(trl_times[1:] or trl_times)
+        except ImportError as err:
+            trl_note = f"not measured ({err.name} not installed: pip install trl); reference {TRL_REFERENCE_S} s"
+    table = Table("system", "per-step s (median, after warm-up)", "steps")
+    table.add_row("posttrain", f"{ours_s:.2f}", " ".join(f"{t:.2f}" for t in ours))
+    if trl_s is not None:
+        table.add_row("TRL GRPOTrainer", f"{trl_s:.2f}", " ".join(f"{t:.2f}" for t in trl_times))
+    else:
+        table.add_row("TRL GRPOTrainer", trl_note, "")
+    console.print(table)
+    result: dict[str, Any] = {
+        "ours_step_s": ours_s,
+        "ours_steps_s": ours,
+        "completions": ns.completions,
+        "new_tokens": ns.new_tokens,
+        "dtype": ns.dtype,
+        "trl_step_s": trl_s,
+        "trl_note": trl_note,
+        "ratio_vs_trl": (trl_s / ours_s) if trl_s else None,
+    }
+    if trl_s:
+        console.print(f"posttrain step time is {ours_s / trl_s:.2f}x TRL's ({trl_s / ours_s:.2f}x faster)")
+    return result

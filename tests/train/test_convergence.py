@@ -92,20 +92,20 @@ def train(algo: AlgorithmConfig, trainer: TrainerConfig, steps: int, group_size:
 
 
 def test_grpo_converges():
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU seconds: wall time on a shared machine says little
     algo = AlgorithmConfig(advantage="grpo", policy_loss="ppo_clip", clip_low=0.2, clip_high=0.28)
     trainer = TrainerConfig(lr=5e-3, mini_batches=2, ppo_epochs=1)
     initial, history = train(algo, trainer, steps=80)
     assert initial < 0.2, initial
     assert history[-1] > 0.8, history
-    assert time.perf_counter() - t0 < 120
+    assert time.process_time() - t0 < 120
 
 
 def test_ppo_with_critic_converges():
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU seconds: wall time on a shared machine says little
     algo = AlgorithmConfig(advantage="gae", policy_loss="ppo_clip", gamma=1.0, lam=0.95)
     trainer = TrainerConfig(lr=3e-3, critic="copy", critic_lr=1e-2, mini_batches=2, ppo_epochs=1)
     initial, history = train(algo, trainer, steps=80)
     assert initial < 0.2, initial
     assert history[-1] > 0.8, history
-    assert time.perf_counter() - t0 < 120
+    assert time.process_time() - t0 < 120

@@ -52,7 +52,10 @@ def select_targets(mask: Tensor, token_ids: Tensor, flat_offset: Tensor) -> Targ
 
 
 def _logprob_entropy_chunk(lm_head: nn.Module, h: Tensor, tokens: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-    logits = lm_head(h).float()
+    # the head runs outside autocast, in the weights' dtype: bf16 logits over a large vocabulary
+    # would put errors of ~1e-2 into every logprob and so into the importance ratios
+    with torch.autocast(device_type=h.device.type, enabled=False):
+        logits = lm_head(h.to(lm_head.weight.dtype)).float()
     if temperature != 1.0:
         logits = logits / temperature
     lse = torch.logsumexp(logits, dim=-1)

@@ -31,6 +31,7 @@ from posttrain.algos import (
 from posttrain.config import AlgorithmConfig, ModelConfig, TrainerConfig
 from posttrain.train.batch import (
     Batch,
+    ModelInputs,
     Sample,
     build_batch,
     last_token_index,
@@ -123,7 +124,12 @@ class Learner:
         self.model = model.to(self.device)
         self.model.eval()
         if trainer_cfg.gradient_checkpointing:
-            causal_lm(self.model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            lm = causal_lm(self.model)
+            enable = getattr(lm, "activation_checkpointing_enable", None)
+            if enable is not None:  # transformers >= 5
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
         self.critic: ValueModel | None = None
         if critic_backbone is not None:
@@ -157,9 +163,14 @@ class Learner:
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return torch.autocast(device_type=self.device.type, enabled=False)
 
-    def _policy_forward(self, model: Any, batch: Batch, mask: Tensor) -> tuple[Tensor, Tensor]:
+    def _inputs(self, batch: Batch) -> ModelInputs:
+        return make_inputs(batch.token_ids, batch.lengths, self.trainer_cfg.packing, self.pad_id)
+
+    def _policy_forward(
+        self, model: Any, batch: Batch, mask: Tensor, inputs: ModelInputs | None = None
+    ) -> tuple[Tensor, Tensor]:
         """(logprobs, entropy) as `[b, L]` matrices, nonzero only where `mask` is 1."""
-        inputs = make_inputs(batch.token_ids, batch.lengths, self.trainer_cfg.packing, self.pad_id)
+        inputs = inputs if inputs is not None else self._inputs(batch)
         targets = select_targets(mask, batch.token_ids, inputs.flat_offset)
         lm = causal_lm(model)
         with self._autocast():
@@ -171,9 +182,9 @@ class Learner:
         shape = tuple(batch.token_ids.shape)
         return scatter_rows(lp, targets, shape), scatter_rows(ent, targets, shape)
 
-    def _value_forward(self, batch: Batch, mask: Tensor) -> Tensor:
+    def _value_forward(self, batch: Batch, mask: Tensor, inputs: ModelInputs | None = None) -> Tensor:
         assert self.critic is not None
-        inputs = make_inputs(batch.token_ids, batch.lengths, self.trainer_cfg.packing, self.pad_id)
+        inputs = inputs if inputs is not None else self._inputs(batch)
         targets = select_targets(mask, batch.token_ids, inputs.flat_offset)
         with self._autocast():
             v = self.critic(inputs, targets.src)
@@ -346,10 +357,10 @@ class Learner:
                         ridx = torch.as_tensor(rows, device=self.device)
                         wp, wt = w_pol[ridx, :width], w_tok[ridx, :width]
                         mmask = mi.train_mask
-                        inputs = make_inputs(mi.token_ids, mi.lengths, tc.packing, self.pad_id)
+                        inputs = self._inputs(mi)
                         cells += inputs.cells
                         tokens += inputs.tokens
-                        lp, ent = self._policy_forward(self.model, mi, mi.loss_mask)
+                        lp, ent = self._policy_forward(self.model, mi, mi.loss_mask, inputs)
                         out = policy_loss_fn(
                             lp,
                             mi.old_logprobs,
@@ -381,7 +392,7 @@ class Learner:
                             if n_mi:
                                 ratio_max = max(ratio_max, float(out.ratio[m].max().item()))
                         if self.critic is not None:
-                            v = self._value_forward(mi, mi.loss_mask)
+                            v = self._value_forward(mi, mi.loss_mask, inputs)
                             vl, vclipped = value_loss(v, mi.old_values, mi.returns, mi.loss_mask, a.value_clip)
                             vloss = (vl * wt).sum()
                             (a.value_coef * vloss).backward()

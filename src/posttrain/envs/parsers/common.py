@@ -51,7 +51,7 @@ class ChatFormat:
             try:
                 pairs = self._calls_from_block(raw)
             except ValueError as err:
-                errors.append(str(err))
+                errors.append(str(err)[:300])
                 continue
             for name, args in pairs:
                 calls.append(ToolCall(id=f"call_{turn}_{len(calls)}", name=name, arguments=args))

@@ -116,15 +116,23 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows of similar context length, attended together over a padded gather of their blocks."""
+
+    row: int
+    num_rows: int
+    block_tables: torch.Tensor  # [rows, max_blocks] (padded with block 0)
+    mask: torch.Tensor  # [rows, 1, 1, max_blocks * block_size] True where attended
+
+
+@dataclass
 class StepBatch:
     """One forward: decode rows first (one token each), then prefill chunks, all flattened."""
 
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     slot_mapping: torch.Tensor  # [T] flat slot = block * block_size + offset
-    num_decode: int
-    decode_block_tables: torch.Tensor | None  # [D, max_blocks]
-    decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] True where attended
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
     logit_rows: torch.Tensor  # rows whose next-token logits are needed
 
@@ -362,21 +370,22 @@ class ModelRunner:
         g = H // KV
         T = q.shape[0]
         out = torch.empty(T, H * hd, dtype=q.dtype, device=q.device)
-        D = batch.num_decode
-        if D:
-            assert batch.decode_block_tables is not None
-            nb = batch.decode_block_tables.shape[1]
-            kd = self.k_cache[li][batch.decode_block_tables].view(D, nb * self.block_size, KV, hd)
-            vd = self.v_cache[li][batch.decode_block_tables].view(D, nb * self.block_size, KV, hd)
-            qd = q[:D].view(D, KV, g, hd)  # the g query heads of a KV head act as g "query positions"
+        for grp in batch.decode_groups:
+            r0, D = grp.row, grp.num_rows
+            L = grp.block_tables.shape[1] * self.block_size
+            kd = self.k_cache[li][grp.block_tables].view(D, L, KV, hd)
+            vd = self.v_cache[li][grp.block_tables].view(D, L, KV, hd)
+            qd = q[r0 : r0 + D].view(
+                D, KV, g, hd
+            )  # the g query heads of a KV head act as g "query positions"
             o = F.scaled_dot_product_attention(
                 qd,
                 kd.transpose(1, 2).to(q.dtype),
                 vd.transpose(1, 2).to(q.dtype),
-                attn_mask=batch.decode_mask,
+                attn_mask=grp.mask,
                 scale=self.scale,
             )
-            out[:D] = o.reshape(D, H * hd)
+            out[r0 : r0 + D] = o.reshape(D, H * hd)
         for c in batch.prefills:
             r0, n = c.row, c.num_tokens
             qc = q[r0 : r0 + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from posttrain.engine.block_manager import BlockManager
-from posttrain.engine.model_runner import ModelRunner, PrefillChunk, StepBatch
+from posttrain.engine.model_runner import DecodeGroup, ModelRunner, PrefillChunk, StepBatch
 from posttrain.engine.sampling import sample, seed_for
 from posttrain.engine.scheduler import Scheduler
 from posttrain.engine.sequence import Sequence
@@ -190,7 +190,8 @@ class PagedEngine:
     def _build_batch(self, work: list[tuple[Sequence, int]]) -> tuple[StepBatch, list[Sequence]]:
         bs = self.block_size
         dev = self.runner.device
-        decodes = [(s, n) for s, n in work if n == 1]
+        # longest context first, so decode rows of similar length sit together (see _decode_groups)
+        decodes = sorted(((s, n) for s, n in work if n == 1), key=lambda sn: -sn[0].num_computed)
         prefills = [(s, n) for s, n in work if n > 1]
         ids: list[int] = []
         pos: list[int] = []
@@ -211,28 +212,45 @@ class PagedEngine:
             if start + n == len(seq):
                 logit_rows.append(row + n - 1)
                 samplers.append(seq)
-        D = len(decodes)
-        tables = mask = None
-        if D:
-            nbs = [-(-(s.num_computed + 1) // bs) for s, _ in decodes]
-            width = max(nbs)
-            tables = torch.tensor(
-                [s.block_table[:nb] + [0] * (width - nb) for (s, _), nb in zip(decodes, nbs, strict=True)],
-                device=dev,
-            )
-            ctx = torch.tensor([s.num_computed + 1 for s, _ in decodes], device=dev)
-            mask = (torch.arange(width * bs, device=dev)[None, :] < ctx[:, None])[:, None, None, :]
         batch = StepBatch(
             input_ids=torch.tensor(ids, device=dev),
             positions=torch.tensor(pos, device=dev),
             slot_mapping=torch.tensor(slots, device=dev),
-            num_decode=D,
-            decode_block_tables=tables,
-            decode_mask=mask,
+            decode_groups=self._decode_groups([s for s, _ in decodes]),
             prefills=chunks,
             logit_rows=torch.tensor(logit_rows, device=dev, dtype=torch.long),
         )
         return batch, samplers
+
+    def _decode_groups(
+        self, seqs: list[Sequence], max_groups: int = 4, slack: float = 1.25
+    ) -> list[DecodeGroup]:
+        """Split decode rows (sorted by context, longest first) so padding stays near `slack` x the real length."""
+        bs = self.block_size
+        dev = self.runner.device
+        nbs = [-(-(s.num_computed + 1) // bs) for s in seqs]
+        bounds: list[tuple[int, int]] = []
+        start, total = 0, 0
+        for i, nb in enumerate(nbs):
+            if (
+                i > start
+                and len(bounds) < max_groups - 1
+                and nbs[start] * (i - start + 1) > slack * (total + nb)
+            ):
+                bounds.append((start, i))
+                start, total = i, 0
+            total += nb
+        if seqs:
+            bounds.append((start, len(seqs)))
+        groups = []
+        for lo, hi in bounds:
+            width = nbs[lo]
+            rows = zip(seqs[lo:hi], nbs[lo:hi], strict=True)
+            tables = torch.tensor([s.block_table[:nb] + [0] * (width - nb) for s, nb in rows], device=dev)
+            ctx = torch.tensor([s.num_computed + 1 for s in seqs[lo:hi]], device=dev)
+            mask = (torch.arange(width * bs, device=dev)[None, :] < ctx[:, None])[:, None, None, :]
+            groups.append(DecodeGroup(lo, hi - lo, tables, mask))
+        return groups
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         state = self._seq_state[id(parent)]

@@ -1,0 +1,208 @@
+"""`posttrain bench engine`: generated tok/s of the paged engine vs HF `generate` (HFEngine), in one run.
+
+Workloads (random-token prompts, temperature 1, EOS ignored so both engines generate the same
+number of tokens): rollout (8 prompts of 50-500 tokens x 4 samples, 128 new), serving (32 distinct
+prompts of 50-500 tokens, 64 new), decode-only (1 and 64 sequences, 8-token prompts, 128 new),
+each in float32 and bfloat16. The machine's matmul GFLOP/s is measured in the same run to give the
+fraction of the compute roofline (2 x parameters FLOPs per token). Medians over --repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from posttrain.engine.hf import HFEngine
+from posttrain.engine.paged import PagedEngine
+from posttrain.engine.types import GenerationRequest, SamplingParams
+
+
+@dataclass
+class Workload:
+    name: str
+    prompt_lengths: list[int]
+    n: int
+    max_tokens: int
+
+
+def workloads(quick: bool, seed: int) -> list[Workload]:
+    g = torch.Generator().manual_seed(seed)
+
+    def lengths(k: int) -> list[int]:
+        return torch.randint(50, 501, (k,), generator=g).tolist()
+
+    if quick:
+        return [
+            Workload("rollout", lengths(4), 4, 32),
+            Workload("serving", lengths(8), 1, 16),
+            Workload("decode_1", [8], 1, 32),
+            Workload("decode_64", [8] * 64, 1, 16),
+        ]
+    return [
+        Workload("rollout", lengths(8), 4, 128),
+        Workload("serving", lengths(32), 1, 64),
+        Workload("decode_1", [8], 1, 128),
+        Workload("decode_64", [8] * 64, 1, 128),
+    ]
+
+
+def requests_for(w: Workload, seed: int) -> list[GenerationRequest]:
+    g = torch.Generator().manual_seed(seed + 1)
+    reqs = []
+    for i, n in enumerate(w.prompt_lengths):
+        prompt = torch.randint(3, 49152, (n,), generator=g).tolist()
+        params = SamplingParams(
+            temperature=1.0, max_tokens=w.max_tokens, n=w.n, seed=seed + i, ignore_eos=True
+        )
+        reqs.append(GenerationRequest(prompt, params))
+    return reqs
+
+
+def matmul_gflops(dtype: torch.dtype, size: int = 1024, seconds: float = 1.0) -> float:
+    """Best sustained GFLOP/s of a square matmul on this machine, now."""
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    torch.mm(a, b)
+    best = 0.0
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t = time.perf_counter()
+        for _ in range(4):
+            torch.mm(a, b)
+        best = max(best, 4 * 2 * size**3 / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+def run_once(engine: Any, reqs: list[GenerationRequest]) -> dict:
+    t = time.perf_counter()
+    outs = engine.generate(reqs)
+    wall = time.perf_counter() - t
+    tokens = sum(len(c.token_ids) for o in outs for c in o.completions)
+    return {
+        "tok_s": tokens / wall,
+        "wall_s": wall,
+        "tokens": tokens,
+        "ttft_s": statistics.median(o.ttft_s for o in outs),
+    }
+
+
+def main(args: list[str]) -> dict:
+    parser = argparse.ArgumentParser(prog="posttrain bench engine", description=__doc__)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--quick", action="store_true", help="fewer prompts and tokens (a minute or two)")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--workloads", default="rollout,serving,decode_1,decode_64")
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved repeats; medians are reported")
+    parser.add_argument("--no-hf", action="store_true", help="skip the HF baseline (ratios are then absent)")
+    parser.add_argument("--seed", type=int, default=0)
+    opts = parser.parse_args(args)
+    from rich.console import Console
+    from rich.table import Table
+
+    from posttrain.models import load_policy, load_tokenizer
+
+    console = Console(stderr=True)
+    tokenizer = load_tokenizer(opts.model)
+    chosen = set(opts.workloads.split(","))
+    result: dict[str, Any] = {
+        "model": opts.model,
+        "quick": opts.quick,
+        "repeats": opts.repeats,
+        "torch_threads": torch.get_num_threads(),
+    }
+    table = Table(title=f"engine benchmark ({opts.model}, medians of {opts.repeats})")
+    for col in (
+        "dtype",
+        "workload",
+        "paged tok/s",
+        "HF tok/s",
+        "ratio",
+        "paged TTFT s",
+        "HF latency s",
+        "roofline",
+    ):
+        table.add_column(col)
+    for dtype_name in opts.dtypes.split(","):
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
+        sfx = "" if dtype_name == "float32" else "_bf16"
+        gflops = matmul_gflops(dtype)
+        result[f"matmul_gflops{sfx}"] = gflops
+        model = load_policy(opts.model, dtype=dtype_name)
+        params = sum(p.numel() for p in model.parameters())
+        result["params"] = params
+        roofline_tok_s = gflops * 1e9 / (2 * params)
+        result[f"roofline_tok_s{sfx}"] = roofline_tok_s
+        paged = PagedEngine(
+            model,
+            tokenizer,
+            dtype=dtype_name,
+            num_blocks=2048,
+            max_num_seqs=64,
+            max_num_batched_tokens=2048,
+            max_model_len=2048,
+            seed=opts.seed,
+        )
+        hf = HFEngine(model, tokenizer, max_batch_size=64)
+        warm = [GenerationRequest([5, 6, 7, 8], SamplingParams(max_tokens=4, ignore_eos=True))]
+        paged.generate(warm)
+        if not opts.no_hf:
+            hf.generate(warm)
+        for w in workloads(opts.quick, opts.seed):
+            if w.name not in chosen:
+                continue
+            reqs = requests_for(w, opts.seed)
+            ours, theirs = [], []
+            for _ in range(opts.repeats):
+                paged.reset_stats()
+                ours.append(run_once(paged, reqs))
+                if not opts.no_hf:
+                    theirs.append(run_once(hf, reqs))
+            med = {k: statistics.median(r[k] for r in ours) for k in ("tok_s", "ttft_s", "wall_s")}
+            key = {"decode_1": "1", "decode_64": "64"}.get(w.name, w.name)
+            result[f"paged_tok_s_{key}{sfx}"] = med["tok_s"]
+            result[f"paged_ttft_s_{key}{sfx}"] = med["ttft_s"]
+            row = [dtype_name, w.name, f"{med['tok_s']:.1f}"]
+            if theirs:
+                hf_tok_s = statistics.median(r["tok_s"] for r in theirs)
+                hf_wall = statistics.median(r["wall_s"] for r in theirs)
+                result[f"hf_tok_s_{key}{sfx}"] = hf_tok_s
+                result[f"hf_latency_s_{key}{sfx}"] = hf_wall
+                result[f"ratio_vs_hf_{key}{sfx}"] = med["tok_s"] / hf_tok_s
+                row += [
+                    f"{hf_tok_s:.1f}",
+                    f"{med['tok_s'] / hf_tok_s:.2f}x",
+                    f"{med['ttft_s']:.2f}",
+                    f"{hf_wall:.2f}",
+                ]
+            else:
+                row += ["-", "-", f"{med['ttft_s']:.2f}", "-"]
+            if w.name.startswith("decode"):
+                frac = med["tok_s"] / roofline_tok_s
+                result[f"roofline_frac_{key}{sfx}"] = frac
+                row.append(f"{frac:.0%}")
+            else:
+                row.append("")
+            if w.name == "serving":
+                stats = paged.kv_stats()
+                result[f"kv_waste_frac{sfx}"] = stats["peak_waste_frac"]
+            if w.name == "rollout":
+                stats = paged.kv_stats()
+                result[f"rollout_peak_blocks{sfx}"] = stats["peak_blocks_allocated"]
+                result[f"rollout_fork_shared_blocks{sfx}"] = stats["fork_shared_blocks"]
+            table.add_row(*row)
+            console.print(
+                f"  {dtype_name} {w.name}: paged {med['tok_s']:.1f} tok/s"
+                + (f", HF {result[f'hf_tok_s_{key}{sfx}']:.1f} tok/s" if theirs else "")
+            )
+        del paged, hf, model
+    console.print(table)
+    console.print(
+        f"matmul GFLOP/s: fp32 {result.get('matmul_gflops', 0):.0f}, bf16 {result.get('matmul_gflops_bf16', 0):.0f}; "
+        "the machine is shared with other work, so figures are noisy"
+    )
+    return result

@@ -430,7 +430,10 @@ class Learner:
     # weights and state
 
     def weights(self) -> dict[str, Tensor]:
-        """HF-named policy weights for the engine; LoRA deltas merged in (the model is not modified)."""
+        """HF-named policy weights for the engine; LoRA deltas merged in (the model is not modified).
+
+        For full fine-tuning the tensors share storage with the live parameters: copy them if they
+        must stay fixed while the learner trains on."""
         from posttrain.train.state import merged_weights
 
         return merged_weights(self.model)

@@ -70,6 +70,7 @@ def learner_state_dict(learner: Learner) -> dict[str, Any]:
         "kl": dict(learner.kl_ctl.state_dict()),
         "generator": learner.generator.get_state(),
         "torch_rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state_all() if learner.device.type == "cuda" else None,
         "version": learner.version,
         "optimizer_steps": learner.optimizer_steps,
     }
@@ -102,6 +103,8 @@ def load_learner_state_dict(learner: Learner, state: dict[str, Any]) -> None:
     learner.kl_ctl.load_state_dict(state["kl"])
     learner.generator.set_state(state["generator"])
     torch.set_rng_state(state["torch_rng"])
+    if state.get("cuda_rng") is not None and learner.device.type == "cuda":
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
     learner.version = int(state["version"])
     learner.optimizer_steps = int(state["optimizer_steps"])
     learner.optimizer_offloaded = False
@@ -126,7 +129,8 @@ def save_learner(learner: Learner, directory: str | Path) -> None:
         if state["critic"] is not None:
             save_file({k: v.contiguous() for k, v in state["critic"].items()}, str(tmp / "critic.safetensors"))
         torch.save(
-            {k: state[k] for k in ("optimizer", "critic_optimizer", "generator", "torch_rng")}, tmp / "optimizer.pt"
+            {k: state[k] for k in ("optimizer", "critic_optimizer", "generator", "torch_rng", "cuda_rng")},
+            tmp / "optimizer.pt",
         )
         meta = {
             "format": STATE_FORMAT,

@@ -77,6 +77,34 @@ def test_stream_yields_the_completion_in_pieces(tokenizer):
         assert [d.finish_reason for d in mine] == [None] * 9 + ["length"]
 
 
+def test_a_stream_closed_early_stops_generating_and_frees_its_blocks(tokenizer):
+    engine = PagedEngine(tiny("llama"), tokenizer, block_size=4, num_blocks=64)
+    params = SamplingParams(temperature=1.0, max_tokens=50, ignore_eos=True, seed=0)
+    req = GenerationRequest([5, 6, 7], params, request_id="abandoned")
+    other = GenerationRequest([8, 9], SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=1))
+
+    async def main():
+        first = []
+        stream = engine.stream(req)
+        async for delta in stream:
+            first.append(delta)
+            if len(first) == 3:
+                break
+        await stream.aclose()
+        out = await engine.agenerate(other)
+        # the 50-token request would still be running (3 + 20 steps so far) had it not been aborted
+        left = [
+            s
+            for s in engine.scheduler.running + list(engine.scheduler.waiting)
+            if s.request_id == "abandoned"
+        ]
+        return first, out, left, engine.kv_stats()["blocks_allocated"]
+
+    first, out, left, blocks = asyncio.run(main())
+    assert len(first) == 3 and len(out.completions[0].token_ids) == 20
+    assert left == [] and blocks == 0
+
+
 def test_hf_engine_matches_the_paged_engine_greedy_and_reports_logprobs(tokenizer):
     model = tiny("llama")
     prompts = random_prompts([10, 10, 10], seed=42)  # equal lengths: HF pads nothing

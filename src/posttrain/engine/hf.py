@@ -90,7 +90,7 @@ class HFEngine:
             return_dict_in_generate=True,
             output_logits=True,
             pad_token_id=self.pad_id,
-            eos_token_id=stop_ids or None,
+            eos_token_id=stop_ids or [self.model.config.vocab_size],  # an id never sampled: no stop
             repetition_penalty=p.repetition_penalty,
         )
         if p.temperature == 0.0:
@@ -100,7 +100,7 @@ class HFEngine:
                 do_sample=True,
                 temperature=p.temperature,
                 top_p=p.top_p,
-                top_k=p.top_k or None,
+                top_k=p.top_k,  # 0 disables (None would mean the default 50)
                 min_p=p.min_p or None,
             )
         if p.stop:

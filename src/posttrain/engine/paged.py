@@ -117,6 +117,7 @@ class PagedEngine:
         self._seq_state: dict[int, _RequestState] = {}
         self._step_lock = threading.Lock()
         self._pending: list[tuple[_RequestState, list[Sequence]]] = []
+        self._aborts: list[str] = []
         self._driver: asyncio.Task | None = None
         self._peak: dict | None = None
         self.num_steps = 0
@@ -325,6 +326,24 @@ class PagedEngine:
         comps = [c for c in state.completions if c is not None]
         return GenerationOutput(state.request_id, list(state.request.prompt_token_ids), comps, ttft)
 
+    def _abort_request(self, request_id: str) -> None:
+        """Drop a request's sequences (between steps only) and free their blocks."""
+        state = self._states.pop(request_id, None)
+        if state is None:
+            return
+        for seq in [
+            q
+            for q in list(self.scheduler.running) + list(self.scheduler.waiting)
+            if q.request_id == request_id
+        ]:
+            if seq.block_table:
+                self.bm.free_seq(seq)
+            if seq in self.scheduler.running:
+                self.scheduler.running.remove(seq)
+            else:
+                self.scheduler.waiting.remove(seq)
+            self._seq_state.pop(id(seq), None)
+
     def _abort_all(self, err: BaseException) -> None:
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             if seq.block_table:
@@ -375,14 +394,19 @@ class PagedEngine:
         state.queue = asyncio.Queue()
         self._submit(state, seqs)
         remaining = request.params.n
-        while remaining:
-            item = await state.queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item.finish_reason is not None:
-                remaining -= 1
-            yield item
-        self._states.pop(state.request_id, None)
+        try:
+            while remaining:
+                item = await state.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finish_reason is not None:
+                    remaining -= 1
+                yield item
+        finally:
+            if remaining:  # the consumer went away (e.g. a client disconnected): stop generating for it
+                self._aborts.append(state.request_id)
+            else:
+                self._states.pop(state.request_id, None)
 
     def _submit(self, state: _RequestState, seqs: list[Sequence]) -> None:
         if state.request_id in self._states or any(
@@ -400,6 +424,8 @@ class PagedEngine:
                 for state, seqs in self._pending:
                     self._admit(state, seqs)
                 self._pending.clear()
+                while self._aborts:
+                    self._abort_request(self._aborts.pop())
                 if not self.scheduler.has_work():
                     return
                 events = await asyncio.to_thread(self._step)

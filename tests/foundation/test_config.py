@@ -91,3 +91,15 @@ def test_apply_overrides_does_not_mutate_input():
     data = {"trainer": {"lr": 1.0}}
     out = apply_overrides(data, ["trainer.lr=2"])
     assert data["trainer"]["lr"] == 1.0 and out["trainer"]["lr"] == 2
+
+
+@pytest.mark.parametrize("path", sorted(__import__("pathlib").Path(__file__).parents[2].joinpath("configs").glob("*.yaml")))
+def test_shipped_configs_validate(path):
+    load_config(path)
+
+
+def test_unimplemented_placement_is_refused_before_work():
+    from posttrain.orchestrator import RLRun
+
+    with pytest.raises(ValueError, match="placement.backend='ray' is not yet available"):
+        RLRun.check(load_config(None, ["placement.backend=ray", "model.spec=tiny:llama"]))

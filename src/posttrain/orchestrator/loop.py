@@ -70,6 +70,12 @@ class RLRun:
         from posttrain.models import resolve
 
         resolve(cfg.model.spec)
+        if cfg.placement.backend != "local":
+            raise ValueError(f"placement.backend='{cfg.placement.backend}' is not yet available; use 'local'")
+        if cfg.placement.weight_sync != "in_process":
+            raise ValueError(
+                f"placement.weight_sync='{cfg.placement.weight_sync}' is not yet available; use 'in_process'"
+            )
         for d in cfg.envs.domains:
             valid = get_domain(d.name, **d.options).difficulties
             bad = [lvl for lvl in d.difficulties if lvl not in valid]
@@ -80,6 +86,7 @@ class RLRun:
         """Load the model twice (learner, engine), the environments, sampler and sandbox."""
         if self._built:
             return
+        self.check(self.cfg)
         from posttrain.curriculum import Arm, make_sampler
         from posttrain.engine import make_engine
         from posttrain.envs import get_domain

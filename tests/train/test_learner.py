@@ -272,3 +272,19 @@ def test_separate_critic_from_its_own_spec():
     assert not torch.equal(lrn.critic.head.bias, head_before)
     with pytest.raises(ValueError, match="critic_spec"):
         Learner(TINY, TrainerConfig(critic="separate"), AlgorithmConfig(advantage="gae"), seed=0)
+
+
+def test_ratio_masking_and_tis_through_step(base_model):
+    samples = make_samples(6)
+    lrn = learner(TrainerConfig(lr=1e-2), AlgorithmConfig(mask_ratio_high=1.5, tis_cap=2.0), model=copy.deepcopy(base_model))
+    learner_lp = lrn.compute_logprobs(samples)
+    # behaviour logprobs 5 nats below the learner's: ratio e^5 > 1.5 on every token -> all masked out
+    stale = []
+    for i, s in enumerate(samples):
+        row = learner_lp[i, : len(s.token_ids)].tolist()
+        blp = [(lp - 5.0) if m else 0.0 for lp, m in zip(row, s.loss_mask, strict=True)]
+        stale.append(Sample(s.token_ids, s.loss_mask, blp, s.reward, s.group_id, policy_version=0))
+    m = lrn.step(stale, current_version=2)
+    assert m["ratio_masked_frac"] == 1.0 and m["tis_clip_frac"] == 1.0
+    assert m["mismatch_abs_log_ratio"] == pytest.approx(5.0, abs=1e-4)
+    assert m["loss"] == 0.0 and m["grad_norm"] == 0.0 and m["staleness_max"] == 2.0

@@ -102,11 +102,6 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * h.to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 @dataclass
 class PrefillChunk:
     row: int  # first row of this chunk in the flat batch
@@ -168,8 +163,10 @@ class ModelRunner:
         self.kv_size = s.num_kv_heads * s.head_dim
         self.scale = 1.0 / math.sqrt(s.head_dim)
         cos, sin = rope_tables(config, s.head_dim, max_model_len)
+        half = s.head_dim // 2
         self.cos = cos.to(self.device, self.dtype)
-        self.sin = sin.to(self.device, self.dtype)
+        # rotate_half(x) * sin == roll(x, half) * sin_signed, with the first half of sin negated (exact)
+        self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(self.device, self.dtype)
         self._init_weights()
         self.load_weights(state_dict.items(), strict=True)
         self.k_cache: torch.Tensor | None = None
@@ -335,19 +332,22 @@ class ModelRunner:
         T = batch.input_ids.shape[0]
         x = F.embedding(batch.input_ids, self.embed)
         cos = self.cos[batch.positions].unsqueeze(1)
-        sin = self.sin[batch.positions].unsqueeze(1)
+        sin = self.sin_signed[batch.positions].unsqueeze(1)
         H, KV, hd = s.num_heads, s.num_kv_heads, s.head_dim
+        half = hd // 2
         for li, layer in enumerate(self.layers):
             h = _rms_norm(x, layer["in_norm"], eps)
             qkv = F.linear(h, layer["wqkv"], layer.get("bqkv"))
-            q = qkv[:, : self.q_size].view(T, H, hd)
-            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(T, KV, hd)
             v = qkv[:, self.q_size + self.kv_size :].view(T, KV, hd)
             if s.qk_norm:
-                q = _rms_norm(q, layer["q_norm"], eps)
-                k = _rms_norm(k, layer["k_norm"], eps)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+                q = _rms_norm(qkv[:, : self.q_size].view(T, H, hd), layer["q_norm"], eps)
+                k = _rms_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(T, KV, hd), layer["k_norm"], eps)
+                q = q * cos + q.roll(half, -1) * sin
+                k = k * cos + k.roll(half, -1) * sin
+            else:  # q and k heads rotated together
+                qk = qkv[:, : self.q_size + self.kv_size].view(T, H + KV, hd)
+                qk = qk * cos + qk.roll(half, -1) * sin
+                q, k = qk[:, :H], qk[:, H:]
             kc = self.k_cache[li].view(-1, KV, hd)
             vc = self.v_cache[li].view(-1, KV, hd)
             kc.index_copy_(0, batch.slot_mapping, k.to(self.kv_dtype))

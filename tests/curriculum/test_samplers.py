@@ -74,7 +74,7 @@ def test_dropped_domain_gets_zero_then_regains_share():
 
 def test_decaying_arm_with_falling_probe_gains_share():
     arms = [Arm("math", 0), Arm("code", 0), Arm("tools", 0)]
-    s = make_sampler(cfg(), arms, seed=3)
+    s = make_sampler(cfg(forget_z=0.0), arms, seed=3)
     for step in range(10):
         feed(s, step, {a: [ONE] * 4 for a in arms})
         for a in arms:
@@ -88,6 +88,25 @@ def test_decaying_arm_with_falling_probe_gains_share():
     assert [w1[a] for a in arms] == pytest.approx([0.5, 0.25, 0.25])
     s.record_probe(20, arms[0], 0.9)  # recovered: no forgetting any more
     assert s.weights()[arms[0]] == pytest.approx(1 / 3)
+
+
+def test_forgetting_discounts_probe_noise():
+    arms = [Arm("math", 0), Arm("code", 0)]
+    s = make_sampler(cfg(forget_z=1.0, probe_size=64), arms, seed=0)
+    s.record_probe(0, arms[0], 0.9)  # n defaults to probe_size = 64
+    s.record_probe(10, arms[0], 0.6, n=32)
+    # shrunk scores (0.9*64+1)/66 and (0.6*32+1)/34; SE = sqrt(b(1-b)/64 + c(1-c)/32)
+    b, c = 58.6 / 66, 20.2 / 34
+    se = math.sqrt(b * (1 - b) / 64 + c * (1 - c) / 32)
+    assert s.forgetting()[0] == pytest.approx(0.3 - se)
+    assert 0.2 < 0.3 - se < 0.23
+    # a drop inside one standard error is noise: no forgetting, no extra share
+    s.record_probe(0, arms[1], 0.55, n=16)
+    s.record_probe(10, arms[1], 0.5, n=16)
+    assert s.forgetting()[1] == 0.0
+    assert s._s["probe_best"][1] == 0.55 and s._s["probe_best_n"][1] == 16
+    with pytest.raises(ValueError, match=r"record_probe\(math:0\): n must be an integer >= 1, got 0"):
+        s.record_probe(20, arms[0], 0.5, n=0)
 
 
 def test_probe_due_only_for_adaptive():

@@ -69,11 +69,31 @@ def test_bench_small_run_reports_every_sampler(tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_bench_real_says_not_yet_available(capsys):
+def test_bench_real_wiring_on_a_tiny_model(tmp_path):
+    out = main(["--real", "--quick", "--model", "tiny:llama", "--domains", "math:0;tools.apis:0", "--steps", "2",
+                "--tasks-per-step", "2", "--group-size", "2", "--n-eval", "2", "--max-new-tokens", "8",
+                "--probe-every", "1", "--probe-size", "1", "--out", str(tmp_path)])
+    assert out["seeds"] == [0] and out["rollouts_per_run"] == 2 * 2 * 2
+    for sampler in ("uniform_by_domain", "adaptive"):
+        (run,) = out["per_seed"][sampler]
+        assert run["steps"] == 2
+        assert sum(run["groups_by_arm"].values()) == 4  # the same budget: steps x tasks_per_step groups
+        assert set(out["per_domain"][sampler]) == {"math", "tools.apis", "all"}
+        assert out["per_domain"][sampler]["all"]["n"] == 4  # 2 held-out tasks x 2 arms
+        assert (tmp_path / f"{sampler}-seed0" / "policy" / "config.json").is_file()
+    # probes are adaptive's alone (after steps 1 and 2 with probe_every 1)
+    assert out["per_seed"]["adaptive"][0]["probes"] == 2 and out["per_seed"]["uniform_by_domain"][0]["probes"] == 0
+    assert set(out["delta_adaptive_minus_uniform"]["0"]["per_domain"]) == {"math", "tools.apis"}
+
+
+def test_bench_real_rejects_bad_domains(capsys):
     with pytest.raises(SystemExit) as exc:
-        main(["--real"])
-    assert exc.value.code == 1
-    assert "needs the RL loop: not yet available" in capsys.readouterr().err
+        main(["--real", "--quick", "--model", "tiny:llama", "--domains", "math:9"])
+    assert exc.value.code == 2
+    assert "'math' has no difficulty 9" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--real", "--domains", "math"])
+    assert "is not of the form name:level" in capsys.readouterr().err
 
 
 def test_domain_shares_and_plot(tmp_path):

@@ -4,7 +4,8 @@ budget (adaptive's probe tokens included), several seeds, bootstrap 95% interval
 Owns the metrics and the table: final macro accuracy, AUC of macro accuracy vs tokens, tokens to reach
 uniform_by_domain's final macro accuracy (per seed, as a ratio; a sampler that never gets there is
 censored at the budget), worst-arm accuracy, forgetting (max over time minus final, per arm, averaged).
-`--real` (the 135M model through the RL loop) is not here yet.
+`--real` (benchmark 2: a real model through the RL loop, adaptive vs uniform_by_domain, held-out
+accuracy per domain) lives in `real.py`; its flags are listed under "--real" in `--help`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from posttrain.config import ConfigError, load_config
+from posttrain.curriculum.real import DEFAULT_DOMAINS, PRESETS, main_real
 from posttrain.curriculum.sim import SimRun, SimSettings, budget_tokens, make_learner, run
 
 BASELINE = "uniform_by_domain"
@@ -61,7 +63,8 @@ def bootstrap_ci(values: np.ndarray, n_boot: int, seed: int = 0) -> tuple[float,
 
 def main(args: list[str]) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="posttrain bench curriculum", description=__doc__)
-    ap.add_argument("--seeds", type=int, default=8, help="simulated learners (>= 5 for the report)")
+    ap.add_argument("--seeds", type=int, default=None,
+                    help="simulated learners (default 8; >= 5 for the report); --real: training seeds (default 2, --quick 1)")
     ap.add_argument("--samplers", default=",".join(ALL), help=f"comma list; must include {BASELINE}")
     ap.add_argument("--groups-per-step", type=int, default=SimSettings.groups_per_step)
     ap.add_argument("--budget-steps", type=int, default=SimSettings.budget_uniform_steps,
@@ -71,11 +74,28 @@ def main(args: list[str]) -> dict[str, Any]:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="curriculum config override for every sampler, e.g. --set c=0.5 (repeatable)")
     ap.add_argument("--free-probes", action="store_true", help="do not charge probe tokens to the budget")
-    ap.add_argument("--real", action="store_true", help="the 135M model through the RL loop")
+    real = ap.add_argument_group("--real", "benchmark 2: a real model through the RL loop (see real.py)")
+    real.add_argument("--real", action="store_true", help="adaptive vs uniform_by_domain on a real model")
+    real.add_argument("--quick", action="store_true", help="small preset that finishes in a few minutes")
+    real.add_argument("--model", default="smollm2-135m", help="model.spec of the runs")
+    real.add_argument("--domains", default=DEFAULT_DOMAINS, help="name:level[,level];... (default %(default)s)")
+    for key in PRESETS["full"]:
+        real.add_argument("--" + key.replace("_", "-"), dest=key, type=int, default=None,
+                          help=f"default {PRESETS['full'][key]} (--quick {PRESETS['quick'][key]})")
+    real.add_argument("--eval-seed", type=int, default=1000, help="seed of the held-out tasks (same for every run)")
+    real.add_argument("--out", default=None, help="directory for the run folders (default: a new temp dir)")
+    real.add_argument("--run-set", dest="run_overrides", action="append", default=[], metavar="KEY=VALUE",
+                      help="any run-config override, e.g. --run-set engine.device=cuda (repeatable)")
     ns = ap.parse_args(args)
     if ns.real:
-        print("error: `bench curriculum --real` needs the RL loop: not yet available", file=sys.stderr)
-        raise SystemExit(1)
+        if ns.seeds is not None and ns.seeds < 1:
+            ap.error("--seeds must be >= 1")
+        try:
+            return main_real(ns)
+        except (ConfigError, ValueError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            raise SystemExit(2) from None
+    ns.seeds = 8 if ns.seeds is None else ns.seeds
     names = [n.strip() for n in ns.samplers.split(",") if n.strip()]
     unknown = [n for n in names if n not in ALL]
     if unknown or BASELINE not in names:

@@ -19,7 +19,7 @@ from posttrain.config import CurriculumConfig
 from posttrain.curriculum.arms import Arm, check_arms
 from posttrain.curriculum.policy import adaptive_policy, group_abs_dev, grpo_abs_advantages, softmax
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 
 SAMPLERS: dict[str, type[Sampler]] = {}
 
@@ -43,6 +43,7 @@ def check_config(cfg: CurriculumConfig) -> None:
         ("tau", cfg.tau > 0.0, "> 0"),
         ("c", cfg.c >= 0.0, ">= 0"),
         ("lam", cfg.lam >= 0.0, ">= 0"),
+        ("forget_z", cfg.forget_z >= 0.0, ">= 0"),
         ("max_share", 0.0 < cfg.max_share <= 1.0, "in (0, 1]"),
         ("probe_every", cfg.probe_every >= 0, ">= 0 (0 = no probes)"),
         ("probe_size", cfg.probe_size >= 1, ">= 1"),
@@ -103,6 +104,8 @@ class Sampler:
             "dev_ema": [None] * k,  # EMA of per-update mean |r - group mean|, in reward units
             "probe_best": [None] * k,
             "probe_last": [None] * k,
+            "probe_best_n": [None] * k,  # prompts behind the best / latest probe score (their standard error)
+            "probe_last_n": [None] * k,
             "data_size": [None] * k,  # None = unknown (available), 0 = no data now
             "prompts": [{} for _ in range(k)],  # prompt_id -> [n rewards, sum of range-normalised rewards]
             "reward_lo": {d: 0.0 for d in self.domains},  # running reward range per domain, starts at [0, 1]
@@ -154,13 +157,27 @@ class Sampler:
         )
 
     def forgetting(self) -> np.ndarray:
-        """F_k = max(0, best probe score - latest probe score); 0 before any probe."""
-        return np.array(
-            [
-                0.0 if b is None else max(0.0, b - c)
-                for b, c in zip(self._s["probe_best"], self._s["probe_last"], strict=True)
-            ]
-        )
+        """F_k = max(0, best - latest - forget_z * SE(best - latest)); 0 before any probe.
+
+        Both scores are means over n probe prompts, so their difference has standard error
+        sqrt(b(1-b)/n_b + c(1-c)/n_c) (scores in [0, 1], each shrunk as (x*n + 1)/(n + 2) so a 0 or 1
+        still has spread). A drop smaller than forget_z standard errors is probe noise, not forgetting:
+        with 64 prompts a probe's own noise is ~0.06, and the running best of noisy scores sits above
+        the truth, so the plain difference (forget_z = 0) reads noise as forgetting on every arm.
+        """
+        out = np.zeros(len(self.arms))
+        z = self.cfg.forget_z
+        for i, (b, c) in enumerate(zip(self._s["probe_best"], self._s["probe_last"], strict=True)):
+            if b is None:
+                continue
+            nb = self._s["probe_best_n"][i] or self.cfg.probe_size
+            nc = self._s["probe_last_n"][i] or self.cfg.probe_size
+            se = 0.0
+            if z > 0:
+                sb, sc = (min(max(b, 0.0), 1.0) * nb + 1) / (nb + 2), (min(max(c, 0.0), 1.0) * nc + 1) / (nc + 2)
+                se = math.sqrt(sb * (1 - sb) / nb + sc * (1 - sc) / nc)
+            out[i] = max(0.0, b - c - z * se)
+        return out
 
     # -- the API the RL loop uses -----------------------------------------------------------------
 
@@ -221,15 +238,18 @@ class Sampler:
         step = _as_int(step, "probe_due: step")
         return self.uses_probes and self.cfg.probe_every > 0 and step % self.cfg.probe_every == 0
 
-    def record_probe(self, step: int, arm: Arm, score: float) -> None:
-        """A held-out probe score for an arm (e.g. greedy accuracy on its share of the domain's probe)."""
+    def record_probe(self, step: int, arm: Arm, score: float, n: int | None = None) -> None:
+        """A held-out probe score for an arm (e.g. greedy accuracy on its share of the domain's probe),
+        the mean over `n` prompts (None: curriculum.probe_size); n sets the score's standard error."""
         i = self._idx(arm)
         score = float(score)
         if not math.isfinite(score):
             raise ValueError(f"record_probe({self.arms[i].key}): score must be finite, got {score}")
+        n = self.cfg.probe_size if n is None else _as_int(n, f"record_probe({self.arms[i].key}): n", 1)
         best = self._s["probe_best"][i]
-        self._s["probe_best"][i] = score if best is None else max(best, score)
-        self._s["probe_last"][i] = score
+        if best is None or score >= best:
+            self._s["probe_best"][i], self._s["probe_best_n"][i] = score, n
+        self._s["probe_last"][i], self._s["probe_last_n"][i] = score, n
 
     def record_prompt(self, arm: Arm, prompt_id: str, rewards: Sequence[float]) -> None:
         """Rewards observed for one prompt of an arm; they set that prompt's observed success rate."""

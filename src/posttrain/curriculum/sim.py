@@ -201,7 +201,7 @@ def run(sampler_name: str, seed: int, cfg: CurriculumConfig, s: SimSettings, log
                 members = [i for i, a in enumerate(learner.arms) if a.domain == d]
                 m = max(1, cfg.probe_size // len(members))
                 for i in members:
-                    sampler.record_probe(step, learner.arms[i], rng.binomial(m, p[i]) / m)
+                    sampler.record_probe(step, learner.arms[i], rng.binomial(m, p[i]) / m, n=m)
                     probe_spent += m * learner.tokens[i]
                     spent += m * learner.tokens[i] if s.charge_probes else 0.0
         arms = sampler.sample(s.groups_per_step)

@@ -1,0 +1,229 @@
+"""`posttrain bench curriculum --real` (benchmark 2): the adaptive sampler against uniform_by_domain on a
+real model through the RL loop, same rollout budget, then held-out accuracy per domain with intervals.
+
+Owns the run matrix (samplers x seeds), the shared configuration and the report. Training is
+`posttrain.orchestrator.RLRun`, scoring is `posttrain.orchestrator.evaluate.evaluate_local`; nothing here
+touches tensors. Both samplers get identical steps x tasks_per_step x group_size rollouts; the adaptive
+sampler's retention probes are extra (greedy, held-out) generations and are reported separately.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SAMPLERS = ["uniform_by_domain", "adaptive"]
+DEFAULT_DOMAINS = "math:0,1;code.unit_tests:1;tools.apis:0"
+# Sizes of the full run and of --quick (a few minutes on a laptop CPU with the 135M model). Explicit
+# flags override either preset.
+PRESETS: dict[str, dict[str, int]] = {
+    "full": {"steps": 60, "tasks_per_step": 8, "group_size": 8, "n_eval": 64, "max_new_tokens": 256,
+             "probe_every": 5, "probe_size": 16},
+    "quick": {"steps": 4, "tasks_per_step": 4, "group_size": 4, "n_eval": 8, "max_new_tokens": 64,
+              "probe_every": 2, "probe_size": 2},
+}
+# --quick also keeps memory small (the machine it targets is shared): a smaller K/V pool, shorter
+# micro-batches. Explicit --run-set values come later and win.
+QUICK_RUN_OVERRIDES = ["engine.num_kv_blocks=512", "trainer.micro_batch_tokens=1024"]
+
+
+def parse_domains(text: str) -> list[tuple[str, list[int]]]:
+    """`"math:0,1;tools.apis:0"` -> [("math", [0, 1]), ("tools.apis", [0])]; ValueError names a bad part."""
+    out: list[tuple[str, list[int]]] = []
+    for part in (p.strip() for p in text.split(";")):
+        if not part:
+            continue
+        name, sep, levels = part.partition(":")
+        if not sep or not name.strip() or not levels.strip():
+            raise ValueError(f"--domains part '{part}' is not of the form name:level[,level...]")
+        try:
+            lv = [int(x) for x in levels.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"--domains part '{part}': levels must be integers") from None
+        out.append((name.strip(), lv))
+    if not out:
+        raise ValueError("--domains names no domain")
+    return out
+
+
+def run_overrides(ns: argparse.Namespace, sizes: dict[str, int]) -> list[str]:
+    """Config overrides shared by every run of the matrix (the sampler and seed are added per run)."""
+    doms = ", ".join(f"{{name: {n}, difficulties: [{', '.join(map(str, lv))}]}}" for n, lv in parse_domains(ns.domains))
+    return [
+        f"model.spec={ns.model}",
+        f"envs.domains=[{doms}]",
+        f"orchestrator.steps={sizes['steps']}",
+        f"orchestrator.tasks_per_step={sizes['tasks_per_step']}",
+        f"algorithm.group_size={sizes['group_size']}",
+        f"engine.max_new_tokens={sizes['max_new_tokens']}",
+        f"curriculum.probe_every={sizes['probe_every']}",
+        f"curriculum.probe_size={sizes['probe_size']}",
+        "orchestrator.checkpoint_every=0",
+        "telemetry.progress=false",
+        "telemetry.tensorboard=false",
+        *(QUICK_RUN_OVERRIDES if ns.quick else []),
+        *[f"curriculum.{o}" for o in ns.overrides],
+        *ns.run_overrides,
+    ]
+
+
+def _pooled(scores: list[float | None], seed: int) -> dict[str, float]:
+    from posttrain.orchestrator.evaluate import bootstrap_ci
+
+    vals = np.array([s for s in scores if s is not None], dtype=np.float64)
+    lo, hi = bootstrap_ci(vals, seed)
+    return {"accuracy": float(vals.mean()) if len(vals) else float("nan"), "ci_low": lo, "ci_high": hi, "n": len(vals)}
+
+
+def train_and_eval(overrides: list[str], sampler: str, seed: int, root: Path, n_eval: int, eval_seed: int) -> dict[str, Any]:
+    """One RL run with `sampler`, its policy exported and scored on the held-out tasks of `eval_seed`."""
+    from posttrain.config import load_config, save_config
+    from posttrain.orchestrator import RLRun
+    from posttrain.orchestrator.evaluate import evaluate_local
+    from posttrain.orchestrator.export import save_hf_folder
+    from posttrain.sandbox import make_sandbox
+    from posttrain.telemetry import RunDir, read_metrics
+
+    cfg = load_config(None, [*overrides, f"curriculum.sampler={sampler}", f"seed={seed}", f"telemetry.run_dir={root}"])
+    run_dir = RunDir.create(root, f"{sampler}-seed{seed}")
+    save_config(cfg, run_dir.config)
+    t0 = time.perf_counter()
+    rl = RLRun(cfg, run_dir, show_progress=False)
+    try:
+        rl.train()
+        policy = save_hf_folder(rl.learner.weights(), cfg.model.spec, run_dir.path / "policy")
+        domains, arms = rl.domains, rl.arms
+        shares = {k: v for k, v in rl.sampler.signals().items() if k.startswith("curriculum/groups/")}
+    finally:
+        rl.close()
+    del rl
+    gc.collect()  # the learner, engine and K/V pool of this run before the evaluation engine loads
+    train_s = time.perf_counter() - t0
+    rows = read_metrics(run_dir.metrics)
+    sandbox = make_sandbox(cfg.sandbox)
+    try:
+        report = evaluate_local(str(policy), cfg, domains, arms, n_eval, eval_seed, sandbox)
+    finally:
+        asyncio.run(sandbox.close())
+        gc.collect()
+    return {
+        "report": report,
+        "train_s": train_s,
+        "steps": len(rows),
+        "generated_tokens": sum(float(r.get("rollout/generated_tokens", 0.0)) for r in rows),
+        "probes": sum(1 for r in rows if any(str(k).startswith("heldout/") for k in r)),
+        "groups_by_arm": {k.rpartition("/")[2]: v for k, v in shares.items()},
+    }
+
+
+def base_eval(overrides: list[str], n_eval: int, eval_seed: int) -> Any:
+    """The untrained model on the same held-out tasks (the reference both samplers start from)."""
+    from posttrain.config import load_config
+    from posttrain.curriculum.arms import Arm
+    from posttrain.envs import get_domain
+    from posttrain.orchestrator.evaluate import evaluate_local
+    from posttrain.sandbox import make_sandbox
+
+    cfg = load_config(None, overrides)
+    domains = {d.name: get_domain(d.name, **d.options) for d in cfg.envs.domains}
+    arms = [Arm(d.name, lvl) for d in cfg.envs.domains for lvl in d.difficulties]
+    sandbox = make_sandbox(cfg.sandbox)
+    try:
+        return evaluate_local(cfg.model.spec, cfg, domains, arms, n_eval, eval_seed, sandbox)
+    finally:
+        asyncio.run(sandbox.close())
+        gc.collect()
+
+
+def main_real(ns: argparse.Namespace) -> dict[str, Any]:
+    from posttrain.orchestrator import RLRun
+    from posttrain.orchestrator.evaluate import paired_delta
+
+    sizes = dict(PRESETS["quick" if ns.quick else "full"])
+    for key in sizes:
+        if getattr(ns, key, None) is not None:
+            sizes[key] = int(getattr(ns, key))
+    bad = [k for k, v in sizes.items() if v < (0 if k == "probe_every" else 1)]
+    if bad:
+        raise ValueError(f"--real: {', '.join(bad)} must be >= 1")
+    seeds = list(range(ns.seeds if ns.seeds is not None else 1 if ns.quick else 2))
+    overrides = run_overrides(ns, sizes)
+    from posttrain.config import load_config
+
+    RLRun.check(load_config(None, overrides))  # unknown domain / level fails before any model loads
+    root = Path(ns.out) if ns.out else Path(tempfile.mkdtemp(prefix="bench-curriculum-real-"))
+    t0 = time.perf_counter()
+    base = base_eval(overrides, sizes["n_eval"], ns.eval_seed)
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SAMPLERS}
+    for seed in seeds:
+        for sampler in SAMPLERS:
+            runs[sampler].append(train_and_eval(overrides, sampler, seed, root, sizes["n_eval"], ns.eval_seed))
+    out: dict[str, Any] = {
+        "mode": "real",
+        "model": ns.model,
+        "domains": ns.domains,
+        "seeds": seeds,
+        "sizes": sizes,
+        "eval_seed": ns.eval_seed,
+        "rollouts_per_run": sizes["steps"] * sizes["tasks_per_step"] * sizes["group_size"],
+        "run_root": str(root),
+        "base": base.per_domain,
+        "per_domain": {},
+        "per_seed": {},
+        "delta_adaptive_minus_uniform": {},
+    }
+    for sampler in SAMPLERS:
+        pooled: dict[str, list[float | None]] = {}
+        for r in runs[sampler]:
+            for dom, scores in r["report"].per_task.items():
+                pooled.setdefault(dom, []).extend(scores)
+        out["per_domain"][sampler] = {d: _pooled(s, ns.eval_seed) for d, s in pooled.items()}
+        out["per_domain"][sampler]["all"] = _pooled([x for s in pooled.values() for x in s], ns.eval_seed)
+        out["per_seed"][sampler] = [
+            {"seed": seed, "per_domain": r["report"].per_domain, "train_s": round(r["train_s"], 1),
+             "steps": r["steps"], "generated_tokens": r["generated_tokens"], "probes": r["probes"],
+             "groups_by_arm": r["groups_by_arm"]}
+            for seed, r in zip(seeds, runs[sampler], strict=True)
+        ]
+    for seed, a, u in zip(seeds, runs["adaptive"], runs["uniform_by_domain"], strict=True):
+        out["delta_adaptive_minus_uniform"][str(seed)] = paired_delta(a["report"], u["report"], ns.eval_seed)
+    out["wall_s"] = round(time.perf_counter() - t0, 1)
+    _print_real(out)
+    return out
+
+
+def _print_real(out: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def cell(d: dict[str, float]) -> str:
+        return f"{d['accuracy']:.3f} [{d['ci_low']:.3f}, {d['ci_high']:.3f}] n={d['n']}"
+
+    sz = out["sizes"]
+    t = Table(title=(f"curriculum --real: {out['model']}, seeds {out['seeds']}, {sz['steps']} steps x "
+                     f"{sz['tasks_per_step']} groups x {sz['group_size']} rollouts per run; held-out greedy "
+                     f"accuracy, {sz['n_eval']} tasks per arm, 95% bootstrap CI (seeds pooled)"))
+    t.add_column("domain")
+    t.add_column("base model", justify="right")
+    for s in SAMPLERS:
+        t.add_column(s, justify="right")
+    doms = list(out["per_domain"][SAMPLERS[0]])
+    for d in doms:
+        t.add_row(d, cell(out["base"][d]) if d in out["base"] else "", *[cell(out["per_domain"][s][d]) for s in SAMPLERS])
+    console = Console(width=170)
+    console.print(t)
+    for seed, dd in out["delta_adaptive_minus_uniform"].items():
+        per = ", ".join(f"{d} {v['delta']:+.3f} [{v['ci_low']:+.3f}, {v['ci_high']:+.3f}]" for d, v in dd["per_domain"].items())
+        console.print(f"  seed {seed}: adaptive - uniform: all {dd['delta']:+.3f} [{dd['ci_low']:+.3f}, {dd['ci_high']:+.3f}]; {per}")
+    for s in SAMPLERS:
+        for r in out["per_seed"][s]:
+            console.print(f"  {s} seed {r['seed']}: {r['steps']} steps, {r['generated_tokens']:.0f} generated tokens, "
+                          f"{r['probes']} probes, train {r['train_s']} s, groups {r['groups_by_arm']}")
+    console.print(f"  runs under {out['run_root']}; wall {out['wall_s']} s")

@@ -82,6 +82,9 @@ class CurriculumConfig(Section):
     c: float = Field(1.0, ge=0.0, description="exploration bonus weight")
     eps: float = Field(0.15, ge=0.0, le=1.0, description="uniform mixing; every arm keeps >= eps/K")
     lam: float = Field(1.0, ge=0.0, description="forgetting weight")
+    forget_z: float = Field(
+        1.0, ge=0.0, description="forgetting counts only the probe drop beyond this many standard errors"
+    )
     max_share: float = Field(0.5, gt=0.0, le=1.0, description="cap on one arm's share (raised to 1/K if below)")
     probe_every: int = Field(10, ge=0, description="retention probe period in steps; 0 = no probes")
     probe_size: int = Field(64, ge=1, description="held-out probe prompts per domain")

@@ -6,10 +6,11 @@ import sys
 import numpy as np
 import pytest
 
+from posttrain.config import CurriculumConfig
 from posttrain.curriculum import Arm, plot_domain_shares
 from posttrain.curriculum.bench import auc_vs_tokens, bootstrap_ci, first_crossing, main
 from posttrain.curriculum.plot import domain_shares
-from posttrain.curriculum.sim import Learner
+from posttrain.curriculum.sim import Learner, OracleSampler
 
 
 def _learner(theta, arms, **kw) -> Learner:
@@ -48,6 +49,16 @@ def test_learner_transfer_interference_and_disuse():
     assert L.theta[2] == pytest.approx(-10 + 10 * np.exp(-0.1) * np.exp(-0.25))
 
 
+def test_oracle_weights_follow_hidden_gain():
+    arms = [Arm("a", 0), Arm("a", 1)]
+    L = _learner([0.0, np.log(9.0)], arms)  # p = 0.5 and 0.9, eta 1
+    o = OracleSampler(CurriculumConfig(eps=0.2), arms, 0, L)
+    g = np.array([0.25**2, 0.09**2])
+    w = o.weights()
+    assert [w[a] for a in arms] == pytest.approx(list(0.8 * g / g.sum() + 0.1))
+    assert not o.uses_probes
+
+
 def test_metrics_hand_computed():
     tokens = np.array([0.0, 10.0, 20.0, 30.0])
     macro = np.array([0.0, 0.5, 0.4, 1.0])
@@ -63,7 +74,8 @@ def test_bench_small_run_reports_every_sampler(tmp_path):
     png = tmp_path / "shares.png"
     out = main(["--seeds", "2", "--budget-steps", "15", "--groups-per-step", "8", "--boot", "50", "--plot", str(png)])
     for key in ("tokens_to_threshold_ratio", "forgetting", "worst_arm_accuracy", "auc", "final_macro_accuracy"):
-        assert set(out[key]) == {"uniform_by_domain", "uniform_by_data", "dapo_filter_only", "sec", "dump", "adaptive"}
+        assert set(out[key]) == {"uniform_by_domain", "uniform_by_data", "dapo_filter_only", "sec", "dump", "adaptive",
+                                 "oracle"}
     assert out["tokens_to_threshold_ratio"]["uniform_by_domain"] == 1.0
     assert out["probe_token_share"]["adaptive"] > 0 and out["probe_token_share"]["sec"] == 0
     assert png.read_bytes()[:4] == b"\x89PNG"

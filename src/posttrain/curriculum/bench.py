@@ -19,10 +19,11 @@ import numpy as np
 
 from posttrain.config import ConfigError, load_config
 from posttrain.curriculum.real import DEFAULT_DOMAINS, PRESETS, main_real
-from posttrain.curriculum.sim import SimRun, SimSettings, budget_tokens, make_learner, run
+from posttrain.curriculum.sim import ORACLE, SimRun, SimSettings, budget_tokens, make_learner, run
 
 BASELINE = "uniform_by_domain"
 ALL = ["uniform_by_domain", "uniform_by_data", "dapo_filter_only", "sec", "dump", "adaptive"]
+REFERENCE = [ORACLE]  # reads the simulator's hidden state; a ceiling, not a competitor
 
 
 def first_crossing(tokens: np.ndarray, macro: np.ndarray, threshold: float) -> float:
@@ -65,7 +66,8 @@ def main(args: list[str]) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="posttrain bench curriculum", description=__doc__)
     ap.add_argument("--seeds", type=int, default=None,
                     help="simulated learners (default 8; >= 5 for the report); --real: training seeds (default 2, --quick 1)")
-    ap.add_argument("--samplers", default=",".join(ALL), help=f"comma list; must include {BASELINE}")
+    ap.add_argument("--samplers", default=",".join(ALL + REFERENCE),
+                    help=f"comma list; must include {BASELINE}; '{ORACLE}' reads the hidden state (a ceiling)")
     ap.add_argument("--groups-per-step", type=int, default=SimSettings.groups_per_step)
     ap.add_argument("--budget-steps", type=int, default=SimSettings.budget_uniform_steps,
                     help="token budget in full batches at the mean rollout length")
@@ -97,7 +99,7 @@ def main(args: list[str]) -> dict[str, Any]:
             raise SystemExit(2) from None
     ns.seeds = 8 if ns.seeds is None else ns.seeds
     names = [n.strip() for n in ns.samplers.split(",") if n.strip()]
-    unknown = [n for n in names if n not in ALL]
+    unknown = [n for n in names if n not in ALL + REFERENCE]
     if unknown or BASELINE not in names:
         ap.error(f"--samplers: unknown {unknown}" if unknown else f"--samplers must include {BASELINE}")
     if ns.seeds < 1 or ns.groups_per_step < 1 or ns.budget_steps < 1:

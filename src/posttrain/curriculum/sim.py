@@ -148,6 +148,29 @@ def make_learner(seed: int) -> Learner:
     )
 
 
+ORACLE = "oracle"
+
+
+class OracleSampler(Sampler):
+    """A reference, not a sampler anyone can run: it reads the learner's hidden state. Weights are
+    proportional to each arm's expected one-step gain in success probability per group,
+    eta_k * (p_k(1-p_k))^2 (the drift of `Learner.train` times dp/dtheta, transfer ignored), mixed
+    with eps/K uniform like the adaptive rule, and it never pays for probes. It shows how much
+    an allocation that knew the truth could gain in this simulator (myopically)."""
+
+    name = ORACLE
+
+    def __init__(self, cfg: CurriculumConfig, arms: list[Arm], seed: int, learner: Learner):
+        super().__init__(cfg, arms, seed)
+        self._learner = learner
+
+    def _policy(self, avail: np.ndarray) -> np.ndarray:
+        p = self._learner.p[avail]
+        gain = self._learner.eta[avail] * (p * (1.0 - p)) ** 2
+        w = gain / gain.sum() if gain.sum() > 0 else np.full(len(avail), 1.0 / len(avail))
+        return (1.0 - self.cfg.eps) * w + self.cfg.eps / len(avail)
+
+
 @dataclass
 class SimSettings:
     groups_per_step: int = 32
@@ -176,12 +199,13 @@ def run(sampler_name: str, seed: int, cfg: CurriculumConfig, s: SimSettings, log
     """Drive one sampler against the seed's learner until the token budget is spent."""
     learner = make_learner(seed)
     rng = np.random.default_rng(20_000 + seed)
-    sampler: Sampler = make_sampler(
-        cfg.model_copy(update={"sampler": sampler_name}),
-        learner.arms,
-        seed,
-        data_sizes={a: int(n) for a, n in zip(learner.arms, learner.data_size, strict=True)},
-    )
+    sizes = {a: int(n) for a, n in zip(learner.arms, learner.data_size, strict=True)}
+    if sampler_name == ORACLE:
+        sampler: Sampler = OracleSampler(cfg, learner.arms, seed, learner)
+        for a, n in sizes.items():
+            sampler.set_data_size(a, n)
+    else:
+        sampler = make_sampler(cfg.model_copy(update={"sampler": sampler_name}), learner.arms, seed, data_sizes=sizes)
     index = {a: i for i, a in enumerate(learner.arms)}
     budget = budget_tokens(learner, s)
     domains = sorted({a.domain for a in learner.arms})

@@ -87,10 +87,18 @@ def _convert_gguf_to_folder(gguf: Path, out: Path) -> None:
         plain = AutoModelForCausalLM.from_config(config)
     plain.load_state_dict(gguf_model.state_dict(), assign=True)
     plain.tie_weights()
+    save_hf_folder_atomically(plain, tok, out)
+
+
+def save_hf_folder_atomically(model: Any, tokenizer: Any, out: Path) -> Path:
+    """`save_pretrained` model and tokenizer into a temp dir beside `out`, fsync, then rename to `out`:
+    a reader never sees a half-written folder."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
     try:
-        plain.save_pretrained(tmp, safe_serialization=True)
-        tok.save_pretrained(tmp)
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
@@ -100,6 +108,7 @@ def _convert_gguf_to_folder(gguf: Path, out: Path) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return out
 
 
 @contextlib.contextmanager

@@ -3,9 +3,6 @@ chat template included) that transformers and vLLM load as is. Written atomicall
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -17,29 +14,14 @@ from posttrain.telemetry import RunDir
 def save_hf_folder(weights: dict[str, Any], spec: str, out: Path) -> Path:
     """Write `weights` (HF names) into the architecture of `spec`, with its tokenizer, at `out`."""
     from posttrain.models import load_policy, load_tokenizer
+    from posttrain.models.loading import save_hf_folder_atomically
 
     model = load_policy(spec)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to the embeddings
     if missing or unexpected:
         raise ValueError(f"policy weights do not match {spec}: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    tokenizer = load_tokenizer(spec)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-export-", dir=out.parent))
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        if out.exists():
-            shutil.rmtree(out)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return save_hf_folder_atomically(model, load_tokenizer(spec), Path(out))
 
 
 def export_run(run_dir: str | Path, out: str | Path) -> Path:

@@ -296,6 +296,22 @@ class RLRun:
             out[f"sandbox/{k[len('sandbox_'):]}"] = float(v)
         return out
 
+    def _step_metrics(
+        self, trajs: list[Trajectory], stats: dict[str, float], train_metrics: dict[str, float],
+        update_s: float, sync_s: float, wall_s: float, idle_s: float,
+    ) -> dict[str, float]:
+        return {
+            **stats,
+            **train_metrics,
+            **self._reward_metrics(trajs),
+            "timeline/generate_s": stats.get("rollout/wall_s", 0.0),
+            "timeline/update_s": update_s,
+            "timeline/weight_sync_s": sync_s,
+            "timeline/step_s": wall_s,
+            "timeline/idle_s": idle_s,
+            "policy_version": float(self.learner.version),
+        }
+
     # ------------------------------------------------------------------ probes (held-out)
 
     def _probe(self, step: int) -> dict[str, float]:
@@ -442,18 +458,9 @@ class RLRun:
             train_metrics = self._update(trajs)
             update_s = time.perf_counter() - t0
             sync_s = self._sync_weights(self._snapshot_weights())
-            metrics = {**stats, **train_metrics, **self._reward_metrics(trajs)}
             wall = time.perf_counter() - t_step
-            metrics.update(
-                {
-                    "timeline/generate_s": stats.get("rollout/wall_s", 0.0),
-                    "timeline/update_s": update_s,
-                    "timeline/weight_sync_s": sync_s,
-                    "timeline/step_s": wall,
-                    "timeline/idle_s": max(0.0, wall - stats.get("rollout/wall_s", 0.0) - update_s - sync_s),
-                    "policy_version": float(self.learner.version),
-                }
-            )
+            idle = max(0.0, wall - stats.get("rollout/wall_s", 0.0) - update_s - sync_s)
+            metrics = self._step_metrics(trajs, stats, train_metrics, update_s, sync_s, wall, idle)
             self._after_step(logger, progress, metrics)
         return metrics
 
@@ -538,19 +545,14 @@ class RLRun:
                     cond.notify_all()
                 self.phases.add("sync_weights")
                 sync_s = time.perf_counter() - t0
-                metrics = {**stats, **train_metrics, **self._reward_metrics(trajs)}
                 wall = time.perf_counter() - t_step
+                metrics = self._step_metrics(trajs, stats, train_metrics, update_s, sync_s, wall, idle)
                 metrics.update(
                     {
-                        "timeline/generate_s": stats.get("rollout/wall_s", 0.0),
-                        "timeline/update_s": update_s,
-                        "timeline/weight_sync_s": sync_s,
-                        "timeline/step_s": wall,
-                        "timeline/idle_s": idle,
+                        # the share of this batch's generation that ran while the learner was busy
                         "timeline/overlap": max(0.0, 1.0 - idle / stats["rollout/wall_s"]) if stats.get("rollout/wall_s") else 0.0,
                         "staleness/mean": float(np.mean(staleness)) if staleness else 0.0,
                         "staleness/max": float(max(staleness)) if staleness else 0.0,
-                        "policy_version": float(self.learner.version),
                     }
                 )
                 with sampler_lock:

@@ -9,6 +9,7 @@ import pytest
 from engine.helpers import hf_logprobs, random_prompts, tiny
 from posttrain.config import EngineConfig
 from posttrain.engine import (
+    BadRequestError,
     GenerationRequest,
     HFEngine,
     PagedEngine,
@@ -132,3 +133,12 @@ def test_make_engine_builds_the_configured_backend(tokenizer):
     assert isinstance(make_engine(EngineConfig(backend="hf"), model, tokenizer), HFEngine)
     with pytest.raises(ImportError, match=r"pip install 'posttrain\[vllm\]'"):
         make_engine(EngineConfig(backend="vllm"), model, tokenizer)
+
+
+def test_agenerate_works_across_event_loops_and_errors_reach_the_caller(tokenizer):
+    engine = PagedEngine(tiny("llama"), tokenizer, block_size=4, num_blocks=64)
+    req = GenerationRequest([5, 6, 7], GREEDY)
+    first = asyncio.run(engine.agenerate(req)).completions[0].token_ids
+    assert asyncio.run(engine.agenerate(req)).completions[0].token_ids == first  # a new loop, a new driver
+    with pytest.raises(BadRequestError, match="max_tokens must be >= 1"):
+        asyncio.run(engine.agenerate(GenerationRequest([5], SamplingParams(max_tokens=0))))

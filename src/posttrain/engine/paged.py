@@ -345,6 +345,10 @@ class PagedEngine:
             self._seq_state.pop(id(seq), None)
 
     def _abort_all(self, err: BaseException) -> None:
+        with self._step_lock:  # a cancelled driver's step may still be running in its worker thread
+            self._drop_everything(err)
+
+    def _drop_everything(self, err: BaseException) -> None:
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             if seq.block_table:
                 self.bm.free_seq(seq)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.helpers import hf_greedy, hf_logprobs, random_prompts, tiny
 from posttrain.engine import GenerationRequest, PagedEngine, SamplingParams
@@ -83,3 +84,28 @@ def test_embedded_135m_model_greedy_matches_hf(tokenizer):
     engine = PagedEngine(model, tokenizer, num_blocks=16)
     out = engine.generate([GenerationRequest(prompt, SamplingParams(temperature=0.0, max_tokens=8))])[0]
     assert out.completions[0].token_ids == hf_greedy(model, prompt, 8)
+
+
+def test_bfloat16_weights_and_kv_cache(tokenizer):
+    from posttrain.models import load_policy
+
+    prompts = random_prompts([5, 13], seed=3)
+    model_bf16 = load_policy("tiny:llama", dtype="bfloat16")
+    engine = PagedEngine(model_bf16, tokenizer, dtype="bfloat16", block_size=4, num_blocks=64)
+    outs = engine.generate(
+        [GenerationRequest(p, SamplingParams(temperature=0.0, max_tokens=10)) for p in prompts]
+    )
+    assert engine.runner.k_cache.dtype == torch.bfloat16
+    for prompt, out in zip(prompts, outs, strict=True):
+        comp = out.completions[0]
+        assert comp.token_ids == hf_greedy(model_bf16, prompt, 10)
+        ref = hf_logprobs(model_bf16, prompt, comp.token_ids)
+        assert max(abs(a - b) for a, b in zip(ref, comp.logprobs, strict=True)) < 1e-3
+    model = tiny("llama")  # float32 compute over a bfloat16 KV cache: close, not exact
+    engine = PagedEngine(model, tokenizer, kv_cache_dtype="bfloat16", block_size=4, num_blocks=64)
+    outs = engine.generate(
+        [GenerationRequest(p, SamplingParams(temperature=0.0, max_tokens=10)) for p in prompts]
+    )
+    for prompt, out in zip(prompts, outs, strict=True):
+        ref = hf_logprobs(model, prompt, out.completions[0].token_ids)
+        assert max(abs(a - b) for a, b in zip(ref, out.completions[0].logprobs, strict=True)) < 1e-3

@@ -6,7 +6,7 @@ does not run rollouts, score probes or touch tensors (no torch import). The loop
     sampler = make_sampler(cfg.curriculum, [Arm("math", 0), Arm("math", 1), ...], seed=cfg.seed)
     for step in range(steps):
         if sampler.probe_due(step):                      # adaptive only; every probe_every steps from 0
-            for arm in sampler.arms: sampler.record_probe(step, arm, greedy_accuracy(arm))
+            for arm in sampler.arms: sampler.record_probe(step, arm, greedy_accuracy(arm), n=n_prompts)
         arms = sampler.sample(tasks_per_step)            # one arm per group
         prompt = sampler.choose_prompt(arm, candidate_ids)
         ... rollouts ...
@@ -22,7 +22,9 @@ restored; `uniform_by_data` weighs by these sizes); `plot_domain_shares(rows, pa
 The default rule (`adaptive`), per available arm k of K:
   L_k  = EMA (rate alpha) of the per-update mean |r - group mean|, divided by the domain's running reward
          range (starts at [0, 1], widens to every reward seen), so binary and scalar rewards compare;
-  F_k  = max(0, best probe score so far - latest probe score);
+  F_k  = max(0, best probe score so far - latest - forget_z * SE), SE the binomial standard error of
+         that difference from the two probes' prompt counts (record_probe's n; default probe_size), so
+         a drop within probe noise is not read as forgetting (forget_z = 0: the plain difference);
   s_k  = L_k + c*sqrt(ln(N+1)/(n_k+1)) + lam*F_k   (n_k groups seen from arm k, N in total),
          min-max normalised across the available arms to [0, 1];
   pi   = (1-eps)*softmax(s/tau) + eps/K, clipped to [eps/K, max(max_share, 1/K)] and renormalised by

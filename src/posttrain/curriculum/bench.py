@@ -4,6 +4,8 @@ budget (adaptive's probe tokens included), several seeds, bootstrap 95% interval
 Owns the metrics and the table: final macro accuracy, AUC of macro accuracy vs tokens, tokens to reach
 uniform_by_domain's final macro accuracy (per seed, as a ratio; a sampler that never gets there is
 censored at the budget), worst-arm accuracy, forgetting (max over time minus final, per arm, averaged).
+The `oracle` row reads the simulator's hidden p and eta (see `sim.OracleSampler`): how far an
+allocation that knew the truth gets, so a missed target can be told apart from an unreachable one.
 `--real` (benchmark 2: a real model through the RL loop, adaptive vs uniform_by_domain, held-out
 accuracy per domain) lives in `real.py`; its flags are listed under "--real" in `--help`.
 """

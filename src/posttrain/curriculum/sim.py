@@ -24,7 +24,10 @@ Dynamics (per seed, every hidden parameter drawn from the ranges in `make_learne
 - `code:0` (learnable) has no training data between 35% and 65% of the token budget (the sampler is
   told via set_data_size(arm, 0)); its skill keeps decaying meanwhile.
 - Tokens: every rollout of arm k costs tokens_k (about 150*(1+difficulty)); probes (adaptive only)
-  cost the same per prompt and count against the same budget.
+  cost the same per prompt and count against the same budget. A probe of a domain splits its
+  probe_size prompts evenly over the domain's arms; each arm's score is Binomial(m, p)/m, reported
+  with its m.
+`OracleSampler` (bench row `oracle`) reads the hidden p and eta: a ceiling for allocation, not a sampler.
 Not modelled: prompts within an arm (choose_prompt), optimiser state, noise in the reward itself.
 """
 

@@ -96,7 +96,10 @@ def rope_tables(config: Any, head_dim: int, max_len: int) -> tuple[torch.Tensor,
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: normalise in float32, cast back, then scale."""
     dtype = x.dtype
+    if dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one kernel, same arithmetic
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(dtype)

@@ -344,7 +344,9 @@ class ModelRunner:
             v = qkv[:, self.q_size + self.kv_size :].view(T, KV, hd)
             if s.qk_norm:
                 q = _rms_norm(qkv[:, : self.q_size].view(T, H, hd), layer["q_norm"], eps)
-                k = _rms_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(T, KV, hd), layer["k_norm"], eps)
+                k = _rms_norm(
+                    qkv[:, self.q_size : self.q_size + self.kv_size].view(T, KV, hd), layer["k_norm"], eps
+                )
                 q = q * cos + q.roll(half, -1) * sin
                 k = k * cos + k.roll(half, -1) * sin
             else:  # q and k heads rotated together

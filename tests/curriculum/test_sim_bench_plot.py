@@ -93,9 +93,11 @@ def test_bench_real_wiring_on_a_tiny_model(tmp_path):
         assert set(out["per_domain"][sampler]) == {"math", "tools.apis", "all"}
         assert out["per_domain"][sampler]["all"]["n"] == 4  # 2 held-out tasks x 2 arms
         assert (tmp_path / f"{sampler}-seed0" / "policy" / "config.json").is_file()
+        assert not (tmp_path / f"{sampler}-seed0" / "checkpoints").exists()
     # probes are adaptive's alone (after steps 1 and 2 with probe_every 1)
     assert out["per_seed"]["adaptive"][0]["probes"] == 2 and out["per_seed"]["uniform_by_domain"][0]["probes"] == 0
     assert set(out["delta_adaptive_minus_uniform"]["0"]["per_domain"]) == {"math", "tools.apis"}
+    assert set(out["base"]) == {"math", "tools.apis", "all"} and out["base"]["all"]["n"] == 4
 
 
 def test_bench_real_rejects_bad_domains(capsys):

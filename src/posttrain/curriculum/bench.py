@@ -88,6 +88,7 @@ def main(args: list[str]) -> dict[str, Any]:
                           help=f"default {PRESETS['full'][key]} (--quick {PRESETS['quick'][key]})")
     real.add_argument("--eval-seed", type=int, default=1000, help="seed of the held-out tasks (same for every run)")
     real.add_argument("--out", default=None, help="directory for the run folders (default: a new temp dir)")
+    real.add_argument("--keep-checkpoints", action="store_true", help="keep each run's final checkpoint")
     real.add_argument("--run-set", dest="run_overrides", action="append", default=[], metavar="KEY=VALUE",
                       help="any run-config override, e.g. --run-set engine.device=cuda (repeatable)")
     ns = ap.parse_args(args)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -82,8 +83,12 @@ def _pooled(scores: list[float | None], seed: int) -> dict[str, float]:
     return {"accuracy": float(vals.mean()) if len(vals) else float("nan"), "ci_low": lo, "ci_high": hi, "n": len(vals)}
 
 
-def train_and_eval(overrides: list[str], sampler: str, seed: int, root: Path, n_eval: int, eval_seed: int) -> dict[str, Any]:
-    """One RL run with `sampler`, its policy exported and scored on the held-out tasks of `eval_seed`."""
+def train_and_eval(
+    overrides: list[str], sampler: str, seed: int, root: Path, n_eval: int, eval_seed: int, keep_checkpoints: bool = False
+) -> dict[str, Any]:
+    """One RL run with `sampler`, its policy exported and scored on the held-out tasks of `eval_seed`.
+    The run's checkpoints (learner and optimizer, ~2 GB for 135M) are deleted unless keep_checkpoints;
+    the exported `policy/` folder, config and metrics stay."""
     from posttrain.config import load_config, save_config
     from posttrain.orchestrator import RLRun
     from posttrain.orchestrator.evaluate import evaluate_local
@@ -104,7 +109,9 @@ def train_and_eval(overrides: list[str], sampler: str, seed: int, root: Path, n_
     finally:
         rl.close()
     del rl
-    gc.collect()  # the learner, engine and K/V pool of this run before the evaluation engine loads
+    gc.collect()
+    if not keep_checkpoints:
+        shutil.rmtree(run_dir.checkpoints, ignore_errors=True)  # the learner, engine and K/V pool of this run before the evaluation engine loads
     train_s = time.perf_counter() - t0
     rows = read_metrics(run_dir.metrics)
     sandbox = make_sandbox(cfg.sandbox)
@@ -164,7 +171,8 @@ def main_real(ns: argparse.Namespace) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SAMPLERS}
     for seed in seeds:
         for sampler in SAMPLERS:
-            runs[sampler].append(train_and_eval(overrides, sampler, seed, root, sizes["n_eval"], ns.eval_seed))
+            runs[sampler].append(train_and_eval(overrides, sampler, seed, root, sizes["n_eval"], ns.eval_seed,
+                                                 ns.keep_checkpoints))
     out: dict[str, Any] = {
         "mode": "real",
         "model": ns.model,
@@ -174,7 +182,8 @@ def main_real(ns: argparse.Namespace) -> dict[str, Any]:
         "eval_seed": ns.eval_seed,
         "rollouts_per_run": sizes["steps"] * sizes["tasks_per_step"] * sizes["group_size"],
         "run_root": str(root),
-        "base": base.per_domain,
+        "base": {**base.per_domain,
+                 "all": _pooled([x for v in base.per_task.values() for x in v], ns.eval_seed)},
         "per_domain": {},
         "per_seed": {},
         "delta_adaptive_minus_uniform": {},
@@ -216,7 +225,7 @@ def _print_real(out: dict[str, Any]) -> None:
         t.add_column(s, justify="right")
     doms = list(out["per_domain"][SAMPLERS[0]])
     for d in doms:
-        t.add_row(d, cell(out["base"][d]) if d in out["base"] else "", *[cell(out["per_domain"][s][d]) for s in SAMPLERS])
+        t.add_row(d, cell(out["base"][d]), *[cell(out["per_domain"][s][d]) for s in SAMPLERS])
     console = Console(width=170)
     console.print(t)
     for seed, dd in out["delta_adaptive_minus_uniform"].items():

@@ -108,6 +108,9 @@ def test_bench_real_rejects_bad_domains(capsys):
     with pytest.raises(SystemExit):
         main(["--real", "--domains", "math"])
     assert "is not of the form name:level" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--real", "--quick", "--model", "tiny:llama", "--steps", "0"])
+    assert "--steps must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_domain_shares_and_plot(tmp_path):

@@ -157,9 +157,10 @@ def main_real(ns: argparse.Namespace) -> dict[str, Any]:
     for key in sizes:
         if getattr(ns, key, None) is not None:
             sizes[key] = int(getattr(ns, key))
-    bad = [k for k, v in sizes.items() if v < (0 if k == "probe_every" else 1)]
-    if bad:
-        raise ValueError(f"--real: {', '.join(bad)} must be >= 1")
+    for key, v in sizes.items():
+        least = 0 if key == "probe_every" else 1
+        if v < least:
+            raise ValueError(f"--real: --{key.replace('_', '-')} must be >= {least}, got {v}")
     seeds = list(range(ns.seeds if ns.seeds is not None else 1 if ns.quick else 2))
     overrides = run_overrides(ns, sizes)
     from posttrain.config import load_config

@@ -114,6 +114,8 @@ def eval_(
     api_base: str = typer.Option(None, "--api-base", help="score an OpenAI-compatible server instead"),
     api_model: str = typer.Option(None, "--model", help="model name at --api-base"),
     api_key: str = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY"),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy; > 0 = sampled pass@1"),
+    samples: int = typer.Option(4, "--samples", help="samples per task when --temperature > 0"),
     json_out: bool = typer.Option(False, "--json", help="print a JSON object last"),
 ) -> None:
     """Held-out accuracy per domain with 95% bootstrap intervals; paired delta against --baseline."""
@@ -154,9 +156,9 @@ def eval_(
             limits = EpisodeLimits(cfg.envs.max_turns, cfg.envs.max_episode_tokens, cfg.engine.max_new_tokens)
             reports.append(evaluate_api(api_base, api_model, domains, arms, n, limits, cfg.seed, api_key))
         else:
-            reports.append(evaluate_local(model_spec, cfg, domains, arms, n, cfg.seed, sandbox))
+            reports.append(evaluate_local(model_spec, cfg, domains, arms, n, cfg.seed, sandbox, temperature, samples))
         if baseline:
-            reports.append(evaluate_local(baseline, cfg, domains, arms, n, cfg.seed, sandbox))
+            reports.append(evaluate_local(baseline, cfg, domains, arms, n, cfg.seed, sandbox, temperature, samples))
     except ModelNotFoundError as err:
         fail(str(err), EXIT_USAGE)
     finally:
@@ -179,6 +181,8 @@ def eval_(
         "model": reports[0].model,
         "per_domain": reports[0].per_domain,
         "n_per_arm": n,
+        "temperature": temperature,
+        "samples_per_task": 1 if temperature == 0.0 else samples,
     }
     if delta:
         result.update(

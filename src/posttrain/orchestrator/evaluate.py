@@ -172,32 +172,47 @@ def evaluate_api(
 
 
 def evaluate_local(
-    spec: str, cfg: Any, domains: dict[str, Any], arms: list[Any], n: int, seed: int, sandbox: Any
+    spec: str, cfg: Any, domains: dict[str, Any], arms: list[Any], n: int, seed: int, sandbox: Any,
+    temperature: float = 0.0, samples: int = 1,
 ) -> EvalReport:
-    """Load `spec` (model spec or HF folder) into our engine and score it greedily."""
+    """Load `spec` (model spec or HF folder) into our engine and score it on held-out tasks.
+
+    temperature 0 is greedy (one sample); otherwise each task's score is the mean over `samples`
+    seeded samples (pass@1 estimated from k samples), the same seeds for every model compared.
+    """
+    from dataclasses import replace
+
     from posttrain.engine import SamplingParams, make_engine
     from posttrain.models import load_policy, load_tokenizer
+    from posttrain.rollout import sample_seed
 
     tokenizer = load_tokenizer(spec)
     engine = make_engine(cfg.engine, load_policy(spec, dtype=cfg.engine.dtype), tokenizer)
     limits = EpisodeLimits(cfg.envs.max_turns, cfg.envs.max_episode_tokens, cfg.engine.max_new_tokens)
-    sampling = SamplingParams(temperature=0.0, max_tokens=cfg.engine.max_new_tokens, stop_token_ids=[tokenizer.eos_token_id])
+    sampling = SamplingParams(
+        temperature=temperature, max_tokens=cfg.engine.max_new_tokens, stop_token_ids=[tokenizer.eos_token_id]
+    )
+    k = 1 if temperature == 0.0 else samples
     loop = asyncio.new_event_loop()
     try:
         tasks = heldout_tasks(domains, arms, n, seed)
 
         async def run_all() -> list[Any]:
             return await asyncio.gather(
-                *(run_episode(engine, tokenizer, d, t, sandbox, sampling, limits, 0) for _, d, t in tasks)
+                *(
+                    run_episode(engine, tokenizer, d, t, sandbox, replace(sampling, seed=sample_seed(seed, 0, i, j)), limits, 0)
+                    for i, (_, d, t) in enumerate(tasks)
+                    for j in range(k)
+                )
             )
 
         trajs = loop.run_until_complete(run_all())
     finally:
         loop.close()
     report = EvalReport(model=spec, per_task={})
-    for (arm, _, _), t in zip(tasks, trajs, strict=True):
-        score = None if t.status.is_infra_failure else task_score(t.rewards, t.reward)
-        report.per_task.setdefault(arm.domain, []).append(score)
+    for i, (arm, _, _) in enumerate(tasks):
+        scores = [task_score(t.rewards, t.reward) for t in trajs[i * k : (i + 1) * k] if not t.status.is_infra_failure]
+        report.per_task.setdefault(arm.domain, []).append(float(np.mean(scores)) if scores else None)
     report.summarise(seed)
     return report
 

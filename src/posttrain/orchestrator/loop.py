@@ -325,7 +325,8 @@ class RLRun:
         out: dict[str, float] = {}
         for arm, scores in results.items():
             score = float(np.mean(scores)) if scores else 0.0
-            self.sampler.record_probe(step, arm, score)
+            if scores:
+                self.sampler.record_probe(step, arm, score, n=len(scores))
             out[f"heldout/{arm.domain}:{arm.difficulty}"] = score
         doms: dict[str, list[float]] = {}
         for arm, scores in results.items():

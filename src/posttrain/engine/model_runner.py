@@ -321,8 +321,8 @@ class ModelRunner:
         assert self.k_cache is not None and self.v_cache is not None
         src = torch.tensor([p[0] for p in pairs], device=self.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
-        self.k_cache[:, dst] = self.k_cache[:, src]
-        self.v_cache[:, dst] = self.v_cache[:, src]
+        self.k_cache.index_copy_(1, dst, self.k_cache.index_select(1, src))
+        self.v_cache.index_copy_(1, dst, self.v_cache.index_select(1, src))
 
     # ---- forward -------------------------------------------------------------------------------
 
@@ -334,8 +334,9 @@ class ModelRunner:
         eps = s.rms_norm_eps
         T = batch.input_ids.shape[0]
         x = F.embedding(batch.input_ids, self.embed)
-        cos = self.cos[batch.positions].unsqueeze(1)
-        sin = self.sin_signed[batch.positions].unsqueeze(1)
+        # index_select, not advanced indexing: the latter is much slower on large CPU tensors
+        cos = self.cos.index_select(0, batch.positions).unsqueeze(1)
+        sin = self.sin_signed.index_select(0, batch.positions).unsqueeze(1)
         H, KV, hd = s.num_heads, s.num_kv_heads, s.head_dim
         half = hd // 2
         for li, layer in enumerate(self.layers):
@@ -363,7 +364,7 @@ class ModelRunner:
             gu = F.linear(h, layer["wgu"])
             gate, up = gu.chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer["wd"])
-        x = x[batch.logit_rows]
+        x = x.index_select(0, batch.logit_rows)
         x = _rms_norm(x, self.final_norm, eps)
         return F.linear(x, self.lm_head).float()
 
@@ -378,8 +379,9 @@ class ModelRunner:
         for grp in batch.decode_groups:
             r0, D = grp.row, grp.num_rows
             L = grp.block_tables.shape[1] * self.block_size
-            kd = self.k_cache[li][grp.block_tables].view(D, L, KV, hd)
-            vd = self.v_cache[li][grp.block_tables].view(D, L, KV, hd)
+            flat = grp.block_tables.view(-1)
+            kd = self.k_cache[li].index_select(0, flat).view(D, L, KV, hd)
+            vd = self.v_cache[li].index_select(0, flat).view(D, L, KV, hd)
             qd = q[r0 : r0 + D].view(
                 D, KV, g, hd
             )  # the g query heads of a KV head act as g "query positions"
@@ -399,8 +401,8 @@ class ModelRunner:
                 mask, causal = None, True
             else:
                 ctx = c.start_pos + n
-                kc = self.k_cache[li][c.block_ids].view(-1, KV, hd)[:ctx].to(q.dtype)
-                vc = self.v_cache[li][c.block_ids].view(-1, KV, hd)[:ctx].to(q.dtype)
+                kc = self.k_cache[li].index_select(0, c.block_ids).view(-1, KV, hd)[:ctx].to(q.dtype)
+                vc = self.v_cache[li].index_select(0, c.block_ids).view(-1, KV, hd)[:ctx].to(q.dtype)
                 qpos = torch.arange(c.start_pos, ctx, device=q.device)
                 mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]
                 causal = False

@@ -294,7 +294,7 @@ class PagedEngine:
                 rows.extend([r] * len(group))
                 seqs.extend(group)
             if len(rows) != len(samplers):
-                logits = logits[torch.tensor(rows)]
+                logits = logits.index_select(0, torch.tensor(rows))
             tokens, logprobs = sample(
                 logits,
                 [s.params for s in seqs],

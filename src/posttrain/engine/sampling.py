@@ -92,7 +92,7 @@ def sample(
     simple_greedy = [i for i, p in enumerate(params) if p.temperature == 0.0 and p.repetition_penalty == 1.0]
     if simple_greedy:
         idx = torch.tensor(simple_greedy)
-        rows = logits[idx]
+        rows = logits.index_select(0, idx)
         top = rows.argmax(-1)
         lp = torch.log_softmax(rows, -1).gather(-1, top[:, None])[:, 0]
         for j, i in enumerate(simple_greedy):
@@ -107,7 +107,7 @@ def sample(
     if plain:
         idx = torch.tensor(plain)
         temps = torch.tensor([params[i].temperature for i in plain], dtype=logits.dtype)
-        logp = torch.log_softmax(logits[idx] / temps[:, None], -1)
+        logp = torch.log_softmax(logits.index_select(0, idx) / temps[:, None], -1)
         uniforms = torch.cat([torch.rand(1, generator=generators[i], dtype=torch.float64) for i in plain])
         top = _inverse_cdf(logp.exp(), uniforms)
         lp = logp.gather(-1, top[:, None])[:, 0]

@@ -9,7 +9,8 @@ The contract every backend keeps (PagedEngine, HFEngine, VLLMEngine):
         Concurrent callers on one asyncio loop are batched together by ONE background stepping loop
         (continuous batching); each engine step runs in a worker thread, so other coroutines (sandbox
         I/O) progress between steps. Do not mix with generate() while async requests are in flight.
-    async for delta in engine.stream(request): ...        # StreamDelta(request_id, index, token_ids, logprobs, text, finish_reason)
+    async for delta in engine.stream(request): ...        # StreamDelta(request_id, index, token_ids, logprobs, text, finish_reason);
+                                                          # closing the stream early aborts the request
     engine.load_weights(weights, version=None)            # HF names as in model.state_dict(), a "base_model.model."
                                                           # prefix is stripped; in place; bumps engine.version
     engine.release_kv_cache()                             # free the KV pool; the next step re-allocates it
@@ -27,6 +28,9 @@ Completions (what the trainer relies on):
   sequence); the i-th of `n` samples uses a generator derived from (seed, i). Without a seed, seeds
   come from the engine's own generator (seeded at construction), so a run is reproducible.
 - The model's EOS ids always stop a completion unless `SamplingParams.ignore_eos` (benchmarks use it).
+- PagedEngine extras: `enable_prefix_caching`, `device` ("cpu", "cuda", ...), `seed`; requests that can
+  never fit (prompt >= max_model_len, more blocks than the pool) raise BadRequestError up front.
+- After `load_weights` the prefix cache is dropped; sequences in flight keep the K/V they computed.
 """
 
 from posttrain.engine.factory import make_engine

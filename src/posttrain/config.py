@@ -154,11 +154,11 @@ class TrainerConfig(Section):
 
 
 class OrchestratorConfig(Section):
-    steps: int = Field(24, ge=0)
+    steps: int = Field(12, ge=0, description="the default is sized to about 10 minutes on 2 CPU cores")
     tasks_per_step: int = Field(4, ge=1, description="groups per step; each group has algorithm.group_size")
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = Field(1, ge=0)
-    checkpoint_every: int = Field(10, ge=0)
+    checkpoint_every: int = Field(6, ge=0)
     keep_checkpoints: int = Field(2, ge=1)
     eval_n: int = Field(64, ge=1, description="held-out tasks per (domain, difficulty) for `posttrain eval`")
     free_kv_during_update: bool = True

@@ -252,3 +252,22 @@ def test_cli_bad_config_fails_before_work(tmp_path):
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 2, out
     assert "unknown domain 'nosuchdomain'" in out
+
+
+def test_dynamic_sampling_drops_equal_reward_groups_and_bounds_refills(tmp_path, monkeypatch):
+    # a tiny random policy scores 0 on every math task: every group is uninformative
+    cfg = _cfg(tmp_path, "orchestrator.steps=1", "curriculum.probe_every=0", "algorithm.dynamic_sampling=true",
+               "algorithm.max_resample_rounds=2", "envs.domains=[{name: math, difficulties: [0]}]")
+    run_dir = RunDir.create(cfg.telemetry.run_dir, "dyn")
+    rl = RLRun(cfg, run_dir)
+    rl.build()
+    seen = []
+    monkeypatch.setattr(rl.learner, "step", lambda samples, current_version=None: seen.extend(samples) or {})
+    rl.train()
+    row = read_metrics(run_dir.metrics)[-1]
+    assert row["rollout/dropped_group_frac"] == 1.0
+    # the first round plus at most max_resample_rounds refills, each of tasks_per_step groups
+    assert row["rollout/episodes"] == 3 * cfg.orchestrator.tasks_per_step * cfg.algorithm.group_size
+    assert row["rollout/empty_after_filter"] == 1.0
+    assert seen == []
+    rl.close()

@@ -27,7 +27,21 @@ from posttrain.engine.types import (
 )
 
 
-class HFEngine:
+class BlockingAsyncMixin:
+    """`agenerate`/`stream` for backends whose `generate` is one blocking batch call: each request runs
+    in a worker thread on its own (no batching across concurrent callers); streams deliver whole
+    completions."""
+
+    async def agenerate(self, request: GenerationRequest) -> GenerationOutput:
+        return (await asyncio.to_thread(self.generate, [request]))[0]  # type: ignore[attr-defined]
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[StreamDelta]:
+        out = await self.agenerate(request)
+        for j, c in enumerate(out.completions):
+            yield StreamDelta(out.request_id, j, c.token_ids, c.logprobs, c.text, c.finish_reason)
+
+
+class HFEngine(BlockingAsyncMixin):
     def __init__(
         self, model: Any, tokenizer: Any, *, max_model_len: int = 4096, max_batch_size: int = 64
     ) -> None:
@@ -139,14 +153,6 @@ class HFEngine:
             rid = r.request_id if r.request_id is not None else f"hf-{next(self._ids)}"
             results.append(GenerationOutput(rid, list(r.prompt_token_ids), comps, ttft))
         return results
-
-    async def agenerate(self, request: GenerationRequest) -> GenerationOutput:
-        return (await asyncio.to_thread(self.generate, [request]))[0]
-
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[StreamDelta]:
-        out = await self.agenerate(request)
-        for j, c in enumerate(out.completions):
-            yield StreamDelta(out.request_id, j, c.token_ids, c.logprobs, c.text, c.finish_reason)
 
     def load_weights(
         self,

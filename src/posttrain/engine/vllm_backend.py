@@ -9,19 +9,18 @@ server for that). Does not run on CPU here.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import tempfile
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+from posttrain.engine.hf import BlockingAsyncMixin
 from posttrain.engine.types import (
     Completion,
     GenerationOutput,
     GenerationRequest,
-    StreamDelta,
     validate_request,
 )
 
@@ -31,7 +30,7 @@ VLLM_MISSING = (
 )
 
 
-class VLLMEngine:
+class VLLMEngine(BlockingAsyncMixin):
     def __init__(self, model: Any, tokenizer: Any, engine_cfg: Any, *, seed: int = 0) -> None:
         try:
             import vllm
@@ -101,14 +100,6 @@ class VLLMEngine:
             rid = r.request_id if r.request_id is not None else f"vllm-{next(self._ids)}"
             results.append(GenerationOutput(rid, list(r.prompt_token_ids), comps, ttft))
         return results
-
-    async def agenerate(self, request: GenerationRequest) -> GenerationOutput:
-        return (await asyncio.to_thread(self.generate, [request]))[0]
-
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[StreamDelta]:
-        out = await self.agenerate(request)
-        for j, c in enumerate(out.completions):
-            yield StreamDelta(out.request_id, j, c.token_ids, c.logprobs, c.text, c.finish_reason)
 
     def load_weights(
         self,

@@ -481,7 +481,6 @@ class RLRun:
 
         def producer() -> None:
             loop = asyncio.new_event_loop()
-            self._loop_for_thread = loop
             try:
                 for b in range(self.step, total):
                     with cond:

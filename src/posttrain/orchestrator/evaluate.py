@@ -45,6 +45,50 @@ def heldout_tasks(domains: dict[str, Any], arms: list[Any], n: int, seed: int) -
     return out
 
 
+def score_tasks(
+    engine: Any,
+    tokenizer: Any,
+    tasks: list[tuple[Any, Any, Task]],
+    sandbox: Any,
+    sampling: Any,
+    limits: EpisodeLimits,
+    samples: int = 1,
+    seed: int = 0,
+    loop: asyncio.AbstractEventLoop | None = None,
+) -> list[float | None]:
+    """Each task's score, the mean over `samples` seeded episodes (None when every one of them was an
+    infrastructure failure). Greedy sampling ignores the seeds."""
+    from dataclasses import replace
+
+    from posttrain.rollout import sample_seed
+
+    async def run_all() -> list[Any]:
+        return await asyncio.gather(
+            *(
+                run_episode(
+                    engine, tokenizer, d, t, sandbox, replace(sampling, seed=sample_seed(seed, 0, i, j)), limits,
+                    engine.version,
+                )
+                for i, (_, d, t) in enumerate(tasks)
+                for j in range(samples)
+            )
+        )
+
+    runner = loop or asyncio.new_event_loop()
+    try:
+        trajs = runner.run_until_complete(run_all())
+    finally:
+        if loop is None:
+            runner.close()
+    out: list[float | None] = []
+    for i in range(len(tasks)):
+        scores = [
+            task_score(t.rewards, t.reward) for t in trajs[i * samples : (i + 1) * samples] if not t.status.is_infra_failure
+        ]
+        out.append(float(np.mean(scores)) if scores else None)
+    return out
+
+
 def evaluate_engine(
     engine: Any,
     tokenizer: Any,
@@ -59,22 +103,10 @@ def evaluate_engine(
 ) -> dict[Any, list[float]]:
     """Scores per arm (infra failures dropped) for our engine, greedy by default."""
     tasks = heldout_tasks(domains, arms, n, seed)
-
-    async def run_all() -> list[Any]:
-        return await asyncio.gather(
-            *(run_episode(engine, tokenizer, d, t, sandbox, sampling, limits, engine.version) for _, d, t in tasks)
-        )
-
-    runner = loop or asyncio.new_event_loop()
-    try:
-        trajs = runner.run_until_complete(run_all())
-    finally:
-        if loop is None:
-            runner.close()
     scores: dict[Any, list[float]] = {arm: [] for arm in arms}
-    for (arm, _, _), t in zip(tasks, trajs, strict=True):
-        if not t.status.is_infra_failure:
-            scores[arm].append(task_score(t.rewards, t.reward))
+    for (arm, _, _), score in zip(tasks, score_tasks(engine, tokenizer, tasks, sandbox, sampling, limits, 1, seed, loop), strict=True):
+        if score is not None:
+            scores[arm].append(score)
     return scores
 
 
@@ -180,11 +212,8 @@ def evaluate_local(
     temperature 0 is greedy (one sample); otherwise each task's score is the mean over `samples`
     seeded samples (pass@1 estimated from k samples), the same seeds for every model compared.
     """
-    from dataclasses import replace
-
     from posttrain.engine import SamplingParams, make_engine
     from posttrain.models import load_policy, load_tokenizer
-    from posttrain.rollout import sample_seed
 
     tokenizer = load_tokenizer(spec)
     engine = make_engine(cfg.engine, load_policy(spec, dtype=cfg.engine.dtype), tokenizer)
@@ -193,26 +222,10 @@ def evaluate_local(
         temperature=temperature, max_tokens=cfg.engine.max_new_tokens, stop_token_ids=[tokenizer.eos_token_id]
     )
     k = 1 if temperature == 0.0 else samples
-    loop = asyncio.new_event_loop()
-    try:
-        tasks = heldout_tasks(domains, arms, n, seed)
-
-        async def run_all() -> list[Any]:
-            return await asyncio.gather(
-                *(
-                    run_episode(engine, tokenizer, d, t, sandbox, replace(sampling, seed=sample_seed(seed, 0, i, j)), limits, 0)
-                    for i, (_, d, t) in enumerate(tasks)
-                    for j in range(k)
-                )
-            )
-
-        trajs = loop.run_until_complete(run_all())
-    finally:
-        loop.close()
+    tasks = heldout_tasks(domains, arms, n, seed)
     report = EvalReport(model=spec, per_task={})
-    for i, (arm, _, _) in enumerate(tasks):
-        scores = [task_score(t.rewards, t.reward) for t in trajs[i * k : (i + 1) * k] if not t.status.is_infra_failure]
-        report.per_task.setdefault(arm.domain, []).append(float(np.mean(scores)) if scores else None)
+    for (arm, _, _), score in zip(tasks, score_tasks(engine, tokenizer, tasks, sandbox, sampling, limits, k, seed), strict=True):
+        report.per_task.setdefault(arm.domain, []).append(score)
     report.summarise(seed)
     return report
 

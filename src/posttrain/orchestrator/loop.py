@@ -21,7 +21,7 @@ import numpy as np
 
 from posttrain.config import RunConfig, save_config
 from posttrain.orchestrator.checkpoint import latest_valid, save_checkpoint
-from posttrain.rollout import EpisodeLimits, RolloutBatch, collect_groups
+from posttrain.rollout import EpisodeLimits, RolloutBatch, collect_groups, rollout_stats
 from posttrain.telemetry import MetricsLogger, Progress, RunDir, read_metrics
 from posttrain.types import Trajectory
 
@@ -113,7 +113,7 @@ class RLRun:
         self.learner = Learner(cfg.model, cfg.trainer, cfg.algorithm, seed=cfg.seed)
         engine_model = load_policy(cfg.model.spec, dtype=cfg.engine.dtype, seed=cfg.seed)
         self.engine = make_engine(cfg.engine, engine_model, self.tokenizer)
-        self._sync_weights(self._snapshot_weights())
+        self._sync_weights(self.learner.weights())
         self.sandbox = self._make_sandbox()
         self.sampling = self._sampling_params(train=True)
         self.limits = EpisodeLimits(cfg.envs.max_turns, cfg.envs.max_episode_tokens, cfg.engine.max_new_tokens)
@@ -139,6 +139,7 @@ class RLRun:
     # ------------------------------------------------------------------ weights
 
     def _snapshot_weights(self) -> dict[str, Any]:
+        """A copy that later learner updates cannot change (async hand-off to the rollout thread)."""
         return {k: v.detach().clone() for k, v in self.learner.weights().items()}
 
     def _sync_weights(self, weights: dict[str, Any]) -> float:
@@ -188,7 +189,7 @@ class RLRun:
         want = cfg.orchestrator.tasks_per_step
         kept: list[Trajectory] = []
         groups_for_sampler: list[tuple[Any, Any, list[float]]] = []
-        stats: dict[str, float] = {}
+        every: list[Trajectory] = []
         wall = 0.0
         offset = 0
         rounds = cfg.algorithm.max_resample_rounds if cfg.algorithm.dynamic_sampling else 0
@@ -199,8 +200,7 @@ class RLRun:
             first_gid = offset
             offset += len(picks)
             wall += batch.wall_s
-            for k, v in batch.stats.items():
-                stats[k] = stats.get(k, 0.0) + v
+            every.extend(batch.trajectories)
             by_group: dict[int, list[Trajectory]] = {}
             for t in batch.trajectories:
                 if t.status.is_infra_failure:
@@ -220,11 +220,11 @@ class RLRun:
                 kept.extend(members)
             if not cfg.algorithm.dynamic_sampling or len({t.group_id for t in kept}) >= want:
                 break
+        stats = rollout_stats(every, wall)
         if cfg.algorithm.dynamic_sampling and not kept:
             # every group was uninformative: train on nothing rather than on noise, but say so
             stats["rollout/empty_after_filter"] = 1.0
         stats["rollout/wall_s"] = wall
-        stats["rollout/tokens_per_s"] = stats.get("rollout/generated_tokens", 0.0) / wall if wall else 0.0
         stats["rollout/dropped_group_frac"] = dropped / total_groups if total_groups else 0.0
         self.counters["dropped_groups"] += dropped
         return kept, groups_for_sampler, stats
@@ -373,7 +373,7 @@ class RLRun:
         self.sampler.load_state_dict(state["sampler"])
         _set_py_random_state(state["python_random"])
         _set_np_random_state(state["numpy_random"])
-        self._sync_weights(self._snapshot_weights())
+        self._sync_weights(self.learner.weights())
         # metrics after the checkpoint belong to the interrupted tail; the resumed run rewrites them
         if self.run_dir.metrics.exists():
             kept = [r for r in read_metrics(self.run_dir.metrics) if r.get("step", 0) <= self.step]
@@ -458,7 +458,7 @@ class RLRun:
             t0 = time.perf_counter()
             train_metrics = self._update(trajs)
             update_s = time.perf_counter() - t0
-            sync_s = self._sync_weights(self._snapshot_weights())
+            sync_s = self._sync_weights(self.learner.weights())
             wall = time.perf_counter() - t_step
             idle = max(0.0, wall - stats.get("rollout/wall_s", 0.0) - update_s - sync_s)
             metrics = self._step_metrics(trajs, stats, train_metrics, update_s, sync_s, wall, idle)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from posttrain.rollout.agent import EpisodeLimits, run_episode
@@ -19,7 +19,6 @@ class RolloutBatch:
     trajectories: list[Trajectory]
     wall_s: float
     policy_version: int
-    stats: dict[str, float] = field(default_factory=dict)
 
 
 def sample_seed(run_seed: int, step: int, group: int, sample: int) -> int:
@@ -52,7 +51,7 @@ async def collect_groups(
             )
     trajectories = list(await asyncio.gather(*coros))
     wall = time.perf_counter() - t0
-    return RolloutBatch(trajectories, wall, policy_version, rollout_stats(trajectories, wall))
+    return RolloutBatch(trajectories, wall, policy_version)
 
 
 def rollout_stats(trajectories: list[Trajectory], wall_s: float) -> dict[str, float]:

@@ -146,8 +146,24 @@ class TrainerConfig(Section):
     micro_batch_tokens: int = Field(4096, ge=1)
     gradient_checkpointing: bool = False
     bf16_autocast: bool = False
-    packing: bool = True
+    packing: bool = Field(
+        False,
+        description="pack rows that share no prompt into block-diagonal rows (padded was faster on "
+        "`posttrain bench learner`, 32 x 64-256 tokens, in every variant)",
+    )
     logprob_chunk_tokens: int = Field(1024, ge=1)
+    share_prompt_prefix: bool = Field(
+        True,
+        description="the learner runs a group's shared prompt once per micro-batch and its K/V under every "
+        "sample's completion (GRPO groups share their prompt); equal to the full forward up to float "
+        "rounding; off under gradient checkpointing",
+    )
+    single_pass_old_logprobs: bool = Field(
+        True,
+        description="when the update is one pass (ppo_epochs=1, mini_batches=1) with no critic, no KL in the "
+        "reward and no ratio masking, take the PPO ratio's denominator from the training forward (detached) "
+        "instead of a separate no-grad forward: equal in exact arithmetic, one forward fewer per step",
+    )
     critic: Literal["none", "copy", "separate"] = "none"
     critic_spec: str | None = None
     critic_lr: float = Field(1e-5, gt=0.0)

@@ -288,3 +288,110 @@ def test_ratio_masking_and_tis_through_step(base_model):
     assert m["ratio_masked_frac"] == 1.0 and m["tis_clip_frac"] == 1.0
     assert m["mismatch_abs_log_ratio"] == pytest.approx(5.0, abs=1e-4)
     assert m["loss"] == 0.0 and m["grad_norm"] == 0.0 and m["staleness_max"] == 2.0
+
+
+@pytest.mark.parametrize("kl_coef", [0.0, 0.1])
+def test_single_pass_takes_old_logprobs_from_the_training_forward(base_model, kl_coef):
+    """One pass over the batch: the separate no-grad forward is skipped, and the step's gradient, loss,
+    TIS weights, mismatch and KL metrics equal those of the two-forward path."""
+    samples = make_samples(8)
+    algo = AlgorithmConfig(kl_coef=kl_coef, tis_cap=2.0)
+    runs = []
+    for single in (True, False):
+        lrn = learner(TrainerConfig(lr=1e-2, micro_batch_tokens=24, single_pass_old_logprobs=single), algo, model=copy.deepcopy(base_model))
+        assert lrn.single_pass() is single
+        calls = []
+        forward = lrn._policy_forward
+
+        def counting(model, batch, mask, inputs=None, _f=forward, _c=calls):
+            _c.append(torch.is_grad_enabled())
+            return _f(model, batch, mask, inputs)
+
+        lrn._policy_forward = counting
+        m = lrn.step(samples)
+        runs.append((m, calls, {n: p.grad.clone() for n, p in lrn.model.named_parameters() if p.grad is not None}))
+    (m1, c1, g1), (m2, c2, g2) = runs
+    n_micro = len(plan_micro_batches([len(s.token_ids) for s in samples], 24, True))
+    assert n_micro > 1
+    no_grad_per_pass = n_micro * (1 if kl_coef else 0)  # the reference forward, when there is a KL term
+    assert c1.count(True) == n_micro and c1.count(False) == no_grad_per_pass
+    assert c2.count(True) == n_micro and c2.count(False) == no_grad_per_pass + n_micro  # + the old-logprob forward
+    for key in ("loss", "mismatch_abs_log_ratio", "mismatch_kl_k3", "tis_clip_frac", "entropy", *(["kl"] if kl_coef else [])):
+        assert m1[key] == pytest.approx(m2[key], abs=1e-5), key
+    assert m1["clipfrac"] == 0.0 and m1["approx_kl"] == 0.0
+    for k in g1:
+        assert (g1[k] - g2[k]).abs().max() <= 1e-4 * g2[k].abs().max() + 1e-10, k
+
+
+def test_single_pass_is_off_when_anything_needs_old_logprobs_first(base_model):
+    cases = [
+        (TrainerConfig(ppo_epochs=2), AlgorithmConfig()),
+        (TrainerConfig(mini_batches=2), AlgorithmConfig()),
+        (TrainerConfig(), AlgorithmConfig(kl_coef=0.1, kl_in_reward=True)),
+        (TrainerConfig(), AlgorithmConfig(mask_ratio_high=2.0)),
+        (TrainerConfig(single_pass_old_logprobs=False), AlgorithmConfig()),
+    ]
+    for tc, algo in cases:
+        assert not learner(tc, algo, model=copy.deepcopy(base_model)).single_pass(), (tc, algo)
+    assert learner(TrainerConfig(), AlgorithmConfig(kl_coef=0.1), model=copy.deepcopy(base_model)).single_pass()
+
+
+def group_samples(seed: int = 0, vocab: int = 1000) -> list[Sample]:
+    """GRPO-shaped: groups of 4 rows sharing their prompt (lengths differ, one multi-turn row with an
+    observation inside its generated span), a group whose rows share only 2 tokens, and a lone row."""
+    rng = random.Random(seed)
+    out: list[Sample] = []
+    for g, prompt_len in enumerate((7, 11)):
+        prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
+        for j in range(4):
+            gen = [rng.randrange(vocab) for _ in range(rng.randint(2, 9))]
+            mask = [0] * prompt_len + [1] * len(gen)
+            if j == 1 and len(gen) > 4:
+                mask[prompt_len + 2] = 0  # a tool observation between two turns
+            blp = [-rng.uniform(1, 5) if m else 0.0 for m in mask]
+            out.append(Sample(prompt + gen, mask, blp, reward=float(j % 2), group_id=g))
+    head = [rng.randrange(vocab) for _ in range(2)]
+    for j in range(2):  # same first 2 tokens, then different prompts
+        ids = head + [rng.randrange(vocab) for _ in range(6)]
+        out.append(Sample(ids, [0] * 5 + [1] * 3, [0.0] * 5 + [-2.0] * 3, reward=float(j), group_id=2))
+    out.append(Sample([5, 6, 7, 8], [0, 0, 1, 1], [0, 0, -1.0, -1.0], reward=1.0, group_id=3))
+    return out
+
+
+def test_shared_prefix_plan_and_length():
+    from posttrain.train.batch import plan_shared_micro_batches, shared_prefix_length
+
+    batch = build_batch(group_samples())
+    assert shared_prefix_length(batch.token_ids[:4], batch.loss_mask[:4], batch.lengths[:4]) == 7
+    assert shared_prefix_length(batch.token_ids[8:10], batch.loss_mask[8:10], batch.lengths[8:10]) == 2
+    assert shared_prefix_length(batch.token_ids[10:], batch.loss_mask[10:], batch.lengths[10:]) == 0  # one row
+    plan = plan_shared_micro_batches(batch.token_ids, batch.loss_mask, batch.lengths, batch.group_ids, 4096, False, min_prefix=3)
+    assert sorted((sorted(r), p) for r, p in plan) == [([0, 1, 2, 3], 7), ([4, 5, 6, 7], 11), ([8, 9, 10], 0)]
+    # over budget, a group splits into chunks that each still share the prompt: cost = prefix + rows x longest suffix
+    lens = batch.lengths.tolist()
+    small = plan_shared_micro_batches(batch.token_ids, batch.loss_mask, batch.lengths, batch.group_ids, 7 + 2 * 9, False, 3)
+    for rows, p in small:
+        if p:
+            assert p + len(rows) * (max(lens[i] for i in rows) - p) <= 7 + 2 * 9 or len(rows) == 1
+    assert sorted(i for rows, _ in small for i in rows) == list(range(11))
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_shared_prefix_forward_equals_the_full_forward(base_model, lora):
+    """Logprobs, loss and gradients of a step with the shared-prompt forward equal those without it."""
+    samples = group_samples()
+    model_cfg = ModelConfig(spec="tiny:llama", lora_rank=4 if lora else 0)
+    runs = []
+    for share in (True, False):
+        lrn = learner(TrainerConfig(lr=1e-2, share_prompt_prefix=share, micro_batch_tokens=40), model_cfg=model_cfg, model=copy.deepcopy(base_model))
+        lp = lrn.compute_logprobs(samples)
+        m = lrn.step(samples)
+        runs.append((lp, m, {n: p.grad.clone() for n, p in lrn.model.named_parameters() if p.grad is not None}))
+    (lp1, m1, g1), (lp2, m2, g2) = runs
+    assert torch.allclose(lp1, lp2, atol=1e-5)
+    assert m1["loss"] == pytest.approx(m2["loss"], abs=1e-6) and m1["entropy"] == pytest.approx(m2["entropy"], abs=1e-5)
+    assert m1["shared_prefix_frac"] > 0.2 and m2["shared_prefix_frac"] == 0.0
+    assert m1["update_tokens"] == m2["update_tokens"] == sum(len(s.token_ids) for s in samples)
+    assert g1.keys() == g2.keys() and g1
+    for k in g1:
+        assert (g1[k] - g2[k]).abs().max() <= 1e-4 * g2[k].abs().max() + 1e-9, k

@@ -154,7 +154,13 @@ def eval_(
         reports = []
         if api_base:
             limits = EpisodeLimits(cfg.envs.max_turns, cfg.envs.max_episode_tokens, cfg.engine.max_new_tokens)
-            reports.append(evaluate_api(api_base, api_model, domains, arms, n, limits, cfg.seed, api_key))
+            reports.append(
+                evaluate_api(api_base, api_model, domains, arms, n, limits, cfg.seed, api_key, temperature=temperature, samples=samples)
+            )
+            if reports[-1].failures:
+                err_console.print(
+                    f"[yellow]{len(reports[-1].failures)} episode(s) failed at {api_base}, e.g. {reports[-1].failures[0]}[/yellow]"
+                )
         else:
             reports.append(evaluate_local(model_spec, cfg, domains, arms, n, cfg.seed, sandbox, temperature, samples))
         if baseline:

@@ -55,7 +55,7 @@ def _ours(steps: int, completions: int, new_tokens: int, dtype: str, seed: int) 
     return [r["timeline/step_s"] for r in rows]
 
 
-def _trl(steps: int, completions: int, new_tokens: int, seed: int) -> list[float]:
+def _trl(steps: int, completions: int, new_tokens: int, dtype: str, seed: int) -> list[float]:
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -100,7 +100,7 @@ def _trl(steps: int, completions: int, new_tokens: int, seed: int) -> list[float
             report_to=[],
             save_strategy="no",
             use_cpu=True,
-            bf16=False,
+            bf16=dtype == "bfloat16",  # autocast on CPU, as ours
             seed=seed,
             temperature=1.0,
             beta=0.0,
@@ -134,7 +134,7 @@ def main(args: list[str]) -> dict[str, Any]:
     trl_note = "measured in this run"
     if not ns.no_trl:
         try:
-            trl_times = _trl(ns.steps, ns.completions, ns.new_tokens, ns.seed)
+            trl_times = _trl(ns.steps, ns.completions, ns.new_tokens, ns.dtype, ns.seed)
             trl_s = statistics.median(trl_times[1:] or trl_times)
         except ImportError as err:
             trl_note = f"not measured ({err.name} not installed: pip install trl); reference {TRL_REFERENCE_S} s"

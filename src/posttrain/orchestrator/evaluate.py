@@ -115,6 +115,7 @@ class EvalReport:
     model: str
     per_task: dict[str, list[float | None]]  # domain -> score per task (None = infra failure)
     per_domain: dict[str, dict[str, float]] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)  # why episodes failed at the infrastructure level
 
     def summarise(self, seed: int = 0) -> None:
         for dom, scores in self.per_task.items():
@@ -129,7 +130,23 @@ class EvalReport:
             }
 
 
-async def _api_episode(client: Any, model: str, domain: Any, task: Task, limits: EpisodeLimits) -> tuple[float | None, str]:
+class _BadResponse(Exception):
+    """The server's answer is not an OpenAI chat completion (an infrastructure failure, not a score)."""
+
+
+def _message_of(resp: Any) -> dict[str, Any]:
+    try:
+        message = resp.json()["choices"][0]["message"]
+    except (ValueError, KeyError, IndexError, TypeError) as err:
+        raise _BadResponse(f"not a chat completion ({type(err).__name__}): {resp.text[:200]}") from None
+    if not isinstance(message, dict):
+        raise _BadResponse(f"choices[0].message is not an object: {resp.text[:200]}")
+    return message
+
+
+async def _api_episode(
+    client: Any, model: str, domain: Any, task: Task, limits: EpisodeLimits, temperature: float = 0.0, seed: int | None = None
+) -> tuple[float | None, str]:
     """One episode against an OpenAI-compatible chat endpoint (text in, text out)."""
     env = domain.make_env(None, chat_format="hermes")
     obs = await env.reset(task)
@@ -138,15 +155,20 @@ async def _api_episode(client: Any, model: str, domain: Any, task: Task, limits:
         payload: dict[str, Any] = {
             "model": model,
             "messages": [m.to_openai() for m in messages],
-            "temperature": 0.0,
+            "temperature": temperature,
             "max_tokens": limits.max_new_tokens,
         }
+        if seed is not None:
+            payload["seed"] = seed
         if obs.tools:
             payload["tools"] = [t.to_openai() for t in obs.tools]
         resp = await client.post("/chat/completions", json=payload)
         if resp.status_code != 200:
             return None, f"HTTP {resp.status_code}: {resp.text[:200]}"
-        choice = resp.json()["choices"][0]["message"]
+        try:
+            choice = _message_of(resp)
+        except _BadResponse as err:
+            return None, str(err)
         text = choice.get("content") or ""
         calls: list[ToolCall] = []
         for i, call in enumerate(choice.get("tool_calls") or []):
@@ -174,30 +196,46 @@ async def _api_episode(client: Any, model: str, domain: Any, task: Task, limits:
 
 def evaluate_api(
     api_base: str, model: str, domains: dict[str, Any], arms: list[Any], n: int, limits: EpisodeLimits, seed: int,
-    api_key: str | None = None, concurrency: int = 8,
+    api_key: str | None = None, concurrency: int = 8, temperature: float = 0.0, samples: int = 1,
 ) -> EvalReport:
-    """Score any OpenAI-compatible server on the same held-out tasks."""
+    """Score any OpenAI-compatible server on the same held-out tasks as `evaluate_local`.
+
+    temperature 0 asks for greedy decoding (one episode per task); otherwise each task's score is the
+    mean of `samples` episodes, each request carrying the seed `seed + k` (servers may ignore it). A
+    task whose episodes all fail at the transport or protocol level (connection error, non-200,
+    a body that is not a chat completion) is an infrastructure failure (`None`), never a crash."""
     import httpx
 
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1, got {samples}")
+    k = 1 if temperature == 0.0 else samples
     tasks = heldout_tasks(domains, arms, n, seed)
+    failures: list[str] = []
 
-    async def run_all() -> list[tuple[float | None, str]]:
+    async def run_all() -> list[float | None]:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         sem = asyncio.Semaphore(concurrency)
         async with httpx.AsyncClient(base_url=api_base.rstrip("/"), headers=headers, timeout=120.0) as client:
 
-            async def one(d: Any, t: Task) -> tuple[float | None, str]:
+            async def one(d: Any, t: Task, j: int) -> float | None:
                 async with sem:
                     try:
-                        return await _api_episode(client, model, d, t, limits)
+                        score, why = await _api_episode(client, model, d, t, limits, temperature, None if k == 1 else seed + j)
                     except httpx.HTTPError as err:
-                        return None, f"{type(err).__name__}: {err}"
+                        score, why = None, f"{type(err).__name__}: {err}"
+                if score is None:
+                    failures.append(why)
+                return score
 
-            return await asyncio.gather(*(one(d, t) for _, d, t in tasks))
+            async def task_mean(d: Any, t: Task) -> float | None:
+                got = [s for s in await asyncio.gather(*(one(d, t, j) for j in range(k))) if s is not None]
+                return float(np.mean(got)) if got else None
+
+            return await asyncio.gather(*(task_mean(d, t) for _, d, t in tasks))
 
     results = asyncio.run(run_all())
-    report = EvalReport(model=f"{api_base}#{model}", per_task={})
-    for (arm, _, _), (score, _) in zip(tasks, results, strict=True):
+    report = EvalReport(model=f"{api_base}#{model}", per_task={}, failures=failures)
+    for (arm, _, _), score in zip(tasks, results, strict=True):
         report.per_task.setdefault(arm.domain, []).append(score)
     report.summarise(seed)
     return report

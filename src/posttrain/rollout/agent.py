@@ -8,6 +8,7 @@ that exact id sequence. Does not compute losses or rewards (the environment scor
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -56,6 +57,38 @@ class GlueRenderer:
         return tail + full[len(closed) :]
 
 
+class GroupPrefill:
+    """Lets the episodes of one GRPO group prefill their common prompt once.
+
+    The first episode to arrive sends its prompt to the engine as a one-token greedy request, whose
+    full K/V blocks then sit in the engine's prefix cache; the others wait for it, so their own
+    requests find the prompt cached and prefill only its last partial block. Without this, the
+    group's requests arrive in the same scheduler step, before any block is cached, and each prefills
+    the whole prompt. Only useful with an engine that caches prefixes. The warm-up's output is
+    discarded and never trained on; a failure in it is ignored (the episodes' own requests report
+    engine errors)."""
+
+    def __init__(self) -> None:
+        self._done: asyncio.Event | None = None
+        self._prompt: list[int] | None = None
+
+    async def __call__(self, engine: AsyncEngine, prompt_ids: list[int]) -> None:
+        from posttrain.engine import GenerationRequest, SamplingParams
+
+        if self._done is None:
+            self._done, self._prompt = asyncio.Event(), list(prompt_ids)
+            try:
+                await engine.agenerate(
+                    GenerationRequest(prompt_token_ids=list(prompt_ids), params=SamplingParams(temperature=0.0, max_tokens=1))
+                )
+            except Exception:  # noqa: BLE001, S110 - see the class doc
+                pass
+            finally:
+                self._done.set()
+        elif self._prompt == list(prompt_ids):
+            await self._done.wait()
+
+
 async def run_episode(
     engine: AsyncEngine,
     tokenizer: Any,
@@ -67,8 +100,12 @@ async def run_episode(
     policy_version: int = 0,
     group_id: int = 0,
     chat_format: str = "smollm2",
+    prefill_gate: GroupPrefill | None = None,
 ) -> Trajectory:
-    """Run one episode to the end and return its trajectory. Never raises for model output."""
+    """Run one episode to the end and return its trajectory. Never raises for model output.
+
+    With a `prefill_gate` shared by the episodes of one group, their common first prompt is
+    prefilled once (see `GroupPrefill`) before the first turn's request."""
     from posttrain.engine import GenerationRequest
 
     timings = {"generate_s": 0.0, "env_s": 0.0}
@@ -106,6 +143,8 @@ async def run_episode(
         if sampling.seed is not None:
             params = replace(params, seed=sampling.seed * 1009 + turn)
         t0 = time.perf_counter()
+        if turn == 0 and prefill_gate is not None:
+            await prefill_gate(engine, token_ids)
         try:
             out = await engine.agenerate(GenerationRequest(prompt_token_ids=list(token_ids), params=params))
         except Exception as err:  # an engine failure is infrastructure, not a wrong answer

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from posttrain.rollout.agent import EpisodeLimits, run_episode
+from posttrain.rollout.agent import EpisodeLimits, GroupPrefill, run_episode
 from posttrain.types import Task, Trajectory
 
 
@@ -38,16 +38,21 @@ async def collect_groups(
     run_seed: int,
     step: int,
     group_offset: int = 0,
+    share_prefill: bool = False,
 ) -> RolloutBatch:
-    """Run `group_size` episodes of each (domain, task) pair concurrently."""
+    """Run `group_size` episodes of each (domain, task) pair concurrently; with `share_prefill` (for
+    engines with a prefix cache) each group's prompt is prefilled once (`GroupPrefill`)."""
     t0 = time.perf_counter()
     coros = []
     for g, (domain, task) in enumerate(groups):
         gid = group_offset + g
+        gate = GroupPrefill() if share_prefill and group_size > 1 else None
         for s in range(group_size):
             params = replace(sampling, seed=sample_seed(run_seed, step, gid, s))
             coros.append(
-                run_episode(engine, tokenizer, domain, task, sandbox, params, limits, policy_version, group_id=gid)
+                run_episode(
+                    engine, tokenizer, domain, task, sandbox, params, limits, policy_version, group_id=gid, prefill_gate=gate
+                )
             )
     trajectories = list(await asyncio.gather(*coros))
     wall = time.perf_counter() - t0

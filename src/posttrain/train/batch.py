@@ -149,6 +149,53 @@ def plan_micro_batches(lengths: list[int], token_budget: int, packed: bool) -> l
     return micro
 
 
+def shared_prefix_length(token_ids: Tensor, loss_mask: Tensor, lengths: Tensor) -> int:
+    """Tokens at the start of every row that are identical across rows and carry no loss (the
+    prompt a GRPO group shares); 0 when the rows share nothing or there is only one row."""
+    if token_ids.shape[0] < 2:
+        return 0
+    first_loss = int((loss_mask > 0).float().argmax(dim=1).min().item())
+    bound = min(first_loss, int(lengths.min().item()) - 1)
+    if bound <= 0:
+        return 0
+    same = (token_ids[:, :bound] == token_ids[:1, :bound]).all(dim=0)
+    return bound if bool(same.all()) else int(same.float().argmin().item())
+
+
+def plan_shared_micro_batches(
+    token_ids: Tensor, loss_mask: Tensor, lengths: Tensor, group_ids: Tensor, token_budget: int, packed: bool,
+    min_prefix: int = 1,
+) -> list[tuple[list[int], int]]:
+    """Micro-batches as (rows, shared prefix length). The rows of one group whose prompt is identical
+    go together (split when over budget; the cost of a chunk is the prefix once plus rows x the longest
+    suffix), with their prefix length; rows that share nothing with their group (prefix shorter than
+    `min_prefix`, or groups of one) fall back to `plan_micro_batches` with prefix 0."""
+    plan: list[tuple[list[int], int]] = []
+    loners: list[int] = []
+    lens = [int(x) for x in lengths.tolist()]
+    by_group: dict[int, list[int]] = {}
+    for i, g in enumerate(group_ids.tolist()):
+        by_group.setdefault(int(g), []).append(i)
+    for rows in by_group.values():
+        idx = torch.as_tensor(rows, device=token_ids.device)
+        p = shared_prefix_length(token_ids[idx], loss_mask[idx], lengths[idx])
+        if p < min_prefix:
+            loners.extend(rows)
+            continue
+        chunk: list[int] = []
+        for i in sorted(rows, key=lambda i: -lens[i]):
+            longest = lens[chunk[0]] if chunk else lens[i]
+            if chunk and p + (len(chunk) + 1) * (longest - p) > token_budget:
+                plan.append((chunk, p))
+                chunk = []
+            chunk.append(i)
+        plan.append((chunk, p) if len(chunk) > 1 else (chunk, 0))
+    if loners:
+        sub = plan_micro_batches([lens[i] for i in loners], token_budget, packed)
+        plan.extend(([loners[j] for j in mb], 0) for mb in sub)
+    return plan
+
+
 @dataclass
 class ModelInputs:
     """What the decoder sees for a micro-batch, and where each row's tokens landed in it."""

@@ -33,6 +33,29 @@ def decoder_hidden(decoder: nn.Module, inputs: ModelInputs) -> Tensor:
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
 
+def shared_prefix_hidden(decoder: nn.Module, token_ids: Tensor, lengths: Tensor, prefix: int) -> Tensor:
+    """Decoder hidden states `[n, L, H]` (padded layout) of n rows whose first `prefix` tokens are the
+    same: the prefix runs once, its K/V is repeated over the rows, and the suffixes run as one padded
+    batch on top. Equal to the full forward of every row up to float rounding, and differentiable:
+    the prefix's activations receive the gradient of all rows (the expand/repeat sums it)."""
+    from transformers import DynamicCache
+
+    n, width = token_ids.shape
+    config = getattr(decoder, "config", None)
+    cache = DynamicCache(config=config) if config is not None else DynamicCache()
+    out = decoder(input_ids=token_ids[:1, :prefix], past_key_values=cache, use_cache=True)
+    hp = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    cache.batch_repeat_interleave(n)
+    cols = torch.arange(width, device=token_ids.device)
+    attention = (cols[None, :] < lengths[:, None]).long()
+    positions = cols[prefix:].expand(n, width - prefix)
+    out = decoder(
+        input_ids=token_ids[:, prefix:], attention_mask=attention, position_ids=positions, past_key_values=cache, use_cache=True
+    )
+    hs = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    return torch.cat([hp.expand(n, prefix, hp.shape[-1]), hs], dim=1)
+
+
 @dataclass
 class Targets:
     """Positions with a loss: row/col in `[b, L]` layout, the hidden-state index predicting them and the token."""

@@ -37,6 +37,7 @@ from posttrain.train.batch import (
     last_token_index,
     make_inputs,
     plan_micro_batches,
+    plan_shared_micro_batches,
 )
 from posttrain.train.forward import (
     ValueModel,
@@ -45,6 +46,7 @@ from posttrain.train.forward import (
     decoder_hidden,
     scatter_rows,
     select_targets,
+    shared_prefix_hidden,
 )
 
 CRITIC_CHOICES = ("none", "copy", "separate")
@@ -169,12 +171,23 @@ class Learner:
     def _policy_forward(
         self, model: Any, batch: Batch, mask: Tensor, inputs: ModelInputs | None = None
     ) -> tuple[Tensor, Tensor]:
-        """(logprobs, entropy) as `[b, L]` matrices, nonzero only where `mask` is 1."""
-        inputs = inputs if inputs is not None else self._inputs(batch)
-        targets = select_targets(mask, batch.token_ids, inputs.flat_offset)
+        """(logprobs, entropy) as `[b, L]` matrices, nonzero only where `mask` is 1. A micro-batch
+        planned with a shared prefix (`batch.meta["shared_prefix"]`) runs that prefix once."""
         lm = causal_lm(model)
+        prefix = int(batch.meta.get("shared_prefix", 0))
+        if prefix > 0:
+            width = batch.token_ids.shape[1]
+            offsets = torch.arange(batch.size, device=self.device) * width
+            targets = select_targets(mask, batch.token_ids, offsets)
+        else:
+            inputs = inputs if inputs is not None else self._inputs(batch)
+            targets = select_targets(mask, batch.token_ids, inputs.flat_offset)
         with self._autocast():
-            hidden = decoder_hidden(lm.get_decoder(), inputs)
+            if prefix > 0:
+                hidden = shared_prefix_hidden(lm.get_decoder(), batch.token_ids, batch.lengths, prefix)
+            else:
+                assert inputs is not None
+                hidden = decoder_hidden(lm.get_decoder(), inputs)
             h = hidden.reshape(-1, hidden.shape[-1])[targets.src]
             lp, ent = chunked_logprobs(
                 lm.get_output_embeddings(), h, targets.token, self.trainer_cfg.logprob_chunk_tokens, self.algo_cfg.temperature
@@ -190,14 +203,26 @@ class Learner:
             v = self.critic(inputs, targets.src)
         return scatter_rows(v.float(), targets, tuple(batch.token_ids.shape))
 
-    def _micro_batches(self, batch: Batch) -> list[list[int]]:
-        return plan_micro_batches(batch.lengths.tolist(), self.trainer_cfg.micro_batch_tokens, self.trainer_cfg.packing)
+    def _micro_batches(self, batch: Batch) -> list[tuple[list[int], int]]:
+        """(rows, shared prefix length) per micro-batch; the prefix is 0 unless prompt sharing is on."""
+        tc = self.trainer_cfg
+        if tc.share_prompt_prefix and not tc.gradient_checkpointing:
+            return plan_shared_micro_batches(
+                batch.token_ids, batch.loss_mask, batch.lengths, batch.group_ids, tc.micro_batch_tokens, tc.packing
+            )
+        return [(rows, 0) for rows in plan_micro_batches(batch.lengths.tolist(), tc.micro_batch_tokens, tc.packing)]
+
+    @staticmethod
+    def _select(batch: Batch, rows: list[int], prefix: int) -> Batch:
+        sub = batch.select(rows)
+        sub.meta["shared_prefix"] = prefix
+        return sub
 
     @torch.no_grad()
     def _no_grad_map(self, batch: Batch, fn: Any) -> Tensor:
         out = torch.zeros_like(batch.loss_mask)
-        for rows in self._micro_batches(batch):
-            sub = batch.select(rows)
+        for rows, prefix in self._micro_batches(batch):
+            sub = self._select(batch, rows, prefix)
             idx = torch.as_tensor(rows, device=self.device)
             out[idx, : sub.token_ids.shape[1]] = fn(sub)
         return out
@@ -237,8 +262,10 @@ class Learner:
         current = self.version if current_version is None else current_version
         metrics: dict[str, float] = {}
 
-        batch.old_logprobs = self.compute_logprobs(batch)
         use_kl = self.kl_ctl.value > 0
+        single_pass = self.single_pass(use_kl)
+        if not single_pass:
+            batch.old_logprobs = self.compute_logprobs(batch)
         if use_kl:
             batch.ref_logprobs = self.compute_ref_logprobs(batch)
         if self.critic is not None:
@@ -249,7 +276,7 @@ class Learner:
         token_rewards = torch.zeros_like(mask)
         last = last_token_index(mask)
         token_rewards[torch.arange(batch.size, device=self.device), last] = batch.rewards
-        if use_kl:
+        if use_kl and not single_pass:
             kl_tok = kl_estimate(batch.old_logprobs, batch.ref_logprobs, a.kl_estimator) * mask
             metrics["kl"] = float(masked_mean(kl_tok, mask).item())
             if a.kl_in_reward:
@@ -265,14 +292,19 @@ class Learner:
         )
         batch.advantages, batch.returns = adv_out.advantages, adv_out.returns
 
-        # importance correction: behaviour (engine, maybe stale) -> learner before the update
-        level = a.tis_level
-        batch.policy_mask = ratio_mask(batch.old_logprobs, batch.behavior_logprobs, mask, a.mask_ratio_low, a.mask_ratio_high, level)
-        if a.tis_cap is not None:
-            batch.is_weights = tis_weights(batch.old_logprobs, batch.behavior_logprobs, mask, a.tis_cap, level)
+        if single_pass:
+            # old logprobs, TIS weights and the KL come from the training forward itself (see _update)
+            metrics.update(self._update(batch, single_pass=True))
+            if use_kl:
+                assert batch.old_logprobs is not None and batch.ref_logprobs is not None
+                kl_tok = kl_estimate(batch.old_logprobs, batch.ref_logprobs, a.kl_estimator) * mask
+                metrics["kl"] = float(masked_mean(kl_tok, mask).item())
+        else:
+            # importance correction: behaviour (engine, maybe stale) -> learner before the update
+            self._importance(batch)
+            metrics.update(self._update(batch))
+        assert batch.old_logprobs is not None
         metrics.update(mismatch_metrics(batch.old_logprobs, batch.behavior_logprobs, mask, a.tis_cap, batch.policy_mask))
-
-        metrics.update(self.update(batch))
 
         if use_kl:
             self.kl_ctl.update(metrics["kl"], batch.size)
@@ -300,6 +332,32 @@ class Learner:
         metrics["version"] = float(self.version)
         return metrics
 
+    def single_pass(self, use_kl: bool | None = None) -> bool:
+        """Whether `step` takes the old logprobs from the training forward: one optimizer step over the
+        whole batch (so the pre-update policy is the one being differentiated), and nothing needs the
+        old logprobs before the update (no critic, no KL folded into the reward, no ratio masking)."""
+        tc, a = self.trainer_cfg, self.algo_cfg
+        use_kl = self.kl_ctl.value > 0 if use_kl is None else use_kl
+        return (
+            tc.single_pass_old_logprobs
+            and tc.ppo_epochs == 1
+            and tc.mini_batches == 1
+            and self.critic is None
+            and not (use_kl and a.kl_in_reward)
+            and a.mask_ratio_low is None
+            and a.mask_ratio_high is None
+        )
+
+    def _importance(self, batch: Batch) -> None:
+        """Ratio mask and TIS weights of behaviour (engine, maybe stale) -> learner before the update."""
+        a = self.algo_cfg
+        assert batch.old_logprobs is not None
+        batch.policy_mask = ratio_mask(
+            batch.old_logprobs, batch.behavior_logprobs, batch.loss_mask, a.mask_ratio_low, a.mask_ratio_high, a.tis_level
+        )
+        if a.tis_cap is not None:
+            batch.is_weights = tis_weights(batch.old_logprobs, batch.behavior_logprobs, batch.loss_mask, a.tis_cap, a.tis_level)
+
     # ------------------------------------------------------------------------------------------
     # the optimisation
 
@@ -317,11 +375,23 @@ class Learner:
         """Optimise on a prepared batch (old_logprobs and advantages set); returns metrics."""
         if batch.old_logprobs is None or batch.advantages is None:
             raise ValueError("update() needs batch.old_logprobs and batch.advantages (step() fills them)")
+        return self._update(batch)
+
+    def _update(self, batch: Batch, single_pass: bool = False) -> dict[str, float]:
+        """`update`; with `single_pass` the batch has no old logprobs yet: each micro-batch's are its own
+        training-forward logprobs, detached (the ratio is exactly 1, the gradient the same), its TIS
+        weights are computed from them, and `batch.old_logprobs` / `is_weights` are filled in."""
+        if batch.advantages is None:
+            raise ValueError("update() needs batch.advantages (step() fills them)")
         if self.critic is not None and (batch.returns is None or batch.old_values is None):
             raise ValueError("update() with a critic needs batch.returns and batch.old_values")
         if self.optimizer_offloaded:
             self.reload_optimizer()
         tc, a = self.trainer_cfg, self.algo_cfg
+        if single_pass:
+            batch.old_logprobs = torch.zeros_like(batch.loss_mask)
+            if a.tis_cap is not None:
+                batch.is_weights = torch.zeros_like(batch.loss_mask)
         policy_loss_fn = get_policy_loss(a.policy_loss)
         use_kl_loss = batch.ref_logprobs is not None and not a.kl_in_reward and self.kl_ctl.value > 0
         t0 = time.perf_counter()
@@ -332,7 +402,7 @@ class Learner:
             sums[key] = sums.get(key, 0.0) + value * weight
             counts[key] = counts.get(key, 0.0) + weight
 
-        cells = tokens = 0
+        cells = tokens = computed = 0  # positions run (padding included), sequence tokens, real positions run
         ratio_max = 1.0
         self.model.train()
         if self.critic is not None:
@@ -343,7 +413,8 @@ class Learner:
                 n_mini = min(tc.mini_batches, batch.size)
                 bounds = [round(i * batch.size / n_mini) for i in range(n_mini + 1)]
                 for k in range(n_mini):
-                    mb = batch.select(perm[bounds[k] : bounds[k + 1]])
+                    mb_rows = perm[bounds[k] : bounds[k + 1]]
+                    mb = batch.select(mb_rows)
                     w_pol = aggregation_weights(mb.train_mask, a.loss_agg, a.loss_norm_tokens)
                     w_tok = aggregation_weights(mb.loss_mask, "token_mean")
                     lr = self._set_lr()
@@ -351,16 +422,30 @@ class Learner:
                     if self.critic_optimizer is not None:
                         self.critic_optimizer.zero_grad(set_to_none=True)
                     mb_loss = mb_vloss = 0.0
-                    for rows in self._micro_batches(mb):
-                        mi = mb.select(rows)
+                    for rows, prefix in self._micro_batches(mb):
+                        mi = self._select(mb, rows, prefix)
                         width = mi.token_ids.shape[1]
                         ridx = torch.as_tensor(rows, device=self.device)
                         wp, wt = w_pol[ridx, :width], w_tok[ridx, :width]
                         mmask = mi.train_mask
-                        inputs = self._inputs(mi)
-                        cells += inputs.cells
-                        tokens += inputs.tokens
+                        inputs = self._inputs(mi) if (prefix == 0 or self.critic is not None) else None
+                        seq_tokens = int(mi.lengths.sum().item())
+                        tokens += seq_tokens
+                        if prefix > 0:  # the prefix once, then every row's suffix (padded)
+                            computed += seq_tokens - (mi.size - 1) * prefix
+                            cells += prefix + mi.size * (width - prefix)
+                        else:
+                            assert inputs is not None
+                            computed += inputs.tokens
+                            cells += inputs.cells
                         lp, ent = self._policy_forward(self.model, mi, mi.loss_mask, inputs)
+                        if single_pass:
+                            brows = torch.as_tensor([mb_rows[r] for r in rows], device=self.device)
+                            mi.old_logprobs = lp.detach().to(batch.loss_mask.dtype)
+                            batch.old_logprobs[brows, :width] = mi.old_logprobs
+                            if a.tis_cap is not None:
+                                mi.is_weights = tis_weights(mi.old_logprobs, mi.behavior_logprobs, mi.loss_mask, a.tis_cap, a.tis_level)
+                                batch.is_weights[brows, :width] = mi.is_weights
                         out = policy_loss_fn(
                             lp,
                             mi.old_logprobs,
@@ -421,7 +506,8 @@ class Learner:
             update_s=wall,
             update_tokens=float(tokens),
             update_tokens_per_s=tokens / wall if wall > 0 else 0.0,
-            padding_frac=1.0 - tokens / cells if cells else 0.0,
+            padding_frac=1.0 - computed / cells if cells else 0.0,
+            shared_prefix_frac=1.0 - computed / tokens if tokens else 0.0,
             optimizer_steps=float(self.optimizer_steps),
         )
         return out_metrics

@@ -91,3 +91,45 @@ def test_turn_limit_truncates_and_scores(tokenizer):
     traj = _run(engine, tokenizer, domain, task, max_turns=1)
     assert traj.status == TrajectoryStatus.TRUNCATED
     assert traj.turns == 1 and traj.reward < 1.0
+
+
+class RecordingEngine:
+    """Answers every request with a fixed text after yielding to the loop; records (prompt, max_tokens)."""
+
+    def __init__(self, tokenizer, text: str) -> None:
+        self.tokenizer, self.text, self.version = tokenizer, text, 0
+        self.calls: list[tuple[list[int], int]] = []
+
+    async def agenerate(self, request):
+        from posttrain.engine import Completion, GenerationOutput
+
+        self.calls.append((list(request.prompt_token_ids), request.params.max_tokens))
+        await asyncio.sleep(0.01)
+        ids = self.tokenizer.encode(self.text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        ids = ids[: request.params.max_tokens]
+        return GenerationOutput("r", list(request.prompt_token_ids), [Completion(ids, [-0.5] * len(ids), self.text, "stop")], 0.0)
+
+
+def test_group_prompt_is_prefilled_once_before_the_group_generates(tokenizer):
+    """With share_prefill, each group sends its prompt once as a 1-token request and only then its
+    group_size episode requests; the warm-up's token never enters a trajectory."""
+    from posttrain.rollout import collect_groups
+
+    domain = get_domain("math")
+    tasks = [domain.task("train", 0, i, seed=0) for i in range(2)]
+    params = SamplingParams(temperature=1.0, max_tokens=32, stop_token_ids=[tokenizer.eos_token_id])
+    limits = EpisodeLimits(max_turns=1, max_episode_tokens=512, max_new_tokens=32)
+    for share in (True, False):
+        engine = RecordingEngine(tokenizer, "<answer>4</answer>")
+        batch = asyncio.run(
+            collect_groups(engine, tokenizer, [(domain, t) for t in tasks], 3, None, params, limits, 0, 0, 0, share_prefill=share)
+        )
+        warm = [c for c in engine.calls if c[1] == 1]
+        assert len(warm) == (2 if share else 0) and len(engine.calls) == 6 + len(warm)
+        if share:  # each group's warm-up came before any of that group's own requests
+            for prompt, _ in warm:
+                first = next(i for i, c in enumerate(engine.calls) if c[0] == prompt)
+                assert engine.calls[first][1] == 1
+        answer = tokenizer.encode("<answer>4</answer>", add_special_tokens=False) + [tokenizer.eos_token_id]
+        for traj in batch.trajectories:
+            assert traj.token_ids[traj.prompt_len :] == answer and sum(traj.loss_mask) == len(answer)

@@ -43,14 +43,14 @@ def shared_prefix_hidden(decoder: nn.Module, token_ids: Tensor, lengths: Tensor,
     n, width = token_ids.shape
     config = getattr(decoder, "config", None)
     cache = DynamicCache(config=config) if config is not None else DynamicCache()
-    out = decoder(input_ids=token_ids[:1, :prefix], past_key_values=cache, use_cache=True)
+    out = decoder(input_ids=token_ids[:1, :prefix], cache=cache, use_cache=True)
     hp = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     cache.batch_repeat_interleave(n)
     cols = torch.arange(width, device=token_ids.device)
     attention = (cols[None, :] < lengths[:, None]).long()
     positions = cols[prefix:].expand(n, width - prefix)
     out = decoder(
-        input_ids=token_ids[:, prefix:], attention_mask=attention, position_ids=positions, past_key_values=cache, use_cache=True
+        input_ids=token_ids[:, prefix:], attention_mask=attention, position_ids=positions, cache=cache, use_cache=True
     )
     hs = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     return torch.cat([hp.expand(n, prefix, hp.shape[-1]), hs], dim=1)

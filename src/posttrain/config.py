@@ -34,9 +34,29 @@ class ModelConfig(Section):
     lora_target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+def native_bf16(device: str = "cpu") -> bool:
+    """Whether `device` runs bfloat16 matmuls natively: a CUDA GPU that supports them, or an x86 CPU
+    with AVX512-BF16 or AMX-BF16 (read from /proc/cpuinfo). Elsewhere bf16 is emulated and slower
+    than float32, so `dtype: auto` picks float32 there."""
+    if device.startswith("cuda"):
+        import torch
+
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
+
+
 class EngineConfig(Section):
     backend: Literal["paged", "hf", "vllm"] = "paged"
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="weights and activations of the engine; auto = bfloat16 where the device runs it natively "
+        "(AVX512-BF16/AMX CPUs, bf16 GPUs), else float32; resolved when the config loads",
+    )
     kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     block_size: int = Field(16, ge=1)
     num_kv_blocks: int = Field(2048, ge=1)
@@ -49,6 +69,12 @@ class EngineConfig(Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     max_new_tokens: int = Field(64, ge=1, description="per assistant turn")
+
+    def resolved_dtype(self) -> str:
+        """`dtype` with `auto` resolved for `device` (see `native_bf16`)."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if native_bf16(self.device) else "float32"
 
 
 class DomainConfig(Section):
@@ -145,7 +171,9 @@ class TrainerConfig(Section):
     mini_batches: int = Field(1, ge=1)
     micro_batch_tokens: int = Field(4096, ge=1)
     gradient_checkpointing: bool = False
-    bf16_autocast: bool = False
+    bf16_autocast: bool | None = Field(
+        None, description="bfloat16 autocast in the learner's forward/backward; unset = on when the engine runs in bfloat16"
+    )
     packing: bool = Field(
         False,
         description="pack rows that share no prompt into block-diagonal rows (padded was faster on "
@@ -170,11 +198,13 @@ class TrainerConfig(Section):
 
 
 class OrchestratorConfig(Section):
-    steps: int = Field(12, ge=0, description="the default is sized to about 10 minutes on 2 CPU cores")
+    steps: int = Field(
+        40, ge=0, description="the default is sized to about 10 minutes on 2 CPU cores with native bf16 (twice that in fp32)"
+    )
     tasks_per_step: int = Field(4, ge=1, description="groups per step; each group has algorithm.group_size")
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = Field(1, ge=0)
-    checkpoint_every: int = Field(6, ge=0)
+    checkpoint_every: int = Field(10, ge=0)
     keep_checkpoints: int = Field(2, ge=1)
     eval_n: int = Field(64, ge=1, description="held-out tasks per (domain, difficulty) for `posttrain eval`")
     free_kv_during_update: bool = True
@@ -240,6 +270,9 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
+        self.engine.dtype = self.engine.resolved_dtype()
+        if self.trainer.bf16_autocast is None:
+            self.trainer.bf16_autocast = self.engine.dtype == "bfloat16"
         if self.algorithm.advantage == "gae" and self.trainer.critic == "none":
             raise ValueError("algorithm.advantage=gae needs a value function: set trainer.critic to 'copy' or 'separate'")
         return self

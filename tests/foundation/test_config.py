@@ -103,3 +103,31 @@ def test_unimplemented_placement_is_refused_before_work():
 
     with pytest.raises(ValueError, match="placement.backend='ray' is not yet available"):
         RLRun.check(load_config(None, ["placement.backend=ray", "model.spec=tiny:llama"]))
+
+
+def test_engine_dtype_auto_follows_native_bf16_and_learner_autocast_follows_the_engine(monkeypatch):
+    import posttrain.config as config_mod
+
+    for native, expected in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(config_mod, "native_bf16", lambda device="cpu", _n=native: _n)
+        cfg = load_config(None, [])
+        assert cfg.engine.dtype == expected and cfg.trainer.bf16_autocast is (expected == "bfloat16")
+        assert config_mod.EngineConfig().resolved_dtype() == expected
+    # explicit choices are kept, in both directions
+    pinned = load_config(None, ["engine.dtype=float32", "trainer.bf16_autocast=true"])
+    assert pinned.engine.dtype == "float32" and pinned.trainer.bf16_autocast is True
+    # the resolved value is what a run directory's config.yaml records
+    assert load_config(None, []).model_dump()["engine"]["dtype"] in ("float32", "bfloat16")
+
+
+def test_native_bf16_reads_the_cpu_flags(monkeypatch, tmp_path):
+    import builtins
+
+    import posttrain.config as config_mod
+
+    real_open = builtins.open
+    for flags, expected in (("fpu avx512f avx512_bf16 sse", True), ("fpu amx_bf16", True), ("fpu avx2 avx512f", False)):
+        info = tmp_path / "cpuinfo"
+        info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+        monkeypatch.setattr(builtins, "open", lambda p, *a, _i=info, **k: real_open(_i if p == "/proc/cpuinfo" else p, *a, **k))
+        assert config_mod.native_bf16("cpu") is expected

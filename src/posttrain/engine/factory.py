@@ -19,7 +19,7 @@ def make_engine(engine_cfg: EngineConfig, model: Any, tokenizer: Any, *, seed: i
         return PagedEngine(
             model,
             tokenizer,
-            dtype=engine_cfg.dtype,
+            dtype=engine_cfg.resolved_dtype(),
             kv_cache_dtype=engine_cfg.kv_cache_dtype,
             block_size=engine_cfg.block_size,
             num_blocks=engine_cfg.num_kv_blocks,

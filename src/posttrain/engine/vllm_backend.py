@@ -48,7 +48,7 @@ class VLLMEngine(BlockingAsyncMixin):
         tokenizer.save_pretrained(self._dir.name)
         self.llm = vllm.LLM(
             model=self._dir.name,
-            dtype=engine_cfg.dtype,
+            dtype=engine_cfg.resolved_dtype(),
             seed=seed,
             max_model_len=engine_cfg.max_model_len,
             max_num_seqs=engine_cfg.max_num_seqs,

@@ -32,15 +32,24 @@ ratio_max, grad_norm, lr, value_loss / vf_clipfrac / critic_grad_norm / value_me
 mismatch_abs_log_ratio, mismatch_max_abs_log_ratio, mismatch_kl_k3, tis_clip_frac,
 ratio_masked_frac, reward_mean, reward_std, zero_signal_group_frac, advantage_mean,
 advantage_abs_mean, kl_coef, staleness_mean, staleness_max, sequences, tokens (generated),
-sequence_tokens, update_tokens, update_tokens_per_s, padding_frac, prepare_s, update_s, step_s,
+sequence_tokens, update_tokens, update_tokens_per_s, padding_frac, shared_prefix_frac, prepare_s,
+update_s, step_s,
 optimizer_steps, version.
 
-Packing (trainer.packing, default True): sequences are packed first-fit-decreasing into rows as long as
-the micro-batch's longest sequence, with a block-diagonal causal mask and per-sequence position ids.
-Measured with `posttrain bench learner --json -- --quick --repeats 2` (smollm2-135m, 8 sequences of
-32..128 tokens, 2-core machine shared with four other jobs, load average ~9; tokens per CPU-second):
-packed/padded = 1.16 (full, fp32) and 1.10 (LoRA, fp32), but 0.84 (full) and 0.65 (LoRA) under bf16
-autocast. fp32 is the default, so packing is on by default; with bf16_autocast, consider packing=False.
+Micro-batches (trainer.share_prompt_prefix, default on): the rows of one GRPO group whose prompt is
+identical go together; the prompt runs once and its K/V sits under every row's completion
+(`forward.shared_prefix_hidden`), so a group of 8 with a 100-token prompt computes 100 + 8 x completion
+positions instead of 8 x (100 + completion). Logprobs and gradients equal the plain forward up to float
+rounding (tested). Other rows are padded (trainer.packing=false, the default) or packed first-fit-
+decreasing into block-diagonal rows. `posttrain bench learner --json` (32 sequences of 64..256 tokens,
+3 repeats, medians) measured packed/padded tokens/s of 0.79 (full fp32), 0.80 (full bf16), 0.90 (LoRA
+fp32) and 0.94 (LoRA bf16): packing saved almost no padding (18.4% vs 19.4%: rows are as long as the
+longest sequence) and its 4-D block mask is slower, so padded is the default.
+
+Single pass (trainer.single_pass_old_logprobs, default on): with one optimizer step over the batch, no
+critic, no KL in the reward and no ratio masking, the PPO ratio's denominator is the training
+forward's own logprobs, detached (ratio exactly 1, same gradient); the separate no-grad forward is
+skipped.
 """
 
 from posttrain.train.batch import Batch, Sample, build_batch

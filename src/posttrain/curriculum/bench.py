@@ -68,13 +68,15 @@ def main(args: list[str]) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="posttrain bench curriculum", description=__doc__)
     ap.add_argument("--seeds", type=int, default=None,
                     help="simulated learners (default 8; >= 5 for the report); --real: training seeds (default 2, --quick 1)")
+    ap.add_argument("--seed-start", type=int, default=0,
+                    help="first simulated learner's seed (e.g. 100 for a held-out set the defaults were not tuned on)")
     ap.add_argument("--samplers", default=",".join(ALL + REFERENCE),
                     help=f"comma list; must include {BASELINE}; '{ORACLE}' reads the hidden state (a ceiling)")
     ap.add_argument("--groups-per-step", type=int, default=SimSettings.groups_per_step)
     ap.add_argument("--budget-steps", type=int, default=SimSettings.budget_uniform_steps,
                     help="token budget in full batches at the mean rollout length")
     ap.add_argument("--boot", type=int, default=2000, help="bootstrap resamples")
-    ap.add_argument("--plot", default=None, help="write adaptive's domain shares (seed 0) to this PNG")
+    ap.add_argument("--plot", default=None, help="write adaptive's domain shares (first seed) to this PNG")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="curriculum config override for every sampler, e.g. --set c=0.5 (repeatable)")
     ap.add_argument("--free-probes", action="store_true", help="do not charge probe tokens to the budget")
@@ -107,6 +109,8 @@ def main(args: list[str]) -> dict[str, Any]:
         ap.error(f"--samplers: unknown {unknown}" if unknown else f"--samplers must include {BASELINE}")
     if ns.seeds < 1 or ns.groups_per_step < 1 or ns.budget_steps < 1:
         ap.error("--seeds, --groups-per-step and --budget-steps must be >= 1")
+    if ns.seed_start < 0:
+        ap.error(f"--seed-start must be >= 0, got {ns.seed_start}")
     names = [BASELINE] + [n for n in names if n != BASELINE]
 
     try:
@@ -117,7 +121,7 @@ def main(args: list[str]) -> dict[str, Any]:
                            charge_probes=not ns.free_probes)
     t0 = time.perf_counter()
     per: dict[str, dict[str, list[float]]] = {n: {} for n in names}
-    for seed in range(ns.seeds):
+    for seed in range(ns.seed_start, ns.seed_start + ns.seeds):
         budget = budget_tokens(make_learner(seed), settings)
         base = run(BASELINE, seed, cfg, settings)
         threshold = float(base.p[-1].mean())
@@ -126,9 +130,10 @@ def main(args: list[str]) -> dict[str, Any]:
             if name == BASELINE:
                 m = base_m
             else:
-                r = run(name, seed, cfg, settings, log_weights=(ns.plot is not None and seed == 0 and name == "adaptive"))
+                plot_this = ns.plot is not None and seed == ns.seed_start and name == "adaptive"
+                r = run(name, seed, cfg, settings, log_weights=plot_this)
                 m = run_metrics(r, budget, threshold, settings.charge_probes)
-                if ns.plot is not None and seed == 0 and name == "adaptive":
+                if plot_this:
                     from posttrain.curriculum.plot import plot_domain_shares
 
                     plot_domain_shares(r.weight_rows, ns.plot)
@@ -143,7 +148,7 @@ def main(args: list[str]) -> dict[str, Any]:
 
     metrics = ["tokens_to_threshold_ratio", "final_macro_accuracy", "auc", "worst_arm_accuracy", "forgetting",
                "reached_threshold", "probe_token_share"]
-    out: dict[str, Any] = {"seeds": ns.seeds, "baseline": BASELINE, "wall_s": round(wall_s, 2),
+    out: dict[str, Any] = {"seeds": ns.seeds, "seed_start": ns.seed_start, "baseline": BASELINE, "wall_s": round(wall_s, 2),
                            "overrides": ns.overrides, "probe_tokens_charged": not ns.free_probes}
     for k in metrics:
         out[k] = {n: float(np.mean(per[n][k])) for n in names}
@@ -171,7 +176,7 @@ def _print_table(out: dict[str, Any], names: list[str]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"curriculum simulation: {out['seeds']} seeds, same token budget, mean [95% bootstrap CI]")
+    t = Table(title=f"curriculum simulation: {out['seeds']} seeds from {out['seed_start']}, same token budget, mean [95% bootstrap CI]")
     cols = [("tokens_to_threshold_ratio", "tokens to uniform's final (x uniform)"), ("final_macro_accuracy", "final macro"),
             ("auc", "AUC vs tokens"), ("worst_arm_accuracy", "worst arm"), ("forgetting", "forgetting")]
     t.add_column("sampler")

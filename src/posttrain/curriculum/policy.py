@@ -91,15 +91,31 @@ def adaptive_policy(
     tau: float,
     eps: float,
     max_share: float,
+    progress: np.ndarray | None = None,
+    mu: float = 0.0,
+    headroom: np.ndarray | None = None,
+    nu: float = 0.0,
+    cost: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The default rule over K available arms; returns (pi, raw scores s).
 
-    s_k = L_k + c*sqrt(ln(N+1)/(n_k+1)) + lam*F_k, min-max normalised across arms to [0, 1] (so the
-    softmax part gives the best arm at most exp(1/tau) times the worst arm's odds, ~12x at tau=0.4);
-    pi = (1-eps)*softmax(s/tau) + eps/K, then `bounded_renormalise` to [eps/K, max(max_share, 1/K)].
+    s_k = L_k + c*sqrt(ln(N+1)/(n_k+1)) + lam*F_k (+ mu*LP_k and nu*W_k when progress LP and
+    headroom W are given), min-max normalised across arms to [0, 1] (so the softmax part gives the best arm at most exp(1/tau) times
+    the worst arm's odds, ~12x at tau=0.4); pi = (1-eps)*softmax(s/tau) + eps/K, then
+    `bounded_renormalise` to [eps/K, max(max_share, 1/K)]. With `cost` (each arm's tokens per rollout
+    relative to the others), the softmax part is divided by it and renormalised before the mixing,
+    so it splits tokens rather than groups: an arm twice as long gets half the groups at equal score.
     """
     k = len(learnability)
     bonus = c * np.sqrt(np.log(total + 1.0) / (np.asarray(counts, dtype=np.float64) + 1.0))
     s = np.asarray(learnability, dtype=np.float64) + bonus + lam * np.asarray(forgetting, dtype=np.float64)
-    pi = (1.0 - eps) * softmax(minmax(s) / tau) + eps / k
+    if progress is not None and mu > 0:
+        s = s + mu * np.asarray(progress, dtype=np.float64)
+    if headroom is not None and nu > 0:
+        s = s + nu * np.asarray(headroom, dtype=np.float64)
+    q = softmax(minmax(s) / tau)
+    if cost is not None:
+        q = q / np.asarray(cost, dtype=np.float64)
+        q = q / q.sum()
+    pi = (1.0 - eps) * q + eps / k
     return bounded_renormalise(pi, eps / k, max(max_share, 1.0 / k)), s

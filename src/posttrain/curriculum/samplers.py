@@ -19,7 +19,7 @@ from posttrain.config import CurriculumConfig
 from posttrain.curriculum.arms import Arm, check_arms
 from posttrain.curriculum.policy import adaptive_policy, group_abs_dev, grpo_abs_advantages, softmax
 
-STATE_VERSION = 2
+STATE_VERSION = 3  # 3: adaptive's success-rate EMAs and probe counts (a version-2 state loads with them empty)
 
 SAMPLERS: dict[str, type[Sampler]] = {}
 
@@ -53,6 +53,10 @@ def check_config(cfg: CurriculumConfig) -> None:
         ("sec_tau", cfg.sec_tau > 0.0, "> 0"),
         ("dump_window", cfg.dump_window >= 1, ">= 1"),
         ("dump_tau", cfg.dump_tau > 0.0, "> 0"),
+        ("lp_weight", cfg.lp_weight >= 0.0, ">= 0"),
+        ("lp_fast", 0.0 < cfg.lp_fast <= 1.0, "in (0, 1]"),
+        ("lp_slow", 0.0 < cfg.lp_slow < cfg.lp_fast, f"in (0, lp_fast = {cfg.lp_fast})"),
+        ("probe_skip_rollouts", cfg.probe_skip_rollouts >= 0, ">= 0 (0 = never skip)"),
     ]
     for key, ok, want in checks:
         value = getattr(cfg, key)
@@ -110,6 +114,7 @@ class Sampler:
             "prompts": [{} for _ in range(k)],  # prompt_id -> [n rewards, sum of range-normalised rewards]
             "reward_lo": {d: 0.0 for d in self.domains},  # running reward range per domain, starts at [0, 1]
             "reward_hi": {d: 1.0 for d in self.domains},
+            "tokens": [[0.0, 0] for _ in range(k)],  # [tokens reported by update, rollouts they cover]
             "last_step": None,
         }
         self._init_extra(k)
@@ -201,22 +206,44 @@ class Sampler:
             raise ValueError("no arm has data: every arm was given data size 0 (see set_data_size)")
         if n == 0:
             return []
+        fixed = self._covered(n)
+        idx = np.concatenate([fixed, self._systematic(w, n - len(fixed))]).astype(np.int64)
+        idx = self._rng.permutation(idx)
+        return [self.arms[int(i)] for i in idx]
+
+    def _covered(self, n: int) -> np.ndarray:
+        """Arms that get one group of an n-group batch before the weights are sampled (none by default)."""
+        return np.zeros(0, dtype=np.int64)
+
+    def _systematic(self, w: np.ndarray, n: int) -> np.ndarray:
+        """n arm indices by systematic sampling through the CDF of w (counts within one of n*w_k)."""
+        if n <= 0:
+            return np.zeros(0, dtype=np.int64)
         cdf = np.cumsum(w / w.sum())
         points = (self._rng.random() + np.arange(n)) / n
         idx = np.searchsorted(cdf, points, side="right")
         last_positive = int(np.flatnonzero(w > 0)[-1])
-        idx = np.minimum(idx, last_positive)
-        idx = self._rng.permutation(idx)
-        return [self.arms[int(i)] for i in idx]
+        return np.minimum(idx, last_positive)
 
-    def update(self, step: int, arm: Arm, group_rewards: Sequence[Sequence[float]]) -> None:
+    def update(
+        self, step: int, arm: Arm, group_rewards: Sequence[Sequence[float]], tokens: float | None = None
+    ) -> None:
         """Feed the groups arm produced at `step` (one inner list per group, all rewards of one prompt).
-        Call once per arm per step with all of that arm's groups: each call is one EMA step."""
+        Call once per arm per step with all of that arm's groups: each call is one EMA step.
+        `tokens`: the tokens those groups' rollouts generated in all (optional; `adaptive` with
+        cost_aware weighs arms by their mean tokens per rollout)."""
         i = self._idx(arm)
         step = _as_int(step, "update: step")
         groups = _check_groups(self.arms[i], group_rewards)
+        if tokens is not None:
+            tokens = float(tokens)
+            if not (math.isfinite(tokens) and tokens > 0):
+                raise ValueError(f"update({self.arms[i].key}): tokens must be a finite number > 0, got {tokens}")
         if not groups:
             return
+        if tokens is not None:
+            self._s["tokens"][i][0] += tokens
+            self._s["tokens"][i][1] += sum(len(g) for g in groups)
         self._widen_range(self.arms[i].domain, [r for g in groups for r in g])
         x = float(np.mean([group_abs_dev(g) for g in groups]))
         prev = self._s["dev_ema"][i]
@@ -233,10 +260,18 @@ class Sampler:
         self._s["data_size"][i] = _as_int(n_prompts, f"set_data_size({self.arms[i].key}): n_prompts")
 
     def probe_due(self, step: int) -> bool:
-        """True on steps where the loop should run retention probes (every probe_every steps, from 0),
-        for samplers whose rule uses forgetting."""
-        step = _as_int(step, "probe_due: step")
-        return self.uses_probes and self.cfg.probe_every > 0 and step % self.cfg.probe_every == 0
+        """True on steps where the loop should run retention probes (every probe_every steps, from 0,
+        for samplers whose rule uses forgetting) and at least one arm needs one (see probe_arms)."""
+        return bool(self.probe_arms(step))
+
+    def probe_arms(self, step: int) -> list[Arm]:
+        """The arms to probe at `step`: every arm on probe steps (every probe_every steps, from 0) of a
+        sampler whose rule uses forgetting, none otherwise. `adaptive` may skip arms whose training
+        groups already measured them (curriculum.probe_skip_rollouts)."""
+        step = _as_int(step, "probe_arms: step")
+        if not (self.uses_probes and self.cfg.probe_every > 0 and step % self.cfg.probe_every == 0):
+            return []
+        return list(self.arms)
 
     def record_probe(self, step: int, arm: Arm, score: float, n: int | None = None) -> None:
         """A held-out probe score for an arm (e.g. greedy accuracy on its share of the domain's probe),
@@ -322,7 +357,7 @@ class Sampler:
         }
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
-        if not isinstance(d, dict) or d.get("version") != STATE_VERSION:
+        if not isinstance(d, dict) or d.get("version") not in (2, STATE_VERSION):
             got = d.get("version") if isinstance(d, dict) else type(d).__name__
             raise ValueError(f"curriculum state: expected version {STATE_VERSION}, got {got!r}")
         if d.get("sampler") != self.name:
@@ -331,6 +366,9 @@ class Sampler:
         if d.get("arms") != keys:
             raise ValueError(f"curriculum state has arms {d.get('arms')}, this sampler has {keys}")
         stats = copy.deepcopy(d["stats"])
+        if d["version"] == 2:  # the signals added in version 3 start empty, as in a fresh sampler
+            fresh = type(self)(self.cfg, self.arms, 0)._s
+            stats = {**{k: v for k, v in fresh.items() if k not in stats}, **stats}
         missing = set(self._s) - set(stats)
         if missing:
             raise ValueError(f"curriculum state lacks {sorted(missing)}")
@@ -341,9 +379,96 @@ class Sampler:
 
 @register_sampler("adaptive")
 class AdaptiveSampler(Sampler):
-    """Learnability + UCB exploration + forgetting; see `policy.adaptive_policy`."""
+    """Learnability + UCB exploration + forgetting (+ optional learning progress); see
+    `policy.adaptive_policy` and the package docstring.
+
+    Besides the base counts it keeps, per arm, two EMAs of the success rate of its training updates
+    (mean range-normalised reward; rates lp_fast and lp_slow) with their variances. They give
+      LP_k      = max(0, |fast - slow| - forget_z * SE), the TSCL learning-progress signal (a too-hard arm
+                  that starts to move, or a sampled arm that slips, gains share; weight lp_weight);
+      F_train_k = max(0, best slow EMA so far - current slow EMA - forget_z * SE) when
+                  train_retention: forgetting read for free from the arm's own training groups;
+                  F_k = max(F_probe_k, F_train_k).
+    SE is the standard error of the difference from the EMAs' variances (each update's variance
+    taken as s(1-s)/n, the bound for rewards in [0, 1], s shrunk as (m*n+1)/(n+2)).
+    """
 
     uses_probes = True
+
+    def _init_extra(self, k: int) -> None:
+        self._s["succ_fast"] = [None] * k  # [EMA, its variance]
+        self._s["succ_slow"] = [None] * k
+        self._s["succ_best"] = [None] * k  # [best slow EMA so far, its variance then]
+        self._s["since_probe"] = [0] * k  # training rollouts since the arm's last probe
+
+    def _observe(self, i: int, groups: list[list[float]]) -> None:
+        domain = self.arms[i].domain
+        lo, scale = self._s["reward_lo"][domain], self._scale(domain)
+        vals = [(r - lo) / scale for g in groups for r in g]
+        n = len(vals)
+        m = float(np.mean(vals))
+        sh = (m * n + 1.0) / (n + 2.0)
+        v = sh * (1.0 - sh) / n
+        for key, rate in (("succ_fast", self.cfg.lp_fast), ("succ_slow", self.cfg.lp_slow)):
+            prev = self._s[key][i]
+            if prev is None:
+                self._s[key][i] = [m, v]
+            else:
+                self._s[key][i] = [(1.0 - rate) * prev[0] + rate * m, (1.0 - rate) ** 2 * prev[1] + rate**2 * v]
+        slow = self._s["succ_slow"][i]
+        best = self._s["succ_best"][i]
+        if best is None or slow[0] >= best[0]:
+            self._s["succ_best"][i] = list(slow)
+        self._s["since_probe"][i] += n
+
+    def record_probe(self, step: int, arm: Arm, score: float, n: int | None = None) -> None:
+        super().record_probe(step, arm, score, n)
+        self._s["since_probe"][self._idx(arm)] = 0
+
+    def probe_arms(self, step: int) -> list[Arm]:
+        """Probe-step arms, less those whose training groups gave at least probe_skip_rollouts rollouts
+        since their last probe (their success rate is measured already); probe_skip_rollouts = 0
+        probes every arm."""
+        arms = super().probe_arms(step)
+        skip = self.cfg.probe_skip_rollouts
+        if skip <= 0:
+            return arms
+        return [a for a in arms if self._s["since_probe"][self._index[a]] < skip]
+
+    def _covered(self, n: int) -> np.ndarray:
+        """cover_batch: every available arm gets one group when the batch has room for all of them."""
+        avail = self._available()
+        if self.cfg.cover_batch and n >= len(avail):
+            return avail
+        return np.zeros(0, dtype=np.int64)
+
+    def learning_progress(self) -> np.ndarray:
+        """LP_k = max(0, |fast - slow| - forget_z * SE(fast - slow)); 0 before any group."""
+        out = np.zeros(len(self.arms))
+        z = self.cfg.forget_z
+        for i, (f, s) in enumerate(zip(self._s["succ_fast"], self._s["succ_slow"], strict=True)):
+            if f is not None:
+                out[i] = max(0.0, abs(f[0] - s[0]) - z * math.sqrt(f[1] + s[1]))
+        return out
+
+    def forgetting(self) -> np.ndarray:
+        """F_k = the probe drop (see Sampler.forgetting), or with train_retention the larger of it and
+        the drop of the slow training success EMA below its best, beyond forget_z standard errors."""
+        out = super().forgetting()
+        if not self.cfg.train_retention:
+            return out
+        z = self.cfg.forget_z
+        for i, (b, s) in enumerate(zip(self._s["succ_best"], self._s["succ_slow"], strict=True)):
+            if b is not None:
+                out[i] = max(out[i], b[0] - s[0] - z * math.sqrt(b[1] + s[1]))
+        return out
+
+    def signals(self) -> dict[str, float]:
+        out = super().signals()
+        lp = self.learning_progress()
+        for i, a in enumerate(self.arms):
+            out[f"curriculum/LP/{a.key}"] = float(lp[i])
+        return out
 
     def _policy(self, avail: np.ndarray) -> np.ndarray:
         cfg = self.cfg
@@ -358,8 +483,26 @@ class AdaptiveSampler(Sampler):
             tau=cfg.tau,
             eps=cfg.eps,
             max_share=cfg.max_share,
+            progress=self.learning_progress()[avail],
+            mu=cfg.lp_weight,
+            headroom=self.weakness()[avail],
+            nu=cfg.weakness,
+            cost=self.relative_cost()[avail] if cfg.cost_aware else None,
         )
         return pi
+
+    def weakness(self) -> np.ndarray:
+        """W_k = 1 - the arm's slow success EMA (its headroom); 0 before any group."""
+        return np.array([0.0 if e is None else 1.0 - min(max(e[0], 0.0), 1.0) for e in self._s["succ_slow"]])
+
+    def relative_cost(self) -> np.ndarray:
+        """Mean tokens per rollout of each arm over the mean of the arms that reported any (update's
+        `tokens`); 1 for an arm with no report yet."""
+        tok = self._s["tokens"]
+        per = np.array([t / n if n > 0 else np.nan for t, n in tok])
+        if np.all(np.isnan(per)):
+            return np.ones(len(self.arms))
+        return np.where(np.isnan(per), 1.0, per / np.nanmean(per))
 
 
 def _uniform_by_domain(arms: list[Arm], avail: np.ndarray) -> np.ndarray:

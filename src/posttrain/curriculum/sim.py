@@ -222,12 +222,13 @@ def run(sampler_name: str, seed: int, cfg: CurriculumConfig, s: SimSettings, log
         if want_removed != removed:
             removed = want_removed
             sampler.set_data_size(REMOVED_ARM, 0 if removed else int(learner.data_size[index[REMOVED_ARM]]))
-        if sampler.probe_due(step):
+        to_probe = set(sampler.probe_arms(step))
+        if to_probe:
             p = learner.p
             for d in domains:
                 members = [i for i, a in enumerate(learner.arms) if a.domain == d]
                 m = max(1, cfg.probe_size // len(members))
-                for i in members:
+                for i in (i for i in members if learner.arms[i] in to_probe):
                     sampler.record_probe(step, learner.arms[i], rng.binomial(m, p[i]) / m, n=m)
                     probe_spent += m * learner.tokens[i]
                     spent += m * learner.tokens[i] if s.charge_probes else 0.0
@@ -257,7 +258,7 @@ def run(sampler_name: str, seed: int, cfg: CurriculumConfig, s: SimSettings, log
         for i, r in zip(all_idx.tolist(), all_rewards.tolist(), strict=True):
             by_arm[i].append(r)
         for i in sorted(by_arm):
-            sampler.update(step, learner.arms[i], by_arm[i])
+            sampler.update(step, learner.arms[i], by_arm[i], tokens=learner.tokens[i] * s.group_size * len(by_arm[i]))
         np.add.at(groups_by_arm, all_idx, 1)
         learner.train(kept_idx, kept_rewards)
         step += 1

@@ -1,0 +1,165 @@
+"""Facts about the adaptive sampler's optional signals: learning progress, retention read from training
+groups, probes skipped for arms the training groups already measure, batch coverage, old state."""
+
+import math
+from collections import Counter
+
+import pytest
+
+from posttrain.config import CurriculumConfig
+from posttrain.curriculum import Arm, make_sampler
+from posttrain.curriculum.samplers import STATE_VERSION
+
+ZERO = [0.0] * 8
+ONE = [1.0] * 8
+HALF = [1.0] * 4 + [0.0] * 4
+ARMS3 = [Arm("math", 0), Arm("code", 0), Arm("tools", 0)]
+
+
+def cfg(**kw) -> CurriculumConfig:
+    return CurriculumConfig(**kw)
+
+
+def test_learning_progress_hand_computed():
+    s = make_sampler(cfg(lp_fast=0.5, lp_slow=0.25, forget_z=0.0), ARMS3, seed=0)
+    s.update(0, ARMS3[0], [ZERO])
+    s.update(1, ARMS3[0], [ONE])  # fast 0.5, slow 0.25
+    assert s.learning_progress().tolist() == pytest.approx([0.25, 0.0, 0.0])
+    assert s.signals()["curriculum/LP/math:0"] == pytest.approx(0.25)
+    # with the noise discount: each update's variance s(1-s)/n with s = 1/10 or 9/10 and n = 8
+    t = make_sampler(cfg(lp_fast=0.5, lp_slow=0.25, forget_z=1.0), ARMS3, seed=0)
+    t.update(0, ARMS3[0], [ZERO])
+    t.update(1, ARMS3[0], [ONE])
+    v = 0.09 / 8
+    var_fast, var_slow = 0.25 * v + 0.25 * v, 0.5625 * v + 0.0625 * v
+    assert t.learning_progress()[0] == pytest.approx(0.25 - math.sqrt(var_fast + var_slow))
+
+
+def _rising_hard_arm(lp_weight: float) -> tuple[float, list[float]]:
+    """Arm math:1 fails everything for 20 steps, then its success rate climbs 1/8, 2/8, 3/8, 3/8; the
+    others stay put. Only the learning-progress term differs between the two runs."""
+    arms = [Arm("math", 0), Arm("math", 1), Arm("code", 0), Arm("logic", 0)]
+    s = make_sampler(cfg(lp_weight=lp_weight, weakness=0.0, train_retention=False, c=0.0), arms, seed=0)
+    rising = [[1.0] * k + [0.0] * (8 - k) for k in (1, 2, 3, 3)]
+    for step in range(24):
+        hard = ZERO if step < 20 else rising[step - 20]
+        s.update(step, arms[0], [ONE] * 4)
+        s.update(step, arms[1], [hard] * 4)
+        s.update(step, arms[2], [HALF] * 4)
+        s.update(step, arms[3], [[1.0] * 3 + [0.0] * 5] * 4)
+    return s.weights()[arms[1]], s.learning_progress().tolist()
+
+
+def test_arm_whose_success_rate_starts_rising_gains_share():
+    without, _ = _rising_hard_arm(0.0)
+    with_lp, lp = _rising_hard_arm(1.0)
+    assert lp[1] > 0.04 and lp[0] == lp[2] == lp[3] == 0.0  # steady arms show no progress
+    assert with_lp > without + 0.03
+
+
+def test_train_retention_reads_forgetting_from_training_groups():
+    on = make_sampler(cfg(train_retention=True, lp_fast=1.0, lp_slow=0.5, forget_z=0.0), ARMS3, seed=0)
+    off = make_sampler(cfg(train_retention=False, lp_fast=1.0, lp_slow=0.5, forget_z=0.0), ARMS3, seed=0)
+    for s in (on, off):
+        for step in range(3):
+            for a in ARMS3:
+                s.update(step, a, [ONE])
+        s.update(3, ARMS3[0], [ZERO])  # slow EMA of math:0 drops from 1 to 0.5
+    assert on.forgetting().tolist() == pytest.approx([0.5, 0.0, 0.0])
+    assert off.forgetting().tolist() == [0.0, 0.0, 0.0]
+    w = on.weights()
+    assert w[ARMS3[0]] > w[ARMS3[1]] == pytest.approx(w[ARMS3[2]])
+    # a drop within the noise of the training evidence is not forgetting
+    noisy = make_sampler(cfg(train_retention=True, lp_fast=1.0, lp_slow=0.5, forget_z=1.0), ARMS3, seed=0)
+    noisy.update(0, ARMS3[0], [[1.0, 1.0]])
+    noisy.update(1, ARMS3[0], [[1.0, 0.0]])  # 1 -> 0.75 on two rollouts each
+    assert noisy.forgetting()[0] == 0.0
+
+
+def test_probes_go_to_the_arm_training_does_not_measure():
+    s = make_sampler(cfg(probe_every=10, probe_skip_rollouts=64), ARMS3, seed=0)
+    assert s.probe_arms(0) == ARMS3 and s.probe_due(0)
+    for a in ARMS3:
+        s.record_probe(0, a, 0.8)
+    for step in range(1, 10):
+        s.update(step, ARMS3[0], [HALF] * 8)  # 64 rollouts per step
+        s.update(step, ARMS3[1], [HALF] * 8)
+        if step == 9:
+            s.update(step, ARMS3[2], [ONE])  # 8 rollouts in ten steps: still at risk
+    assert s.probe_arms(5) == [] and not s.probe_due(5)  # not a probe step
+    assert s.probe_arms(10) == [ARMS3[2]] and s.probe_due(10)
+    s.record_probe(10, ARMS3[2], 0.7)
+    s.update(10, ARMS3[2], [ONE] * 7)
+    assert s.probe_arms(20) == [ARMS3[2]]  # its count restarted at the probe: 56 < 64
+    s.update(11, ARMS3[2], [ONE])
+    assert s.probe_arms(20) == [] and not s.probe_due(20)  # 64: measured by training, no probe needed
+    # probe_skip_rollouts = 0 probes every arm, as before
+    t = make_sampler(cfg(probe_every=10, probe_skip_rollouts=0), ARMS3, seed=0)
+    t.update(0, ARMS3[0], [HALF] * 100)
+    assert t.probe_arms(10) == ARMS3
+    assert make_sampler(cfg(sampler="sec"), ARMS3, seed=0).probe_arms(0) == []
+
+
+def test_cover_batch_gives_every_arm_a_group():
+    arms = [Arm("d", i) for i in range(6)]
+
+    def drive(cover: bool) -> tuple[list[Counter], list[int]]:
+        s = make_sampler(cfg(cover_batch=cover, eps=0.06), arms, seed=4)
+        counts, small = [], []
+        for step in range(20):
+            s.update(step, arms[0], [HALF] * 8)
+            for a in arms[1:]:
+                s.update(step, a, [ONE])
+            counts.append(Counter(s.sample(12)))
+            small.append(len(s.sample(4)))
+        return counts, small
+
+    covered, small = drive(True)
+    assert all(c[a] >= 1 for c in covered for a in arms)
+    assert all(sum(c.values()) == 12 for c in covered) and small == [4] * 20  # too small a batch: no cover
+    plain, _ = drive(False)
+    assert any(c[a] == 0 for c in plain for a in arms)  # the eps/K = 0.01 floor alone leaves arms out
+    # an arm without data is never covered
+    s = make_sampler(cfg(cover_batch=True), arms, seed=0)
+    s.set_data_size(arms[5], 0)
+    assert Counter(s.sample(6))[arms[5]] == 0
+
+
+def test_lp_rates_must_be_ordered():
+    with pytest.raises(ValueError, match=r"curriculum.lp_slow must be in \(0, lp_fast = 0.2\), got 0.3"):
+        make_sampler(cfg(lp_slow=0.3), ARMS3, seed=0)
+
+
+def test_version_2_state_loads_with_empty_new_signals():
+    s = make_sampler(cfg(), ARMS3, seed=1)
+    s.update(0, ARMS3[0], [HALF])
+    state = s.state_dict()
+    new_keys = ("succ_fast", "succ_slow", "succ_best", "since_probe", "tokens")
+    old = {**state, "version": 2, "stats": {k: v for k, v in state["stats"].items() if k not in new_keys}}
+    t = make_sampler(cfg(), ARMS3, seed=5)
+    t.load_state_dict(old)
+    assert t.state_dict()["version"] == STATE_VERSION == 3
+    assert t._s["succ_fast"] == [None] * 3 and t._s["since_probe"] == [0] * 3 and t._s["tokens"][0] == [0.0, 0]
+    assert t._s["n_groups"] == s._s["n_groups"] and t.weights() == pytest.approx(s.weights())
+    with pytest.raises(ValueError, match="expected version 3"):
+        t.load_state_dict({**state, "version": 1})
+
+
+def test_relative_cost_and_cost_aware_split_tokens():
+    arms = [Arm("math", 0), Arm("code", 0)]
+    s = make_sampler(cfg(cost_aware=True, c=0.0, max_share=1.0), arms, seed=0)
+    assert s.relative_cost().tolist() == [1.0, 1.0]  # nothing reported yet
+    s.update(0, arms[0], [HALF], tokens=800.0)  # 100 tokens per rollout
+    assert s.relative_cost().tolist() == [1.0, 1.0]
+    s.update(0, arms[1], [HALF, HALF], tokens=4800.0)  # 300 per rollout
+    assert s.relative_cost().tolist() == pytest.approx([0.5, 1.5])
+    # equal scores: the softmax part (1/2, 1/2) divided by cost -> (3/4, 1/4), then eps/K mixing
+    w = s.weights()
+    assert [w[a] for a in arms] == pytest.approx([0.85 * 0.75 + 0.075, 0.85 * 0.25 + 0.075])
+    # tokens spent per arm are then equal in the softmax part: 0.75 * 0.5 == 0.25 * 1.5
+    off = make_sampler(cfg(cost_aware=False, c=0.0, max_share=1.0), arms, seed=0)
+    off.update(0, arms[0], [HALF], tokens=800.0)
+    off.update(0, arms[1], [HALF, HALF], tokens=4800.0)
+    assert list(off.weights().values()) == pytest.approx([0.5, 0.5])
+    with pytest.raises(ValueError, match=r"update\(math:0\): tokens must be a finite number > 0, got -1.0"):
+        s.update(1, arms[0], [HALF], tokens=-1)

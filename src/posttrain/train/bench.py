@@ -1,7 +1,10 @@
 """`posttrain bench learner`: tokens/s of `Learner.update` on the embedded 135M model.
 
 Variants: full vs LoRA, fp32 vs bf16 autocast, packed vs padded, on one batch (default 32 sequences of
-up to 256 tokens, lengths uniform in [L/4, L]). The roofline is a square matmul's GFLOP/s measured in
+up to 256 tokens, lengths uniform in [L/4, L]); with `--grpo G`, groups of G sequences sharing a prompt
+and a third kind, `shared` (the prompt runs once per group). Tokens/s always counts every sequence's
+tokens, so sharing shows as more tokens/s (and its roofline fraction is an effective one: it can
+exceed what the positions actually computed would reach). The roofline is a square matmul's GFLOP/s measured in
 the same run; training is counted as 6 x parameters FLOPs per token. Besides wall-clock tokens/s it
 reports tokens per CPU-second of this process, the steadier figure on a shared machine. Does not
 measure generation.
@@ -36,9 +39,19 @@ def matmul_gflops(dtype: torch.dtype, n: int = 1024, repeats: int = 5) -> float:
     return 2 * n**3 / statistics.median(times) / 1e9
 
 
-def make_samples(n: int, max_len: int, vocab: int, fixed: bool, seed: int = 0) -> list[Sample]:
+def make_samples(n: int, max_len: int, vocab: int, fixed: bool, seed: int = 0, group: int = 0) -> list[Sample]:
+    """`n` sequences of up to `max_len` tokens, the first quarter of each a prompt. With `group` > 0
+    they come in GRPO groups of that size whose members share one prompt (a quarter of the longest)."""
     g = torch.Generator().manual_seed(seed)
     out = []
+    if group > 0:
+        for i in range(n):
+            if i % group == 0:
+                prompt_ids = torch.randint(0, vocab, (max(1, max_len // 4),), generator=g).tolist()
+            gen = int(torch.randint(max(1, max_len // 8), max_len - len(prompt_ids) + 1, (1,), generator=g))
+            ids = prompt_ids + torch.randint(0, vocab, (gen,), generator=g).tolist()
+            out.append(Sample(ids, [0] * len(prompt_ids) + [1] * gen, [0.0] * len(ids), float(i % 2), i // group))
+        return out
     for i in range(n):
         length = max_len if fixed else int(torch.randint(max_len // 4, max_len + 1, (1,), generator=g))
         prompt = max(1, length // 4)
@@ -73,6 +86,10 @@ def main(args: list[str]) -> dict:
     p.add_argument("--spec", default="smollm2-135m")
     p.add_argument("--variants", default="all", help="comma list like full-fp32-packed,lora-bf16-padded")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave as is)")
+    p.add_argument(
+        "--grpo", type=int, default=0, metavar="G",
+        help="GRPO-shaped batch: groups of G sharing a prompt; adds the '-shared' variants (prompt run once per group)",
+    )
     opts = p.parse_args(args)
     if opts.threads:
         torch.set_num_threads(opts.threads)
@@ -83,7 +100,7 @@ def main(args: list[str]) -> dict:
     base = load_policy(opts.spec)
     vocab = base.config.vocab_size
     params = sum(p.numel() for p in base.parameters())
-    samples = make_samples(n, length, vocab, opts.fixed_length)
+    samples = make_samples(n, length, vocab, opts.fixed_length, group=opts.grpo)
     tokens = sum(len(s.token_ids) for s in samples)
     gflops = {"fp32": matmul_gflops(torch.float32), "bf16": matmul_gflops(torch.bfloat16)}
 
@@ -92,7 +109,8 @@ def main(args: list[str]) -> dict:
     old_lp = probe.compute_logprobs(build_batch(samples))
     del probe
 
-    all_variants = [f"{m}-{d}-{k}" for m in ("full", "lora") for d in ("fp32", "bf16") for k in ("packed", "padded")]
+    kinds = ("packed", "padded", "shared") if opts.grpo else ("packed", "padded")
+    all_variants = [f"{m}-{d}-{k}" for m in ("full", "lora") for d in ("fp32", "bf16") for k in kinds]
     wanted = all_variants if opts.variants == "all" else opts.variants.split(",")
     unknown = [v for v in wanted if v not in all_variants]
     if unknown:
@@ -111,6 +129,7 @@ def main(args: list[str]) -> dict:
                 lr=1e-6,
                 bf16_autocast=dtype == "bf16",
                 packing=packing == "packed",
+                share_prompt_prefix=packing == "shared",
                 micro_batch_tokens=opts.micro_batch_tokens,
             )
             learner = Learner(mcfg, tcfg, AlgorithmConfig(tis_cap=None), model=copy.deepcopy(base))
@@ -180,6 +199,9 @@ def main(args: list[str]) -> dict:
                 out[f"{mode}_{dtype}_packed_over_padded_cpu"] = (
                     results[pk]["tokens_per_cpu_s"] / results[pd]["tokens_per_cpu_s"]
                 )
+            ps = f"{mode}-{dtype}-shared"
+            if ps in results and pd in results:
+                out[f"{mode}_{dtype}_shared_over_padded"] = results[ps]["tokens_per_s"] / results[pd]["tokens_per_s"]
     # the update time of one TRL-shaped batch (8 x 48 generated tokens) against TRL's whole step (which
     # also generates): an upper bound on our update's share, not a like-for-like step comparison
     mode, dtype, packing = best.split("-")
@@ -188,7 +210,7 @@ def main(args: list[str]) -> dict:
         s.loss_mask = [0] * 16 + [1] * 48
     learner = Learner(
         ModelConfig(spec=opts.spec, lora_rank=opts.lora_rank if mode == "lora" else 0),
-        TrainerConfig(lr=1e-6, bf16_autocast=dtype == "bf16", packing=packing == "packed"),
+        TrainerConfig(lr=1e-6, bf16_autocast=dtype == "bf16", packing=packing == "packed", share_prompt_prefix=packing == "shared"),
         AlgorithmConfig(tis_cap=None),
         model=copy.deepcopy(base),
     )

@@ -271,3 +271,13 @@ def test_dynamic_sampling_drops_equal_reward_groups_and_bounds_refills(tmp_path,
     assert row["rollout/empty_after_filter"] == 1.0
     assert seen == []
     rl.close()
+
+
+def test_rl_bench_floor_is_hand_computable():
+    from posttrain.orchestrator.bench import step_floor_s
+
+    warm = {"rollout/max_response_tokens": 1000.0, "train/update_tokens": 1e6}  # the warm-up step is skipped
+    row = {"rollout/max_response_tokens": 48.0, "train/update_tokens": 600.0, "train/shared_prefix_frac": 0.5}
+    # decode: 48 x (1e8 params x 2 bytes) / 10 GB/s = 0.96 s; update: 6 x 1e8 x 300 / 100 GFLOP/s = 1.8 s
+    assert step_floor_s([warm, row], int(1e8), "bfloat16", 10.0, 100.0) == pytest.approx(2.76)
+    assert step_floor_s([row], int(1e8), "float32", 10.0, 100.0) == pytest.approx(1.92 + 1.8)

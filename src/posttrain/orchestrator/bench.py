@@ -1,6 +1,8 @@
 """`posttrain bench rl`: per-step wall time of our RL loop against TRL's GRPOTrainer at equal settings
 (the embedded 135M model, 8 completions of up to 48 new tokens per step, one prompt per step, math
-tasks), both measured in this run. TRL is an optional benchmark dependency (`pip install trl`); when
+tasks), both measured in this run, at the same precision (`--dtype`; TRL's bf16 is its CPU autocast).
+Also prints a hardware floor of our step from the bandwidth and matmul rate measured in the same run
+(`step_floor_s`), so a target below what this machine can do shows as such. TRL is an optional benchmark dependency (`pip install trl`); when
 it is missing the reference figure from the issue (about 14 s/step here) is printed, marked as not
 measured in this run, and no ratio is claimed.
 """
@@ -51,8 +53,36 @@ def _ours(steps: int, completions: int, new_tokens: int, dtype: str, seed: int) 
         finally:
             rl.close()
         rows = read_metrics(run.metrics)
-    # the final step also writes a checkpoint; step_s excludes it
-    return [r["timeline/step_s"] for r in rows]
+    return rows
+
+
+def memory_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
+    """Median GB/s of copying a `mib` MiB float32 tensor (bytes read + bytes written)."""
+    import torch
+
+    src = torch.ones(mib * 2**18)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return 2 * src.numel() * 4 / statistics.median(times) / 1e9
+
+
+def step_floor_s(rows: list[dict[str, Any]], params: int, dtype: str, bandwidth_gbs: float, matmul_gflops: float) -> float:
+    """A lower bound of our step on this machine: every decode step reads all weights once (the
+    longest completion sets the number of decode steps), and the update costs 6 x params FLOPs per
+    position it computes, at the measured matmul rate. Prefill, the optimizer and attention are left
+    out, so the true floor is higher."""
+    weight_bytes = params * (2 if dtype == "bfloat16" else 4)
+    floors = []
+    for r in rows:
+        decode = r["rollout/max_response_tokens"] * weight_bytes / (bandwidth_gbs * 1e9)
+        computed = r["train/update_tokens"] * (1.0 - r.get("train/shared_prefix_frac", 0.0))
+        floors.append(decode + 6 * params * computed / (matmul_gflops * 1e9))
+    return statistics.median(floors[1:] or floors)
 
 
 def _trl(steps: int, completions: int, new_tokens: int, dtype: str, seed: int) -> list[float]:
@@ -128,8 +158,18 @@ def main(args: list[str]) -> dict[str, Any]:
     parser.add_argument("--seed", type=int, default=0)
     ns = parser.parse_args(args)
     console = Console()
-    ours = _ours(ns.steps, ns.completions, ns.new_tokens, ns.dtype, ns.seed)
+    import torch
+
+    from posttrain.models import load_policy
+    from posttrain.train.bench import matmul_gflops
+
+    rows = _ours(ns.steps, ns.completions, ns.new_tokens, ns.dtype, ns.seed)
+    ours = [r["timeline/step_s"] for r in rows]  # the final step's checkpoint is not in step_s
     ours_s = statistics.median(ours[1:] or ours)
+    params = sum(p.numel() for p in load_policy("smollm2-135m").parameters())
+    bandwidth = memory_bandwidth_gbs()
+    gflops = matmul_gflops(torch.bfloat16 if ns.dtype == "bfloat16" else torch.float32)
+    floor_s = step_floor_s(rows, params, ns.dtype, bandwidth, gflops)
     trl_s: float | None = None
     trl_note = "measured in this run"
     if not ns.no_trl:
@@ -145,6 +185,13 @@ def main(args: list[str]) -> dict[str, Any]:
     else:
         table.add_row("TRL GRPOTrainer", trl_note, "")
     console.print(table)
+    console.print(
+        f"hardware floor of our step on this machine: {floor_s:.2f} s (weights read once per decode step at "
+        f"{bandwidth:.1f} GB/s + 6 x params FLOPs per computed position at {gflops:.0f} GFLOP/s); ours is "
+        f"{ours_s / floor_s:.1f}x the floor"
+    )
+    if trl_s is not None and trl_s / 3 < floor_s:
+        console.print(f"a third of TRL's step ({trl_s / 3:.2f} s) is below that floor: no implementation reaches it here")
     result: dict[str, Any] = {
         "ours_step_s": ours_s,
         "ours_steps_s": ours,
@@ -154,6 +201,14 @@ def main(args: list[str]) -> dict[str, Any]:
         "trl_step_s": trl_s,
         "trl_note": trl_note,
         "ratio_vs_trl": (trl_s / ours_s) if trl_s else None,
+        "floor_step_s": floor_s,
+        "ours_over_floor": ours_s / floor_s,
+        "memory_bandwidth_gbs": bandwidth,
+        "matmul_gflops": gflops,
+        "phase_s": {
+            k: statistics.median([r.get(f"timeline/{k}_s", 0.0) for r in (rows[1:] or rows)])
+            for k in ("generate", "update", "weight_sync", "idle")
+        },
     }
     if trl_s:
         console.print(f"posttrain step time is {ours_s / trl_s:.2f}x TRL's ({trl_s / ours_s:.2f}x faster)")

@@ -70,6 +70,7 @@ def rollout_stats(trajectories: list[Trajectory], wall_s: float) -> dict[str, fl
         "rollout/tokens_per_s": generated / wall_s if wall_s > 0 else 0.0,
         "rollout/mean_turns": sum(t.turns for t in trajectories) / n,
         "rollout/mean_response_tokens": generated / n,
+        "rollout/max_response_tokens": float(max((t.num_generated for t in trajectories), default=0)),
         "rollout/infra_failures": float(sum(t.status.is_infra_failure for t in trajectories)),
         "rollout/truncated": float(sum(t.status.value == "truncated" for t in trajectories)),
         # episode-seconds spent awaiting the engine / the environment; their sum over the wall time

@@ -134,7 +134,7 @@ class CurriculumConfig(Section):
         True, description="adaptive: forgetting also read from the training groups' success rates (free evidence)"
     )
     probe_skip_rollouts: int = Field(
-        64, ge=0, description="adaptive: skip probing an arm with this many training rollouts since its last probe (0 = never skip)"
+        64, ge=0, description="adaptive: no probe for an arm with this many training rollouts since its last one (0: probe all)"
     )
     cover_batch: bool = Field(
         False, description="adaptive: every available arm gets one group of each batch that has room for all"

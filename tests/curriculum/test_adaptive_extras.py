@@ -163,3 +163,29 @@ def test_relative_cost_and_cost_aware_split_tokens():
     assert list(off.weights().values()) == pytest.approx([0.5, 0.5])
     with pytest.raises(ValueError, match=r"update\(math:0\): tokens must be a finite number > 0, got -1.0"):
         s.update(1, arms[0], [HALF], tokens=-1)
+
+
+def test_state_round_trip_with_every_option_on():
+    import json
+
+    opts = cfg(lp_weight=1.0, cover_batch=True, cost_aware=True, probe_skip_rollouts=16, probe_every=3)
+    arms = ARMS3 + [Arm("math", 1)]
+
+    def drive(s, start, steps):
+        out = []
+        for step in range(start, start + steps):
+            for a in s.probe_arms(step):
+                s.record_probe(step, a, 0.5 + 0.1 * ((step + a.difficulty) % 3), n=8)
+            picked = s.sample(6)
+            out.append([a.key for a in picked])
+            for j, a in enumerate(sorted(set(picked))):
+                k = (step + j) % 5
+                s.update(step, a, [[1.0] * k + [0.0] * (8 - k)], tokens=100.0 * (1 + a.difficulty) * 8)
+        return out, s.weights(), s.signals()
+
+    s = make_sampler(opts, arms, seed=3)
+    drive(s, 0, 12)
+    t = make_sampler(opts, arms, seed=99)
+    t.load_state_dict(json.loads(json.dumps(s.state_dict())))
+    assert t.state_dict() == s.state_dict()
+    assert drive(t, 12, 12) == drive(s, 12, 12)

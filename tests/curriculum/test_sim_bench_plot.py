@@ -131,3 +131,29 @@ def test_domain_shares_and_plot(tmp_path):
 def test_curriculum_does_not_import_torch():
     code = "import sys, posttrain.curriculum, posttrain.curriculum.bench; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_sim_probes_and_charges_only_the_arms_the_sampler_names():
+    from posttrain.curriculum.sim import SimSettings, make_learner, run
+
+    s = SimSettings(groups_per_step=8, budget_uniform_steps=30)
+    learner = make_learner(0)
+    per_domain = {d: sum(1 for a in learner.arms if a.domain == d) for d in {a.domain for a in learner.arms}}
+    full = sum((16 // per_domain[a.domain]) * t for a, t in zip(learner.arms, learner.tokens, strict=True))
+    every = run("adaptive", 0, CurriculumConfig(probe_skip_rollouts=0), s)
+    steps = len(every.tokens) - 1
+    assert every.probe_tokens == pytest.approx(full * len(range(0, steps, 10)))
+    # skip any arm with a training rollout since its last probe: step 0 probes all, later only the unsampled
+    some = run("adaptive", 0, CurriculumConfig(probe_skip_rollouts=1), s)
+    assert full <= some.probe_tokens < every.probe_tokens
+
+
+def test_bench_seed_start_picks_other_learners(capsys):
+    args = ["--seeds", "1", "--budget-steps", "10", "--groups-per-step", "8", "--boot", "20",
+            "--samplers", "uniform_by_domain,adaptive"]
+    a, b = main(args), main([*args, "--seed-start", "100"])
+    assert a["seed_start"] == 0 and b["seed_start"] == 100
+    assert a["final_macro_accuracy"] != b["final_macro_accuracy"]
+    with pytest.raises(SystemExit):
+        main([*args, "--seed-start", "-1"])
+    assert "--seed-start must be >= 0, got -1" in capsys.readouterr().err

@@ -5,19 +5,21 @@ does not run rollouts, score probes or touch tensors (no torch import). The loop
     from posttrain.curriculum import Arm, make_sampler
     sampler = make_sampler(cfg.curriculum, [Arm("math", 0), Arm("math", 1), ...], seed=cfg.seed)
     for step in range(steps):
-        if sampler.probe_due(step):                      # adaptive only; every probe_every steps from 0
-            for arm in sampler.arms: sampler.record_probe(step, arm, greedy_accuracy(arm), n=n_prompts)
+        for arm in sampler.probe_arms(step):             # adaptive only; every probe_every steps from 0,
+            sampler.record_probe(step, arm, greedy_accuracy(arm), n=n_prompts)  # arms training left unmeasured
         arms = sampler.sample(tasks_per_step)            # one arm per group
         prompt = sampler.choose_prompt(arm, candidate_ids)
         ... rollouts ...
         sampler.record_prompt(arm, prompt, rewards_of_that_prompt)
-        sampler.update(step, arm, [group1_rewards, group2_rewards, ...])   # once per arm per step
+        sampler.update(step, arm, [group1_rewards, ...], tokens=generated)  # once per arm per step; tokens
+                                                         # optional (only cost_aware reads them)
         if sampler.filters_groups: keep = sampler.filter_groups(all_group_rewards)
         log(sampler.signals())                           # curriculum/weight/math:0, .../L/..., .../F/...
     checkpoint["curriculum"] = sampler.state_dict()      # JSON; load_state_dict restores it exactly
 
-Other calls: `weights() -> dict[Arm, float]`; `set_data_size(arm, n)` (0 removes an arm until it is
-restored; `uniform_by_data` weighs by these sizes); `plot_domain_shares(rows, path)` for the report.
+Other calls: `probe_due(step)` (probe_arms is not empty); `weights() -> dict[Arm, float]`;
+`set_data_size(arm, n)` (0 removes an arm until it is restored; `uniform_by_data` weighs by these
+sizes); `plot_domain_shares(rows, path)` for the report.
 
 The default rule (`adaptive`), per available arm k of K:
   L_k  = EMA (rate alpha) of the per-update mean |r - group mean|, divided by the domain's running reward
@@ -25,12 +27,29 @@ The default rule (`adaptive`), per available arm k of K:
   F_k  = max(0, best probe score so far - latest - forget_z * SE), SE the binomial standard error of
          that difference from the two probes' prompt counts (record_probe's n; default probe_size), so
          a drop within probe noise is not read as forgetting (forget_z = 0: the plain difference);
-  s_k  = L_k + c*sqrt(ln(N+1)/(n_k+1)) + lam*F_k   (n_k groups seen from arm k, N in total),
-         min-max normalised across the available arms to [0, 1];
+  s_k  = L_k + c*sqrt(ln(N+1)/(n_k+1)) + lam*F_k + nu*W_k (+ mu*LP_k)   (n_k groups seen from arm k,
+         N in total), min-max normalised across the available arms to [0, 1];
   pi   = (1-eps)*softmax(s/tau) + eps/K, clipped to [eps/K, max(max_share, 1/K)] and renormalised by
          water-filling: arms over the cap are set to it and the excess goes to the others in proportion
          to their weights, repeated until none exceeds it (then the same for the floor), so pi sums to 1
          and every available arm keeps at least eps/K; unsampled arms never decay to zero.
+Signals read from the arm's own training groups (free; `AdaptiveSampler` states them exactly), from two
+EMAs of its success rate per update (rates lp_fast = 0.2, lp_slow = 0.1) and their variances:
+  F_k  with train_retention (default on) is the larger of the probe drop and the drop of the slow EMA
+       below its best so far, beyond forget_z standard errors: a sampled arm's decline shows without a probe;
+  W_k  = 1 - slow EMA, the arm's headroom, weight nu = `weakness` (0.15): L is symmetric in p, so an arm
+       stuck at p = 0.1 looked no more worth training than a mastered one at p = 0.9;
+  LP_k = |fast - slow| beyond forget_z SE, TSCL's learning progress, weight mu = lp_weight (0 by default:
+       it did not help in the simulation benchmark; see the figures below).
+Probes: `probe_arms(step)` skips arms with >= probe_skip_rollouts (64) training rollouts since their
+last probe, so held-out prompts go to arms the training groups no longer measure (long unsampled).
+Optional, off by default (neither helped in the simulation): cover_batch (one group per available arm
+in every batch with room for all; weights() then reports the rest's split) and cost_aware (the softmax
+part divided by each arm's tokens per rollout relative to the others, from update's `tokens`).
+Defaults that differ from the issue's: lam = 3 (1 forgot more), probe_size = 16 (see config).
+Measured (`posttrain bench curriculum --json`, 8 seeds, shared 2-core machine), tokens to uniform's final
+macro accuracy as a ratio to uniform_by_domain: 0.82 before these signals, 0.81 after (seeds 100-107:
+0.80 -> 0.79); forgetting 0.018 -> 0.014 (uniform 0.009); worst arm 0.19 -> 0.26 (uniform 0.20).
 Arms with data size 0 get weight 0 and K counts only the others. Comparison samplers:
 `uniform_by_domain`, `uniform_by_data`, `dapo_filter_only` (uniform_by_domain + dropping all-equal
 groups), `sec` (Boltzmann over a TD(0) value of mean GRPO |advantage|), `dump` (softmax over UCB of a

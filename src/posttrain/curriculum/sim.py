@@ -26,7 +26,7 @@ Dynamics (per seed, every hidden parameter drawn from the ranges in `make_learne
 - Tokens: every rollout of arm k costs tokens_k (about 150*(1+difficulty)); probes (adaptive only)
   cost the same per prompt and count against the same budget. A probe of a domain splits its
   probe_size prompts evenly over the domain's arms; each arm's score is Binomial(m, p)/m, reported
-  with its m.
+  with its m. Only the arms the sampler's `probe_arms(step)` names are probed (and charged).
 `OracleSampler` (bench row `oracle`) reads the hidden p and eta: a ceiling for allocation, not a sampler.
 Not modelled: prompts within an arm (choose_prompt), optimiser state, noise in the reward itself.
 """

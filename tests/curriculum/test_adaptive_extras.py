@@ -134,7 +134,7 @@ def test_version_2_state_loads_with_empty_new_signals():
     s = make_sampler(cfg(), ARMS3, seed=1)
     s.update(0, ARMS3[0], [HALF])
     state = s.state_dict()
-    new_keys = ("succ_fast", "succ_slow", "succ_best", "since_probe", "tokens")
+    new_keys = ("succ_fast", "succ_slow", "succ_best", "since_probe", "fresh", "tokens")
     old = {**state, "version": 2, "stats": {k: v for k, v in state["stats"].items() if k not in new_keys}}
     t = make_sampler(cfg(), ARMS3, seed=5)
     t.load_state_dict(old)
@@ -189,3 +189,23 @@ def test_state_round_trip_with_every_option_on():
     t.load_state_dict(json.loads(json.dumps(s.state_dict())))
     assert t.state_dict() == s.state_dict()
     assert drive(t, 12, 12) == drive(s, 12, 12)
+
+
+def test_success_rate_reads_only_fresh_prompts_once_prompts_are_reported():
+    arm = Arm("math", 0)
+    s = make_sampler(cfg(lp_fast=1.0, lp_slow=0.5), [arm], seed=0)
+    s.record_prompt(arm, "a", HALF)  # new prompt: counts
+    s.update(0, arm, [HALF])
+    assert s._s["succ_fast"][0][0] == 0.5 and s._s["since_probe"][0] == 8
+    s.record_prompt(arm, "a", ZERO)  # re-used prompt (picked for being near p = 0.5): does not count
+    s.update(1, arm, [ZERO])
+    assert s._s["succ_fast"][0][0] == 0.5 and s._s["since_probe"][0] == 8
+    s.record_prompt(arm, "b", ONE)
+    s.record_prompt(arm, "a", ZERO)
+    s.update(2, arm, [ONE, ZERO])  # only b's rewards: fast = 1, slow = 0.5 * 0.5 + 0.5 * 1
+    assert s._s["succ_fast"][0][0] == 1.0 and s._s["succ_slow"][0][0] == 0.75
+    assert s._s["n_groups"][0] == 4  # the learnability signal and counts still see every group
+    # without record_prompt (the simulator) every group counts
+    t = make_sampler(cfg(lp_fast=1.0, lp_slow=0.5), [arm], seed=0)
+    t.update(0, arm, [HALF, ONE])
+    assert t._s["succ_fast"][0][0] == 0.75

@@ -391,6 +391,12 @@ class AdaptiveSampler(Sampler):
                   F_k = max(F_probe_k, F_train_k).
     SE is the standard error of the difference from the EMAs' variances (each update's variance
     taken as s(1-s)/n, the bound for rewards in [0, 1], s shrunk as (m*n+1)/(n+2)).
+
+    Which rewards count: once the loop reports prompts (record_prompt) for an arm, only the rewards of
+    prompts seen for the first time, since re-used prompts are picked by choose_prompt for being
+    near p = 0.5 (and mastered ones are left out), so their success rate says little about the
+    arm's; fresh prompts are an unbiased sample of it. An update with no fresh prompt leaves the
+    EMAs as they were. Without record_prompt calls (the simulator) every group counts.
     """
 
     uses_probes = True
@@ -400,12 +406,28 @@ class AdaptiveSampler(Sampler):
         self._s["succ_slow"] = [None] * k
         self._s["succ_best"] = [None] * k  # [best slow EMA so far, its variance then]
         self._s["since_probe"] = [0] * k  # training rollouts since the arm's last probe
+        self._s["fresh"] = [None] * k  # None: no prompts reported; else rewards of new prompts since the last update
+
+    def record_prompt(self, arm: Arm, prompt_id: str, rewards: Sequence[float]) -> None:
+        i = self._idx(arm)
+        new = str(prompt_id) not in self._s["prompts"][i]
+        super().record_prompt(arm, prompt_id, rewards)
+        if self._s["fresh"][i] is None:
+            self._s["fresh"][i] = []
+        if new:
+            self._s["fresh"][i].extend(float(r) for r in rewards)
 
     def _observe(self, i: int, groups: list[list[float]]) -> None:
         domain = self.arms[i].domain
         lo, scale = self._s["reward_lo"][domain], self._scale(domain)
-        vals = [(r - lo) / scale for g in groups for r in g]
+        if self._s["fresh"][i] is None:
+            raw = [r for g in groups for r in g]
+        else:
+            raw, self._s["fresh"][i] = self._s["fresh"][i], []
+        vals = [(r - lo) / scale for r in raw]
         n = len(vals)
+        if n == 0:
+            return
         m = float(np.mean(vals))
         sh = (m * n + 1.0) / (n + 2.0)
         v = sh * (1.0 - sh) / n

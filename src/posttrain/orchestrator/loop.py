@@ -319,8 +319,9 @@ class RLRun:
         from posttrain.orchestrator.evaluate import evaluate_engine
 
         n = self.cfg.curriculum.probe_size
+        arms = self.sampler.probe_arms(step) or self.arms  # the sampler may skip arms its training groups measured
         results = evaluate_engine(
-            self.engine, self.tokenizer, self.domains, self.arms, n, self.sandbox, self._sampling_params(False),
+            self.engine, self.tokenizer, self.domains, arms, n, self.sandbox, self._sampling_params(False),
             self.limits, seed=self.cfg.seed, loop=self._loop,
         )
         out: dict[str, float] = {}

@@ -28,8 +28,11 @@ Completions (what the trainer relies on):
   sequence); the i-th of `n` samples uses a generator derived from (seed, i). Without a seed, seeds
   come from the engine's own generator (seeded at construction), so a run is reproducible.
 - The model's EOS ids always stop a completion unless `SamplingParams.ignore_eos` (benchmarks use it).
-- PagedEngine extras: `enable_prefix_caching`, `device` ("cpu", "cuda", ...), `seed`; requests that can
-  never fit (prompt >= max_model_len, more blocks than the pool) raise BadRequestError up front.
+- PagedEngine extras: `enable_prefix_caching`, `device` ("cpu", "cuda", ...), `seed`, `decode_staging`
+  (default on: decoding sequences keep a contiguous copy of their K/V across steps, so decode attends
+  without gathering blocks; costs a second copy of those sequences' K/V, `kv_stats()["decode_stage_bytes"]`);
+  requests that can never fit (prompt >= max_model_len, more blocks than the pool) raise
+  BadRequestError up front.
 - After `load_weights` the prefix cache is dropped; sequences in flight keep the K/V they computed.
 """
 

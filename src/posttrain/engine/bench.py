@@ -4,7 +4,11 @@ Workloads (random-token prompts, temperature 1, EOS ignored so both engines gene
 number of tokens): rollout (8 prompts of 50-500 tokens x 4 samples, 128 new), serving (32 distinct
 prompts of 50-500 tokens, 64 new), decode-only (1 and 64 sequences, 8-token prompts, 128 new),
 each in float32 and bfloat16. The machine's matmul GFLOP/s is measured in the same run to give the
-fraction of the compute roofline (2 x parameters FLOPs per token). Medians over --repeats.
+fraction of the compute roofline (2 x parameters FLOPs per token); its memory read bandwidth too, for
+batch-1 decode, which must read every weight once per token (the bandwidth roofline is bandwidth /
+weight bytes, for ours and for HF). Decode rows also report the decode phase alone (tokens after each
+request's first, over the time after the last first token), since the generated tok/s includes the
+prompts' prefill. Medians over --repeats.
 """
 
 from __future__ import annotations
@@ -78,16 +82,39 @@ def matmul_gflops(dtype: torch.dtype, size: int = 1024, seconds: float = 1.0) ->
     return best
 
 
+def mem_read_gb_s(megabytes: int = 512, repeats: int = 7) -> float:
+    """Memory read bandwidth now, in GB/s: the better of two streaming reads of a float32 buffer far larger
+    than the caches (a sum, and a matrix-vector product like batch-1 decode's), each a median of `repeats`."""
+    n = megabytes * 2**20 // 4
+    x = torch.ones(n)
+    w, vec = x.view(-1, 1024), torch.ones(1024)
+    best = 0.0
+    for read in (lambda: x.sum(), lambda: torch.mv(w, vec)):
+        read()
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            read()
+            times.append(time.perf_counter() - t)
+        best = max(best, 4 * n / statistics.median(times) / 1e9)
+    return best
+
+
 def run_once(engine: Any, reqs: list[GenerationRequest]) -> dict:
     t = time.perf_counter()
     outs = engine.generate(reqs)
     wall = time.perf_counter() - t
     tokens = sum(len(c.token_ids) for o in outs for c in o.completions)
+    completions = sum(len(o.completions) for o in outs)
+    last_first_token_s = max(o.ttft_s for o in outs)
+    decode_s = wall - last_first_token_s
     return {
         "tok_s": tokens / wall,
         "wall_s": wall,
         "tokens": tokens,
         "ttft_s": statistics.median(o.ttft_s for o in outs),
+        # after every request's first token (prefills done): the decode phase alone
+        "decode_tok_s": (tokens - completions) / decode_s if decode_s > 0 else 0.0,
     }
 
 
@@ -162,7 +189,10 @@ def main(args: list[str]) -> dict:
                 ours.append(run_once(paged, reqs))
                 if not opts.no_hf:
                     theirs.append(run_once(hf, reqs))
-            med = {k: statistics.median(r[k] for r in ours) for k in ("tok_s", "ttft_s", "wall_s")}
+            med = {
+                k: statistics.median(r[k] for r in ours)
+                for k in ("tok_s", "ttft_s", "wall_s", "decode_tok_s")
+            }
             key = {"decode_1": "1", "decode_64": "64"}.get(w.name, w.name)
             result[f"paged_tok_s_{key}{sfx}"] = med["tok_s"]
             result[f"paged_ttft_s_{key}{sfx}"] = med["ttft_s"]
@@ -181,6 +211,17 @@ def main(args: list[str]) -> dict:
                 ]
             else:
                 row += ["-", "-", f"{med['ttft_s']:.2f}", "-"]
+            if w.name == "decode_1":
+                # batch 1 reads every weight once per token: its roofline is memory bandwidth / weight bytes
+                bw = mem_read_gb_s()
+                weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+                bw_tok_s = bw * 1e9 / weight_bytes
+                result[f"mem_read_gb_s{sfx}"] = bw
+                result[f"weight_bytes{sfx}"] = weight_bytes
+                result[f"bw_roofline_tok_s_1{sfx}"] = bw_tok_s
+                result[f"bw_roofline_frac_1{sfx}"] = med["tok_s"] / bw_tok_s
+                if theirs:
+                    result[f"hf_bw_roofline_frac_1{sfx}"] = result[f"hf_tok_s_1{sfx}"] / bw_tok_s
             if w.name.startswith("decode"):
                 # re-measure the matmul rate next to the decode run (the machine's load changes)
                 gflops = max(gflops, matmul_gflops(dtype))
@@ -189,7 +230,18 @@ def main(args: list[str]) -> dict:
                 result[f"roofline_tok_s{sfx}"] = roofline_tok_s
                 frac = med["tok_s"] / roofline_tok_s
                 result[f"roofline_frac_{key}{sfx}"] = frac
-                row.append(f"{frac:.0%}")
+                # generated tok/s above includes the prompts' prefill in the wall time; this is decode alone
+                result[f"paged_decode_tok_s_{key}{sfx}"] = med["decode_tok_s"]
+                result[f"roofline_frac_decode_{key}{sfx}"] = med["decode_tok_s"] / roofline_tok_s
+                if w.name == "decode_1":
+                    hf_part = (
+                        f", HF {result[f'hf_bw_roofline_frac_1{sfx}']:.0%}"
+                        if f"hf_bw_roofline_frac_1{sfx}" in result
+                        else ""
+                    )
+                    row.append(f"{result[f'bw_roofline_frac_1{sfx}']:.0%} of bandwidth{hf_part}")
+                else:
+                    row.append(f"{frac:.0%}")
             else:
                 row.append("")
             if w.name == "serving":
@@ -208,6 +260,7 @@ def main(args: list[str]) -> dict:
     console.print(table)
     console.print(
         f"matmul GFLOP/s: fp32 {result.get('matmul_gflops', 0):.0f}, bf16 {result.get('matmul_gflops_bf16', 0):.0f}; "
+        f"memory read GB/s: {result.get('mem_read_gb_s', result.get('mem_read_gb_s_bf16', 0)):.1f}; "
         "the machine is shared with other work, so figures are noisy"
     )
     return result

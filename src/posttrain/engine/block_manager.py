@@ -107,6 +107,7 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed = 0
+        seq.num_frees += 1
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         child.block_table = list(parent.block_table)

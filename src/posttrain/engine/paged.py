@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from posttrain.engine.block_manager import BlockManager
+from posttrain.engine.decode_stage import DecodeStager
 from posttrain.engine.model_runner import DecodeGroup, ModelRunner, PrefillChunk, StepBatch
 from posttrain.engine.sampling import sample, seed_for
 from posttrain.engine.scheduler import Scheduler
@@ -81,6 +82,7 @@ class PagedEngine:
         max_num_batched_tokens: int = 2048,
         max_model_len: int = 4096,
         enable_prefix_caching: bool = True,
+        decode_staging: bool = True,
         device: str = "cpu",
         seed: int = 0,
     ) -> None:
@@ -109,6 +111,19 @@ class PagedEngine:
         self.max_model_len = max_model_len
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.bm, max_num_seqs, max_num_batched_tokens)
+        s = self.runner.spec
+        self.stager = (
+            DecodeStager(
+                (s.num_layers, s.num_kv_heads, s.head_dim),
+                self.runner.dtype,
+                self.runner.device,
+                block_size=block_size,
+                max_rows=max_num_seqs,
+                max_len=max_model_len,
+            )
+            if decode_staging
+            else None
+        )
         self.eos_ids = self._eos_ids(config, tokenizer)
         self.version = 0
         self._seed_rng = torch.Generator().manual_seed(seed)
@@ -191,16 +206,40 @@ class PagedEngine:
     def _build_batch(self, work: list[tuple[Sequence, int]]) -> tuple[StepBatch, list[Sequence]]:
         bs = self.block_size
         dev = self.runner.device
-        # longest context first, so decode rows of similar length sit together (see _decode_groups)
-        decodes = sorted(((s, n) for s, n in work if n == 1), key=lambda sn: -sn[0].num_computed)
+        decodes = [s for s, n in work if n == 1]
         prefills = [(s, n) for s, n in work if n > 1]
+        if self.stager is not None:
+            staged = self.stager.plan(
+                [(s.kv_key, s.num_computed, s.block_table) for s in decodes],
+                self.runner.k_cache,
+                self.runner.v_cache,
+            )
+            decodes = [decodes[i] for g in staged for i in g.members]
+            groups, row = [], 0
+            for g in staged:
+                groups.append(
+                    DecodeGroup(
+                        row,
+                        len(g.members),
+                        g.mask,
+                        stage=g.stage,
+                        positions=g.positions,
+                        row_ids=torch.arange(len(g.members), device=dev),
+                        width=g.width,
+                    )
+                )
+                row += len(g.members)
+        else:
+            # longest context first, so decode rows of similar length sit together (see _decode_groups)
+            decodes.sort(key=lambda s: -s.num_computed)
+            groups = self._decode_groups(decodes)
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         logit_rows: list[int] = []
         samplers: list[Sequence] = []
         chunks: list[PrefillChunk] = []
-        for seq, n in decodes + prefills:
+        for seq, n in [(s, 1) for s in decodes] + prefills:
             start = seq.num_computed
             row = len(ids)
             ids.extend(seq.token_ids[start : start + n])
@@ -217,7 +256,7 @@ class PagedEngine:
             input_ids=torch.tensor(ids, device=dev),
             positions=torch.tensor(pos, device=dev),
             slot_mapping=torch.tensor(slots, device=dev),
-            decode_groups=self._decode_groups([s for s, _ in decodes]),
+            decode_groups=groups,
             prefills=chunks,
             logit_rows=torch.tensor(logit_rows, device=dev, dtype=torch.long),
         )
@@ -250,7 +289,7 @@ class PagedEngine:
             tables = torch.tensor([s.block_table[:nb] + [0] * (width - nb) for s, nb in rows], device=dev)
             ctx = torch.tensor([s.num_computed + 1 for s in seqs[lo:hi]], device=dev)
             mask = (torch.arange(width * bs, device=dev)[None, :] < ctx[:, None])[:, None, None, :]
-            groups.append(DecodeGroup(lo, hi - lo, tables, mask))
+            groups.append(DecodeGroup(lo, hi - lo, mask, block_tables=tables))
         return groups
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
@@ -313,6 +352,8 @@ class PagedEngine:
                 if reason is not None:
                     self._finish_seq(seq, reason)
                 events.append((state, seq, tok, lp, reason))
+            if self.stager is not None and not self.scheduler.running:
+                self.stager.clear()  # idle: hand the staged copies' memory back
             return events
 
     def _track_peak(self) -> None:
@@ -354,6 +395,8 @@ class PagedEngine:
                 self.bm.free_seq(seq)
         self.scheduler.running.clear()
         self.scheduler.waiting.clear()
+        if self.stager is not None:
+            self.stager.clear()
         for state in self._states.values():
             if state.future is not None and not state.future.done():
                 state.future.set_exception(err)
@@ -482,6 +525,8 @@ class PagedEngine:
                 raise RuntimeError("cannot release the KV cache while requests are in flight")
             self.runner.release_kv_cache()
             self.bm.reset_prefix_cache()
+            if self.stager is not None:
+                self.stager.clear()
 
     def kv_stats(self) -> dict:
         """Current and peak KV usage: blocks allocated, tokens stored, waste fraction, prefix-cache hits."""
@@ -496,6 +541,7 @@ class PagedEngine:
             "preemptions": self.scheduler.num_preemptions,
             "kv_cache_bytes": self.runner.kv_cache_bytes(),
             "kv_cache_allocated": self.runner.k_cache is not None,
+            "decode_stage_bytes": self.stager.nbytes() if self.stager is not None else 0,
         }
 
     def reset_stats(self) -> None:

@@ -60,13 +60,13 @@ def sample_row(
         token = int(torch.argmax(logits))
         return token, float(torch.log_softmax(logits, -1)[token])
     tempered = logits / params.temperature
-    logp = torch.log_softmax(tempered, -1)
-    if params.top_k or params.top_p < 1.0 or params.min_p > 0.0:
-        probs = truncate(tempered, params.top_k, params.top_p, params.min_p).softmax(-1)
-    else:
-        probs = logp.exp()
-    token = int(_inverse_cdf(probs[None, :], torch.rand(1, generator=generator, dtype=torch.float64))[0])
-    return token, float(logp[token])
+    uniform = torch.rand(1, generator=generator, dtype=torch.float64)
+    if not (params.top_k or params.top_p < 1.0 or params.min_p > 0.0):
+        tokens, lps = _sample_untruncated(tempered[None, :], uniform)  # as sample() batches them
+        return int(tokens[0]), float(lps[0])
+    probs = truncate(tempered, params.top_k, params.top_p, params.min_p).softmax(-1)
+    token = int(_inverse_cdf(probs[None, :], uniform)[0])
+    return token, float(torch.log_softmax(tempered, -1)[token])
 
 
 def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -74,9 +74,22 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
     The target (1 - u) * total lies in (0, total], so the first index whose cumulative mass reaches it
     always has non-zero probability."""
-    cdf = probs.double().cumsum(-1)
+    cdf = probs.cumsum(-1, dtype=torch.float64)
     target = (1.0 - uniforms) * cdf[:, -1]
     return torch.searchsorted(cdf, target[:, None]).clamp_(max=probs.shape[-1] - 1)[:, 0]
+
+
+def _sample_untruncated(tempered: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and their logprobs from tempered logits `[B, V]`, one uniform per row.
+
+    Inverse CDF over the unnormalised exp(x - max) (the target scales with the row's total, so no
+    normalising pass); logp(token) = x[token] - max - log(total), the total summed in float64."""
+    m = tempered.amax(-1, keepdim=True)
+    cdf = (tempered - m).exp_().cumsum(-1, dtype=torch.float64)
+    total = cdf[:, -1]
+    tokens = torch.searchsorted(cdf, ((1.0 - uniforms) * total)[:, None]).clamp_(max=cdf.shape[-1] - 1)[:, 0]
+    picked = tempered.gather(-1, tokens[:, None])[:, 0]
+    return tokens, (picked - m[:, 0]).double() - total.log()
 
 
 def sample(
@@ -91,8 +104,7 @@ def sample(
     logprobs: list[float] = [0.0] * B
     simple_greedy = [i for i, p in enumerate(params) if p.temperature == 0.0 and p.repetition_penalty == 1.0]
     if simple_greedy:
-        idx = torch.tensor(simple_greedy)
-        rows = logits.index_select(0, idx)
+        rows = logits if len(simple_greedy) == B else logits.index_select(0, torch.tensor(simple_greedy))
         top = rows.argmax(-1)
         lp = torch.log_softmax(rows, -1).gather(-1, top[:, None])[:, 0]
         for j, i in enumerate(simple_greedy):
@@ -105,12 +117,12 @@ def sample(
         and not (p.top_k or p.top_p < 1.0 or p.min_p > 0.0)
     ]
     if plain:
-        idx = torch.tensor(plain)
-        temps = torch.tensor([params[i].temperature for i in plain], dtype=logits.dtype)
-        logp = torch.log_softmax(logits.index_select(0, idx) / temps[:, None], -1)
+        rows = logits if len(plain) == B else logits.index_select(0, torch.tensor(plain))
+        temps = [params[i].temperature for i in plain]
+        if any(t != 1.0 for t in temps):
+            rows = rows / torch.tensor(temps, dtype=logits.dtype)[:, None]
         uniforms = torch.cat([torch.rand(1, generator=generators[i], dtype=torch.float64) for i in plain])
-        top = _inverse_cdf(logp.exp(), uniforms)
-        lp = logp.gather(-1, top[:, None])[:, 0]
+        top, lp = _sample_untruncated(rows, uniforms)
         for j, i in enumerate(plain):
             tokens[i], logprobs[i] = int(top[j]), float(lp[j])
     done = set(simple_greedy) | set(plain)

@@ -1,7 +1,7 @@
 """Continuous batching: which sequences run in the next step, and how many of their tokens.
 
 Owns the waiting and running queues, the per-step token budget (chunked prefill: a long prompt is
-split over steps, decodes always go first), preemption by recompute when blocks run out (the most
+split over steps; running decodes always go first), preemption by recompute when blocks run out (the most
 recently admitted sequence goes first, back to the front of the queue, so the oldest always
 progresses: no starvation). Does not run the model or sample.
 """
@@ -40,13 +40,17 @@ class Scheduler:
         self.num_preemptions += 1
 
     def schedule(self) -> list[tuple[Sequence, int]]:
-        """The next step's work: (sequence, number of its tokens to compute)."""
+        """The next step's work: (sequence, number of its tokens to compute). Running decodes (one token
+        each) go first, so a long prompt's chunks never stall them; then running prefills, then waiting."""
         budget = self.max_num_batched_tokens
         out: list[tuple[Sequence, int]] = []
         preempted = False
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        decodes = [s for s in self.running if s.num_uncomputed == 1]
+        for seq in decodes + [s for s in self.running if s.num_uncomputed != 1]:
+            if budget <= 0:
+                break
+            if seq.status is not Status.RUNNING:
+                continue  # preempted earlier in this step
             n = min(seq.num_uncomputed, budget)
             while not self.bm.ensure(seq, seq.num_computed + n):
                 victim = self.running[-1]
@@ -54,12 +58,14 @@ class Scheduler:
                 preempted = True
                 if victim is seq:
                     break
+                for j, (done, m) in enumerate(out):
+                    if done is victim:  # already scheduled this step: give its tokens back
+                        del out[j]
+                        budget += m
+                        break
             else:
                 out.append((seq, n))
                 budget -= n
-                i += 1
-                continue
-            break  # seq itself was preempted: it was the last one running
         if preempted:
             return out
         used_slots = sum(self._slots(s) for s in self.running)

@@ -7,10 +7,13 @@ not allocate blocks (block_manager.py) or decide when it runs (scheduler.py).
 from __future__ import annotations
 
 import enum
+import itertools
 
 import torch
 
 from posttrain.engine.types import SamplingParams
+
+_UIDS = itertools.count()
 
 
 class Status(enum.Enum):
@@ -48,6 +51,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.first_token_s: float | None = None
         self.num_emitted = 0  # completion tokens already handed to a stream
+        self.uid = next(_UIDS)  # unique for the process's lifetime (id() may be reused)
+        self.num_frees = 0  # times its blocks were freed (preemption): cached K/V from before are stale
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -55,6 +60,11 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt :]
+
+    @property
+    def kv_key(self) -> tuple[int, int]:
+        """Names this sequence's cached K/V: changes when they are dropped (see decode_stage.py)."""
+        return (self.uid, self.num_frees)
 
     @property
     def num_uncomputed(self) -> int:

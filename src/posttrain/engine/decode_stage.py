@@ -1,0 +1,211 @@
+"""Decode staging: a contiguous copy of the K/V of the sequences that decode together, kept across steps.
+
+Owns, per decode group, `[layers, rows, kv_heads, capacity, head_dim]` K and V tensors holding each
+member's context, so a decode step attends over a contiguous view instead of gathering every member's
+blocks from the paged pool at every layer of every step. A member's row is filled from the pool once
+(when it joins), then grows by the one token each step writes into both; rows leave when their sequence
+stops decoding (finished, preempted, back to prefill). The paged pool stays the source of truth
+(preemption, forks and prefix sharing read it). Does not decide who decodes or run the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
+
+
+class DecodeStage:
+    """One decode group: rows of K/V in the compute dtype, `lengths[r]` tokens valid in row r."""
+
+    def __init__(self, shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device) -> None:
+        self.num_layers, self.kv_heads, self.head_dim = shape
+        self.dtype = dtype
+        self.device = device
+        self.keys: list[Hashable] = []
+        self.lengths: list[int] = []
+        self.k = self._zeros(0, 0)
+        self.v = self._zeros(0, 0)
+
+    def _zeros(self, rows: int, cap: int) -> torch.Tensor:
+        # zeros, not empty: padded positions are masked out, and 0 * mask stays finite (garbage could be NaN)
+        shape = (self.num_layers, rows, self.kv_heads, cap, self.head_dim)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    @property
+    def rows_capacity(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def len_capacity(self) -> int:
+        return self.k.shape[3]
+
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def reserve(self, rows: int, length: int, max_rows: int, max_len: int, align: int) -> None:
+        """Make room for `rows` rows of `length` tokens, with headroom so growth reallocates rarely."""
+        if rows <= self.rows_capacity and length <= self.len_capacity:
+            return
+        new_rows = self.rows_capacity
+        if rows > new_rows:
+            new_rows = min(max(rows, 2 * new_rows), max(rows, max_rows))
+        new_len = self.len_capacity
+        if length > new_len:
+            new_len = length + max(length // 8, 2 * align)
+            new_len = min(-(-new_len // align) * align, max(length, max_len))
+        k, v = self._zeros(new_rows, new_len), self._zeros(new_rows, new_len)
+        n, cap = len(self.keys), min(self.len_capacity, new_len)
+        if n:
+            k[:, :n, :, :cap] = self.k[:, :n, :, :cap]
+            v[:, :n, :, :cap] = self.v[:, :n, :, :cap]
+        self.k, self.v = k, v
+
+    def remove_row(self, r: int) -> None:
+        """Drop row r; the last row moves into its place (one row copied, not the whole stage)."""
+        last = len(self.keys) - 1
+        if r != last:
+            n = self.lengths[last]
+            self.k[:, r, :, :n] = self.k[:, last, :, :n]
+            self.v[:, r, :, :n] = self.v[:, last, :, :n]
+            self.keys[r] = self.keys[last]
+            self.lengths[r] = self.lengths[last]
+        self.keys.pop()
+        self.lengths.pop()
+
+    def fill_row(
+        self, r: int, length: int, block_table: list[int], k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> None:
+        """Copy the first `length` tokens of a sequence from the paged pool `[layers, blocks, bs, kv, hd]`."""
+        if length == 0:
+            return
+        bs = k_cache.shape[2]
+        blocks = torch.tensor(block_table[: -(-length // bs)], device=k_cache.device)
+        for pool, dst in ((k_cache, self.k), (v_cache, self.v)):
+            src = pool.index_select(1, blocks).flatten(1, 2)[:, :length]  # [layers, length, kv, hd]
+            dst[:, r, :, :length] = src.transpose(1, 2)
+
+
+@dataclass
+class StagedGroup:
+    """What a step needs of one stage: which decode members sit in its rows, in row order."""
+
+    stage: DecodeStage
+    members: list[int]  # indices into the plan's `members`, row by row
+    positions: torch.Tensor  # [rows] where each row's new token goes (its context length before the step)
+    width: int  # tokens attended after the step's write (the longest row)
+    mask: torch.Tensor | None  # [rows, 1, 1, width] additive (0 / -inf); None when every row spans `width`
+
+
+class DecodeStager:
+    """Assigns decoding sequences to at most `max_groups` stages, keeping each stage's padding near
+    `slack` x its real tokens; a sequence stays in its stage while it decodes (assignment is sticky)."""
+
+    def __init__(
+        self,
+        shape: tuple[int, int, int],
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        block_size: int,
+        max_rows: int,
+        max_len: int,
+        max_groups: int = 4,
+        slack: float = 1.25,
+    ) -> None:
+        self.shape = shape
+        self.dtype = dtype
+        self.device = device
+        self.block_size = block_size
+        self.max_rows = max_rows
+        self.max_len = max_len
+        self.max_groups = max_groups
+        self.slack = slack
+        self.stages: list[DecodeStage] = []
+        self.rows_filled = 0  # rows copied from the pool (joins), for tests and statistics
+
+    def clear(self) -> None:
+        self.stages = []
+
+    def nbytes(self) -> int:
+        return sum(s.nbytes() for s in self.stages)
+
+    def _choose(self, pending: list[tuple[int, int]], ctx: int) -> int:
+        """The stage (index into self.stages) a new row of context `ctx` joins, creating one if needed.
+
+        Prefers the stage where it adds the least padding among those whose padded size stays within
+        `slack` x their real tokens; past `max_groups` stages, the least added padding wins."""
+        fitting: list[tuple[int, int]] = []
+        anywhere: list[tuple[int, int]] = []
+        for si, stage in enumerate(self.stages):
+            lengths = stage.lengths + [c for s, c in pending if s == si]
+            width = max(lengths, default=0)
+            new_width = max(width, ctx)
+            real = sum(lengths) + ctx
+            padded = (len(lengths) + 1) * new_width
+            added = (padded - real) - (len(lengths) * width - sum(lengths))
+            anywhere.append((added, si))
+            if padded <= self.slack * real:
+                fitting.append((added, si))
+        if fitting:
+            return min(fitting)[1]
+        if len(self.stages) < self.max_groups:
+            self.stages.append(DecodeStage(self.shape, self.dtype, self.device))
+            return len(self.stages) - 1
+        return min(anywhere)[1]
+
+    def plan(
+        self,
+        members: list[tuple[Hashable, int, list[int]]],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> list[StagedGroup]:
+        """Stage the step's decode members `(key, context length, block table)`: each gets a row holding its
+        context; the step then writes one token per row. A key must change when a sequence's cached K/V do
+        (the engine keys on sequence id and free count)."""
+        wanted = {key: (i, ctx) for i, (key, ctx, _) in enumerate(members)}
+        for stage in self.stages:
+            r = 0
+            while r < len(stage.keys):
+                hit = wanted.get(stage.keys[r])
+                if hit is None or hit[1] != stage.lengths[r]:
+                    stage.remove_row(r)
+                else:
+                    r += 1
+        self.stages = [s for s in self.stages if s.keys]
+        staged = {key for s in self.stages for key in s.keys}
+        joining = sorted(
+            (i for i, (key, _, _) in enumerate(members) if key not in staged), key=lambda i: -members[i][1]
+        )
+        pending: list[tuple[int, int]] = []  # (stage index, ctx) of joiners, in join order
+        joins: list[tuple[int, int]] = []  # (stage index, member index)
+        for i in joining:
+            si = self._choose(pending, members[i][1])
+            pending.append((si, members[i][1]))
+            joins.append((si, i))
+        for si, stage in enumerate(self.stages):
+            extra = [members[i][1] for s, i in joins if s == si]
+            rows = len(stage.keys) + len(extra)
+            longest = max(stage.lengths + extra) + 1
+            stage.reserve(rows, longest, self.max_rows, self.max_len, self.block_size)
+        for si, i in joins:
+            stage = self.stages[si]
+            key, ctx, table = members[i]
+            stage.keys.append(key)
+            stage.lengths.append(ctx)
+            stage.fill_row(len(stage.keys) - 1, ctx, table, k_cache, v_cache)
+            self.rows_filled += 1
+        groups = []
+        for stage in self.stages:
+            order = [wanted[key][0] for key in stage.keys]
+            ctx = torch.tensor(stage.lengths, device=self.device)
+            width = max(stage.lengths) + 1
+            mask = None
+            if min(stage.lengths) + 1 < width:
+                valid = torch.arange(width, device=self.device)[None, :] <= ctx[:, None]
+                mask = torch.zeros(valid.shape, dtype=self.dtype, device=self.device)
+                mask = mask.masked_fill_(~valid, float("-inf"))[:, None, None, :]
+            groups.append(StagedGroup(stage, order, ctx, width, mask))
+            stage.lengths = [n + 1 for n in stage.lengths]  # the step writes one token per row
+        return groups

@@ -79,17 +79,30 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target[:, None]).clamp_(max=probs.shape[-1] - 1)[:, 0]
 
 
+_CDF_CHUNK = 1024  # the inverse CDF runs over per-chunk sums, then within one chunk (no full-vocab scan)
+
+
 def _sample_untruncated(tempered: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens and their logprobs from tempered logits `[B, V]`, one uniform per row.
 
-    Inverse CDF over the unnormalised exp(x - max) (the target scales with the row's total, so no
-    normalising pass); logp(token) = x[token] - max - log(total), the total summed in float64."""
-    m = tempered.amax(-1, keepdim=True)
-    cdf = (tempered - m).exp_().cumsum(-1, dtype=torch.float64)
-    total = cdf[:, -1]
-    tokens = torch.searchsorted(cdf, ((1.0 - uniforms) * total)[:, None]).clamp_(max=cdf.shape[-1] - 1)[:, 0]
-    picked = tempered.gather(-1, tokens[:, None])[:, 0]
-    return tokens, (picked - m[:, 0]).double() - total.log()
+    Inverse CDF in two levels: the chunk of the vocabulary whose cumulative mass (float64 over float32
+    chunk sums) first reaches the target, then the token within that chunk (a float64 cumsum of one
+    chunk), instead of a float64 cumsum over the whole vocabulary (several times slower on CPU). The
+    chosen token always has non-zero probability."""
+    B, V = tempered.shape
+    probs = torch.softmax(tempered, -1)
+    nc = -(-V // _CDF_CHUNK)
+    padded = probs if nc * _CDF_CHUNK == V else torch.nn.functional.pad(probs, (0, nc * _CDF_CHUNK - V))
+    chunks = padded.view(B, nc, _CDF_CHUNK)
+    chunk_cdf = chunks.sum(-1).double().cumsum(-1)
+    target = (1.0 - uniforms) * chunk_cdf[:, -1]  # in (0, total]
+    c = torch.searchsorted(chunk_cdf, target[:, None]).clamp_(max=nc - 1)  # [B, 1]
+    before = torch.where(c > 0, chunk_cdf.gather(1, (c - 1).clamp(min=0)), 0.0)[:, 0]
+    local_cdf = chunks[torch.arange(B), c[:, 0]].cumsum(-1, dtype=torch.float64)  # [B, chunk]
+    local_target = torch.minimum(target - before, local_cdf[:, -1])  # > 0: chunk c holds mass
+    j = torch.searchsorted(local_cdf, local_target[:, None]).clamp_(max=_CDF_CHUNK - 1)[:, 0]
+    tokens = c[:, 0] * _CDF_CHUNK + j
+    return tokens, probs.gather(-1, tokens[:, None])[:, 0].double().log()
 
 
 def sample(

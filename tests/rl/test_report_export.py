@@ -44,9 +44,17 @@ def _fake_run(tmp_path) -> RunDir:
 def test_report_writes_every_plot_it_has_data_for(tmp_path):
     run = _fake_run(tmp_path)
     index = write_report(run.path)
+    assert not (run.report / "eval.png").exists()  # no eval.json yet: no evaluation plot
+    per = {"math": {"accuracy": 0.4, "ci_low": 0.3, "ci_high": 0.5, "n": 64}}
+    base = {"math": {"accuracy": 0.1, "ci_low": 0.05, "ci_high": 0.15, "n": 64}}
+    (run.path / "eval.json").write_text(
+        json.dumps({"model": "runs/x/policy", "per_domain": per, "baseline": "base", "baseline_per_domain": base,
+                    "delta": 0.3, "ci_low": 0.2, "ci_high": 0.4})
+    )
+    index = write_report(run.path)
     html = index.read_text()
     for png in ["reward.png", "heldout.png", "kl.png", "entropy.png", "length.png", "timeline.png", "sandbox.png",
-                "domain_shares.png"]:
+                "domain_shares.png", "eval.png"]:
         assert (run.report / png).stat().st_size > 2000, png
         assert f'src="{png}"' in html
     assert "8 steps logged" in html

@@ -1,7 +1,8 @@
 """`posttrain report RUN_DIR`: an HTML page with PNG plots drawn from the run's metrics.jsonl.
 
-Plots: reward per domain, held-out accuracy, KL, entropy, response length, time per phase, sandbox
-outcomes and domain shares. A plot whose metrics a run did not log is left out, not drawn empty.
+Plots: reward per domain, held-out accuracy (the curriculum's probes over steps, and the final
+`posttrain eval` against the baseline when eval.json exists), KL, entropy, response length, time per
+phase, sandbox outcomes and domain shares. A plot whose metrics a run did not log is left out, not drawn empty.
 """
 
 from __future__ import annotations
@@ -82,6 +83,42 @@ def _timeline_plot(rows: list[dict[str, Any]], path: Path) -> bool:
     return True
 
 
+def _eval_plot(result: dict[str, Any], path: Path) -> bool:
+    """Held-out accuracy per domain from `posttrain eval RUN --json` (eval.json): the trained model and,
+    when there is one, the baseline, with their 95% bootstrap intervals as error bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = [(str(result.get("model", "model")), result.get("per_domain") or {})]
+    if result.get("baseline_per_domain"):
+        models.append((str(result.get("baseline", "baseline")), result["baseline_per_domain"]))
+    domains = list(models[0][1])
+    if not domains:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    width = 0.8 / len(models)
+    for j, (name, per) in enumerate(models):
+        acc = [float(per[d]["accuracy"]) if d in per else float("nan") for d in domains]
+        lo = [max(0.0, a - float(per[d]["ci_low"])) if d in per else 0.0 for a, d in zip(acc, domains, strict=True)]
+        hi = [max(0.0, float(per[d]["ci_high"]) - a) if d in per else 0.0 for a, d in zip(acc, domains, strict=True)]
+        xs = [i + (j - (len(models) - 1) / 2) * width for i in range(len(domains))]
+        ax.bar(xs, acc, width, yerr=[lo, hi], capsize=3, label=name[-40:])
+    title = "held-out accuracy (posttrain eval)"
+    if "delta" in result:
+        title += f": delta {result['delta']:+.3f} [{result['ci_low']:+.3f}, {result['ci_high']:+.3f}]"
+    ax.set_title(title, fontsize=10)
+    ax.set_xticks(range(len(domains)), domains)
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(0, 1.05)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
+
+
 def write_report(run_dir: str | Path) -> Path:
     """Write `report/index.html` and its PNGs; returns the HTML path."""
     run = RunDir.open(run_dir)
@@ -114,7 +151,10 @@ def write_report(run_dir: str | Path) -> Path:
     eval_path = run.path / "eval.json"
     eval_html = ""
     if eval_path.exists():
-        eval_html = "<h2>Evaluation</h2><pre>" + html.escape(json.dumps(json.loads(eval_path.read_text()), indent=1)) + "</pre>"
+        result = json.loads(eval_path.read_text())
+        if _eval_plot(result, out / "eval.png"):
+            eval_html = '<h2>Held-out evaluation</h2><img src="eval.png" alt="held-out evaluation">'
+        eval_html += "<h2>Evaluation</h2><pre>" + html.escape(json.dumps(result, indent=1)) + "</pre>"
     last = rows[-1] if rows else {}
     summary = "".join(
         f"<tr><td>{html.escape(k)}</td><td>{v:.4g}</td></tr>"

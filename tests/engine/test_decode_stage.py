@@ -3,6 +3,7 @@ with staging gives the same outputs as HF and as the gather path while membershi
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.helpers import hf_greedy, random_prompts, tiny
@@ -126,3 +127,20 @@ def test_engine_with_staging_matches_hf_and_the_gather_path_as_membership_change
         a, b = staged.completions[0], gathered.completions[0]
         assert a.token_ids == b.token_ids == hf_greedy(model, req.prompt_token_ids, req.params.max_tokens)
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-5
+
+
+def test_prepacked_gemms_agree_with_plain_linear_and_follow_weight_reloads(tokenizer):
+    old, new = tiny("llama", 0), tiny("llama", 1)
+    engine = PagedEngine(old, tokenizer, block_size=4, num_blocks=64)
+    runner = engine.runner
+    if not runner.use_packed:
+        pytest.skip("oneDNN weight packing is not available on this machine")
+    x = torch.randn(5, runner.spec.hidden_size, generator=torch.Generator().manual_seed(0))
+    for state in (old.state_dict(), new.state_dict()):
+        engine.load_weights(state)
+        for li, layer in enumerate(runner.layers):
+            got = runner._linear(x, layer["wgu"], runner.packed[li]["wgu"])
+            assert torch.allclose(got, torch.nn.functional.linear(x, layer["wgu"]), rtol=1e-5, atol=1e-5)
+        logits = runner._linear(x, runner.lm_head, runner.packed_lm_head)
+        head = state.get("lm_head.weight", state["model.embed_tokens.weight"])
+        assert torch.allclose(logits, x @ head.t(), rtol=1e-5, atol=1e-5)

@@ -105,7 +105,7 @@ _BF16_PACKED_MAX_ROWS = 128
 _PACKED = ("wqkv", "wo", "wgu", "wd")
 
 
-def _onednn_packing_works(device: torch.device, dtype: torch.dtype) -> bool:
+def onednn_packing_works(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether pre-packed oneDNN linears run here and agree with F.linear (checked on a small case)."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
@@ -202,7 +202,7 @@ class ModelRunner:
         self._init_weights()
         self.packed: list[dict[str, torch.Tensor]] | None = None
         self.packed_lm_head: torch.Tensor | None = None
-        self.use_packed = _onednn_packing_works(self.device, self.dtype)
+        self.use_packed = onednn_packing_works(self.device, self.dtype)
         self.load_weights(state_dict.items(), strict=True)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None

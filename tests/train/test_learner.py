@@ -366,7 +366,15 @@ def test_shared_prefix_plan_and_length():
     assert shared_prefix_length(batch.token_ids[8:10], batch.loss_mask[8:10], batch.lengths[8:10]) == 2
     assert shared_prefix_length(batch.token_ids[10:], batch.loss_mask[10:], batch.lengths[10:]) == 0  # one row
     plan = plan_shared_micro_batches(batch.token_ids, batch.loss_mask, batch.lengths, batch.group_ids, 4096, False, min_prefix=3)
-    assert sorted((sorted(r), p) for r, p in plan) == [([0, 1, 2, 3], 7), ([4, 5, 6, 7], 11), ([8, 9, 10], 0)]
+    by_prefix: dict[int, list[int]] = {}
+    for rows, p in plan:
+        assert p == 0 or len(rows) > 1  # a lone row needs no sharing
+        by_prefix.setdefault(p, []).extend(rows)
+    # groups 0 and 1 share their prompts (7 and 11 tokens; a group may split by completion length,
+    # see test_group_split_minimises_positions_computed); group 2 shares only 2 < min_prefix; row 10 is alone
+    assert sorted(by_prefix.get(7, []) + [r for r in by_prefix.get(0, []) if r < 4]) == [0, 1, 2, 3]
+    assert sorted(by_prefix.get(11, []) + [r for r in by_prefix.get(0, []) if 4 <= r < 8]) == [4, 5, 6, 7]
+    assert {8, 9, 10} <= set(by_prefix[0]) and by_prefix.get(7) and by_prefix.get(11)
     # over budget, a group splits into chunks that each still share the prompt: cost = prefix + rows x longest suffix
     lens = batch.lengths.tolist()
     small = plan_shared_micro_batches(batch.token_ids, batch.loss_mask, batch.lengths, batch.group_ids, 7 + 2 * 9, False, 3)
@@ -395,3 +403,19 @@ def test_shared_prefix_forward_equals_the_full_forward(base_model, lora):
     assert g1.keys() == g2.keys() and g1
     for k in g1:
         assert (g1[k] - g2[k]).abs().max() <= 1e-4 * g2[k].abs().max() + 1e-9, k
+
+
+def test_group_split_minimises_positions_computed():
+    from posttrain.train.batch import _split_group
+
+    # prefix 100; suffixes 300, 20, 20, 20: one chunk costs 100 + 4 x 300 = 1300 positions, splitting
+    # off the long row costs (100 + 300) + (100 + 3 x 20) = 560
+    lens = [400, 120, 120, 120]
+    assert _split_group([0, 1, 2, 3], lens, 100, 10_000) == [[0], [1, 2, 3]]
+    # equal suffixes: splitting only repeats the prefix, so one chunk
+    assert _split_group([0, 1, 2], [150, 150, 150], 100, 10_000) == [[0, 1, 2]]
+    # the budget caps a chunk: 100 + 2 x 50 = 200 fits, 100 + 3 x 50 = 250 does not
+    chunks = _split_group([0, 1, 2, 3], [150] * 4, 100, 200)
+    assert chunks == [[0, 1], [2, 3]]
+    # a row over the budget on its own still gets a chunk
+    assert _split_group([0], [5000], 100, 200) == [[0]]

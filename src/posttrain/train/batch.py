@@ -162,13 +162,36 @@ def shared_prefix_length(token_ids: Tensor, loss_mask: Tensor, lengths: Tensor) 
     return bound if bool(same.all()) else int(same.float().argmin().item())
 
 
+def _split_group(rows: list[int], lens: list[int], prefix: int, token_budget: int) -> list[list[int]]:
+    """Split a group's rows (longest first) into contiguous chunks minimising the positions computed,
+    sum over chunks of prefix + rows x longest suffix, each chunk within `token_budget` (a row alone
+    may exceed it). A chunk repeats the prefix but pads its rows only to its own longest suffix, so
+    a group with a few long multi-turn rows and many short ones splits where that pays."""
+    n = len(rows)
+    best = [0.0] + [float("inf")] * n  # best[j]: cheapest split of rows[:j]
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j - 1, -1, -1):  # chunk rows[i:j]; its longest suffix is rows[i]'s
+            cost = prefix + (j - i) * (lens[rows[i]] - prefix)
+            if cost > token_budget and j - i > 1:
+                break  # longer chunks (smaller i) only cost more
+            if best[i] + cost < best[j]:
+                best[j], cut[j] = best[i] + cost, i
+    chunks: list[list[int]] = []
+    j = n
+    while j > 0:
+        chunks.append(rows[cut[j] : j])
+        j = cut[j]
+    return chunks[::-1]
+
+
 def plan_shared_micro_batches(
     token_ids: Tensor, loss_mask: Tensor, lengths: Tensor, group_ids: Tensor, token_budget: int, packed: bool,
     min_prefix: int = 1,
 ) -> list[tuple[list[int], int]]:
     """Micro-batches as (rows, shared prefix length). The rows of one group whose prompt is identical
-    go together (split when over budget; the cost of a chunk is the prefix once plus rows x the longest
-    suffix), with their prefix length; rows that share nothing with their group (prefix shorter than
+    go together, split into chunks by `_split_group` (the cost of a chunk is the prefix once plus rows
+    x its longest suffix), with their prefix length; rows that share nothing with their group (prefix shorter than
     `min_prefix`, or groups of one) fall back to `plan_micro_batches` with prefix 0."""
     plan: list[tuple[list[int], int]] = []
     loners: list[int] = []
@@ -182,14 +205,8 @@ def plan_shared_micro_batches(
         if p < min_prefix:
             loners.extend(rows)
             continue
-        chunk: list[int] = []
-        for i in sorted(rows, key=lambda i: -lens[i]):
-            longest = lens[chunk[0]] if chunk else lens[i]
-            if chunk and p + (len(chunk) + 1) * (longest - p) > token_budget:
-                plan.append((chunk, p))
-                chunk = []
-            chunk.append(i)
-        plan.append((chunk, p) if len(chunk) > 1 else (chunk, 0))
+        for chunk in _split_group(sorted(rows, key=lambda i: -lens[i]), lens, p, token_budget):
+            plan.append((chunk, p) if len(chunk) > 1 else (chunk, 0))
     if loners:
         sub = plan_micro_batches([lens[i] for i in loners], token_budget, packed)
         plan.extend(([loners[j] for j in mb], 0) for mb in sub)

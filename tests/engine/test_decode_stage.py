@@ -47,16 +47,18 @@ def _step(stager, pool_k, pool_v, members, tables, lengths):
     """What one engine step does: plan, then write one new token per row to the pool and the stage."""
     groups = stager.plan([(key, lengths[key], tables[key]) for key in members], pool_k, pool_v)
     for grp in groups:
+        D = len(grp.members)
+        new_k, new_v = torch.randn(LAYERS, D, KV, HD), torch.randn(LAYERS, D, KV, HD)
         for r, i in enumerate(grp.members):
             key = members[i]
             pos = lengths[key]
             assert int(grp.positions[r]) == pos
-            new_k, new_v = torch.randn(LAYERS, KV, HD), torch.randn(LAYERS, KV, HD)
-            pool_k[:, tables[key][pos // BS], pos % BS] = new_k
-            pool_v[:, tables[key][pos // BS], pos % BS] = new_v
-            grp.stage.k[:, r, :, pos] = new_k  # the runner writes the new token into the stage row
-            grp.stage.v[:, r, :, pos] = new_v
+            pool_k[:, tables[key][pos // BS], pos % BS] = new_k[:, r]
+            pool_v[:, tables[key][pos // BS], pos % BS] = new_v[:, r]
             lengths[key] = pos + 1
+        for layer in range(LAYERS):  # as the runner writes the step's tokens into the stage
+            grp.stage.k[layer].view(-1, HD).index_copy_(0, grp.write_index, new_k[layer].reshape(-1, HD))
+            grp.stage.v[layer].view(-1, HD).index_copy_(0, grp.write_index, new_v[layer].reshape(-1, HD))
         assert grp.width == max(lengths[members[i]] for i in grp.members)
     return groups
 

@@ -94,6 +94,7 @@ class StagedGroup:
     stage: DecodeStage
     members: list[int]  # indices into the plan's `members`, row by row
     positions: torch.Tensor  # [rows] where each row's new token goes (its context length before the step)
+    write_index: torch.Tensor  # [rows * kv_heads]: those slots in a layer's stage viewed as [-1, head_dim]
     width: int  # tokens attended after the step's write (the longest row)
     mask: torch.Tensor | None  # [rows, 1, 1, width] additive (0 / -inf); None when every row spans `width`
 
@@ -206,6 +207,10 @@ class DecodeStager:
                 valid = torch.arange(width, device=self.device)[None, :] <= ctx[:, None]
                 mask = torch.zeros(valid.shape, dtype=self.dtype, device=self.device)
                 mask = mask.masked_fill_(~valid, float("-inf"))[:, None, None, :]
-            groups.append(StagedGroup(stage, order, ctx, width, mask))
+            kv, cap = stage.kv_heads, stage.len_capacity
+            rows = torch.arange(len(order), device=self.device)[:, None] * kv
+            heads = torch.arange(kv, device=self.device)[None, :]
+            write_index = ((rows + heads) * cap + ctx[:, None]).reshape(-1)
+            groups.append(StagedGroup(stage, order, ctx, write_index, width, mask))
             stage.lengths = [n + 1 for n in stage.lengths]  # the step writes one token per row
         return groups

@@ -124,9 +124,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     dtype = x.dtype
     if dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one kernel, same arithmetic
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(dtype)
 
 
 @dataclass
@@ -147,8 +145,7 @@ class DecodeGroup:
     mask: torch.Tensor | None  # [rows, 1, 1, width]: bool True / additive 0 where attended; None: all
     block_tables: torch.Tensor | None = None  # gather: [rows, max_blocks] (padded with block 0)
     stage: DecodeStage | None = None  # staged: the rows are the stage's first num_rows rows, in order
-    positions: torch.Tensor | None = None  # staged: [rows] where each row's new K/V goes in the stage
-    row_ids: torch.Tensor | None = None  # staged: arange(rows), the stage rows written
+    write_index: torch.Tensor | None = None  # staged: the new K/V's slots in stage.k[layer].view(-1, hd)
     width: int = 0  # staged: tokens attended (the longest row's context after this step)
 
 
@@ -408,8 +405,12 @@ class ModelRunner:
                 q, k = qk[:, :H], qk[:, H:]
             kc = self.k_cache[li].view(-1, KV, hd)
             vc = self.v_cache[li].view(-1, KV, hd)
-            kc.index_copy_(0, batch.slot_mapping, k.to(self.kv_dtype))
-            vc.index_copy_(0, batch.slot_mapping, v.to(self.kv_dtype))
+            if self.kv_dtype != k.dtype:
+                kc.index_copy_(0, batch.slot_mapping, k.to(self.kv_dtype))
+                vc.index_copy_(0, batch.slot_mapping, v.to(self.kv_dtype))
+            else:
+                kc.index_copy_(0, batch.slot_mapping, k)
+                vc.index_copy_(0, batch.slot_mapping, v)
             attn = self._attention(li, q, k, v, batch)
             x = x + self._linear(attn, layer["wo"], pk.get("wo"))
             h = _rms_norm(x, layer["post_norm"], eps)
@@ -437,11 +438,11 @@ class ModelRunner:
             qd = q[r0 : r0 + D].view(D, KV, g, hd)
             if grp.stage is not None:
                 ks, vs = grp.stage.k[li], grp.stage.v[li]  # [rows, KV, capacity, hd]
-                kn, vn = k[r0 : r0 + D], v[r0 : r0 + D]
+                kn, vn = k[r0 : r0 + D].reshape(D * KV, hd), v[r0 : r0 + D].reshape(D * KV, hd)
                 if self.kv_dtype != q.dtype:  # stage what the pool holds, rounded to the KV dtype
-                    kn, vn = kn.to(self.kv_dtype), vn.to(self.kv_dtype)
-                ks[grp.row_ids, :, grp.positions] = kn.to(q.dtype)
-                vs[grp.row_ids, :, grp.positions] = vn.to(q.dtype)
+                    kn, vn = kn.to(self.kv_dtype).to(q.dtype), vn.to(self.kv_dtype).to(q.dtype)
+                ks.view(-1, hd).index_copy_(0, grp.write_index, kn)
+                vs.view(-1, hd).index_copy_(0, grp.write_index, vn)
                 kd, vd = ks[:D, :, : grp.width], vs[:D, :, : grp.width]
             else:
                 assert grp.block_tables is not None

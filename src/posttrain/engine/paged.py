@@ -223,8 +223,7 @@ class PagedEngine:
                         len(g.members),
                         g.mask,
                         stage=g.stage,
-                        positions=g.positions,
-                        row_ids=torch.arange(len(g.members), device=dev),
+                        write_index=g.write_index,
                         width=g.width,
                     )
                 )

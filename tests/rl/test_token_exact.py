@@ -133,3 +133,29 @@ def test_group_prompt_is_prefilled_once_before_the_group_generates(tokenizer):
         answer = tokenizer.encode("<answer>4</answer>", add_special_tokens=False) + [tokenizer.eos_token_id]
         for traj in batch.trajectories:
             assert traj.token_ids[traj.prompt_len :] == answer and sum(traj.loss_mask) == len(answer)
+
+
+def test_group_prefill_makes_the_paged_engine_store_each_prompt_once():
+    """Through the real paged engine: with share_prefill every episode after the warm-up finds the
+    prompt's full blocks cached (2 groups x 8 episodes x 3 full blocks of 16 = 768 hit tokens)."""
+    from posttrain.config import load_config
+    from posttrain.engine import make_engine
+    from posttrain.models import load_policy, load_tokenizer
+    from posttrain.rollout import collect_groups
+
+    tok = load_tokenizer("tiny:llama")
+    cfg = load_config(None, ["model.spec=tiny:llama", "engine.dtype=float32"])
+    domain = get_domain("math")
+    tasks = [domain.task("train", 0, i, seed=0) for i in range(2)]
+    params = SamplingParams(temperature=1.0, max_tokens=8, stop_token_ids=[tok.eos_token_id])
+    stats = {}
+    for share in (False, True):
+        engine = make_engine(cfg.engine, load_policy("tiny:llama"), tok)
+        batch = asyncio.run(
+            collect_groups(engine, tok, [(domain, t) for t in tasks], 8, None, params, EpisodeLimits(1, 512, 8), 0, 0, 0, share_prefill=share)
+        )
+        assert {t.prompt_len for t in batch.trajectories} == {50}
+        stats[share] = engine.kv_stats()
+    assert stats[False]["prefix_hit_tokens"] == 0
+    assert stats[True]["prefix_hit_tokens"] == 2 * 8 * 48
+    assert stats[True]["peak_blocks_allocated"] < stats[False]["peak_blocks_allocated"] / 2

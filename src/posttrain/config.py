@@ -64,6 +64,9 @@ class EngineConfig(Section):
     max_num_batched_tokens: int = Field(2048, ge=1)
     max_model_len: int = Field(4096, ge=1)
     enable_prefix_caching: bool = Field(True, description="reuse K/V of identical prompt prefixes across requests")
+    decode_staging: bool = Field(
+        True, description="paged engine: keep each decode group's K/V contiguous across steps (no per-step block gather)"
+    )
     device: str = Field("cpu", description="torch device of the paged engine: cpu, cuda, cuda:1, ...")
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)

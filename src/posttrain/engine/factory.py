@@ -27,6 +27,7 @@ def make_engine(engine_cfg: EngineConfig, model: Any, tokenizer: Any, *, seed: i
             max_num_batched_tokens=engine_cfg.max_num_batched_tokens,
             max_model_len=engine_cfg.max_model_len,
             enable_prefix_caching=engine_cfg.enable_prefix_caching,
+            decode_staging=engine_cfg.decode_staging,
             device=engine_cfg.device,
             seed=seed,
         )

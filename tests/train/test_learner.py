@@ -406,12 +406,18 @@ def test_shared_prefix_forward_equals_the_full_forward(base_model, lora):
 
 
 def test_group_split_minimises_positions_computed():
+    from posttrain.train.batch import CHUNK_OVERHEAD_POSITIONS as C
     from posttrain.train.batch import _split_group
 
-    # prefix 100; suffixes 300, 20, 20, 20: one chunk costs 100 + 4 x 300 = 1300 positions, splitting
-    # off the long row costs (100 + 300) + (100 + 3 x 20) = 560
+    # prefix 100; suffixes 300, 20, 20, 20: one chunk costs C + 100 + 4 x 300 = C + 1300, splitting
+    # off the long row costs 2C + (100 + 300) + (100 + 3 x 20) = 2C + 560
     lens = [400, 120, 120, 120]
+    assert C < 1300 - 560
     assert _split_group([0, 1, 2, 3], lens, 100, 10_000) == [[0], [1, 2, 3]]
+    # suffixes 48, 40, 30, 20, 10, 5, 3, 3 after a 49-token prompt: splitting would save fewer
+    # positions than a pass costs, so the group stays whole
+    lens = [49 + x for x in (48, 40, 30, 20, 10, 5, 3, 3)]
+    assert _split_group(list(range(8)), lens, 49, 10_000) == [list(range(8))]
     # equal suffixes: splitting only repeats the prefix, so one chunk
     assert _split_group([0, 1, 2], [150, 150, 150], 100, 10_000) == [[0, 1, 2]]
     # the budget caps a chunk: 100 + 2 x 50 = 200 fits, 100 + 3 x 50 = 250 does not

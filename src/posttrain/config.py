@@ -205,9 +205,9 @@ class TrainerConfig(Section):
     logprob_chunk_tokens: int = Field(1024, ge=1)
     share_prompt_prefix: bool = Field(
         True,
-        description="the learner runs a group's shared prompt once per micro-batch and its K/V under every "
-        "sample's completion (GRPO groups share their prompt); equal to the full forward up to float "
-        "rounding; off under gradient checkpointing",
+        description="the learner runs a GRPO group as one packed row: the shared prompt once, then every "
+        "sample's completion, each masked to see the prompt and itself; equal to the full forward up to "
+        "float rounding; off under gradient checkpointing",
     )
     single_pass_old_logprobs: bool = Field(
         True,

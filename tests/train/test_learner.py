@@ -375,12 +375,12 @@ def test_shared_prefix_plan_and_length():
     assert sorted(by_prefix.get(7, []) + [r for r in by_prefix.get(0, []) if r < 4]) == [0, 1, 2, 3]
     assert sorted(by_prefix.get(11, []) + [r for r in by_prefix.get(0, []) if 4 <= r < 8]) == [4, 5, 6, 7]
     assert {8, 9, 10} <= set(by_prefix[0]) and by_prefix.get(7) and by_prefix.get(11)
-    # over budget, a group splits into chunks that each still share the prompt: cost = prefix + rows x longest suffix
+    # over budget, a group splits into chunks that each still share the prompt: cost = prefix + its suffixes
     lens = batch.lengths.tolist()
     small = plan_shared_micro_batches(batch.token_ids, batch.loss_mask, batch.lengths, batch.group_ids, 7 + 2 * 9, False, 3)
     for rows, p in small:
         if p:
-            assert p + len(rows) * (max(lens[i] for i in rows) - p) <= 7 + 2 * 9 or len(rows) == 1
+            assert p + sum(lens[i] - p for i in rows) <= 7 + 2 * 9 or len(rows) == 1
     assert sorted(i for rows, _ in small for i in rows) == list(range(11))
 
 
@@ -405,23 +405,12 @@ def test_shared_prefix_forward_equals_the_full_forward(base_model, lora):
         assert (g1[k] - g2[k]).abs().max() <= 1e-4 * g2[k].abs().max() + 1e-9, k
 
 
-def test_group_split_minimises_positions_computed():
-    from posttrain.train.batch import CHUNK_OVERHEAD_POSITIONS as C
+def test_group_split_fills_chunks_up_to_the_budget():
     from posttrain.train.batch import _split_group
 
-    # prefix 100; suffixes 300, 20, 20, 20: one chunk costs C + 100 + 4 x 300 = C + 1300, splitting
-    # off the long row costs 2C + (100 + 300) + (100 + 3 x 20) = 2C + 560
-    lens = [400, 120, 120, 120]
-    assert C < 1300 - 560
-    assert _split_group([0, 1, 2, 3], lens, 100, 10_000) == [[0], [1, 2, 3]]
-    # suffixes 48, 40, 30, 20, 10, 5, 3, 3 after a 49-token prompt: splitting would save fewer
-    # positions than a pass costs, so the group stays whole
-    lens = [49 + x for x in (48, 40, 30, 20, 10, 5, 3, 3)]
-    assert _split_group(list(range(8)), lens, 49, 10_000) == [list(range(8))]
-    # equal suffixes: splitting only repeats the prefix, so one chunk
-    assert _split_group([0, 1, 2], [150, 150, 150], 100, 10_000) == [[0, 1, 2]]
-    # the budget caps a chunk: 100 + 2 x 50 = 200 fits, 100 + 3 x 50 = 250 does not
-    chunks = _split_group([0, 1, 2, 3], [150] * 4, 100, 200)
-    assert chunks == [[0, 1], [2, 3]]
+    # prefix 100, suffixes 300, 20, 20, 20: 100 + 360 positions fit one chunk
+    assert _split_group([0, 1, 2, 3], [400, 120, 120, 120], 100, 10_000) == [[0, 1, 2, 3]]
+    # budget 200: 100 + 50 + 50 fits, a third suffix does not
+    assert _split_group([0, 1, 2, 3], [150] * 4, 100, 200) == [[0, 1], [2, 3]]
     # a row over the budget on its own still gets a chunk
-    assert _split_group([0], [5000], 100, 200) == [[0]]
+    assert _split_group([0, 1], [5000, 150], 100, 200) == [[0], [1]]

@@ -37,10 +37,11 @@ update_s, step_s,
 optimizer_steps, version.
 
 Micro-batches (trainer.share_prompt_prefix, default on): the rows of one GRPO group whose prompt is
-identical go together; the prompt runs once and its K/V sits under every row's completion
-(`forward.shared_prefix_hidden`), so a group of 8 with a 100-token prompt computes 100 + 8 x completion
-positions instead of 8 x (100 + completion). Logprobs and gradients equal the plain forward up to float
-rounding (tested). Other rows are padded (trainer.packing=false, the default) or packed first-fit-
+identical run as one packed row, the prompt once and then every row's completion back to back, under
+a mask that lets each completion see the prompt and its own earlier tokens
+(`forward.shared_prefix_hidden`). A group of 8 with a 100-token prompt computes 100 + the sum of its
+completions' lengths positions instead of 8 x (100 + the longest completion), in one long row. Logprobs
+and gradients equal the plain forward up to float rounding (tested). Other rows are padded (trainer.packing=false, the default) or packed first-fit-
 decreasing into block-diagonal rows. `posttrain bench learner --json` (32 sequences of 64..256 tokens,
 3 repeats, medians) measured packed/padded tokens/s of 0.79 (full fp32), 0.80 (full bf16), 0.90 (LoRA
 fp32) and 0.94 (LoRA bf16): packing saved almost no padding (18.4% vs 19.4%: rows are as long as the

@@ -162,35 +162,23 @@ def shared_prefix_length(token_ids: Tensor, loss_mask: Tensor, lengths: Tensor) 
     return bound if bool(same.all()) else int(same.float().argmin().item())
 
 
-# What one more micro-batch costs, in positions: each forward/backward pass also reads and writes the
-# [vocab, hidden] head and embedding gradients and runs every layer's fixed work. Measured on the
-# 135M model (2 CPU cores): an extra chunk cost ~0.3 s, i.e. ~75 (fp32) to ~120 (bf16) positions.
-CHUNK_OVERHEAD_POSITIONS = 128
-
-
 def _split_group(rows: list[int], lens: list[int], prefix: int, token_budget: int) -> list[list[int]]:
-    """Split a group's rows (longest first) into contiguous chunks minimising the cost, sum over
-    chunks of CHUNK_OVERHEAD_POSITIONS + prefix + rows x longest suffix, each chunk within
-    `token_budget` (a row alone may exceed it). A chunk repeats the prefix and the per-pass overhead
-    but pads its rows only to its own longest suffix, so a group with a few long multi-turn rows and
-    many short ones splits where that pays, and a group of similar lengths stays whole."""
-    n = len(rows)
-    best = [0.0] + [float("inf")] * n  # best[j]: cheapest split of rows[:j]
-    cut = [0] * (n + 1)
-    for j in range(1, n + 1):
-        for i in range(j - 1, -1, -1):  # chunk rows[i:j]; its longest suffix is rows[i]'s
-            positions = prefix + (j - i) * (lens[rows[i]] - prefix)
-            if positions > token_budget and j - i > 1:
-                break  # longer chunks (smaller i) only cost more
-            cost = CHUNK_OVERHEAD_POSITIONS + positions
-            if best[i] + cost < best[j]:
-                best[j], cut[j] = best[i] + cost, i
+    """Split a group's rows (longest first) into as few chunks as fit `token_budget` positions each:
+    a chunk computes its prefix once plus its rows' suffixes back to back, without padding
+    (`forward.shared_prefix_hidden`), so fewer, longer chunks are always cheaper (measured: a
+    second pass of the 135M model costs ~0.3 s more than the positions it saves). A row over the
+    budget on its own still gets a chunk."""
     chunks: list[list[int]] = []
-    j = n
-    while j > 0:
-        chunks.append(rows[cut[j] : j])
-        j = cut[j]
-    return chunks[::-1]
+    used = 0
+    for i in rows:
+        suffix = lens[i] - prefix
+        if chunks and used + suffix <= token_budget:
+            chunks[-1].append(i)
+            used += suffix
+        else:
+            chunks.append([i])
+            used = prefix + suffix
+    return chunks
 
 
 def plan_shared_micro_batches(
@@ -198,8 +186,8 @@ def plan_shared_micro_batches(
     min_prefix: int = 1,
 ) -> list[tuple[list[int], int]]:
     """Micro-batches as (rows, shared prefix length). The rows of one group whose prompt is identical
-    go together, split into chunks by `_split_group` (the cost of a chunk is the prefix once plus rows
-    x its longest suffix), with their prefix length; rows that share nothing with their group (prefix shorter than
+    go together, split into chunks by `_split_group` only when over budget (a chunk costs its prefix
+    once plus its rows' suffixes), with their prefix length; rows that share nothing with their group (prefix shorter than
     `min_prefix`, or groups of one) fall back to `plan_micro_batches` with prefix 0."""
     plan: list[tuple[list[int], int]] = []
     loners: list[int] = []

@@ -431,9 +431,9 @@ class Learner:
                         inputs = self._inputs(mi) if (prefix == 0 or self.critic is not None) else None
                         seq_tokens = int(mi.lengths.sum().item())
                         tokens += seq_tokens
-                        if prefix > 0:  # the prefix once, then every row's suffix (padded)
+                        if prefix > 0:  # the prefix once, then every row's suffix, packed without padding
                             computed += seq_tokens - (mi.size - 1) * prefix
-                            cells += prefix + mi.size * (width - prefix)
+                            cells += seq_tokens - (mi.size - 1) * prefix
                         else:
                             assert inputs is not None
                             computed += inputs.tokens

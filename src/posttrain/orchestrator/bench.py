@@ -21,7 +21,7 @@ from rich.table import Table
 TRL_REFERENCE_S = 14.0  # measured on this machine kind when the issue was filed
 
 
-def _ours(steps: int, completions: int, new_tokens: int, dtype: str, seed: int) -> list[float]:
+def _ours(steps: int, completions: int, new_tokens: int, dtype: str, seed: int, mode: str = "sync", staleness: int = 1) -> list[dict[str, Any]]:
     from posttrain.config import load_config
     from posttrain.orchestrator.loop import RLRun
     from posttrain.telemetry import RunDir, read_metrics
@@ -43,7 +43,9 @@ def _ours(steps: int, completions: int, new_tokens: int, dtype: str, seed: int) 
                 "telemetry.progress=false",
                 "telemetry.tensorboard=false",
                 f"telemetry.run_dir={tmp}",
-                *(["trainer.bf16_autocast=true"] if dtype == "bfloat16" else []),
+                f"trainer.bf16_autocast={dtype == 'bfloat16'}",
+                f"orchestrator.mode={mode}",
+                f"orchestrator.max_staleness={staleness}",
             ],
         )
         run = RunDir.create(tmp, "bench")
@@ -155,6 +157,11 @@ def main(args: list[str]) -> dict[str, Any]:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--no-trl", action="store_true", help="skip the TRL baseline")
+    parser.add_argument(
+        "--mode", choices=["sync", "async"], default="sync",
+        help="our loop's mode: sync is on-policy like TRL; async overlaps the next step's generation with the update",
+    )
+    parser.add_argument("--max-staleness", type=int, default=1, help="async: policy versions a trajectory may lag")
     parser.add_argument("--seed", type=int, default=0)
     ns = parser.parse_args(args)
     console = Console()
@@ -163,7 +170,7 @@ def main(args: list[str]) -> dict[str, Any]:
     from posttrain.models import load_policy
     from posttrain.train.bench import matmul_gflops
 
-    rows = _ours(ns.steps, ns.completions, ns.new_tokens, ns.dtype, ns.seed)
+    rows = _ours(ns.steps, ns.completions, ns.new_tokens, ns.dtype, ns.seed, ns.mode, ns.max_staleness)
     ours = [r["timeline/step_s"] for r in rows]  # the final step's checkpoint is not in step_s
     ours_s = statistics.median(ours[1:] or ours)
     params = sum(p.numel() for p in load_policy("smollm2-135m").parameters())
@@ -179,14 +186,15 @@ def main(args: list[str]) -> dict[str, Any]:
         except ImportError as err:
             trl_note = f"not measured ({err.name} not installed: pip install trl); reference {TRL_REFERENCE_S} s"
     table = Table("system", "per-step s (median, after warm-up)", "steps")
-    table.add_row("posttrain", f"{ours_s:.2f}", " ".join(f"{t:.2f}" for t in ours))
+    label = "posttrain (sync)" if ns.mode == "sync" else f"posttrain (async, staleness <= {ns.max_staleness})"
+    table.add_row(label, f"{ours_s:.2f}", " ".join(f"{t:.2f}" for t in ours))
     if trl_s is not None:
         table.add_row("TRL GRPOTrainer", f"{trl_s:.2f}", " ".join(f"{t:.2f}" for t in trl_times))
     else:
         table.add_row("TRL GRPOTrainer", trl_note, "")
     console.print(table)
     console.print(
-        f"hardware floor of our step on this machine: {floor_s:.2f} s (weights read once per decode step at "
+        f"hardware floor of a serial step on this machine: {floor_s:.2f} s (weights read once per decode step at "
         f"{bandwidth:.1f} GB/s + 6 x params FLOPs per computed position at {gflops:.0f} GFLOP/s); ours is "
         f"{ours_s / floor_s:.1f}x the floor"
     )
@@ -198,6 +206,8 @@ def main(args: list[str]) -> dict[str, Any]:
         "completions": ns.completions,
         "new_tokens": ns.new_tokens,
         "dtype": ns.dtype,
+        "mode": ns.mode,
+        "max_staleness": ns.max_staleness if ns.mode == "async" else 0,
         "trl_step_s": trl_s,
         "trl_note": trl_note,
         "ratio_vs_trl": (trl_s / ours_s) if trl_s else None,

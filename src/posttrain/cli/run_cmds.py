@@ -115,7 +115,7 @@ def eval_(
     api_model: str = typer.Option(None, "--model", help="model name at --api-base"),
     api_key: str = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY"),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy; > 0 = sampled pass@1"),
-    samples: int = typer.Option(4, "--samples", help="samples per task when --temperature > 0"),
+    samples: int = typer.Option(4, "--samples", min=1, help="samples per task when --temperature > 0"),
     json_out: bool = typer.Option(False, "--json", help="print a JSON object last"),
 ) -> None:
     """Held-out accuracy per domain with 95% bootstrap intervals; paired delta against --baseline."""

@@ -109,3 +109,25 @@ def test_bfloat16_weights_and_kv_cache(tokenizer):
     for prompt, out in zip(prompts, outs, strict=True):
         ref = hf_logprobs(model, prompt, out.completions[0].token_ids)
         assert max(abs(a - b) for a, b in zip(ref, out.completions[0].logprobs, strict=True)) < 1e-3
+
+
+@pytest.mark.parametrize("staging", [True, False])
+def test_uninitialised_pool_memory_never_reaches_attention(tokenizer, staging):
+    """The pool is allocated uninitialised and blocks are zeroed when handed out: poison the whole
+    pool with NaN (as stale memory could be), then generate with preemption, forks and decode groups
+    padded with block 0; outputs stay exactly HF's."""
+    model = tiny("llama")
+    prompts = random_prompts([3, 9, 14, 22], seed=7)
+    engine = PagedEngine(model, tokenizer, block_size=4, num_blocks=40, max_num_batched_tokens=16, decode_staging=staging)
+    engine.runner.allocate_kv_cache()
+    engine.runner.k_cache.fill_(float("nan"))
+    engine.runner.v_cache.fill_(float("nan"))
+    engine.runner.zero_blocks([0])  # what allocate_kv_cache does for the padding block
+    outs = engine.generate([GenerationRequest(p, GREEDY) for p in prompts])
+    _check_against_hf(model, outs, prompts, 20)
+    forked = engine.generate([GenerationRequest(prompts[1], SamplingParams(temperature=0.0, max_tokens=8, n=3))])[0]
+    assert all(c.token_ids == hf_greedy(model, prompts[1], 8) for c in forked.completions)
+    # and after a release, the next allocation zeroes only the padding block before blocks are taken
+    engine.release_kv_cache()
+    again = engine.generate([GenerationRequest(p, GREEDY) for p in prompts])
+    assert [o.completions[0].token_ids for o in again] == [o.completions[0].token_ids for o in outs]

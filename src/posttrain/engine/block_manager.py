@@ -20,6 +20,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
+        self.taken: list[int] = []  # handed out since the last drain_taken()
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self.hash_to_block: dict[int, int] = {}
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU first
@@ -37,8 +38,15 @@ class BlockManager:
         self.block_hash = [None] * self.num_blocks
         self.block_tokens = [None] * self.num_blocks
 
+    def drain_taken(self) -> list[int]:
+        """Blocks handed out since the last call: their memory holds whatever was there before (the
+        pool is allocated uninitialised), so the runner zeroes them before the next forward."""
+        taken, self.taken = self.taken, []
+        return taken
+
     def _take(self) -> int:
         block, _ = self.free.popitem(last=False)
+        self.taken.append(block)
         h = self.block_hash[block]
         if h is not None and self.hash_to_block.get(h) == block:
             del self.hash_to_block[h]

@@ -314,6 +314,7 @@ class PagedEngine:
                     )
                 return []
             self.runner.allocate_kv_cache()
+            self.runner.zero_blocks(self.bm.drain_taken())  # before copy-on-write fills some of them
             self.runner.copy_blocks(self.bm.pending_copies)
             self.bm.pending_copies = []
             batch, samplers = self._build_batch(work)

@@ -417,12 +417,8 @@ class ModelRunner:
                 q, k = qk[:, :H], qk[:, H:]
             kc = self.k_cache[li].view(-1, KV, hd)
             vc = self.v_cache[li].view(-1, KV, hd)
-            if self.kv_dtype != k.dtype:
-                kc.index_copy_(0, batch.slot_mapping, k.to(self.kv_dtype))
-                vc.index_copy_(0, batch.slot_mapping, v.to(self.kv_dtype))
-            else:
-                kc.index_copy_(0, batch.slot_mapping, k)
-                vc.index_copy_(0, batch.slot_mapping, v)
+            kc.index_copy_(0, batch.slot_mapping, k.to(self.kv_dtype))  # .to is a no-op when dtypes match
+            vc.index_copy_(0, batch.slot_mapping, v.to(self.kv_dtype))
             attn = self._attention(li, q, k, v, batch)
             x = x + self._linear(attn, layer["wo"], pk.get("wo"))
             h = _rms_norm(x, layer["post_norm"], eps)

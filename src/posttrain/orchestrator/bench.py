@@ -58,21 +58,6 @@ def _ours(steps: int, completions: int, new_tokens: int, dtype: str, seed: int, 
     return rows
 
 
-def memory_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
-    """Median GB/s of copying a `mib` MiB float32 tensor (bytes read + bytes written)."""
-    import torch
-
-    src = torch.ones(mib * 2**18)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return 2 * src.numel() * 4 / statistics.median(times) / 1e9
-
-
 def step_floor_s(rows: list[dict[str, Any]], params: int, dtype: str, bandwidth_gbs: float, matmul_gflops: float) -> float:
     """A lower bound of our step on this machine: every decode step reads all weights once (the
     longest completion sets the number of decode steps), and the update costs 6 x params FLOPs per
@@ -167,6 +152,7 @@ def main(args: list[str]) -> dict[str, Any]:
     console = Console()
     import torch
 
+    from posttrain.engine.bench import mem_read_gb_s
     from posttrain.models import load_policy
     from posttrain.train.bench import matmul_gflops
 
@@ -174,7 +160,7 @@ def main(args: list[str]) -> dict[str, Any]:
     ours = [r["timeline/step_s"] for r in rows]  # the final step's checkpoint is not in step_s
     ours_s = statistics.median(ours[1:] or ours)
     params = sum(p.numel() for p in load_policy("smollm2-135m").parameters())
-    bandwidth = memory_bandwidth_gbs()
+    bandwidth = mem_read_gb_s()
     gflops = matmul_gflops(torch.bfloat16 if ns.dtype == "bfloat16" else torch.float32)
     floor_s = step_floor_s(rows, params, ns.dtype, bandwidth, gflops)
     trl_s: float | None = None

@@ -432,8 +432,8 @@ class Learner:
                         seq_tokens = int(mi.lengths.sum().item())
                         tokens += seq_tokens
                         if prefix > 0:  # the prefix once, then every row's suffix, packed without padding
-                            computed += seq_tokens - (mi.size - 1) * prefix
-                            cells += seq_tokens - (mi.size - 1) * prefix
+                            run = seq_tokens - (mi.size - 1) * prefix
+                            computed, cells = computed + run, cells + run
                         else:
                             assert inputs is not None
                             computed += inputs.tokens

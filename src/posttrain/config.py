@@ -227,6 +227,12 @@ class OrchestratorConfig(Section):
     tasks_per_step: int = Field(4, ge=1, description="groups per step; each group has algorithm.group_size")
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = Field(1, ge=0)
+    token_budget: int | None = Field(
+        None,
+        ge=1,
+        description="stop after the step at which generated tokens (rollouts and retention probes) reach this; "
+        "steps stays an upper bound",
+    )
     checkpoint_every: int = Field(10, ge=0)
     keep_checkpoints: int = Field(2, ge=1)
     eval_n: int = Field(64, ge=1, description="held-out tasks per (domain, difficulty) for `posttrain eval`")

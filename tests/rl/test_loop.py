@@ -281,3 +281,40 @@ def test_rl_bench_floor_is_hand_computable():
     # decode: 48 x (1e8 params x 2 bytes) / 10 GB/s = 0.96 s; update: 6 x 1e8 x 300 / 100 GFLOP/s = 1.8 s
     assert step_floor_s([warm, row], int(1e8), "bfloat16", 10.0, 100.0) == pytest.approx(2.76)
     assert step_floor_s([row], int(1e8), "float32", 10.0, 100.0) == pytest.approx(1.92 + 1.8)
+
+
+def test_token_budget_stops_at_the_step_that_reaches_it(tmp_path):
+    """The run stops after the first step whose rollout + probe tokens reach orchestrator.token_budget,
+    with the same steps as an unbudgeted run up to there; async stops at the same step."""
+    full = _run(_cfg(tmp_path, "orchestrator.steps=5"), "full")
+    rows = read_metrics(full.run_dir.metrics)
+    spent = [r["rollout/generated_tokens"] + r.get("heldout/generated_tokens", 0.0) for r in rows]
+    assert any("heldout/generated_tokens" in r for r in rows)  # probes ran and were charged
+    assert full.counters["rollout_tokens"] + full.counters["probe_tokens"] == sum(spent)
+    # every trained group's tokens reached the sampler (update(..., tokens=)); no infra failures here
+    assert full.counters["infra_failures"] == 0
+    assert sum(t for t, _ in full.sampler._s["tokens"]) == full.counters["rollout_tokens"]
+    budget = int(sum(spent[:2])) + 1  # not reached after step 2, reached after step 3
+    full.close()
+    for mode in ("sync", "async"):
+        rl = _run(_cfg(tmp_path, "orchestrator.steps=5", f"orchestrator.token_budget={budget}",
+                       f"orchestrator.mode={mode}", "orchestrator.max_staleness=1"), f"budget-{mode}")
+        got = read_metrics(rl.run_dir.metrics)
+        assert [r["step"] for r in got] == [1, 2, 3], mode
+        assert rl.budget_spent()
+        if mode == "sync":
+            assert _untimed(got) == _untimed(rows[:3])
+        # the last step was checkpointed with the counters, and a resumed run trains no further
+        state = json.loads((list_checkpoints(rl.run_dir.checkpoints)[-1] / "run_state.json").read_text())
+        assert state["step"] == 3 and state["counters"]["rollout_tokens"] == rl.counters["rollout_tokens"]
+        rl.close()
+        again = _run(_cfg(tmp_path, "orchestrator.steps=5", f"orchestrator.token_budget={budget}"), f"budget-{mode}", resume=True)
+        assert again.step == 3
+        again.close()
+
+
+def test_token_budget_must_be_positive(tmp_path):
+    from posttrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match="token_budget"):
+        _cfg(tmp_path, "orchestrator.token_budget=0")

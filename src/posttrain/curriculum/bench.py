@@ -88,6 +88,8 @@ def main(args: list[str]) -> dict[str, Any]:
     for key in PRESETS["full"]:
         real.add_argument("--" + key.replace("_", "-"), dest=key, type=int, default=None,
                           help=f"default {PRESETS['full'][key]} (--quick {PRESETS['quick'][key]})")
+    real.add_argument("--budget", choices=["tokens", "rollouts"], default="tokens",
+                      help="tokens: adaptive stops at the tokens uniform generated (probes charged); rollouts: same steps")
     real.add_argument("--eval-seed", type=int, default=1000, help="seed of the held-out tasks (same for every run)")
     real.add_argument("--out", default=None, help="directory for the run folders (default: a new temp dir)")
     real.add_argument("--keep-checkpoints", action="store_true", help="keep each run's final checkpoint")

@@ -3,8 +3,10 @@ real model through the RL loop, same rollout budget, then held-out accuracy per 
 
 Owns the run matrix (samplers x seeds), the shared configuration and the report. Training is
 `posttrain.orchestrator.RLRun`, scoring is `posttrain.orchestrator.evaluate.evaluate_local`; nothing here
-touches tensors. Both samplers get identical steps x tasks_per_step x group_size rollouts; the adaptive
-sampler's retention probes are extra (greedy, held-out) generations and are reported separately.
+touches tensors. The budget is tokens, as in the simulation: per seed, uniform_by_domain runs `steps`
+steps, and the adaptive run gets `orchestrator.token_budget` = the tokens uniform generated, with its own
+retention probes charged against it (steps capped at MAX_STEPS_FACTOR x steps). `--budget rollouts` gives
+both samplers the same steps instead (then the adaptive probes are extra).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-SAMPLERS = ["uniform_by_domain", "adaptive"]
+SAMPLERS = ["uniform_by_domain", "adaptive"]  # uniform first: its tokens set the adaptive run's budget
+MAX_STEPS_FACTOR = 3  # an adaptive run under a token budget may take up to this many times uniform's steps
 DEFAULT_DOMAINS = "math:0,1;code.unit_tests:1;tools.apis:0"
 # Sizes of the full run (the demo's scale: about 10 minutes per run on 2 bf16-capable CPU cores) and of
 # --quick (a few minutes). Explicit flags override either preset.
@@ -125,6 +128,7 @@ def train_and_eval(
         "train_s": train_s,
         "steps": len(rows),
         "generated_tokens": sum(float(r.get("rollout/generated_tokens", 0.0)) for r in rows),
+        "probe_tokens": sum(float(r.get("heldout/generated_tokens", 0.0)) for r in rows),
         "probes": sum(1 for r in rows if any(str(k).startswith("heldout/") for k in r)),
         "groups_by_arm": {k.rpartition("/")[2]: v for k, v in shares.items()},
     }
@@ -170,10 +174,18 @@ def main_real(ns: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     base = base_eval(overrides, sizes["n_eval"], ns.eval_seed)
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SAMPLERS}
+    budgets: list[int | None] = []
     for seed in seeds:
+        budget: int | None = None
         for sampler in SAMPLERS:
-            runs[sampler].append(train_and_eval(overrides, sampler, seed, root, sizes["n_eval"], ns.eval_seed,
-                                                 ns.keep_checkpoints))
+            extra = []
+            if budget is not None:
+                extra = [f"orchestrator.token_budget={budget}", f"orchestrator.steps={MAX_STEPS_FACTOR * sizes['steps']}"]
+            r = train_and_eval([*overrides, *extra], sampler, seed, root, sizes["n_eval"], ns.eval_seed, ns.keep_checkpoints)
+            runs[sampler].append(r)
+            if sampler == SAMPLERS[0] and ns.budget == "tokens":
+                budget = max(1, int(r["generated_tokens"] + r["probe_tokens"]))
+        budgets.append(budget)
     out: dict[str, Any] = {
         "mode": "real",
         "model": ns.model,
@@ -181,7 +193,9 @@ def main_real(ns: argparse.Namespace) -> dict[str, Any]:
         "seeds": seeds,
         "sizes": sizes,
         "eval_seed": ns.eval_seed,
-        "rollouts_per_run": sizes["steps"] * sizes["tasks_per_step"] * sizes["group_size"],
+        "budget": ns.budget,
+        "token_budget_per_seed": budgets,
+        "rollouts_per_uniform_run": sizes["steps"] * sizes["tasks_per_step"] * sizes["group_size"],
         "run_root": str(root),
         "base": {**base.per_domain,
                  "all": _pooled([x for v in base.per_task.values() for x in v], ns.eval_seed)},
@@ -198,7 +212,8 @@ def main_real(ns: argparse.Namespace) -> dict[str, Any]:
         out["per_domain"][sampler]["all"] = _pooled([x for s in pooled.values() for x in s], ns.eval_seed)
         out["per_seed"][sampler] = [
             {"seed": seed, "per_domain": r["report"].per_domain, "train_s": round(r["train_s"], 1),
-             "steps": r["steps"], "generated_tokens": r["generated_tokens"], "probes": r["probes"],
+             "steps": r["steps"], "generated_tokens": r["generated_tokens"], "probe_tokens": r["probe_tokens"],
+             "probes": r["probes"],
              "groups_by_arm": r["groups_by_arm"]}
             for seed, r in zip(seeds, runs[sampler], strict=True)
         ]
@@ -234,6 +249,10 @@ def _print_real(out: dict[str, Any]) -> None:
         console.print(f"  seed {seed}: adaptive - uniform: all {dd['delta']:+.3f} [{dd['ci_low']:+.3f}, {dd['ci_high']:+.3f}]; {per}")
     for s in SAMPLERS:
         for r in out["per_seed"][s]:
-            console.print(f"  {s} seed {r['seed']}: {r['steps']} steps, {r['generated_tokens']:.0f} generated tokens, "
-                          f"{r['probes']} probes, train {r['train_s']} s, groups {r['groups_by_arm']}")
+            console.print(f"  {s} seed {r['seed']}: {r['steps']} steps, {r['generated_tokens']:.0f} rollout tokens + "
+                          f"{r['probe_tokens']:.0f} probe tokens ({r['probes']} probes), train {r['train_s']} s, "
+                          f"groups {r['groups_by_arm']}")
+    if out["budget"] == "tokens":
+        console.print(f"  budget: the adaptive run of each seed stops at uniform's tokens {out['token_budget_per_seed']} "
+                      f"(probes charged; steps capped at {MAX_STEPS_FACTOR}x)")
     console.print(f"  runs under {out['run_root']}; wall {out['wall_s']} s")

@@ -55,9 +55,11 @@ def score_tasks(
     samples: int = 1,
     seed: int = 0,
     loop: asyncio.AbstractEventLoop | None = None,
+    usage: dict[str, float] | None = None,
 ) -> list[float | None]:
     """Each task's score, the mean over `samples` seeded episodes (None when every one of them was an
-    infrastructure failure). Greedy sampling ignores the seeds."""
+    infrastructure failure). Greedy sampling ignores the seeds. `usage`, when given, gains the episodes'
+    generated tokens under "generated_tokens"."""
     from dataclasses import replace
 
     from posttrain.rollout import sample_seed
@@ -80,6 +82,8 @@ def score_tasks(
     finally:
         if loop is None:
             runner.close()
+    if usage is not None:
+        usage["generated_tokens"] = usage.get("generated_tokens", 0.0) + float(sum(t.num_generated for t in trajs))
     out: list[float | None] = []
     for i in range(len(tasks)):
         scores = [
@@ -100,11 +104,13 @@ def evaluate_engine(
     limits: EpisodeLimits,
     seed: int = 0,
     loop: asyncio.AbstractEventLoop | None = None,
+    usage: dict[str, float] | None = None,
 ) -> dict[Any, list[float]]:
-    """Scores per arm (infra failures dropped) for our engine, greedy by default."""
+    """Scores per arm (infra failures dropped) for our engine, greedy by default; `usage` as in score_tasks."""
     tasks = heldout_tasks(domains, arms, n, seed)
     scores: dict[Any, list[float]] = {arm: [] for arm in arms}
-    for (arm, _, _), score in zip(tasks, score_tasks(engine, tokenizer, tasks, sandbox, sampling, limits, 1, seed, loop), strict=True):
+    results = score_tasks(engine, tokenizer, tasks, sandbox, sampling, limits, 1, seed, loop, usage)
+    for (arm, _, _), score in zip(tasks, results, strict=True):
         if score is not None:
             scores[arm].append(score)
     return scores

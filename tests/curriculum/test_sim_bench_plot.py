@@ -164,3 +164,38 @@ def test_bench_seed_start_picks_other_learners(capsys):
     with pytest.raises(SystemExit):
         main([*args, "--seed-start", "-1"])
     assert "--seed-start must be >= 0, got -1" in capsys.readouterr().err
+
+
+def test_static_sampler_holds_its_weights_and_rejects_bad_ones():
+    from posttrain.curriculum.sim import StaticSampler
+
+    arms = [Arm("a", 0), Arm("a", 1), Arm("b", 0)]
+    s = StaticSampler(CurriculumConfig(), arms, 0, np.array([0.0, 3.0, 1.0]))
+    assert list(s.weights().values()) == [0.0, 0.75, 0.25]
+    s.set_data_size(Arm("a", 1), 0)  # a removed arm's share goes to the others in proportion
+    assert list(s.weights().values()) == [0.0, 0.0, 1.0]
+    for bad in ([1.0, 1.0], [1.0, -1.0, 1.0], [0.0, 0.0, 0.0], [1.0, float("nan"), 1.0]):
+        with pytest.raises(ValueError, match="StaticSampler"):
+            StaticSampler(CurriculumConfig(), arms, 0, np.array(bad))
+
+
+def test_hindsight_search_returns_the_best_mix_it_tried():
+    from posttrain.curriculum.bench import hindsight_search
+    from posttrain.curriculum.sim import HINDSIGHT, SimSettings, budget_tokens, make_learner, run
+
+    cfg, s = CurriculumConfig(), SimSettings(groups_per_step=8, budget_uniform_steps=20)
+    budget = budget_tokens(make_learner(3), s)
+    threshold = float(run("uniform_by_domain", 3, cfg, s).p[-1].mean())
+    w, r = hindsight_search(3, cfg, s, budget, threshold, rounds=1, population=4, elite=2)
+    # replay the one round by hand: the same candidates, scored by the stated objective
+    logits = np.random.default_rng(30_000 + 3).standard_normal((4, 8))
+    scores, runs = [], []
+    for x in logits:
+        cand = np.exp(x - x.max()) / np.exp(x - x.max()).sum()
+        rr = run(HINDSIGHT, 3, cfg, s, static_weights=cand)
+        macro = rr.p.mean(axis=1)
+        t = first_crossing(rr.tokens, macro, threshold)
+        scores.append(t if np.isfinite(t) else budget * (1 + max(0.0, threshold - macro[-1])))
+        runs.append(cand)
+    assert w == pytest.approx(runs[int(np.argmin(scores))])
+    assert np.array_equal(r.p, run(HINDSIGHT, 3, cfg, s, static_weights=w).p)

@@ -6,6 +6,9 @@ uniform_by_domain's final macro accuracy (per seed, as a ratio; a sampler that n
 censored at the budget), worst-arm accuracy, forgetting (max over time minus final, per arm, averaged).
 The `oracle` row reads the simulator's hidden p and eta (see `sim.OracleSampler`): how far an
 allocation that knew the truth gets, so a missed target can be told apart from an unreachable one.
+`--hindsight N` adds `hindsight_static`: per seed, the fixed mix of arms that a cross-entropy search of N
+rounds finds best for that seed, judged on the very runs it picks from (optimistic: it also fits the
+seed's noise). It says whether a target is reachable by any fixed mix, not how a sampler would do.
 `--real` (benchmark 2: a real model through the RL loop, adaptive vs uniform_by_domain, held-out
 accuracy per domain) lives in `real.py`; its flags are listed under "--real" in `--help`.
 """
@@ -21,7 +24,16 @@ import numpy as np
 
 from posttrain.config import ConfigError, load_config
 from posttrain.curriculum.real import DEFAULT_DOMAINS, PRESETS, main_real
-from posttrain.curriculum.sim import ORACLE, SimRun, SimSettings, budget_tokens, make_learner, run
+from posttrain.curriculum.sim import (
+    HINDSIGHT,
+    LAYOUT,
+    ORACLE,
+    SimRun,
+    SimSettings,
+    budget_tokens,
+    make_learner,
+    run,
+)
 
 BASELINE = "uniform_by_domain"
 ALL = ["uniform_by_domain", "uniform_by_data", "dapo_filter_only", "sec", "dump", "adaptive"]
@@ -54,6 +66,36 @@ def run_metrics(r: SimRun, budget: float, threshold: float, probes_charged: bool
     }
 
 
+def hindsight_search(
+    seed: int, cfg: Any, settings: SimSettings, budget: float, threshold: float, rounds: int,
+    population: int = 24, elite: int = 6,
+) -> tuple[np.ndarray, SimRun]:
+    """Cross-entropy search over fixed arm weights (softmax of Gaussian logits) for the seed's learner.
+    Objective: tokens to the threshold; a run that misses it scores budget * (1 + the macro gap), so
+    nearer misses rank higher. Returns the best weights and their run. Deterministic per seed."""
+    rng = np.random.default_rng(30_000 + seed)
+    k = len(LAYOUT)
+    mu, sd = np.zeros(k), np.ones(k)
+    best: tuple[float, np.ndarray, SimRun] | None = None
+    for _ in range(rounds):
+        logits = mu + sd * rng.standard_normal((population, k))
+        scores = []
+        for x in logits:
+            w = np.exp(x - x.max())
+            w /= w.sum()
+            r = run(HINDSIGHT, seed, cfg, settings, static_weights=w)
+            macro = r.p.mean(axis=1)
+            t = first_crossing(r.tokens, macro, threshold)
+            score = t if np.isfinite(t) else budget * (1.0 + max(0.0, threshold - float(macro[-1])))
+            scores.append(score)
+            if best is None or score < best[0]:
+                best = (score, w, r)
+        chosen = logits[np.argsort(scores)[:elite]]
+        mu, sd = chosen.mean(axis=0), chosen.std(axis=0) + 0.05
+    assert best is not None
+    return best[1], best[2]
+
+
 def bootstrap_ci(values: np.ndarray, n_boot: int, seed: int = 0) -> tuple[float, float]:
     """Percentile 95% interval of the mean over seeds."""
     values = np.asarray(values, dtype=np.float64)
@@ -80,6 +122,8 @@ def main(args: list[str]) -> dict[str, Any]:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="curriculum config override for every sampler, e.g. --set c=0.5 (repeatable)")
     ap.add_argument("--free-probes", action="store_true", help="do not charge probe tokens to the budget")
+    ap.add_argument("--hindsight", type=int, default=0, metavar="ROUNDS",
+                    help=f"add '{HINDSIGHT}': the best fixed mix per seed from a search of ROUNDS x 24 runs (e.g. 8)")
     real = ap.add_argument_group("--real", "benchmark 2: a real model through the RL loop (see real.py)")
     real.add_argument("--real", action="store_true", help="adaptive vs uniform_by_domain on a real model")
     real.add_argument("--quick", action="store_true", help="small preset that finishes in a few minutes")
@@ -113,6 +157,10 @@ def main(args: list[str]) -> dict[str, Any]:
         ap.error("--seeds, --groups-per-step and --budget-steps must be >= 1")
     if ns.seed_start < 0:
         ap.error(f"--seed-start must be >= 0, got {ns.seed_start}")
+    if ns.hindsight < 0:
+        ap.error(f"--hindsight must be >= 0 rounds, got {ns.hindsight}")
+    if ns.hindsight:
+        names.append(HINDSIGHT)
     names = [BASELINE] + [n for n in names if n != BASELINE]
 
     try:
@@ -123,6 +171,7 @@ def main(args: list[str]) -> dict[str, Any]:
                            charge_probes=not ns.free_probes)
     t0 = time.perf_counter()
     per: dict[str, dict[str, list[float]]] = {n: {} for n in names}
+    hindsight_w: list[np.ndarray] = []
     for seed in range(ns.seed_start, ns.seed_start + ns.seeds):
         budget = budget_tokens(make_learner(seed), settings)
         base = run(BASELINE, seed, cfg, settings)
@@ -131,6 +180,10 @@ def main(args: list[str]) -> dict[str, Any]:
         for name in names:
             if name == BASELINE:
                 m = base_m
+            elif name == HINDSIGHT:
+                weights, r = hindsight_search(seed, cfg, settings, budget, threshold, ns.hindsight)
+                hindsight_w.append(weights)
+                m = run_metrics(r, budget, threshold, settings.charge_probes)
             else:
                 plot_this = ns.plot is not None and seed == ns.seed_start and name == "adaptive"
                 r = run(name, seed, cfg, settings, log_weights=plot_this)
@@ -161,6 +214,9 @@ def main(args: list[str]) -> dict[str, Any]:
         out[k + "_diff_vs_uniform_ci95"] = {
             n: bootstrap_ci(np.array(per[n][k]) - np.array(per[BASELINE][k]), ns.boot) for n in names if n != BASELINE
         }
+    if hindsight_w:
+        out["hindsight_weights"] = {a.key: float(np.mean([w[i] for w in hindsight_w])) for i, a in
+                                    enumerate(make_learner(ns.seed_start).arms)}
     if "adaptive" in names:
         a = "adaptive"
         out["targets"] = {

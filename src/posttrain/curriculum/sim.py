@@ -28,6 +28,8 @@ Dynamics (per seed, every hidden parameter drawn from the ranges in `make_learne
   probe_size prompts evenly over the domain's arms; each arm's score is Binomial(m, p)/m, reported
   with its m. Only the arms the sampler's `probe_arms(step)` names are probed (and charged).
 `OracleSampler` (bench row `oracle`) reads the hidden p and eta: a ceiling for allocation, not a sampler.
+`StaticSampler` (bench row `hindsight_static`, `--hindsight`) holds one fixed weight vector, the best one
+a search finds for the seed by running it: what a fixed mix chosen with hindsight can reach.
 Not modelled: prompts within an arm (choose_prompt), optimiser state, noise in the reward itself.
 """
 
@@ -174,6 +176,27 @@ class OracleSampler(Sampler):
         return (1.0 - self.cfg.eps) * w + self.cfg.eps / len(avail)
 
 
+HINDSIGHT = "hindsight_static"
+
+
+class StaticSampler(Sampler):
+    """Fixed weights over the arms (renormalised over the available ones). A reference for the bench's
+    hindsight search, not a sampler anyone can run: the weights are chosen after seeing the seed's runs."""
+
+    name = HINDSIGHT
+
+    def __init__(self, cfg: CurriculumConfig, arms: list[Arm], seed: int, weights: np.ndarray):
+        super().__init__(cfg, arms, seed)
+        w = np.asarray(weights, dtype=np.float64)
+        if w.shape != (len(self.arms),) or np.any(w < 0) or not np.all(np.isfinite(w)) or w.sum() <= 0:
+            raise ValueError(f"StaticSampler: need {len(self.arms)} finite weights >= 0 with a positive sum, got {w.tolist()}")
+        self._w = w
+
+    def _policy(self, avail: np.ndarray) -> np.ndarray:
+        w = self._w[avail]
+        return w / w.sum() if w.sum() > 0 else np.full(len(avail), 1.0 / len(avail))
+
+
 @dataclass
 class SimSettings:
     groups_per_step: int = 32
@@ -198,13 +221,26 @@ def budget_tokens(learner: Learner, s: SimSettings) -> float:
     return float(s.budget_uniform_steps * s.groups_per_step * s.group_size * learner.tokens.mean())
 
 
-def run(sampler_name: str, seed: int, cfg: CurriculumConfig, s: SimSettings, log_weights: bool = False) -> SimRun:
-    """Drive one sampler against the seed's learner until the token budget is spent."""
+def run(
+    sampler_name: str,
+    seed: int,
+    cfg: CurriculumConfig,
+    s: SimSettings,
+    log_weights: bool = False,
+    static_weights: np.ndarray | None = None,
+) -> SimRun:
+    """Drive one sampler against the seed's learner until the token budget is spent
+    (`hindsight_static` needs static_weights, one per arm of LAYOUT)."""
     learner = make_learner(seed)
     rng = np.random.default_rng(20_000 + seed)
     sizes = {a: int(n) for a, n in zip(learner.arms, learner.data_size, strict=True)}
-    if sampler_name == ORACLE:
-        sampler: Sampler = OracleSampler(cfg, learner.arms, seed, learner)
+    if sampler_name in (ORACLE, HINDSIGHT):
+        if sampler_name == ORACLE:
+            sampler: Sampler = OracleSampler(cfg, learner.arms, seed, learner)
+        elif static_weights is None:
+            raise ValueError(f"{HINDSIGHT} needs static_weights")
+        else:
+            sampler = StaticSampler(cfg, learner.arms, seed, static_weights)
         for a, n in sizes.items():
             sampler.set_data_size(a, n)
     else:

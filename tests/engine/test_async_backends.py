@@ -130,7 +130,11 @@ def test_make_engine_builds_the_configured_backend(tokenizer):
     model = tiny("llama")
     paged = make_engine(EngineConfig(backend="paged", block_size=8, num_kv_blocks=32), model, tokenizer)
     assert isinstance(paged, PagedEngine) and paged.block_size == 8 and paged.bm.num_blocks == 32
-    assert isinstance(make_engine(EngineConfig(backend="hf"), model, tokenizer), HFEngine)
+    assert paged.caches_prefixes  # the collector prefills a group's prompt once only on engines that cache
+    no_cache = EngineConfig(backend="paged", block_size=8, num_kv_blocks=32, enable_prefix_caching=False)
+    assert make_engine(no_cache, model, tokenizer).caches_prefixes is False
+    hf = make_engine(EngineConfig(backend="hf"), model, tokenizer)
+    assert isinstance(hf, HFEngine) and hf.caches_prefixes is False
     with pytest.raises(ImportError, match=r"pip install 'posttrain\[vllm\]'"):
         make_engine(EngineConfig(backend="vllm"), model, tokenizer)
 

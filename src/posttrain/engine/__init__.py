@@ -14,6 +14,9 @@ The contract every backend keeps (PagedEngine, HFEngine, VLLMEngine):
     engine.load_weights(weights, version=None)            # HF names as in model.state_dict(), a "base_model.model."
                                                           # prefix is stripped; in place; bumps engine.version
     engine.release_kv_cache()                             # free the KV pool; the next step re-allocates it
+    engine.caches_prefixes: bool                          # a prompt prefilled once is reused by later requests
+                                                          # (the rollout collector then prefills a group's prompt
+                                                          # once); an engine without it counts as False
     engine.kv_stats() -> dict                             # blocks_allocated, tokens_stored, waste_frac,
                                                           # prefix_hit_tokens, fork_shared_blocks, peak_*, preemptions
 

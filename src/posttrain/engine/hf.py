@@ -49,6 +49,7 @@ class HFEngine(BlockingAsyncMixin):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.max_batch_size = max_batch_size
+        self.caches_prefixes = False  # every generate() call computes its prompts from scratch
         self.version = 0
         self._ids = itertools.count()
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

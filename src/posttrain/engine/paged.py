@@ -110,6 +110,7 @@ class PagedEngine:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.caches_prefixes = enable_prefix_caching
         self.scheduler = Scheduler(self.bm, max_num_seqs, max_num_batched_tokens)
         s = self.runner.spec
         self.stager = (

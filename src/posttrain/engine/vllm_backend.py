@@ -43,6 +43,7 @@ class VLLMEngine(BlockingAsyncMixin):
         self.version = 0
         self._asleep = False
         self._ids = itertools.count()
+        self.caches_prefixes = engine_cfg.enable_prefix_caching
         self._dir = tempfile.TemporaryDirectory(prefix="posttrain-vllm-")
         model.save_pretrained(self._dir.name)
         tokenizer.save_pretrained(self._dir.name)

@@ -188,7 +188,7 @@ class RLRun:
             run_seed=self.cfg.seed,
             step=step,
             group_offset=group_offset,
-            share_prefill=self.cfg.engine.enable_prefix_caching and self.cfg.engine.backend != "hf",
+            share_prefill=getattr(self.engine, "caches_prefixes", False),  # absent (a wrapper, a test double): no
         )
         return self._loop.run_until_complete(coro)
 

@@ -220,6 +220,8 @@ def test_cli_train_three_steps_with_code_and_tool_domains(tmp_path):
     assert domains_seen <= {"code.unit_tests", "tools.apis"} and domains_seen
     assert (run / "policy" / "config.json").is_file()
     assert (run / "checkpoints" / "latest").read_text() == "step-000003"
+    tokens = sum(r["rollout/generated_tokens"] + r.get("heldout/generated_tokens", 0.0) for r in rows)
+    assert f"done: 3 steps, {tokens:.0f} generated tokens;" in " ".join(out.split())
 
 
 def test_sigterm_during_a_step_leaves_a_loadable_checkpoint(tmp_path):

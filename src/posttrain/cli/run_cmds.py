@@ -84,7 +84,11 @@ def train(
         console.print(f"stopped by signal {sig} at step {summary['step']}; checkpoint saved; resume with --resume {run.path}")
         raise typer.Exit(128 + int(sig))
     save_hf_folder(rl.learner.weights(), cfg.model.spec, run.path / "policy")
-    console.print(f"done: {summary['step']} steps; policy at {run.path / 'policy'}; metrics in {run.metrics}")
+    budget = f" (token budget of {cfg.orchestrator.token_budget} reached)" if summary["budget_spent"] else ""
+    console.print(
+        f"done: {summary['step']} steps, {summary['generated_tokens']:.0f} generated tokens{budget}; "
+        f"policy at {run.path / 'policy'}; metrics in {run.metrics}"
+    )
 
 
 def _arms_for(cfg: RunConfig, suite: str | None) -> tuple[dict[str, Any], list[Any]]:

@@ -199,3 +199,16 @@ def test_hindsight_search_returns_the_best_mix_it_tried():
         runs.append(cand)
     assert w == pytest.approx(runs[int(np.argmin(scores))])
     assert np.array_equal(r.p, run(HINDSIGHT, 3, cfg, s, static_weights=w).p)
+
+
+def test_real_bench_pools_seeds_pairwise():
+    from posttrain.curriculum.real import _pool
+    from posttrain.orchestrator.evaluate import EvalReport, paired_delta
+
+    ada = [EvalReport("a0", {"math": [1.0, 0.0]}), EvalReport("a1", {"math": [1.0, 1.0]})]
+    uni = [EvalReport("u0", {"math": [0.0, 0.0]}), EvalReport("u1", {"math": [1.0, None]})]
+    pooled = _pool(ada)
+    assert pooled.per_task == {"math": [1.0, 0.0, 1.0, 1.0]}
+    d = paired_delta(pooled, _pool(uni))
+    # pairs (task, seed): 1-0, 0-0, 1-1; the infra failure (None) drops its pair
+    assert d["n_tasks"] == 3 and d["delta"] == pytest.approx(1 / 3)

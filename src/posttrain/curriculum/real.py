@@ -219,9 +219,25 @@ def main_real(ns: argparse.Namespace) -> dict[str, Any]:
         ]
     for seed, a, u in zip(seeds, runs["adaptive"], runs["uniform_by_domain"], strict=True):
         out["delta_adaptive_minus_uniform"][str(seed)] = paired_delta(a["report"], u["report"], ns.eval_seed)
+    if len(seeds) > 1:  # every run is scored on the same held-out tasks: pair (task, seed) across the seeds
+        out["delta_adaptive_minus_uniform"]["pooled"] = paired_delta(
+            _pool([r["report"] for r in runs["adaptive"]]), _pool([r["report"] for r in runs["uniform_by_domain"]]),
+            ns.eval_seed,
+        )
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     _print_real(out)
     return out
+
+
+def _pool(reports: list[Any]) -> Any:
+    """One report whose per-task scores are the reports' in turn (seed after seed)."""
+    from posttrain.orchestrator.evaluate import EvalReport
+
+    per_task: dict[str, list[float | None]] = {}
+    for rep in reports:
+        for dom, scores in rep.per_task.items():
+            per_task.setdefault(dom, []).extend(scores)
+    return EvalReport("pooled", per_task)
 
 
 def _print_real(out: dict[str, Any]) -> None:
@@ -246,7 +262,7 @@ def _print_real(out: dict[str, Any]) -> None:
     console.print(t)
     for seed, dd in out["delta_adaptive_minus_uniform"].items():
         per = ", ".join(f"{d} {v['delta']:+.3f} [{v['ci_low']:+.3f}, {v['ci_high']:+.3f}]" for d, v in dd["per_domain"].items())
-        console.print(f"  seed {seed}: adaptive - uniform: all {dd['delta']:+.3f} [{dd['ci_low']:+.3f}, {dd['ci_high']:+.3f}]; {per}")
+        console.print(f"  {'seeds pooled' if seed == 'pooled' else 'seed ' + seed}: adaptive - uniform: all {dd['delta']:+.3f} [{dd['ci_low']:+.3f}, {dd['ci_high']:+.3f}]; {per}")
     for s in SAMPLERS:
         for r in out["per_seed"][s]:
             console.print(f"  {s} seed {r['seed']}: {r['steps']} steps, {r['generated_tokens']:.0f} rollout tokens + "

@@ -186,7 +186,8 @@ def test_hindsight_search_returns_the_best_mix_it_tried():
     cfg, s = CurriculumConfig(), SimSettings(groups_per_step=8, budget_uniform_steps=20)
     budget = budget_tokens(make_learner(3), s)
     threshold = float(run("uniform_by_domain", 3, cfg, s).p[-1].mean())
-    w, r = hindsight_search(3, cfg, s, budget, threshold, rounds=1, population=4, elite=2)
+    limits = (0.001, 0.5)  # tight: every candidate pays some penalty
+    w, r = hindsight_search(3, cfg, s, budget, threshold, rounds=1, population=4, elite=2, limits=limits)
     # replay the one round by hand: the same candidates, scored by the stated objective
     logits = np.random.default_rng(30_000 + 3).standard_normal((4, 8))
     scores, runs = [], []
@@ -195,7 +196,9 @@ def test_hindsight_search_returns_the_best_mix_it_tried():
         rr = run(HINDSIGHT, 3, cfg, s, static_weights=cand)
         macro = rr.p.mean(axis=1)
         t = first_crossing(rr.tokens, macro, threshold)
-        scores.append(t if np.isfinite(t) else budget * (1 + max(0.0, threshold - macro[-1])))
+        score = t if np.isfinite(t) else budget * (1 + max(0.0, threshold - macro[-1]))
+        forgetting = (rr.p.max(axis=0) - rr.p[-1]).mean()
+        scores.append(score + 100 * budget * (max(0.0, forgetting - 0.001) + max(0.0, 0.5 - rr.p[-1].min())))
         runs.append(cand)
     assert w == pytest.approx(runs[int(np.argmin(scores))])
     assert np.array_equal(r.p, run(HINDSIGHT, 3, cfg, s, static_weights=w).p)

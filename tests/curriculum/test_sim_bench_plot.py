@@ -215,3 +215,13 @@ def test_real_bench_pools_seeds_pairwise():
     d = paired_delta(pooled, _pool(uni))
     # pairs (task, seed): 1-0, 0-0, 1-1; the infra failure (None) drops its pair
     assert d["n_tasks"] == 3 and d["delta"] == pytest.approx(1 / 3)
+
+
+def test_bench_real_stops_when_a_run_is_interrupted(tmp_path, monkeypatch):
+    from posttrain.curriculum import real
+    from posttrain.orchestrator import RLRun
+
+    monkeypatch.setattr(RLRun, "train", lambda self: {"step": 1, "interrupted": True, "signal": 15})
+    overrides = ["model.spec=tiny:llama", "envs.domains=[{name: math, difficulties: [0]}]", "telemetry.progress=false"]
+    with pytest.raises(SystemExit, match="interrupted by signal 15 during adaptive seed 3"):
+        real.train_and_eval(overrides, "adaptive", 3, tmp_path, 2, 0)

@@ -105,7 +105,10 @@ def train_and_eval(
     t0 = time.perf_counter()
     rl = RLRun(cfg, run_dir, show_progress=False)
     try:
-        rl.train()
+        summary = rl.train()
+        if summary["interrupted"]:  # the run checkpointed on SIGINT/SIGTERM; the matrix stops with it
+            raise SystemExit(f"bench curriculum --real: interrupted by signal {summary['signal']} during {sampler} "
+                             f"seed {seed}; its checkpoint is under {run_dir.path}")
         policy = save_hf_folder(rl.learner.weights(), cfg.model.spec, run_dir.path / "policy")
         domains, arms = rl.domains, rl.arms
         shares = {k: v for k, v in rl.sampler.signals().items() if k.startswith("curriculum/groups/")}

@@ -86,14 +86,15 @@ def test_bench_real_wiring_on_a_tiny_model(tmp_path):
 
     out = main(["--real", "--quick", "--model", "tiny:llama", "--domains", "math:0;tools.apis:0", "--steps", "2",
                 "--tasks-per-step", "2", "--group-size", "2", "--n-eval", "2", "--max-new-tokens", "8",
-                "--probe-every", "1", "--probe-size", "1", "--out", str(tmp_path)])
-    assert out["seeds"] == [0] and out["rollouts_per_uniform_run"] == 2 * 2 * 2 and out["budget"] == "tokens"
+                "--probe-every", "1", "--probe-size", "1", "--seed-start", "5", "--out", str(tmp_path)])
+    assert out["seeds"] == [5] and out["rollouts_per_uniform_run"] == 2 * 2 * 2 and out["budget"] == "tokens"
     uni, ada = out["per_seed"]["uniform_by_domain"][0], out["per_seed"]["adaptive"][0]
+    assert uni["seed"] == 5 and "seed: 5" in (tmp_path / "adaptive-seed5" / "config.yaml").read_text()
     assert uni["steps"] == 2 and sum(uni["groups_by_arm"].values()) == 4 and uni["probes"] == 0
     # adaptive's budget is the tokens uniform generated; it stops at the first step that reaches it
     (budget,) = out["token_budget_per_seed"]
     assert budget == uni["generated_tokens"] + uni["probe_tokens"]
-    rows = read_metrics(tmp_path / "adaptive-seed0" / "metrics.jsonl")
+    rows = read_metrics(tmp_path / "adaptive-seed5" / "metrics.jsonl")
     spent = np.cumsum([r["rollout/generated_tokens"] + r.get("heldout/generated_tokens", 0.0) for r in rows])
     assert spent[-1] == ada["generated_tokens"] + ada["probe_tokens"]
     assert (spent[-1] >= budget or len(rows) == 3 * 2) and (len(rows) == 1 or spent[-2] < budget)
@@ -101,9 +102,9 @@ def test_bench_real_wiring_on_a_tiny_model(tmp_path):
     for sampler in ("uniform_by_domain", "adaptive"):
         assert set(out["per_domain"][sampler]) == {"math", "tools.apis", "all"}
         assert out["per_domain"][sampler]["all"]["n"] == 4  # 2 held-out tasks x 2 arms
-        assert (tmp_path / f"{sampler}-seed0" / "policy" / "config.json").is_file()
-        assert not (tmp_path / f"{sampler}-seed0" / "checkpoints").exists()
-    assert set(out["delta_adaptive_minus_uniform"]["0"]["per_domain"]) == {"math", "tools.apis"}
+        assert (tmp_path / f"{sampler}-seed5" / "policy" / "config.json").is_file()
+        assert not (tmp_path / f"{sampler}-seed5" / "checkpoints").exists()
+    assert set(out["delta_adaptive_minus_uniform"]["5"]["per_domain"]) == {"math", "tools.apis"}
     assert set(out["base"]) == {"math", "tools.apis", "all"} and out["base"]["all"]["n"] == 4
 
 

@@ -123,7 +123,8 @@ def main(args: list[str]) -> dict[str, Any]:
     ap.add_argument("--seeds", type=int, default=None,
                     help="simulated learners (default 8; >= 5 for the report); --real: training seeds (default 2, --quick 1)")
     ap.add_argument("--seed-start", type=int, default=0,
-                    help="first simulated learner's seed (e.g. 100 for a held-out set the defaults were not tuned on)")
+                    help="first simulated learner's seed (e.g. 100 for a held-out set the defaults were not tuned on); "
+                    "--real: first training seed (to add seeds to an earlier run)")
     ap.add_argument("--samplers", default=",".join(ALL + REFERENCE),
                     help=f"comma list; must include {BASELINE}; '{ORACLE}' reads the hidden state (a ceiling)")
     ap.add_argument("--groups-per-step", type=int, default=SimSettings.groups_per_step)
@@ -155,6 +156,8 @@ def main(args: list[str]) -> dict[str, Any]:
     if ns.real:
         if ns.seeds is not None and ns.seeds < 1:
             ap.error("--seeds must be >= 1")
+        if ns.seed_start < 0:
+            ap.error(f"--seed-start must be >= 0, got {ns.seed_start}")
         try:
             return main_real(ns)
         except (ConfigError, ValueError) as err:

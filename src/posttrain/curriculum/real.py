@@ -169,7 +169,8 @@ def main_real(ns: argparse.Namespace) -> dict[str, Any]:
         least = 0 if key == "probe_every" else 1
         if v < least:
             raise ValueError(f"--real: --{key.replace('_', '-')} must be >= {least}, got {v}")
-    seeds = list(range(ns.seeds if ns.seeds is not None else 1 if ns.quick else 2))
+    n_seeds = ns.seeds if ns.seeds is not None else 1 if ns.quick else 2
+    seeds = list(range(ns.seed_start, ns.seed_start + n_seeds))
     overrides = run_overrides(ns, sizes)
     from posttrain.config import load_config
 

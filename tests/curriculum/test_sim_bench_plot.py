@@ -98,6 +98,7 @@ def test_bench_real_wiring_on_a_tiny_model(tmp_path):
     spent = np.cumsum([r["rollout/generated_tokens"] + r.get("heldout/generated_tokens", 0.0) for r in rows])
     assert spent[-1] == ada["generated_tokens"] + ada["probe_tokens"]
     assert (spent[-1] >= budget or len(rows) == 3 * 2) and (len(rows) == 1 or spent[-2] < budget)
+    assert [len(v) for v in ada["per_task"].values()] == [2, 2]  # kept for pooling across invocations
     assert ada["probes"] == len(rows)  # probe_every 1: a probe after every step, charged to the budget
     for sampler in ("uniform_by_domain", "adaptive"):
         assert set(out["per_domain"][sampler]) == {"math", "tools.apis", "all"}

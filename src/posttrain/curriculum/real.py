@@ -218,8 +218,8 @@ def main_real(ns: argparse.Namespace) -> dict[str, Any]:
         out["per_seed"][sampler] = [
             {"seed": seed, "per_domain": r["report"].per_domain, "train_s": round(r["train_s"], 1),
              "steps": r["steps"], "generated_tokens": r["generated_tokens"], "probe_tokens": r["probe_tokens"],
-             "probes": r["probes"],
-             "groups_by_arm": r["groups_by_arm"]}
+             "probes": r["probes"], "groups_by_arm": r["groups_by_arm"],
+             "per_task": r["report"].per_task}  # held-out scores in task order, for pooling across invocations
             for seed, r in zip(seeds, runs[sampler], strict=True)
         ]
     for seed, a, u in zip(seeds, runs["adaptive"], runs["uniform_by_domain"], strict=True):

@@ -92,12 +92,11 @@ def hindsight_search(
             w = np.exp(x - x.max())
             w /= w.sum()
             r = run(HINDSIGHT, seed, cfg, settings, static_weights=w)
-            macro = r.p.mean(axis=1)
-            t = first_crossing(r.tokens, macro, threshold)
-            score = t if np.isfinite(t) else budget * (1.0 + max(0.0, threshold - float(macro[-1])))
+            m = run_metrics(r, budget, threshold, settings.charge_probes)
+            t = m["tokens_to_threshold"]
+            score = t if np.isfinite(t) else budget * (1.0 + max(0.0, threshold - m["final_macro_accuracy"]))
             if limits is not None:
-                forgetting = float((r.p.max(axis=0) - r.p[-1]).mean())
-                excess = max(0.0, forgetting - limits[0]) + max(0.0, limits[1] - float(r.p[-1].min()))
+                excess = max(0.0, m["forgetting"] - limits[0]) + max(0.0, limits[1] - m["worst_arm_accuracy"])
                 score += HINDSIGHT_PENALTY * budget * excess
             scores.append(score)
             if best is None or score < best[0]:

@@ -185,9 +185,9 @@ class StaticSampler(Sampler):
 
     name = HINDSIGHT
 
-    def __init__(self, cfg: CurriculumConfig, arms: list[Arm], seed: int, weights: np.ndarray):
+    def __init__(self, cfg: CurriculumConfig, arms: list[Arm], seed: int, weights: np.ndarray | None):
         super().__init__(cfg, arms, seed)
-        w = np.asarray(weights, dtype=np.float64)
+        w = np.asarray(weights if weights is not None else [], dtype=np.float64)
         if w.shape != (len(self.arms),) or np.any(w < 0) or not np.all(np.isfinite(w)) or w.sum() <= 0:
             raise ValueError(f"StaticSampler: need {len(self.arms)} finite weights >= 0 with a positive sum, got {w.tolist()}")
         self._w = w
@@ -235,12 +235,11 @@ def run(
     rng = np.random.default_rng(20_000 + seed)
     sizes = {a: int(n) for a, n in zip(learner.arms, learner.data_size, strict=True)}
     if sampler_name in (ORACLE, HINDSIGHT):
-        if sampler_name == ORACLE:
-            sampler: Sampler = OracleSampler(cfg, learner.arms, seed, learner)
-        elif static_weights is None:
-            raise ValueError(f"{HINDSIGHT} needs static_weights")
-        else:
-            sampler = StaticSampler(cfg, learner.arms, seed, static_weights)
+        sampler: Sampler = (
+            OracleSampler(cfg, learner.arms, seed, learner)
+            if sampler_name == ORACLE
+            else StaticSampler(cfg, learner.arms, seed, static_weights)  # rejects missing or bad weights
+        )
         for a, n in sizes.items():
             sampler.set_data_size(a, n)
     else:

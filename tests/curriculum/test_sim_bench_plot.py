@@ -8,7 +8,7 @@ import pytest
 
 from posttrain.config import CurriculumConfig
 from posttrain.curriculum import Arm, plot_domain_shares
-from posttrain.curriculum.bench import auc_vs_tokens, bootstrap_ci, first_crossing, main
+from posttrain.curriculum.bench import auc_vs_tokens, bootstrap_ci, first_crossing, main, run_metrics
 from posttrain.curriculum.plot import domain_shares
 from posttrain.curriculum.sim import Learner, OracleSampler
 
@@ -204,6 +204,61 @@ def test_hindsight_search_returns_the_best_mix_it_tried():
         runs.append(cand)
     assert w == pytest.approx(runs[int(np.argmin(scores))])
     assert np.array_equal(r.p, run(HINDSIGHT, 3, cfg, s, static_weights=w).p)
+
+
+def test_static_sampler_plan_switches_rows_with_the_spent_budget():
+    from posttrain.curriculum.sim import StaticSampler
+
+    arms = [Arm("a", 0), Arm("b", 0)]
+    s = StaticSampler(CurriculumConfig(), arms, 0, np.array([[1.0, 0.0], [1.0, 1.0], [0.0, 2.0]]))
+    for frac, want in ((0.0, [1.0, 0.0]), (0.33, [1.0, 0.0]), (0.34, [0.5, 0.5]), (0.67, [0.0, 1.0]), (1.0, [0.0, 1.0])):
+        s.set_progress(frac)
+        assert list(s.weights().values()) == want, frac
+    for bad in ([[1.0, 1.0], [0.0, 0.0]], [[1.0, 1.0, 1.0]], np.ones((2, 2, 2))):
+        with pytest.raises(ValueError, match="one per phase"):
+            StaticSampler(CurriculumConfig(), arms, 0, np.array(bad))
+
+
+def test_sim_run_plan_and_fresh_noise():
+    from posttrain.curriculum.sim import HINDSIGHT, SimSettings, run
+
+    cfg, s = CurriculumConfig(), SimSettings(groups_per_step=8, budget_uniform_steps=12)
+    w = np.linspace(1.0, 2.0, 8)
+    flat = run(HINDSIGHT, 2, cfg, s, static_weights=w)
+    assert np.array_equal(flat.p, run(HINDSIGHT, 2, cfg, s, static_weights=np.stack([w, w, w])).p)  # a plan of equal rows
+    two = np.stack([w, np.eye(8)[5]])  # second half of the budget: only arm 5 (tools:0)
+    plan = run(HINDSIGHT, 2, cfg, s, static_weights=two)
+    half = int(np.searchsorted(plan.tokens, plan.tokens[-1] / 2))
+    assert np.array_equal(plan.p[:half], flat.p[:half])
+    late = plan.groups_by_arm - run(HINDSIGHT, 2, cfg, s, static_weights=w).groups_by_arm
+    assert late[5] > 0 and np.all(np.delete(late, 5) <= 0)
+    assert np.array_equal(flat.p, run(HINDSIGHT, 2, cfg, s, static_weights=w, noise=0).p)
+    fresh = run(HINDSIGHT, 2, cfg, s, static_weights=w, noise=1)
+    assert np.array_equal(fresh.p[0], flat.p[0]) and not np.array_equal(fresh.p, flat.p)  # same learner, other draws
+
+
+def test_bench_hindsight_plan_is_scored_on_a_fresh_run(capsys):
+    from posttrain.curriculum.bench import hindsight_search
+    from posttrain.curriculum.sim import HINDSIGHT, SimSettings, budget_tokens, make_learner, run
+
+    args = ["--seeds", "1", "--budget-steps", "10", "--groups-per-step", "8", "--boot", "20",
+            "--samplers", "uniform_by_domain", "--hindsight", "1", "--hindsight-phases", "2"]
+    out = main(args)
+    assert out["hindsight_phases"] == 2 and len(out["hindsight_weights"]) == 2
+    assert all(sum(row.values()) == pytest.approx(1.0) for row in out["hindsight_weights"])
+    cfg, s = CurriculumConfig(), SimSettings(groups_per_step=8, budget_uniform_steps=10)
+    base = run("uniform_by_domain", 0, cfg, s)
+    budget, threshold = budget_tokens(make_learner(0), s), float(base.p[-1].mean())
+    base_m = run_metrics(base, budget, threshold)
+    plan, r = hindsight_search(0, cfg, s, budget, threshold, 1, limits=(base_m["forgetting"], base_m["worst_arm_accuracy"]), phases=2)
+    assert plan.shape == (2, 8)
+    assert out["hindsight_in_sample"]["forgetting"] == pytest.approx(run_metrics(r, budget, threshold)["forgetting"])
+    fresh = run_metrics(run(HINDSIGHT, 0, cfg, s, static_weights=plan, noise=1), budget, threshold)
+    assert out["forgetting"][HINDSIGHT] == pytest.approx(fresh["forgetting"])
+    assert out["worst_arm_accuracy"][HINDSIGHT] == pytest.approx(fresh["worst_arm_accuracy"])
+    with pytest.raises(SystemExit):
+        main([*args[:-1], "0"])
+    assert "--hindsight-phases must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_real_bench_pools_seeds_pairwise():

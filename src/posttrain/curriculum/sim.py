@@ -28,8 +28,9 @@ Dynamics (per seed, every hidden parameter drawn from the ranges in `make_learne
   probe_size prompts evenly over the domain's arms; each arm's score is Binomial(m, p)/m, reported
   with its m. Only the arms the sampler's `probe_arms(step)` names are probed (and charged).
 `OracleSampler` (bench row `oracle`) reads the hidden p and eta: a ceiling for allocation, not a sampler.
-`StaticSampler` (bench row `hindsight_static`, `--hindsight`) holds one fixed weight vector, the best one
-a search finds for the seed by running it: what a fixed mix chosen with hindsight can reach.
+`StaticSampler` (bench row `hindsight_static`, `--hindsight`) holds one fixed weight vector (or one per
+phase of the budget), the best one a search finds for the seed by running it: what a fixed mix (or a
+phased plan) chosen with hindsight can reach.
 Not modelled: prompts within an arm (choose_prompt), optimiser state, noise in the reward itself.
 """
 
@@ -180,20 +181,32 @@ HINDSIGHT = "hindsight_static"
 
 
 class StaticSampler(Sampler):
-    """Fixed weights over the arms (renormalised over the available ones). A reference for the bench's
-    hindsight search, not a sampler anyone can run: the weights are chosen after seeing the seed's runs."""
+    """Fixed weights over the arms (renormalised over the available ones), or a plan of P such rows, row
+    j used while the spent share of the token budget is in [j/P, (j+1)/P) (`sim.run` reports it through
+    set_progress). A reference for the bench's hindsight search, not a sampler anyone can run: the
+    weights are chosen after seeing the seed's runs."""
 
     name = HINDSIGHT
 
     def __init__(self, cfg: CurriculumConfig, arms: list[Arm], seed: int, weights: np.ndarray | None):
         super().__init__(cfg, arms, seed)
         w = np.asarray(weights if weights is not None else [], dtype=np.float64)
-        if w.shape != (len(self.arms),) or np.any(w < 0) or not np.all(np.isfinite(w)) or w.sum() <= 0:
-            raise ValueError(f"StaticSampler: need {len(self.arms)} finite weights >= 0 with a positive sum, got {w.tolist()}")
+        w = w[None, :] if w.ndim == 1 else w
+        ok = w.ndim == 2 and len(w) >= 1 and w.shape[1] == len(self.arms)
+        if not ok or np.any(w < 0) or not np.all(np.isfinite(w)) or np.any(w.sum(axis=1) <= 0):
+            raise ValueError(
+                f"StaticSampler: need {len(self.arms)} finite weights >= 0 with a positive sum (or rows of them, "
+                f"one per phase), got {w.tolist()}"
+            )
         self._w = w
+        self._phase = 0
+
+    def set_progress(self, fraction: float) -> None:
+        """The spent share of the token budget (in [0, 1]); it picks the plan's row."""
+        self._phase = min(len(self._w) - 1, max(0, int(float(fraction) * len(self._w))))
 
     def _policy(self, avail: np.ndarray) -> np.ndarray:
-        w = self._w[avail]
+        w = self._w[self._phase, avail]
         return w / w.sum() if w.sum() > 0 else np.full(len(avail), 1.0 / len(avail))
 
 
@@ -228,11 +241,13 @@ def run(
     s: SimSettings,
     log_weights: bool = False,
     static_weights: np.ndarray | None = None,
+    noise: int = 0,
 ) -> SimRun:
     """Drive one sampler against the seed's learner until the token budget is spent
-    (`hindsight_static` needs static_weights, one per arm of LAYOUT)."""
+    (`hindsight_static` needs static_weights: one per arm of LAYOUT, or a (phases, arms) plan).
+    `noise` > 0 draws the rewards and probes from another stream: the same learner, a fresh run."""
     learner = make_learner(seed)
-    rng = np.random.default_rng(20_000 + seed)
+    rng = np.random.default_rng(20_000 + seed if noise == 0 else [20_000 + seed, int(noise)])
     sizes = {a: int(n) for a, n in zip(learner.arms, learner.data_size, strict=True)}
     if sampler_name in (ORACLE, HINDSIGHT):
         sampler: Sampler = (
@@ -254,6 +269,8 @@ def run(
     while spent < budget:
         frac = spent / budget
         want_removed = s.removed_from <= frac < s.removed_until
+        if isinstance(sampler, StaticSampler):
+            sampler.set_progress(frac)
         if want_removed != removed:
             removed = want_removed
             sampler.set_data_size(REMOVED_ARM, 0 if removed else int(learner.data_size[index[REMOVED_ARM]]))

@@ -433,7 +433,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {p} must hold a mapping at the top level, got {type(loaded).__name__}")
         data = loaded
     if overrides:
-        data = apply_overrides(config_to_dict(config_from_dict(data)), overrides)
+        base = config_to_dict(config_from_dict(data))
+        # validation resolved engine.dtype 'auto' and an unset trainer.bf16_autocast; put back what was given,
+        # so that an override of what they depend on (engine.dtype, engine.device) resolves them anew
+        given = {sec: data.get(sec) if isinstance(data.get(sec), dict) else {} for sec in ("engine", "trainer")}
+        base["engine"]["dtype"] = given["engine"].get("dtype", "auto")
+        base["trainer"]["bf16_autocast"] = given["trainer"].get("bf16_autocast")
+        data = apply_overrides(base, overrides)
     return config_from_dict(data)
 
 

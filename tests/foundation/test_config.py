@@ -120,6 +120,23 @@ def test_engine_dtype_auto_follows_native_bf16_and_learner_autocast_follows_the_
     assert load_config(None, []).model_dump()["engine"]["dtype"] in ("float32", "bfloat16")
 
 
+def test_an_engine_dtype_override_resolves_the_learner_autocast_anew(monkeypatch, tmp_path):
+    import posttrain.config as config_mod
+
+    monkeypatch.setattr(config_mod, "native_bf16", lambda device="cpu": True)  # auto would pick bfloat16
+    # the override of engine.dtype must not inherit the autocast resolved for the default (it used to: True)
+    assert load_config(None, ["engine.dtype=float32"]).trainer.bf16_autocast is False
+    assert load_config(None, ["engine.dtype=float32", "seed=3"]).trainer.bf16_autocast is False
+    assert load_config(None, ["seed=3"]).trainer.bf16_autocast is True
+    monkeypatch.setattr(config_mod, "native_bf16", lambda device="cpu": device == "cuda")
+    assert load_config(None, ["engine.device=cuda"]).engine.dtype == "bfloat16"  # auto resolved for the new device
+    f = tmp_path / "run.yaml"
+    f.write_text("engine: {dtype: float32}\n")
+    assert load_config(f, ["engine.dtype=bfloat16"]).trainer.bf16_autocast is True
+    f.write_text("engine: {dtype: float32}\ntrainer: {bf16_autocast: true}\n")
+    assert load_config(f, ["seed=1"]).trainer.bf16_autocast is True  # a value the file gives is kept
+
+
 def test_native_bf16_reads_the_cpu_flags(monkeypatch, tmp_path):
     import builtins
 

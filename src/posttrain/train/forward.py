@@ -60,7 +60,10 @@ def shared_prefix_hidden(decoder: nn.Module, token_ids: Tensor, lengths: Tensor,
     cols = torch.arange(width, device=device)
     src = torch.where(cols[None, :] < prefix, cols[None, :], starts[:, None] + cols[None, :] - prefix)
     src = src.clamp(max=total - 1)  # padding columns (never read) point at a valid position
-    return hidden[src]
+    # index_select, not hidden[src]: the backward of advanced indexing with repeated indices (every row
+    # reads the prefix) is index_put_(accumulate=True), whose multi-threaded CPU kernel adds in a varying
+    # order, so the bf16 gradients differed in the last bits between processes; index_add_ is ordered
+    return hidden.index_select(0, src.reshape(-1)).view(n, width, hidden.shape[-1])
 
 
 @dataclass

@@ -111,6 +111,13 @@ def hindsight_search(
     return best[1], best[2]
 
 
+def _ratio(m: dict[str, float], budget: float, base_m: dict[str, float]) -> float:
+    """Tokens to the threshold as a multiple of uniform's; a run that never got there is censored at the
+    budget (a lower bound on its ratio)."""
+    t = m["tokens_to_threshold"]
+    return (t if np.isfinite(t) else budget) / base_m["tokens_to_threshold"]
+
+
 def bootstrap_ci(values: np.ndarray, n_boot: int, seed: int = 0) -> tuple[float, float]:
     """Percentile 95% interval of the mean over seeds."""
     values = np.asarray(values, dtype=np.float64)
@@ -158,11 +165,11 @@ def main(args: list[str]) -> dict[str, Any]:
     real.add_argument("--run-set", dest="run_overrides", action="append", default=[], metavar="KEY=VALUE",
                       help="any run-config override, e.g. --run-set engine.device=cuda (repeatable)")
     ns = ap.parse_args(args)
+    if ns.seed_start < 0:
+        ap.error(f"--seed-start must be >= 0, got {ns.seed_start}")
     if ns.real:
         if ns.seeds is not None and ns.seeds < 1:
             ap.error("--seeds must be >= 1")
-        if ns.seed_start < 0:
-            ap.error(f"--seed-start must be >= 0, got {ns.seed_start}")
         try:
             return main_real(ns)
         except (ConfigError, ValueError) as err:
@@ -175,8 +182,6 @@ def main(args: list[str]) -> dict[str, Any]:
         ap.error(f"--samplers: unknown {unknown}" if unknown else f"--samplers must include {BASELINE}")
     if ns.seeds < 1 or ns.groups_per_step < 1 or ns.budget_steps < 1:
         ap.error("--seeds, --groups-per-step and --budget-steps must be >= 1")
-    if ns.seed_start < 0:
-        ap.error(f"--seed-start must be >= 0, got {ns.seed_start}")
     if ns.hindsight < 0:
         ap.error(f"--hindsight must be >= 0 rounds, got {ns.hindsight}")
     if ns.hindsight_phases < 1:
@@ -211,9 +216,7 @@ def main(args: list[str]) -> dict[str, Any]:
                 in_sample = run_metrics(r, budget, threshold, settings.charge_probes)
                 for k in ("forgetting", "worst_arm_accuracy"):
                     hindsight_in[k].append(in_sample[k])
-                t_in = in_sample["tokens_to_threshold"]
-                hindsight_in["tokens_to_threshold_ratio"].append(
-                    (t_in if np.isfinite(t_in) else budget) / base_m["tokens_to_threshold"])
+                hindsight_in["tokens_to_threshold_ratio"].append(_ratio(in_sample, budget, base_m))
                 fresh = run(HINDSIGHT, seed, cfg, settings, static_weights=weights, noise=1)
                 m = run_metrics(fresh, budget, threshold, settings.charge_probes)
             else:
@@ -224,11 +227,8 @@ def main(args: list[str]) -> dict[str, Any]:
                     from posttrain.curriculum.plot import plot_domain_shares
 
                     plot_domain_shares(r.weight_rows, ns.plot)
-            reached = np.isfinite(m["tokens_to_threshold"])
-            # never reached: censor at the tokens it spent (a lower bound on its ratio)
-            t_hit = m["tokens_to_threshold"] if reached else budget
-            m["tokens_to_threshold_ratio"] = t_hit / base_m["tokens_to_threshold"]
-            m["reached_threshold"] = float(reached)
+            m["tokens_to_threshold_ratio"] = _ratio(m, budget, base_m)
+            m["reached_threshold"] = float(np.isfinite(m["tokens_to_threshold"]))
             for k, v in m.items():
                 per[name].setdefault(k, []).append(v)
     wall_s = time.perf_counter() - t0

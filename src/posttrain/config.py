@@ -111,7 +111,7 @@ class CurriculumConfig(Section):
     c: float = Field(1.0, ge=0.0, description="exploration bonus weight")
     eps: float = Field(0.15, ge=0.0, le=1.0, description="uniform mixing; every arm keeps >= eps/K")
     lam: float = Field(
-        3.0, ge=0.0, description="forgetting weight (the issue suggests 1; 3 forgot less in the simulation benchmark)"
+        6.0, ge=0.0, description="forgetting weight (the issue suggests 1; 6 forgot less in the simulation benchmark)"
     )
     forget_z: float = Field(
         1.0, ge=0.0, description="forgetting counts only the probe drop beyond this many standard errors"
@@ -143,7 +143,7 @@ class CurriculumConfig(Section):
         False, description="adaptive: every available arm gets one group of each batch that has room for all"
     )
     cost_aware: bool = Field(
-        False, description="adaptive: split tokens, not groups (needs update(..., tokens=) from the loop)"
+        True, description="adaptive: split tokens, not groups (reads update(..., tokens=); arms without a report count as 1)"
     )
 
 

@@ -43,13 +43,17 @@ EMAs of its success rate per update (rates lp_fast = 0.2, lp_slow = 0.1) and the
        it did not help in the simulation benchmark; see the figures below).
 Probes: `probe_arms(step)` skips arms with >= probe_skip_rollouts (64) training rollouts since their
 last probe, so held-out prompts go to arms the training groups no longer measure (long unsampled).
-Optional, off by default (neither helped in the simulation): cover_batch (one group per available arm
-in every batch with room for all; weights() then reports the rest's split) and cost_aware (the softmax
-part divided by each arm's tokens per rollout relative to the others, from update's `tokens`).
-Defaults that differ from the issue's: lam = 3 (1 forgot more), probe_size = 16 (see config).
-Measured (`posttrain bench curriculum --json`, 8 seeds, shared 2-core machine), tokens to uniform's final
-macro accuracy as a ratio to uniform_by_domain: 0.82 before these signals, 0.81 after (seeds 100-107:
-0.80 -> 0.79); forgetting 0.018 -> 0.014 (uniform 0.009); worst arm 0.19 -> 0.26 (uniform 0.20).
+cost_aware (on by default): the softmax part is divided by each arm's tokens per rollout relative to the
+others (from update's `tokens`; an arm with no report counts as 1), so it splits tokens, not groups.
+Optional, off by default (it did not help in the simulation): cover_batch (one group per available arm
+in every batch with room for all; weights() then reports the rest's split).
+Defaults that differ from the issue's: lam = 6 (1 forgot more), probe_size = 16 (see config).
+Measured (`posttrain bench curriculum --json`, 32 seeds from 0): tokens to uniform's final macro
+accuracy 0.83x uniform_by_domain's, forgetting 0.010 (with lam = 3 and groups split, the defaults until
+stop 12, chosen on seeds 0-7: 0.82x and 0.013; uniform 0.005; sec 0.89x and 0.011). lam = 6 and
+cost_aware were chosen by ablation on seeds 100-331; on 64 seeds not looked at before (`-- --seeds 64
+--seed-start 400`): 0.79x and 0.0097 (lam = 3, groups: 0.79x and 0.0125; sec 0.87x and 0.0102;
+uniform 0.0065).
 Arms with data size 0 get weight 0 and K counts only the others. Comparison samplers:
 `uniform_by_domain`, `uniform_by_data`, `dapo_filter_only` (uniform_by_domain + dropping all-equal
 groups), `sec` (Boltzmann over a TD(0) value of mean GRPO |advantage|), `dump` (softmax over UCB of a

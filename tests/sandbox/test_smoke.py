@@ -86,20 +86,26 @@ def test_worker_killed_from_outside_is_an_infra_failure_then_replaced():
     import time
 
     from posttrain.sandbox import LocalSandbox
+    from posttrain.sandbox.isolation import own_cgroup_dir
 
     with LocalSandbox(pool_size=1) as sb:
-        sb.warm()
-        fut = sb.submit(Job(code="import time\ntime.sleep(3)\nprint('done')"))
-        time.sleep(0.3)
-        from posttrain.sandbox.isolation import own_cgroup_dir
-
+        assert sb.run_blocking(Job(code="pass")).status == ExecStatus.OK  # the worker is up
         base = own_cgroup_dir("pids") / f"posttrain-sandbox-{os.getpid()}"
         procs = glob.glob(f"{base}/i{sb.instance}-default-*/cgroup.procs")
         assert procs, "cgroups are needed to find the worker's processes"
+        idle = set(open(procs[0]).read().split())
+        fut = sb.submit(Job(code="import time\ntime.sleep(5)\nprint('done')"))
+        deadline = time.monotonic() + 20  # the job has started once a new process joins the worker's cgroup
+        while not set(open(procs[0]).read().split()) - idle and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert set(open(procs[0]).read().split()) - idle, "the job never started"
         for pid in open(procs[0]).read().split():
-            os.kill(int(pid), signal.SIGKILL)
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:  # the warm-up job's process, exiting as we read the list
+                pass
         res = fut.result(timeout=30)
-        assert res.status == ExecStatus.SANDBOX_ERROR and res.is_infra_failure and "worker exited" in res.error
+        assert res.status == ExecStatus.SANDBOX_ERROR and res.is_infra_failure and "worker exited" in res.error, res
         assert sb.stats["sandbox_errors"] == 1
         assert sb.run_blocking(Job(code="print('next')")).stdout == b"next\n"
 

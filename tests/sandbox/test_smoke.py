@@ -80,10 +80,12 @@ def test_many_concurrent_asyncio_tasks(sandbox):
 
 
 def test_worker_killed_from_outside_is_an_infra_failure_then_replaced():
+    import contextlib
     import glob
     import os
     import signal
     import time
+    from pathlib import Path
 
     from posttrain.sandbox import LocalSandbox
     from posttrain.sandbox.isolation import own_cgroup_dir
@@ -93,17 +95,19 @@ def test_worker_killed_from_outside_is_an_infra_failure_then_replaced():
         base = own_cgroup_dir("pids") / f"posttrain-sandbox-{os.getpid()}"
         procs = glob.glob(f"{base}/i{sb.instance}-default-*/cgroup.procs")
         assert procs, "cgroups are needed to find the worker's processes"
-        idle = set(open(procs[0]).read().split())
+
+        def pids() -> set[str]:
+            return set(Path(procs[0]).read_text().split())
+
+        idle = pids()
         fut = sb.submit(Job(code="import time\ntime.sleep(5)\nprint('done')"))
         deadline = time.monotonic() + 20  # the job has started once a new process joins the worker's cgroup
-        while not set(open(procs[0]).read().split()) - idle and time.monotonic() < deadline:
+        while not pids() - idle and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert set(open(procs[0]).read().split()) - idle, "the job never started"
-        for pid in open(procs[0]).read().split():
-            try:
+        assert pids() - idle, "the job never started"
+        for pid in pids():
+            with contextlib.suppress(ProcessLookupError):  # a process that exits between the read and the kill
                 os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:  # the warm-up job's process, exiting as we read the list
-                pass
         res = fut.result(timeout=30)
         assert res.status == ExecStatus.SANDBOX_ERROR and res.is_infra_failure and "worker exited" in res.error, res
         assert sb.stats["sandbox_errors"] == 1

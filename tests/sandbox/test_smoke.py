@@ -105,7 +105,8 @@ def test_worker_killed_from_outside_is_an_infra_failure_then_replaced():
         while not pids() - idle and time.monotonic() < deadline:
             time.sleep(0.02)
         assert pids() - idle, "the job never started"
-        for pid in pids():
+        # kill the worker, not the job: a job killed first can be reported as KILLED by a worker still alive
+        for pid in idle & pids():
             with contextlib.suppress(ProcessLookupError):  # a process that exits between the read and the kill
                 os.kill(int(pid), signal.SIGKILL)
         res = fut.result(timeout=30)

@@ -1,5 +1,6 @@
 """The simulator's dynamics, the benchmark's metrics and contract, and the domain-share plot."""
 
+import json
 import subprocess
 import sys
 
@@ -107,6 +108,10 @@ def test_bench_real_wiring_on_a_tiny_model(tmp_path):
         assert not (tmp_path / f"{sampler}-seed5" / "checkpoints").exists()
     assert set(out["delta_adaptive_minus_uniform"]["5"]["per_domain"]) == {"math", "tools.apis"}
     assert set(out["base"]) == {"math", "tools.apis", "all"} and out["base"]["all"]["n"] == 4
+    saved = json.loads((tmp_path / "result.json").read_text())  # what --pool reads
+    assert saved == json.loads(json.dumps(out))
+    again = main(["--pool", str(tmp_path)])  # one saved result pools to itself
+    assert again["per_domain"] == saved["per_domain"] and again["seeds"] == [5]
 
 
 def test_bench_real_rejects_bad_domains(capsys):
@@ -272,6 +277,58 @@ def test_real_bench_pools_seeds_pairwise():
     d = paired_delta(pooled, _pool(uni))
     # pairs (task, seed): 1-0, 0-0, 1-1; the infra failure (None) drops its pair
     assert d["n_tasks"] == 3 and d["delta"] == pytest.approx(1 / 3)
+
+
+def _saved_result(path, seeds, ada, uni, **meta):
+    """A --real result as main_real saves it, with per-task scores `ada`/`uni` (one list per seed)."""
+    from posttrain.curriculum.real import PRESETS, summarise
+
+    def rows(scores):
+        return [{"seed": s, "per_task": {"math": sc}, "steps": 1, "generated_tokens": 10.0, "probe_tokens": 0.0,
+                 "probes": 0, "groups_by_arm": {}, "train_s": 1.0} for s, sc in zip(seeds, scores, strict=True)]
+
+    m = {"mode": "real", "model": "tiny:llama", "domains": "math:0", "sizes": PRESETS["quick"], "eval_seed": 7,
+         "budget": "tokens", "rollouts_per_uniform_run": 4, "run_root": str(path.parent), **meta}
+    base = {"math": {"accuracy": 0.5, "ci_low": 0.0, "ci_high": 1.0, "n": 3}}
+    out = summarise(m, {**base, "all": base["math"]}, {"uniform_by_domain": rows(uni), "adaptive": rows(ada)},
+                    [10] * len(seeds))
+    path.write_text("a table first\n" + json.dumps(out))  # a --json capture: the object on the last line
+    return out
+
+
+def test_real_bench_pools_saved_results_of_separate_invocations(tmp_path, capsys):
+    a = _saved_result(tmp_path / "a.json", [0], ada=[[1.0, 0.0, 1.0]], uni=[[0.0, 0.0, 1.0]])
+    _saved_result(tmp_path / "b.json", [1, 2], ada=[[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]], uni=[[1.0, None, 0.0], [1.0, 0.0, 0.0]])
+    out = main(["--pool", str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+    assert out["seeds"] == [0, 1, 2] and out["token_budget_per_seed"] == [10, 10, 10]
+    assert out["per_domain"]["adaptive"]["all"]["accuracy"] == pytest.approx(4 / 9)
+    assert out["per_domain"]["uniform_by_domain"]["all"]["n"] == 8  # the None is an infra failure, not a 0
+    d = out["delta_adaptive_minus_uniform"]
+    assert d["0"]["delta"] == pytest.approx(1 / 3) and d["0"] == a["delta_adaptive_minus_uniform"]["0"]
+    # pairs (task, seed): +1 0 0 | 0 . 0 | -1 0 0 -> 0 over 8 pairs
+    assert d["pooled"]["n_tasks"] == 8 and d["pooled"]["delta"] == pytest.approx(0.0)
+    assert "seeds pooled: adaptive - uniform: all +0.000" in capsys.readouterr().out
+
+
+def test_real_bench_pool_rejects_what_cannot_be_pooled(tmp_path, capsys):
+    _saved_result(tmp_path / "a.json", [0], ada=[[1.0]], uni=[[0.0]])
+    _saved_result(tmp_path / "b.json", [1], ada=[[1.0]], uni=[[0.0]], eval_seed=8)
+    _saved_result(tmp_path / "c.json", [0], ada=[[0.0]], uni=[[0.0]])
+    (tmp_path / "sim.json").write_text(json.dumps({"seeds": 32, "forgetting": {}}))
+    (tmp_path / "junk.txt").write_text("no json here")
+    cases = [
+        (["b.json"], "b.json differs from", "in 'eval_seed': 8 vs 7"),
+        (["c.json"], "seed 0 is in both", "c.json"),
+        (["sim.json"], "sim.json is not the result of `bench curriculum --real`", ""),
+        (["junk.txt"], "junk.txt does not end with a JSON object", ""),
+        (["missing.json"], "cannot read", "missing.json"),
+    ]
+    for extra, *needles in cases:
+        with pytest.raises(SystemExit) as exc:
+            main(["--pool", str(tmp_path / "a.json"), *[str(tmp_path / e) for e in extra]])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert all(n in err for n in needles), err
 
 
 def test_bench_real_stops_when_a_run_is_interrupted(tmp_path, monkeypatch):

@@ -13,7 +13,8 @@ does). The row scores the chosen mix on a fresh run of the same learner (other r
 does not profit from the noise the search picked; the in-sample figures are in the JSON. It says
 whether the targets are reachable by a mix or plan that knew the learner, not how a sampler would do.
 `--real` (benchmark 2: a real model through the RL loop, adaptive vs uniform_by_domain, held-out
-accuracy per domain) lives in `real.py`; its flags are listed under "--real" in `--help`.
+accuracy per domain) lives in `real.py`; its flags are listed under "--real" in `--help`. `--pool` reports
+over the seeds of several saved `--real` results (separate invocations) without running anything.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from posttrain.config import ConfigError, load_config
-from posttrain.curriculum.real import DEFAULT_DOMAINS, PRESETS, main_real
+from posttrain.curriculum.real import DEFAULT_DOMAINS, PRESETS, main_real, pool_results
 from posttrain.curriculum.sim import (
     HINDSIGHT,
     LAYOUT,
@@ -164,9 +165,18 @@ def main(args: list[str]) -> dict[str, Any]:
     real.add_argument("--keep-checkpoints", action="store_true", help="keep each run's final checkpoint")
     real.add_argument("--run-set", dest="run_overrides", action="append", default=[], metavar="KEY=VALUE",
                       help="any run-config override, e.g. --run-set engine.device=cuda (repeatable)")
+    real.add_argument("--pool", nargs="+", default=None, metavar="RESULT",
+                      help="run nothing: one report over the seeds of saved --real results (a run root, its "
+                      "result.json, or a --json capture), e.g. one invocation per --seed-start")
     ns = ap.parse_args(args)
     if ns.seed_start < 0:
         ap.error(f"--seed-start must be >= 0, got {ns.seed_start}")
+    if ns.pool:
+        try:
+            return pool_results(ns.pool)
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            raise SystemExit(2) from None
     if ns.real:
         if ns.seeds is not None and ns.seeds < 1:
             ap.error("--seeds must be >= 1")

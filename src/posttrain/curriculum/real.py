@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import shutil
 import tempfile
 import time
@@ -37,6 +38,7 @@ PRESETS: dict[str, dict[str, int]] = {
 # --quick also keeps memory small (the machine it targets is shared): a smaller K/V pool, shorter
 # micro-batches. Explicit --run-set values come later and win.
 QUICK_RUN_OVERRIDES = ["engine.num_kv_blocks=512", "trainer.micro_batch_tokens=1024"]
+RESULT_FILE = "result.json"  # the JSON object, also written into the run root (what --pool reads)
 
 
 def parse_domains(text: str) -> list[tuple[str, list[int]]]:
@@ -159,7 +161,6 @@ def base_eval(overrides: list[str], n_eval: int, eval_seed: int) -> Any:
 
 def main_real(ns: argparse.Namespace) -> dict[str, Any]:
     from posttrain.orchestrator import RLRun
-    from posttrain.orchestrator.evaluate import paired_delta
 
     sizes = dict(PRESETS["quick" if ns.quick else "full"])
     for key in sizes:
@@ -191,45 +192,116 @@ def main_real(ns: argparse.Namespace) -> dict[str, Any]:
             if sampler == SAMPLERS[0] and ns.budget == "tokens":
                 budget = max(1, int(r["generated_tokens"] + r["probe_tokens"]))
         budgets.append(budget)
-    out: dict[str, Any] = {
+    meta: dict[str, Any] = {
         "mode": "real",
         "model": ns.model,
         "domains": ns.domains,
-        "seeds": seeds,
         "sizes": sizes,
         "eval_seed": ns.eval_seed,
         "budget": ns.budget,
-        "token_budget_per_seed": budgets,
         "rollouts_per_uniform_run": sizes["steps"] * sizes["tasks_per_step"] * sizes["group_size"],
         "run_root": str(root),
-        "base": {**base.per_domain,
-                 "all": _pooled([x for v in base.per_task.values() for x in v], ns.eval_seed)},
-        "per_domain": {},
-        "per_seed": {},
-        "delta_adaptive_minus_uniform": {},
     }
-    for sampler in SAMPLERS:
-        pooled: dict[str, list[float | None]] = {}
-        for r in runs[sampler]:
-            for dom, scores in r["report"].per_task.items():
-                pooled.setdefault(dom, []).extend(scores)
-        out["per_domain"][sampler] = {d: _pooled(s, ns.eval_seed) for d, s in pooled.items()}
-        out["per_domain"][sampler]["all"] = _pooled([x for s in pooled.values() for x in s], ns.eval_seed)
-        out["per_seed"][sampler] = [
+    per_seed = {
+        sampler: [
             {"seed": seed, "per_domain": r["report"].per_domain, "train_s": round(r["train_s"], 1),
              "steps": r["steps"], "generated_tokens": r["generated_tokens"], "probe_tokens": r["probe_tokens"],
              "probes": r["probes"], "groups_by_arm": r["groups_by_arm"],
              "per_task": r["report"].per_task}  # held-out scores in task order, for pooling across invocations
             for seed, r in zip(seeds, runs[sampler], strict=True)
         ]
-    for seed, a, u in zip(seeds, runs["adaptive"], runs["uniform_by_domain"], strict=True):
-        out["delta_adaptive_minus_uniform"][str(seed)] = paired_delta(a["report"], u["report"], ns.eval_seed)
+        for sampler in SAMPLERS
+    }
+    base_all = _pooled([x for v in base.per_task.values() for x in v], ns.eval_seed)
+    out = summarise(meta, {**base.per_domain, "all": base_all}, per_seed, budgets)
+    out["wall_s"] = round(time.perf_counter() - t0, 1)
+    (root / RESULT_FILE).write_text(json.dumps(out))
+    _print_real(out)
+    return out
+
+
+def summarise(
+    meta: dict[str, Any], base: dict[str, Any], per_seed: dict[str, list[dict[str, Any]]], budgets: list[int | None]
+) -> dict[str, Any]:
+    """The report of a run matrix from its per-seed rows (each with the held-out `per_task` scores): accuracy
+    per domain with every seed's tasks pooled, adaptive - uniform paired per seed and, over several seeds,
+    pooled over (task, seed) pairs. `main_real` and `pool_results` both build their output here."""
+    from posttrain.orchestrator.evaluate import EvalReport, paired_delta
+
+    seeds = [row["seed"] for row in per_seed[SAMPLERS[0]]]
+    eval_seed = int(meta["eval_seed"])
+    out: dict[str, Any] = {**meta, "seeds": seeds, "token_budget_per_seed": budgets, "base": base, "per_domain": {},
+                           "per_seed": per_seed, "delta_adaptive_minus_uniform": {}}
+    reports = {s: [EvalReport(f"{s}-seed{row['seed']}", row["per_task"]) for row in per_seed[s]] for s in SAMPLERS}
+    for sampler in SAMPLERS:
+        pooled = _pool(reports[sampler]).per_task
+        out["per_domain"][sampler] = {d: _pooled(s, eval_seed) for d, s in pooled.items()}
+        out["per_domain"][sampler]["all"] = _pooled([x for s in pooled.values() for x in s], eval_seed)
+    for seed, a, u in zip(seeds, reports["adaptive"], reports["uniform_by_domain"], strict=True):
+        out["delta_adaptive_minus_uniform"][str(seed)] = paired_delta(a, u, eval_seed)
     if len(seeds) > 1:  # every run is scored on the same held-out tasks: pair (task, seed) across the seeds
         out["delta_adaptive_minus_uniform"]["pooled"] = paired_delta(
-            _pool([r["report"] for r in runs["adaptive"]]), _pool([r["report"] for r in runs["uniform_by_domain"]]),
-            ns.eval_seed,
+            _pool(reports["adaptive"]), _pool(reports["uniform_by_domain"]), eval_seed
         )
-    out["wall_s"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+# What must agree for runs of separate invocations to be pooled: the same model, arms, sizes, held-out tasks
+# and budget rule. The base model's scores must agree too (same model, same tasks: greedy, so equal).
+POOL_KEYS = ("model", "domains", "sizes", "eval_seed", "budget", "base")
+
+
+def load_result(path: str | Path) -> dict[str, Any]:
+    """A saved `--real` result: the run root's result.json (or the folder holding it), or a capture of
+    `posttrain bench curriculum --json -- --real ...` whose last line is the JSON object."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / RESULT_FILE
+    try:
+        text = p.read_text()
+    except OSError as err:
+        raise ValueError(f"--pool: cannot read {p}: {err.strerror or err}") from None
+    lines = text.strip().splitlines()
+    try:
+        obj = json.loads(lines[-1] if lines else "")
+    except json.JSONDecodeError:
+        raise ValueError(f"--pool: {p} does not end with a JSON object (a result.json or a --json capture)") from None
+    if not isinstance(obj, dict) or obj.get("mode") != "real" or "per_seed" not in obj:
+        raise ValueError(f"--pool: {p} is not the result of `bench curriculum --real`")
+    missing = [s for s in SAMPLERS if s not in obj["per_seed"]]
+    rows = [row for s in SAMPLERS if s not in missing for row in obj["per_seed"][s]]
+    if missing or any("per_task" not in row for row in rows):
+        raise ValueError(f"--pool: {p} lacks the per-task held-out scores of {missing or 'some runs'} (saved before "
+                         "they were kept); it cannot be pooled")
+    return obj
+
+
+def pool_results(paths: list[str]) -> dict[str, Any]:
+    """`--pool A B ...`: one report over the seeds of several saved `--real` results (e.g. one invocation per
+    seed with --seed-start), as if one invocation had run them all. ValueError names a file that does not
+    match the first one, or a seed two files both ran."""
+    results = [load_result(p) for p in paths]
+    first = results[0]
+    for path, r in zip(paths[1:], results[1:], strict=True):
+        for key in POOL_KEYS:
+            if r.get(key) != first.get(key):
+                raise ValueError(f"--pool: {path} differs from {paths[0]} in '{key}': {r.get(key)!r} vs {first.get(key)!r}")
+    per_seed: dict[str, list[dict[str, Any]]] = {s: [] for s in SAMPLERS}
+    budgets: list[int | None] = []
+    seen: dict[int, str] = {}
+    for path, r in zip(paths, results, strict=True):
+        for row in r["per_seed"][SAMPLERS[0]]:
+            if row["seed"] in seen:
+                raise ValueError(f"--pool: seed {row['seed']} is in both {seen[row['seed']]} and {path}")
+            seen[row["seed"]] = path
+        for s in SAMPLERS:
+            per_seed[s].extend(r["per_seed"][s])
+        budgets.extend(r["token_budget_per_seed"])
+    meta = {k: first[k] for k in ("mode", "model", "domains", "sizes", "eval_seed", "budget", "rollouts_per_uniform_run")}
+    meta["run_root"] = [r["run_root"] for r in results]
+    out = summarise(meta, first["base"], per_seed, budgets)
+    out["pooled_from"] = [str(p) for p in paths]
+    out["wall_s"] = round(sum(float(r.get("wall_s", 0.0)) for r in results), 1)
     _print_real(out)
     return out
 

@@ -9,7 +9,14 @@ import pytest
 
 from posttrain.config import CurriculumConfig
 from posttrain.curriculum import Arm, plot_domain_shares
-from posttrain.curriculum.bench import auc_vs_tokens, bootstrap_ci, first_crossing, main, run_metrics
+from posttrain.curriculum.bench import (
+    auc_vs_tokens,
+    bootstrap_ci,
+    first_crossing,
+    main,
+    per_arm_figures,
+    run_metrics,
+)
 from posttrain.curriculum.plot import domain_shares
 from posttrain.curriculum.sim import Learner, OracleSampler
 
@@ -80,6 +87,26 @@ def test_bench_small_run_reports_every_sampler(tmp_path):
     assert out["tokens_to_threshold_ratio"]["uniform_by_domain"] == 1.0
     assert out["probe_token_share"]["adaptive"] > 0 and out["probe_token_share"]["sec"] == 0
     assert png.read_bytes()[:4] == b"\x89PNG"
+    assert list(out["per_arm"]["adaptive"]) == ["math:0", "math:1", "math:2", "code:0", "code:1", "tools:0", "tools:1",
+                                                "logic:0"]
+    per_arm_forgetting = np.mean([v["forgetting"] for v in out["per_arm"]["sec"].values()])
+    assert per_arm_forgetting == pytest.approx(out["forgetting"]["sec"])  # the headline is the mean over arms
+    assert "uniform_by_domain" not in out["largest_shortfall_vs_uniform"]
+
+
+def test_per_arm_figures_hand_computed():
+    final = {"uniform_by_domain": [np.array([0.5, 0.5]), np.array([0.6, 0.4])],
+             "adaptive": [np.array([0.7, 0.3]), np.array([0.6, 0.6])]}
+    forget = {"uniform_by_domain": [np.zeros(2), np.zeros(2)], "adaptive": [np.array([0.1, 0.0]), np.array([0.3, 0.0])]}
+    out = per_arm_figures(final, forget, ["a:0", "b:0"], 200)
+    ada = out["per_arm"]["adaptive"]
+    assert ada["a:0"]["final"] == pytest.approx(0.65) and ada["a:0"]["forgetting"] == pytest.approx(0.2)
+    assert ada["a:0"]["final_minus_uniform"] == pytest.approx(0.1)
+    assert ada["b:0"]["final_minus_uniform"] == pytest.approx(0.0)
+    # seed 0: arm b ends 0.2 below uniform's; seed 1: no arm below (0, not -0.2) -> mean 0.1
+    assert out["largest_shortfall_vs_uniform"] == {"adaptive": pytest.approx(0.1)}
+    lo, hi = out["largest_shortfall_vs_uniform_ci95"]["adaptive"]
+    assert 0.0 <= lo <= 0.1 <= hi <= 0.2
 
 
 def test_bench_real_wiring_on_a_tiny_model(tmp_path):

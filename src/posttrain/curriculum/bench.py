@@ -208,6 +208,8 @@ def main(args: list[str]) -> dict[str, Any]:
                            charge_probes=not ns.free_probes)
     t0 = time.perf_counter()
     per: dict[str, dict[str, list[float]]] = {n: {} for n in names}
+    arm_final: dict[str, list[np.ndarray]] = {n: [] for n in names}  # per seed, each arm's final p
+    arm_forget: dict[str, list[np.ndarray]] = {n: [] for n in names}
     hindsight_w: list[np.ndarray] = []
     hindsight_in: dict[str, list[float]] = {"tokens_to_threshold_ratio": [], "forgetting": [], "worst_arm_accuracy": []}
     for seed in range(ns.seed_start, ns.seed_start + ns.seeds):
@@ -217,7 +219,7 @@ def main(args: list[str]) -> dict[str, Any]:
         base_m = run_metrics(base, budget, threshold, settings.charge_probes)
         for name in names:
             if name == BASELINE:
-                m = base_m
+                m, r = base_m, base
             elif name == HINDSIGHT:
                 limits = (base_m["forgetting"], base_m["worst_arm_accuracy"])
                 weights, r = hindsight_search(seed, cfg, settings, budget, threshold, ns.hindsight, limits=limits,
@@ -227,8 +229,8 @@ def main(args: list[str]) -> dict[str, Any]:
                 for k in ("forgetting", "worst_arm_accuracy"):
                     hindsight_in[k].append(in_sample[k])
                 hindsight_in["tokens_to_threshold_ratio"].append(_ratio(in_sample, budget, base_m))
-                fresh = run(HINDSIGHT, seed, cfg, settings, static_weights=weights, noise=1)
-                m = run_metrics(fresh, budget, threshold, settings.charge_probes)
+                r = run(HINDSIGHT, seed, cfg, settings, static_weights=weights, noise=1)  # a fresh run
+                m = run_metrics(r, budget, threshold, settings.charge_probes)
             else:
                 plot_this = ns.plot is not None and seed == ns.seed_start and name == "adaptive"
                 r = run(name, seed, cfg, settings, log_weights=plot_this)
@@ -241,6 +243,8 @@ def main(args: list[str]) -> dict[str, Any]:
             m["reached_threshold"] = float(np.isfinite(m["tokens_to_threshold"]))
             for k, v in m.items():
                 per[name].setdefault(k, []).append(v)
+            arm_final[name].append(r.p[-1])
+            arm_forget[name].append(r.p.max(axis=0) - r.p[-1])
     wall_s = time.perf_counter() - t0
 
     metrics = ["tokens_to_threshold_ratio", "final_macro_accuracy", "auc", "worst_arm_accuracy", "forgetting",
@@ -256,6 +260,7 @@ def main(args: list[str]) -> dict[str, Any]:
         out[k + "_diff_vs_uniform_ci95"] = {
             n: bootstrap_ci(np.array(per[n][k]) - np.array(per[BASELINE][k]), ns.boot) for n in names if n != BASELINE
         }
+    out.update(per_arm_figures(arm_final, arm_forget, [a.key for a in make_learner(ns.seed_start).arms], ns.boot))
     if hindsight_w:  # mean over seeds; one mapping per phase when the plan has phases
         mean_w = np.mean([np.atleast_2d(w) for w in hindsight_w], axis=0)
         rows = [{a.key: float(row[i]) for i, a in enumerate(make_learner(ns.seed_start).arms)} for row in mean_w]
@@ -272,6 +277,30 @@ def main(args: list[str]) -> dict[str, Any]:
                if b in names},
         }
     _print_table(out, names)
+    return out
+
+
+def per_arm_figures(
+    final: dict[str, list[np.ndarray]], forget: dict[str, list[np.ndarray]], arm_keys: list[str], n_boot: int
+) -> dict[str, Any]:
+    """Where each sampler ends and forgets, arm by arm (means over seeds), and `largest_shortfall_vs_uniform`:
+    per seed, the most any arm's final accuracy falls below uniform's on the same learner (0 when none
+    does), averaged over seeds with a bootstrap interval. Forgetting (peak minus final) charges an arm a
+    sampler raised above uniform's level and then practised less, even when it ends higher than uniform's;
+    the shortfall reads only where arms end."""
+    base = np.array(final[BASELINE])
+    out: dict[str, Any] = {"per_arm": {}, "largest_shortfall_vs_uniform": {}, "largest_shortfall_vs_uniform_ci95": {}}
+    for n in final:
+        fin, fgt = np.array(final[n]), np.array(forget[n])
+        out["per_arm"][n] = {
+            k: {"final": float(fin[:, i].mean()), "forgetting": float(fgt[:, i].mean()),
+                "final_minus_uniform": float((fin[:, i] - base[:, i]).mean())}
+            for i, k in enumerate(arm_keys)
+        }
+        if n != BASELINE:
+            shortfall = np.maximum(0.0, (base - fin).max(axis=1))
+            out["largest_shortfall_vs_uniform"][n] = float(shortfall.mean())
+            out["largest_shortfall_vs_uniform_ci95"][n] = bootstrap_ci(shortfall, n_boot)
     return out
 
 
@@ -295,6 +324,15 @@ def _print_table(out: dict[str, Any], names: list[str]) -> None:
         t.add_row(n, *cells, f"{out['reached_threshold'][n]:.0%}", f"{out['probe_token_share'][n]:.1%}")
     console = Console(width=170)
     console.print(t)
+    shown = [n for n in names if n in (BASELINE, "adaptive", "sec", "dump")]
+    arms = Table(title="per arm, mean over seeds: final accuracy / forgetting (peak - final)")
+    arms.add_column("arm")
+    for n in shown:
+        arms.add_column(n, justify="right")
+    for k in out["per_arm"][BASELINE]:
+        arms.add_row(k, *[f"{out['per_arm'][n][k]['final']:.3f} / {out['per_arm'][n][k]['forgetting']:.4f}" for n in shown])
+    arms.add_row("largest shortfall vs uniform", "", *[f"{out['largest_shortfall_vs_uniform'][n]:.3f}" for n in shown[1:]])
+    console.print(arms)
     if "targets" in out:
         for k, v in out["targets"].items():
             console.print(f"  {'met' if v else 'NOT met'}: {k}")

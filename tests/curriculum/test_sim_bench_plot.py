@@ -341,11 +341,15 @@ def test_real_bench_pool_rejects_what_cannot_be_pooled(tmp_path, capsys):
     _saved_result(tmp_path / "a.json", [0], ada=[[1.0]], uni=[[0.0]])
     _saved_result(tmp_path / "b.json", [1], ada=[[1.0]], uni=[[0.0]], eval_seed=8)
     _saved_result(tmp_path / "c.json", [0], ada=[[0.0]], uni=[[0.0]])
+    d = _saved_result(tmp_path / "d.json", [1], ada=[[1.0]], uni=[[0.0]])
+    d["base"]["math"]["accuracy"] = 0.25
+    (tmp_path / "d.json").write_text(json.dumps(d))
     (tmp_path / "sim.json").write_text(json.dumps({"seeds": 32, "forgetting": {}}))
     (tmp_path / "junk.txt").write_text("no json here")
     cases = [
         (["b.json"], "b.json differs from", "in 'eval_seed': 8 vs 7"),
         (["c.json"], "seed 0 is in both", "c.json"),
+        (["d.json"], "d.json differs from", "in the base model's held-out scores"),
         (["sim.json"], "sim.json is not the result of `bench curriculum --real`", ""),
         (["junk.txt"], "junk.txt does not end with a JSON object", ""),
         (["missing.json"], "cannot read", "missing.json"),

@@ -285,7 +285,9 @@ def pool_results(paths: list[str]) -> dict[str, Any]:
     for path, r in zip(paths[1:], results[1:], strict=True):
         for key in POOL_KEYS:
             if r.get(key) != first.get(key):
-                raise ValueError(f"--pool: {path} differs from {paths[0]} in '{key}': {r.get(key)!r} vs {first.get(key)!r}")
+                what = ("the base model's held-out scores (another model build or machine?)" if key == "base"
+                        else f"'{key}': {r.get(key)!r} vs {first.get(key)!r}")
+                raise ValueError(f"--pool: {path} differs from {paths[0]} in {what}")
     per_seed: dict[str, list[dict[str, Any]]] = {s: [] for s in SAMPLERS}
     budgets: list[int | None] = []
     seen: dict[int, str] = {}

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from posttrain.config import ConfigError, load_config
+from posttrain.curriculum.arms import Arm
 from posttrain.curriculum.real import DEFAULT_DOMAINS, PRESETS, main_real, pool_results
 from posttrain.curriculum.sim import (
     HINDSIGHT,
@@ -260,10 +261,11 @@ def main(args: list[str]) -> dict[str, Any]:
         out[k + "_diff_vs_uniform_ci95"] = {
             n: bootstrap_ci(np.array(per[n][k]) - np.array(per[BASELINE][k]), ns.boot) for n in names if n != BASELINE
         }
-    out.update(per_arm_figures(arm_final, arm_forget, [a.key for a in make_learner(ns.seed_start).arms], ns.boot))
+    arm_keys = [Arm(domain, level).key for domain, level, _ in LAYOUT]
+    out.update(per_arm_figures(arm_final, arm_forget, arm_keys, ns.boot))
     if hindsight_w:  # mean over seeds; one mapping per phase when the plan has phases
         mean_w = np.mean([np.atleast_2d(w) for w in hindsight_w], axis=0)
-        rows = [{a.key: float(row[i]) for i, a in enumerate(make_learner(ns.seed_start).arms)} for row in mean_w]
+        rows = [dict(zip(arm_keys, map(float, row), strict=True)) for row in mean_w]
         out["hindsight_phases"] = ns.hindsight_phases
         out["hindsight_in_sample"] = {k: float(np.mean(v)) for k, v in hindsight_in.items()}
         out["hindsight_weights"] = rows[0] if ns.hindsight_phases == 1 else rows
@@ -291,11 +293,11 @@ def per_arm_figures(
     base = np.array(final[BASELINE])
     out: dict[str, Any] = {"per_arm": {}, "largest_shortfall_vs_uniform": {}, "largest_shortfall_vs_uniform_ci95": {}}
     for n in final:
-        fin, fgt = np.array(final[n]), np.array(forget[n])
+        fin = np.array(final[n])
+        columns = zip(fin.mean(axis=0), np.mean(forget[n], axis=0), (fin - base).mean(axis=0), strict=True)
         out["per_arm"][n] = {
-            k: {"final": float(fin[:, i].mean()), "forgetting": float(fgt[:, i].mean()),
-                "final_minus_uniform": float((fin[:, i] - base[:, i]).mean())}
-            for i, k in enumerate(arm_keys)
+            k: {"final": float(f), "forgetting": float(g), "final_minus_uniform": float(d)}
+            for k, (f, g, d) in zip(arm_keys, columns, strict=True)
         }
         if n != BASELINE:
             shortfall = np.maximum(0.0, (base - fin).max(axis=1))

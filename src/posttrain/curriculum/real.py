@@ -268,10 +268,9 @@ def load_result(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"--pool: {p} does not end with a JSON object (a result.json or a --json capture)") from None
     if not isinstance(obj, dict) or obj.get("mode") != "real" or "per_seed" not in obj:
         raise ValueError(f"--pool: {p} is not the result of `bench curriculum --real`")
-    missing = [s for s in SAMPLERS if s not in obj["per_seed"]]
-    rows = [row for s in SAMPLERS if s not in missing for row in obj["per_seed"][s]]
-    if missing or any("per_task" not in row for row in rows):
-        raise ValueError(f"--pool: {p} lacks the per-task held-out scores of {missing or 'some runs'} (saved before "
+    rows = [row for s in SAMPLERS for row in obj["per_seed"].get(s, [])]
+    if any(s not in obj["per_seed"] for s in SAMPLERS) or any("per_task" not in row for row in rows):
+        raise ValueError(f"--pool: {p} lacks a sampler's runs or their per-task held-out scores (saved before "
                          "they were kept); it cannot be pooled")
     return obj
 

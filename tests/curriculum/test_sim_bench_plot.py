@@ -140,6 +140,23 @@ def test_bench_real_wiring_on_a_tiny_model(tmp_path):
     again = main(["--pool", str(tmp_path)])  # one saved result pools to itself
     assert again["per_domain"] == saved["per_domain"] and again["seeds"] == [5]
 
+    # --reuse-uniform: only adaptive runs, on the saved seeds, budgets, sizes and held-out tasks. With the
+    # same settings it reproduces the saved adaptive run exactly; with --set it records what it changed.
+    same = main(["--real", "--reuse-uniform", str(tmp_path), "--out", str(tmp_path / "same")])
+    assert not (tmp_path / "same" / "uniform_by_domain-seed5").exists()
+    assert same["per_seed"]["uniform_by_domain"] == saved["per_seed"]["uniform_by_domain"]
+    assert same["base"] == saved["base"] and same["token_budget_per_seed"] == [budget]
+    assert same["sizes"] == saved["sizes"] and same["quick"] is True and same["uniform_from"] == str(tmp_path)
+    mine, theirs = same["per_seed"]["adaptive"][0], saved["per_seed"]["adaptive"][0]
+    assert {k: v for k, v in mine.items() if k != "train_s"} == {k: v for k, v in theirs.items() if k != "train_s"}
+    assert same["delta_adaptive_minus_uniform"] == saved["delta_adaptive_minus_uniform"]
+    other = main(["--real", "--reuse-uniform", str(tmp_path), "--set", "lam=0", "--out", str(tmp_path / "lam0")])
+    assert "lam: 0.0" in (tmp_path / "lam0" / "adaptive-seed5" / "config.yaml").read_text()
+    assert other["adaptive_overrides"] == ["lam=0"] and other["uniform_overrides"] == []
+    assert other["per_seed"]["uniform_by_domain"] == saved["per_seed"]["uniform_by_domain"]
+    with pytest.raises(SystemExit):  # two adaptive settings are not one matrix
+        main(["--pool", str(tmp_path / "same"), str(tmp_path / "lam0")])
+
 
 def test_bench_real_rejects_bad_domains(capsys):
     with pytest.raises(SystemExit) as exc:
@@ -360,6 +377,41 @@ def test_real_bench_pool_rejects_what_cannot_be_pooled(tmp_path, capsys):
         assert exc.value.code == 2
         err = capsys.readouterr().err
         assert all(n in err for n in needles), err
+
+
+def test_reuse_uniform_rejects_flags_that_differ_from_the_saved_result(tmp_path, capsys):
+    _saved_result(tmp_path / "a.json", [0], ada=[[1.0]], uni=[[0.0]], run_overrides=["engine.device=cpu"])
+    cases = [
+        (["--steps", "9"], "--steps 9 differs from the saved result's 4"),
+        (["--eval-seed", "8"], "--eval-seed 8 differs from the saved result's 7"),
+        (["--model", "smollm2-135m"], "--model 'smollm2-135m' differs from the saved result's 'tiny:llama'"),
+        (["--seeds", "2"], "runs the saved result's seeds [0]; leave out --seeds and --seed-start"),
+        (["--run-set", "engine.device=cuda"], "--run-set ['engine.device=cuda'] differs"),
+    ]
+    for flags, needle in cases:
+        with pytest.raises(SystemExit) as exc:
+            main(["--real", "--reuse-uniform", str(tmp_path / "a.json"), *flags])
+        assert exc.value.code == 2
+        assert needle in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["--real", "--reuse-uniform", str(tmp_path / "missing.json")])
+    assert exc.value.code == 2 and "--reuse-uniform: cannot read" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["--reuse-uniform", str(tmp_path / "a.json")])
+    assert exc.value.code == 2 and "--reuse-uniform needs --real" in capsys.readouterr().err
+
+
+def test_pool_rejects_results_of_other_sampler_settings(tmp_path, capsys):
+    _saved_result(tmp_path / "a.json", [0], ada=[[1.0]], uni=[[0.0]])  # saved before settings were recorded
+    _saved_result(tmp_path / "b.json", [1], ada=[[1.0]], uni=[[0.0]], adaptive_overrides=[], uniform_overrides=[],
+                  quick=False, run_overrides=[])
+    _saved_result(tmp_path / "c.json", [2], ada=[[1.0]], uni=[[0.0]], adaptive_overrides=["cost_aware=false"])
+    out = main(["--pool", str(tmp_path / "a.json"), str(tmp_path / "b.json")])  # absent = no --set: the same
+    assert out["seeds"] == [0, 1] and out["adaptive_overrides"] == [] and out["run_overrides"] == []
+    with pytest.raises(SystemExit) as exc:
+        main(["--pool", str(tmp_path / "a.json"), str(tmp_path / "c.json")])
+    assert exc.value.code == 2
+    assert "c.json differs from" in (err := capsys.readouterr().err) and "adaptive --set values: ['cost_aware=false'] vs []" in err
 
 
 def test_bench_real_stops_when_a_run_is_interrupted(tmp_path, monkeypatch):

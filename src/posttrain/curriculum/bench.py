@@ -28,7 +28,7 @@ import numpy as np
 
 from posttrain.config import ConfigError, load_config
 from posttrain.curriculum.arms import Arm
-from posttrain.curriculum.real import DEFAULT_DOMAINS, PRESETS, main_real, pool_results
+from posttrain.curriculum.real import PRESETS, REUSED_FLAGS, main_real, pool_results
 from posttrain.curriculum.sim import (
     HINDSIGHT,
     LAYOUT,
@@ -154,18 +154,23 @@ def main(args: list[str]) -> dict[str, Any]:
     real = ap.add_argument_group("--real", "benchmark 2: a real model through the RL loop (see real.py)")
     real.add_argument("--real", action="store_true", help="adaptive vs uniform_by_domain on a real model")
     real.add_argument("--quick", action="store_true", help="small preset that finishes in a few minutes")
-    real.add_argument("--model", default="smollm2-135m", help="model.spec of the runs")
-    real.add_argument("--domains", default=DEFAULT_DOMAINS, help="name:level[,level];... (default %(default)s)")
+    real.add_argument("--model", default=None, help=f"model.spec of the runs (default {REUSED_FLAGS['model']})")
+    real.add_argument("--domains", default=None, help=f"name:level[,level];... (default {REUSED_FLAGS['domains']})")
     for key in PRESETS["full"]:
         real.add_argument("--" + key.replace("_", "-"), dest=key, type=int, default=None,
                           help=f"default {PRESETS['full'][key]} (--quick {PRESETS['quick'][key]})")
-    real.add_argument("--budget", choices=["tokens", "rollouts"], default="tokens",
-                      help="tokens: adaptive stops at the tokens uniform generated (probes charged); rollouts: same steps")
-    real.add_argument("--eval-seed", type=int, default=1000, help="seed of the held-out tasks (same for every run)")
+    real.add_argument("--budget", choices=["tokens", "rollouts"], default=None,
+                      help="tokens (default): adaptive stops at the tokens uniform generated (probes charged); "
+                      "rollouts: same steps")
+    real.add_argument("--eval-seed", type=int, default=None,
+                      help=f"seed of the held-out tasks, the same for every run (default {REUSED_FLAGS['eval_seed']})")
     real.add_argument("--out", default=None, help="directory for the run folders (default: a new temp dir)")
     real.add_argument("--keep-checkpoints", action="store_true", help="keep each run's final checkpoint")
     real.add_argument("--run-set", dest="run_overrides", action="append", default=[], metavar="KEY=VALUE",
                       help="any run-config override, e.g. --run-set engine.device=cuda (repeatable)")
+    real.add_argument("--reuse-uniform", default=None, metavar="RESULT",
+                      help="run only adaptive (with this invocation's --set values) against the uniform runs of a "
+                      "saved --real result, on its seeds, budgets, sizes and held-out tasks")
     real.add_argument("--pool", nargs="+", default=None, metavar="RESULT",
                       help="run nothing: one report over the seeds of saved --real results (a run root, its "
                       "result.json, or a --json capture), e.g. one invocation per --seed-start")
@@ -178,6 +183,8 @@ def main(args: list[str]) -> dict[str, Any]:
         except ValueError as err:
             print(f"error: {err}", file=sys.stderr)
             raise SystemExit(2) from None
+    if ns.reuse_uniform and not ns.real:
+        ap.error("--reuse-uniform needs --real")
     if ns.real:
         if ns.seeds is not None and ns.seeds < 1:
             ap.error("--seeds must be >= 1")

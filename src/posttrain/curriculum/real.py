@@ -7,6 +7,9 @@ touches tensors. The budget is tokens, as in the simulation: per seed, uniform_b
 steps, and the adaptive run gets `orchestrator.token_budget` = the tokens uniform generated, with its own
 retention probes charged against it (steps capped at MAX_STEPS_FACTOR x steps). `--budget rollouts` gives
 both samplers the same steps instead (then the adaptive probes are extra).
+`--reuse-uniform RESULT` runs only the adaptive sampler, against the uniform runs of a saved result (same
+seeds, budgets, sizes and held-out tasks): the way to compare a second adaptive setting (`--set KEY=VALUE`)
+without training uniform again.
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ PRESETS: dict[str, dict[str, int]] = {
 # micro-batches. Explicit --run-set values come later and win.
 QUICK_RUN_OVERRIDES = ["engine.num_kv_blocks=512", "trainer.micro_batch_tokens=1024"]
 RESULT_FILE = "result.json"  # the JSON object, also written into the run root (what --pool reads)
+# The flags a run takes from a --reuse-uniform result (their argparse default is None so that a flag given
+# on the command line can be told from a default), with the defaults of a run that reuses nothing.
+REUSED_FLAGS: dict[str, Any] = {"model": "smollm2-135m", "domains": DEFAULT_DOMAINS, "eval_seed": 1000,
+                                "budget": "tokens"}
 
 
 def parse_domains(text: str) -> list[tuple[str, list[int]]]:
@@ -159,36 +166,86 @@ def base_eval(overrides: list[str], n_eval: int, eval_seed: int) -> Any:
         gc.collect()
 
 
+def _take_saved(ns: argparse.Namespace, saved: dict[str, Any]) -> dict[str, int]:
+    """--reuse-uniform: the model, arms, sizes, held-out tasks, budget rule, preset and --run-set values of
+    the saved result become this run's, so the adaptive runs match the uniform runs they are paired with.
+    A flag given with another value is a ValueError that names it. Returns the sizes."""
+    def clash(flag: str, given: Any, kept: Any) -> ValueError:
+        return ValueError(f"--reuse-uniform: {flag} {given!r} differs from the saved result's {kept!r}; the "
+                          "uniform runs must match the adaptive ones (leave the flag out to take the saved value)")
+
+    for key in REUSED_FLAGS:
+        given = getattr(ns, key)
+        if given is not None and given != saved[key]:
+            raise clash("--" + key.replace("_", "-"), given, saved[key])
+        setattr(ns, key, saved[key])
+    sizes = {k: int(v) for k, v in saved["sizes"].items()}
+    for key, v in sizes.items():
+        given = getattr(ns, key, None)
+        if given is not None and int(given) != v:
+            raise clash("--" + key.replace("_", "-"), int(given), v)
+    if ns.quick and not saved.get("quick", False):
+        raise clash("--quick", True, False)
+    ns.quick = bool(saved.get("quick", False))
+    if ns.seeds is not None or ns.seed_start != 0:
+        raise ValueError(f"--reuse-uniform runs the saved result's seeds {saved['seeds']}; leave out --seeds and --seed-start")
+    kept = saved.get("run_overrides")  # absent from results saved before it was recorded: taken as given
+    if kept is not None and ns.run_overrides and list(ns.run_overrides) != kept:
+        raise clash("--run-set", list(ns.run_overrides), kept)
+    ns.run_overrides = list(ns.run_overrides) or list(kept or [])
+    return sizes
+
+
 def main_real(ns: argparse.Namespace) -> dict[str, Any]:
     from posttrain.orchestrator import RLRun
 
-    sizes = dict(PRESETS["quick" if ns.quick else "full"])
-    for key in sizes:
-        if getattr(ns, key, None) is not None:
-            sizes[key] = int(getattr(ns, key))
+    saved = load_result(ns.reuse_uniform, "--reuse-uniform") if getattr(ns, "reuse_uniform", None) else None
+    if saved is not None:
+        sizes = _take_saved(ns, saved)
+        seeds = [int(row["seed"]) for row in saved["per_seed"][SAMPLERS[0]]]
+    else:
+        for key, default in REUSED_FLAGS.items():
+            if getattr(ns, key, None) is None:
+                setattr(ns, key, default)
+        sizes = dict(PRESETS["quick" if ns.quick else "full"])
+        for key in sizes:
+            if getattr(ns, key, None) is not None:
+                sizes[key] = int(getattr(ns, key))
+        n_seeds = ns.seeds if ns.seeds is not None else 1 if ns.quick else 2
+        seeds = list(range(ns.seed_start, ns.seed_start + n_seeds))
     for key, v in sizes.items():
         least = 0 if key == "probe_every" else 1
         if v < least:
             raise ValueError(f"--real: --{key.replace('_', '-')} must be >= {least}, got {v}")
-    n_seeds = ns.seeds if ns.seeds is not None else 1 if ns.quick else 2
-    seeds = list(range(ns.seed_start, ns.seed_start + n_seeds))
     overrides = run_overrides(ns, sizes)
     from posttrain.config import load_config
 
     RLRun.check(load_config(None, overrides))  # unknown domain / level fails before any model loads
     root = Path(ns.out) if ns.out else Path(tempfile.mkdtemp(prefix="bench-curriculum-real-"))
     t0 = time.perf_counter()
-    base = base_eval(overrides, sizes["n_eval"], ns.eval_seed)
-    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SAMPLERS}
+    if saved is None:
+        b = base_eval(overrides, sizes["n_eval"], ns.eval_seed)
+        base = {**b.per_domain, "all": _pooled([x for v in b.per_task.values() for x in v], ns.eval_seed)}
+    else:  # the same model on the same held-out tasks, greedy: the saved scores are what a rerun would give
+        base = saved["base"]
+    per_seed: dict[str, list[dict[str, Any]]] = {s: [] for s in SAMPLERS}
     budgets: list[int | None] = []
-    for seed in seeds:
+    for i, seed in enumerate(seeds):
         budget: int | None = None
-        for sampler in SAMPLERS:
+        if saved is not None:
+            per_seed[SAMPLERS[0]].append(saved["per_seed"][SAMPLERS[0]][i])
+            budget = saved["token_budget_per_seed"][i]
+        for sampler in SAMPLERS[1:] if saved is not None else SAMPLERS:
             extra = []
             if budget is not None:
                 extra = [f"orchestrator.token_budget={budget}", f"orchestrator.steps={MAX_STEPS_FACTOR * sizes['steps']}"]
             r = train_and_eval([*overrides, *extra], sampler, seed, root, sizes["n_eval"], ns.eval_seed, ns.keep_checkpoints)
-            runs[sampler].append(r)
+            per_seed[sampler].append(
+                {"seed": seed, "per_domain": r["report"].per_domain, "train_s": round(r["train_s"], 1),
+                 "steps": r["steps"], "generated_tokens": r["generated_tokens"], "probe_tokens": r["probe_tokens"],
+                 "probes": r["probes"], "groups_by_arm": r["groups_by_arm"],
+                 "per_task": r["report"].per_task}  # held-out scores in task order, for pooling across invocations
+            )
             if sampler == SAMPLERS[0] and ns.budget == "tokens":
                 budget = max(1, int(r["generated_tokens"] + r["probe_tokens"]))
         budgets.append(budget)
@@ -199,21 +256,17 @@ def main_real(ns: argparse.Namespace) -> dict[str, Any]:
         "sizes": sizes,
         "eval_seed": ns.eval_seed,
         "budget": ns.budget,
+        "quick": bool(ns.quick),
+        "run_overrides": list(ns.run_overrides),
+        # --set values: the adaptive runs', and the uniform runs' (the same unless they come from --reuse-uniform)
+        "adaptive_overrides": list(ns.overrides),
+        "uniform_overrides": list(ns.overrides) if saved is None else _settings(saved)[1],
         "rollouts_per_uniform_run": sizes["steps"] * sizes["tasks_per_step"] * sizes["group_size"],
         "run_root": str(root),
     }
-    per_seed = {
-        sampler: [
-            {"seed": seed, "per_domain": r["report"].per_domain, "train_s": round(r["train_s"], 1),
-             "steps": r["steps"], "generated_tokens": r["generated_tokens"], "probe_tokens": r["probe_tokens"],
-             "probes": r["probes"], "groups_by_arm": r["groups_by_arm"],
-             "per_task": r["report"].per_task}  # held-out scores in task order, for pooling across invocations
-            for seed, r in zip(seeds, runs[sampler], strict=True)
-        ]
-        for sampler in SAMPLERS
-    }
-    base_all = _pooled([x for v in base.per_task.values() for x in v], ns.eval_seed)
-    out = summarise(meta, {**base.per_domain, "all": base_all}, per_seed, budgets)
+    if saved is not None:
+        meta["uniform_from"] = str(ns.reuse_uniform)
+    out = summarise(meta, base, per_seed, budgets)
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     (root / RESULT_FILE).write_text(json.dumps(out))
     _print_real(out)
@@ -246,32 +299,42 @@ def summarise(
     return out
 
 
-# What must agree for runs of separate invocations to be pooled: the same model, arms, sizes, held-out tasks
-# and budget rule. The base model's scores must agree too (same model, same tasks: greedy, so equal).
+# What must agree for runs of separate invocations to be pooled: the same model, arms, sizes, held-out tasks,
+# budget rule, preset, run overrides and sampler settings (`_settings`). The base model's scores must agree
+# too (same model, same tasks: greedy, so equal).
 POOL_KEYS = ("model", "domains", "sizes", "eval_seed", "budget", "base")
 
 
-def load_result(path: str | Path) -> dict[str, Any]:
+def _settings(result: dict[str, Any]) -> tuple[list[str], list[str], bool, list[str] | None]:
+    """(adaptive --set values, uniform --set values, --quick, --run-set values) of a saved result; results
+    saved before these were recorded ran with no --set (the --real runs so far), and their --run-set is
+    unknown (None)."""
+    return (list(result.get("adaptive_overrides", [])), list(result.get("uniform_overrides", [])),
+            bool(result.get("quick", False)), result.get("run_overrides"))
+
+
+def load_result(path: str | Path, flag: str = "--pool") -> dict[str, Any]:
     """A saved `--real` result: the run root's result.json (or the folder holding it), or a capture of
-    `posttrain bench curriculum --json -- --real ...` whose last line is the JSON object."""
+    `posttrain bench curriculum --json -- --real ...` whose last line is the JSON object. ValueError names
+    the file and, as `flag`, the option that read it."""
     p = Path(path)
     if p.is_dir():
         p = p / RESULT_FILE
     try:
         text = p.read_text()
     except OSError as err:
-        raise ValueError(f"--pool: cannot read {p}: {err.strerror or err}") from None
+        raise ValueError(f"{flag}: cannot read {p}: {err.strerror or err}") from None
     lines = text.strip().splitlines()
     try:
         obj = json.loads(lines[-1] if lines else "")
     except json.JSONDecodeError:
-        raise ValueError(f"--pool: {p} does not end with a JSON object (a result.json or a --json capture)") from None
+        raise ValueError(f"{flag}: {p} does not end with a JSON object (a result.json or a --json capture)") from None
     if not isinstance(obj, dict) or obj.get("mode") != "real" or "per_seed" not in obj:
-        raise ValueError(f"--pool: {p} is not the result of `bench curriculum --real`")
+        raise ValueError(f"{flag}: {p} is not the result of `bench curriculum --real`")
     rows = [row for s in SAMPLERS for row in obj["per_seed"].get(s, [])]
     if any(s not in obj["per_seed"] for s in SAMPLERS) or any("per_task" not in row for row in rows):
-        raise ValueError(f"--pool: {p} lacks a sampler's runs or their per-task held-out scores (saved before "
-                         "they were kept); it cannot be pooled")
+        raise ValueError(f"{flag}: {p} lacks a sampler's runs or their per-task held-out scores (saved before "
+                         "they were kept); it cannot be used")
     return obj
 
 
@@ -281,12 +344,16 @@ def pool_results(paths: list[str]) -> dict[str, Any]:
     match the first one, or a seed two files both ran."""
     results = [load_result(p) for p in paths]
     first = results[0]
+    names = ("adaptive --set values", "uniform --set values", "--quick", "--run-set values")
     for path, r in zip(paths[1:], results[1:], strict=True):
         for key in POOL_KEYS:
             if r.get(key) != first.get(key):
                 what = ("the base model's held-out scores (another model build or machine?)" if key == "base"
                         else f"'{key}': {r.get(key)!r} vs {first.get(key)!r}")
                 raise ValueError(f"--pool: {path} differs from {paths[0]} in {what}")
+        for name, mine, theirs in zip(names, _settings(r), _settings(first), strict=True):
+            if mine != theirs and not (name == "--run-set values" and None in (mine, theirs)):
+                raise ValueError(f"--pool: {path} differs from {paths[0]} in its {name}: {mine!r} vs {theirs!r}")
     per_seed: dict[str, list[dict[str, Any]]] = {s: [] for s in SAMPLERS}
     budgets: list[int | None] = []
     seen: dict[int, str] = {}
@@ -299,6 +366,11 @@ def pool_results(paths: list[str]) -> dict[str, Any]:
             per_seed[s].extend(r["per_seed"][s])
         budgets.extend(r["token_budget_per_seed"])
     meta = {k: first[k] for k in ("mode", "model", "domains", "sizes", "eval_seed", "budget", "rollouts_per_uniform_run")}
+    ada_set, uni_set, quick, _ = _settings(first)
+    known = [s for s in (_settings(r)[3] for r in results) if s is not None]
+    meta.update(quick=quick, adaptive_overrides=ada_set, uniform_overrides=uni_set)
+    if known:
+        meta["run_overrides"] = known[0]
     meta["run_root"] = [r["run_root"] for r in results]
     out = summarise(meta, first["base"], per_seed, budgets)
     out["pooled_from"] = [str(p) for p in paths]
@@ -346,6 +418,10 @@ def _print_real(out: dict[str, Any]) -> None:
             console.print(f"  {s} seed {r['seed']}: {r['steps']} steps, {r['generated_tokens']:.0f} rollout tokens + "
                           f"{r['probe_tokens']:.0f} probe tokens ({r['probes']} probes), train {r['train_s']} s, "
                           f"groups {r['groups_by_arm']}")
+    if out.get("adaptive_overrides") or out.get("uniform_overrides"):
+        console.print(f"  --set values: adaptive {out['adaptive_overrides']}, uniform {out['uniform_overrides']}")
+    if out.get("uniform_from"):
+        console.print(f"  the uniform runs and base scores are those of {out['uniform_from']} (--reuse-uniform)")
     if out["budget"] == "tokens":
         console.print(f"  budget: the adaptive run of each seed stops at uniform's tokens {out['token_budget_per_seed']} "
                       f"(probes charged; steps capped at {MAX_STEPS_FACTOR}x)")

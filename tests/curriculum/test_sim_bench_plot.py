@@ -414,6 +414,35 @@ def test_pool_rejects_results_of_other_sampler_settings(tmp_path, capsys):
     assert "c.json differs from" in (err := capsys.readouterr().err) and "adaptive --set values: ['cost_aware=false'] vs []" in err
 
 
+def test_compare_pairs_the_adaptive_runs_of_two_results(tmp_path, capsys):
+    uni = [[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]
+    _saved_result(tmp_path / "a.json", [0, 1], ada=[[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]], uni=uni)
+    _saved_result(tmp_path / "b.json", [0, 1], ada=[[0.0, 0.0, None], [1.0, 1.0, 1.0]], uni=uni,
+                  adaptive_overrides=["cost_aware=false"])
+    out = main(["--compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+    d = out["delta_a_minus_b"]
+    # seed 0: +1, 0 (the None drops its pair); seed 1: 0, 0, -1; pooled over the 5 pairs: 0
+    assert d["0"]["delta"] == pytest.approx(0.5) and d["0"]["n_tasks"] == 2
+    assert d["1"]["delta"] == pytest.approx(-1 / 3) and d["pooled"]["n_tasks"] == 5
+    assert d["pooled"]["delta"] == pytest.approx(0.0)
+    assert out["settings"]["b"]["adaptive_overrides"] == ["cost_aware=false"]
+    assert out["accuracy"]["a"]["all"]["accuracy"] == pytest.approx(4 / 6)
+    assert "seeds pooled: A - B: all +0.000" in capsys.readouterr().out
+
+    _saved_result(tmp_path / "c.json", [0, 2], ada=[[1.0, 0.0, 1.0], [0.0, 0.0, 0.0]], uni=uni)
+    d = _saved_result(tmp_path / "d.json", [0, 1], ada=[[1.0, 0.0, 1.0], [0.0, 0.0, 0.0]], uni=uni)
+    d["token_budget_per_seed"] = [10, 11]
+    (tmp_path / "d.json").write_text(json.dumps(d))
+    for other, needle in (("c.json", "differ in 'seeds': [0, 1] vs [0, 2]"),
+                          ("d.json", "differ in 'token_budget_per_seed': [10, 10] vs [10, 11]")):
+        with pytest.raises(SystemExit) as exc:
+            main(["--compare", str(tmp_path / "a.json"), str(tmp_path / other)])
+        assert exc.value.code == 2 and needle in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["--compare", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--pool", str(tmp_path / "a.json")])
+    assert exc.value.code == 2 and "give one of them" in capsys.readouterr().err
+
+
 def test_bench_real_stops_when_a_run_is_interrupted(tmp_path, monkeypatch):
     from posttrain.curriculum import real
     from posttrain.orchestrator import RLRun

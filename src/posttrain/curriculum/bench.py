@@ -28,7 +28,7 @@ import numpy as np
 
 from posttrain.config import ConfigError, load_config
 from posttrain.curriculum.arms import Arm
-from posttrain.curriculum.real import PRESETS, REUSED_FLAGS, main_real, pool_results
+from posttrain.curriculum.real import PRESETS, REUSED_FLAGS, compare_results, main_real, pool_results
 from posttrain.curriculum.sim import (
     HINDSIGHT,
     LAYOUT,
@@ -174,12 +174,17 @@ def main(args: list[str]) -> dict[str, Any]:
     real.add_argument("--pool", nargs="+", default=None, metavar="RESULT",
                       help="run nothing: one report over the seeds of saved --real results (a run root, its "
                       "result.json, or a --json capture), e.g. one invocation per --seed-start")
+    real.add_argument("--compare", nargs=2, default=None, metavar=("A", "B"),
+                      help="run nothing: the adaptive runs of two saved --real results (same seeds, budgets and "
+                      "held-out tasks, e.g. B from --reuse-uniform) paired, A - B per seed and pooled")
     ns = ap.parse_args(args)
     if ns.seed_start < 0:
         ap.error(f"--seed-start must be >= 0, got {ns.seed_start}")
-    if ns.pool:
+    if ns.pool and ns.compare:
+        ap.error("--pool and --compare each report on saved results; give one of them")
+    if ns.pool or ns.compare:
         try:
-            return pool_results(ns.pool)
+            return pool_results(ns.pool) if ns.pool else compare_results(*ns.compare)
         except ValueError as err:
             print(f"error: {err}", file=sys.stderr)
             raise SystemExit(2) from None

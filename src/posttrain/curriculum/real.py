@@ -379,6 +379,53 @@ def pool_results(paths: list[str]) -> dict[str, Any]:
     return out
 
 
+def compare_results(path_a: str, path_b: str) -> dict[str, Any]:
+    """`--compare A B`: the adaptive runs of two saved `--real` results (e.g. two sampler settings, the second
+    from `--reuse-uniform`) paired on the same held-out tasks and seeds: A - B per seed and pooled over
+    (task, seed) pairs. ValueError when the two were not run on the same model, arms, sizes, held-out tasks,
+    seeds and token budgets, so that the pairs are not like for like."""
+    from posttrain.orchestrator.evaluate import EvalReport, paired_delta
+
+    a, b = load_result(path_a, "--compare"), load_result(path_b, "--compare")
+    for key in (*POOL_KEYS, "seeds", "token_budget_per_seed"):
+        if a.get(key) != b.get(key):
+            what = ("the base model's held-out scores" if key == "base"
+                    else f"'{key}': {a.get(key)!r} vs {b.get(key)!r}")
+            raise ValueError(f"--compare: {path_a} and {path_b} differ in {what}; their adaptive runs cannot be paired")
+    eval_seed = int(a["eval_seed"])
+    reps = {n: [EvalReport(f"{n}-seed{row['seed']}", row["per_task"]) for row in r["per_seed"]["adaptive"]]
+            for n, r in (("a", a), ("b", b))}
+    out: dict[str, Any] = {
+        "mode": "compare", "a": str(path_a), "b": str(path_b), "seeds": a["seeds"], "eval_seed": eval_seed,
+        "settings": {n: {"adaptive_overrides": _settings(r)[0], "steps": [row["steps"] for row in r["per_seed"]["adaptive"]]}
+                     for n, r in (("a", a), ("b", b))},
+        "accuracy": {n: r["per_domain"]["adaptive"] for n, r in (("a", a), ("b", b))},
+        "uniform_accuracy": {n: r["per_domain"][SAMPLERS[0]]["all"]["accuracy"] for n, r in (("a", a), ("b", b))},
+        "delta_a_minus_b": {str(seed): paired_delta(x, y, eval_seed)
+                            for seed, x, y in zip(a["seeds"], reps["a"], reps["b"], strict=True)},
+    }
+    if len(a["seeds"]) > 1:
+        out["delta_a_minus_b"]["pooled"] = paired_delta(_pool(reps["a"]), _pool(reps["b"]), eval_seed)
+    _print_compare(out)
+    return out
+
+
+def _print_compare(out: dict[str, Any]) -> None:
+    from rich.console import Console
+
+    console = Console(width=170)
+    for n in ("a", "b"):
+        acc, st = out["accuracy"][n], out["settings"][n]
+        per = ", ".join(f"{d} {v['accuracy']:.3f}" for d, v in acc.items() if d != "all")
+        console.print(f"  {n.upper()} = {out[n]}: adaptive --set {st['adaptive_overrides']}, steps {st['steps']}; held-out "
+                      f"all {acc['all']['accuracy']:.3f} ({per}); its uniform runs {out['uniform_accuracy'][n]:.3f}")
+    for seed, d in out["delta_a_minus_b"].items():
+        per = ", ".join(f"{k} {v['delta']:+.3f}" for k, v in d["per_domain"].items())
+        label = "seeds pooled" if seed == "pooled" else f"seed {seed}"
+        console.print(f"  {label}: A - B: all {d['delta']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}] "
+                      f"({d['n_tasks']} pairs); {per}")
+
+
 def _pool(reports: list[Any]) -> Any:
     """One report whose per-task scores are the reports' in turn (seed after seed)."""
     from posttrain.orchestrator.evaluate import EvalReport

@@ -92,6 +92,13 @@ def test_bench_small_run_reports_every_sampler(tmp_path):
     per_arm_forgetting = np.mean([v["forgetting"] for v in out["per_arm"]["sec"].values()])
     assert per_arm_forgetting == pytest.approx(out["forgetting"]["sec"])  # the headline is the mean over arms
     assert "uniform_by_domain" not in out["largest_shortfall_vs_uniform"]
+    assert set(out["adaptive_forgetting_minus_ci95"]) == {"sec", "dump"}
+    # one seed: the paired interval of adaptive - sec collapses onto that seed's difference
+    one = main(["--seeds", "1", "--budget-steps", "15", "--groups-per-step", "8", "--boot", "50",
+                "--samplers", "uniform_by_domain,sec,adaptive"])
+    lo, hi = one["adaptive_forgetting_minus_ci95"]["sec"]
+    assert lo == hi == pytest.approx(one["forgetting"]["adaptive"] - one["forgetting"]["sec"])
+    assert set(one["adaptive_forgetting_minus_ci95"]) == {"sec"}
 
 
 def test_per_arm_figures_hand_computed():

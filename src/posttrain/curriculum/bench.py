@@ -283,6 +283,11 @@ def main(args: list[str]) -> dict[str, Any]:
         out["hindsight_weights"] = rows[0] if ns.hindsight_phases == 1 else rows
     if "adaptive" in names:
         a = "adaptive"
+        # paired over seeds (same learner): is adaptive's forgetting below sec's and dump's beyond noise?
+        out["adaptive_forgetting_minus_ci95"] = {
+            b: bootstrap_ci(np.array(per[a]["forgetting"]) - np.array(per[b]["forgetting"]), ns.boot)
+            for b in ("sec", "dump") if b in names
+        }
         out["targets"] = {
             "tokens_to_threshold_ratio<=0.75": out["tokens_to_threshold_ratio"][a] <= 0.75,
             "worst_arm_not_worse_than_uniform": out["worst_arm_accuracy"][a] >= out["worst_arm_accuracy"][BASELINE],
@@ -349,5 +354,9 @@ def _print_table(out: dict[str, Any], names: list[str]) -> None:
     console.print(arms)
     if "targets" in out:
         for k, v in out["targets"].items():
-            console.print(f"  {'met' if v else 'NOT met'}: {k}")
+            b = k.rpartition("_than_")[2]
+            paired = out["adaptive_forgetting_minus_ci95"].get(b) if k.startswith("forgetting_better") else None
+            note = (f" (paired adaptive - {b}: {out['forgetting']['adaptive'] - out['forgetting'][b]:+.4f} "
+                    f"[{paired[0]:+.4f}, {paired[1]:+.4f}])" if paired else "")
+            console.print(f"  {'met' if v else 'NOT met'}: {k}{note}")
     console.print(f"  wall {out['wall_s']} s (shared 2-core machine)")

@@ -160,6 +160,7 @@ def test_bench_real_wiring_on_a_tiny_model(tmp_path):
     other = main(["--real", "--reuse-uniform", str(tmp_path), "--set", "lam=0", "--out", str(tmp_path / "lam0")])
     assert "lam: 0.0" in (tmp_path / "lam0" / "adaptive-seed5" / "config.yaml").read_text()
     assert other["adaptive_overrides"] == ["lam=0"] and other["uniform_overrides"] == []
+    assert other["adaptive_curriculum"]["lam"] == 0.0 and same["adaptive_curriculum"]["lam"] == CurriculumConfig().lam
     assert other["per_seed"]["uniform_by_domain"] == saved["per_seed"]["uniform_by_domain"]
     with pytest.raises(SystemExit):  # two adaptive settings are not one matrix
         main(["--pool", str(tmp_path / "same"), str(tmp_path / "lam0")])
@@ -419,13 +420,24 @@ def test_pool_rejects_results_of_other_sampler_settings(tmp_path, capsys):
         main(["--pool", str(tmp_path / "a.json"), str(tmp_path / "c.json")])
     assert exc.value.code == 2
     assert "c.json differs from" in (err := capsys.readouterr().err) and "adaptive --set values: ['cost_aware=false'] vs []" in err
+    # the resolved config is what counts: the same --set values under other defaults do not pool
+    on, off = CurriculumConfig().model_dump(mode="json"), CurriculumConfig(cost_aware=False, lam=3.0).model_dump(mode="json")
+    _saved_result(tmp_path / "d.json", [3], ada=[[1.0]], uni=[[0.0]], adaptive_curriculum=on)
+    _saved_result(tmp_path / "e.json", [4], ada=[[1.0]], uni=[[0.0]], adaptive_curriculum=off)
+    for other, needle in (("e.json", "curriculum config: cost_aware False vs True, lam 3.0 vs 6.0"),
+                          ("a.json", "a.json does not record it")):
+        with pytest.raises(SystemExit) as exc:
+            main(["--pool", str(tmp_path / "d.json"), str(tmp_path / other)])
+        assert exc.value.code == 2 and needle in capsys.readouterr().err
 
 
 def test_compare_pairs_the_adaptive_runs_of_two_results(tmp_path, capsys):
     uni = [[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]
-    _saved_result(tmp_path / "a.json", [0, 1], ada=[[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]], uni=uni)
+    _saved_result(tmp_path / "a.json", [0, 1], ada=[[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]], uni=uni,
+                  adaptive_curriculum=CurriculumConfig().model_dump(mode="json"))
     _saved_result(tmp_path / "b.json", [0, 1], ada=[[0.0, 0.0, None], [1.0, 1.0, 1.0]], uni=uni,
-                  adaptive_overrides=["cost_aware=false"])
+                  adaptive_overrides=["cost_aware=false"],
+                  adaptive_curriculum=CurriculumConfig(cost_aware=False).model_dump(mode="json"))
     out = main(["--compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")])
     d = out["delta_a_minus_b"]
     # seed 0: +1, 0 (the None drops its pair); seed 1: 0, 0, -1; pooled over the 5 pairs: 0
@@ -433,6 +445,7 @@ def test_compare_pairs_the_adaptive_runs_of_two_results(tmp_path, capsys):
     assert d["1"]["delta"] == pytest.approx(-1 / 3) and d["pooled"]["n_tasks"] == 5
     assert d["pooled"]["delta"] == pytest.approx(0.0)
     assert out["settings"]["b"]["adaptive_overrides"] == ["cost_aware=false"]
+    assert out["config_differences"] == "cost_aware True vs False"
     assert out["accuracy"]["a"]["all"]["accuracy"] == pytest.approx(4 / 6)
     assert "seeds pooled: A - B: all +0.000" in capsys.readouterr().out
 

@@ -221,6 +221,8 @@ def main_real(ns: argparse.Namespace) -> dict[str, Any]:
     from posttrain.config import load_config
 
     RLRun.check(load_config(None, overrides))  # unknown domain / level fails before any model loads
+    # what the adaptive runs resolve to (defaults included), so results stay comparable across default changes
+    adaptive_cfg = load_config(None, [*overrides, "curriculum.sampler=adaptive"]).curriculum.model_dump(mode="json")
     root = Path(ns.out) if ns.out else Path(tempfile.mkdtemp(prefix="bench-curriculum-real-"))
     t0 = time.perf_counter()
     if saved is None:
@@ -260,6 +262,7 @@ def main_real(ns: argparse.Namespace) -> dict[str, Any]:
         "run_overrides": list(ns.run_overrides),
         # --set values: the adaptive runs', and the uniform runs' (the same unless they come from --reuse-uniform)
         "adaptive_overrides": list(ns.overrides),
+        "adaptive_curriculum": adaptive_cfg,
         "uniform_overrides": list(ns.overrides) if saved is None else _settings(saved)[1],
         "rollouts_per_uniform_run": sizes["steps"] * sizes["tasks_per_step"] * sizes["group_size"],
         "run_root": str(root),
@@ -354,6 +357,9 @@ def pool_results(paths: list[str]) -> dict[str, Any]:
         for name, mine, theirs in zip(names, _settings(r), _settings(first), strict=True):
             if mine != theirs and not (name == "--run-set values" and None in (mine, theirs)):
                 raise ValueError(f"--pool: {path} differs from {paths[0]} in its {name}: {mine!r} vs {theirs!r}")
+        if r.get("adaptive_curriculum") != first.get("adaptive_curriculum"):
+            raise ValueError(f"--pool: {path} differs from {paths[0]} in its adaptive runs' curriculum config: "
+                             f"{_config_diff(r.get('adaptive_curriculum'), first.get('adaptive_curriculum'), path, paths[0])}")
     per_seed: dict[str, list[dict[str, Any]]] = {s: [] for s in SAMPLERS}
     budgets: list[int | None] = []
     seen: dict[int, str] = {}
@@ -369,6 +375,8 @@ def pool_results(paths: list[str]) -> dict[str, Any]:
     ada_set, uni_set, quick, _ = _settings(first)
     known = [s for s in (_settings(r)[3] for r in results) if s is not None]
     meta.update(quick=quick, adaptive_overrides=ada_set, uniform_overrides=uni_set)
+    if "adaptive_curriculum" in first:
+        meta["adaptive_curriculum"] = first["adaptive_curriculum"]
     if known:
         meta["run_overrides"] = known[0]
     meta["run_root"] = [r["run_root"] for r in results]
@@ -377,6 +385,16 @@ def pool_results(paths: list[str]) -> dict[str, Any]:
     out["wall_s"] = round(sum(float(r.get("wall_s", 0.0)) for r in results), 1)
     _print_real(out)
     return out
+
+
+def _config_diff(a: dict[str, Any] | None, b: dict[str, Any] | None, name_a: str = "A", name_b: str = "B") -> str:
+    """The keys two resolved curriculum configs differ in, as 'key a vs b'; a result saved before the
+    config was recorded has none to compare."""
+    if a is None or b is None:
+        return (f"{name_a if a is None else name_b} does not record it (saved before results kept it), so the two "
+                "cannot be told to match")
+    keys = sorted(k for k in {*a, *b} if a.get(k) != b.get(k))
+    return ", ".join(f"{k} {a.get(k)!r} vs {b.get(k)!r}" for k in keys) or "none"
 
 
 def compare_results(path_a: str, path_b: str) -> dict[str, Any]:
@@ -406,6 +424,8 @@ def compare_results(path_a: str, path_b: str) -> dict[str, Any]:
     }
     if len(a["seeds"]) > 1:
         out["delta_a_minus_b"]["pooled"] = paired_delta(_pool(reps["a"]), _pool(reps["b"]), eval_seed)
+    if "adaptive_curriculum" in a and "adaptive_curriculum" in b:
+        out["config_differences"] = _config_diff(a["adaptive_curriculum"], b["adaptive_curriculum"])
     _print_compare(out)
     return out
 
@@ -419,6 +439,8 @@ def _print_compare(out: dict[str, Any]) -> None:
         per = ", ".join(f"{d} {v['accuracy']:.3f}" for d, v in acc.items() if d != "all")
         console.print(f"  {n.upper()} = {out[n]}: adaptive --set {st['adaptive_overrides']}, steps {st['steps']}; held-out "
                       f"all {acc['all']['accuracy']:.3f} ({per}); its uniform runs {out['uniform_accuracy'][n]:.3f}")
+    if "config_differences" in out:
+        console.print(f"  the adaptive runs' curriculum configs differ in: {out['config_differences']} (A vs B)")
     for seed, d in out["delta_a_minus_b"].items():
         per = ", ".join(f"{k} {v['delta']:+.3f}" for k, v in d["per_domain"].items())
         label = "seeds pooled" if seed == "pooled" else f"seed {seed}"

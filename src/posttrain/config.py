@@ -143,7 +143,8 @@ class CurriculumConfig(Section):
         False, description="adaptive: every available arm gets one group of each batch that has room for all"
     )
     cost_aware: bool = Field(
-        True, description="adaptive: split tokens, not groups (reads update(..., tokens=); arms without a report count as 1)"
+        False, description="adaptive: split tokens, not groups (reads update(..., tokens=); arms without a report count "
+        "as 1). Off by default: on the real model it did worse than splitting groups (docs/curriculum.md)"
     )
 
 

@@ -161,10 +161,10 @@ def test_relative_cost_and_cost_aware_split_tokens():
     off.update(0, arms[0], [HALF], tokens=800.0)
     off.update(0, arms[1], [HALF, HALF], tokens=4800.0)
     assert list(off.weights().values()) == pytest.approx([0.5, 0.5])
-    default = make_sampler(cfg(c=0.0, max_share=1.0), arms, seed=0)  # cost_aware is on by default
+    default = make_sampler(cfg(c=0.0, max_share=1.0), arms, seed=0)  # cost_aware is off by default
     default.update(0, arms[0], [HALF], tokens=800.0)
     default.update(0, arms[1], [HALF, HALF], tokens=4800.0)
-    assert default.weights() == w
+    assert default.weights() == off.weights()
     with pytest.raises(ValueError, match=r"update\(math:0\): tokens must be a finite number > 0, got -1.0"):
         s.update(1, arms[0], [HALF], tokens=-1)
 

@@ -421,7 +421,8 @@ def test_pool_rejects_results_of_other_sampler_settings(tmp_path, capsys):
     assert exc.value.code == 2
     assert "c.json differs from" in (err := capsys.readouterr().err) and "adaptive --set values: ['cost_aware=false'] vs []" in err
     # the resolved config is what counts: the same --set values under other defaults do not pool
-    on, off = CurriculumConfig().model_dump(mode="json"), CurriculumConfig(cost_aware=False, lam=3.0).model_dump(mode="json")
+    on = CurriculumConfig(cost_aware=True, lam=6.0).model_dump(mode="json")
+    off = CurriculumConfig(cost_aware=False, lam=3.0).model_dump(mode="json")
     _saved_result(tmp_path / "d.json", [3], ada=[[1.0]], uni=[[0.0]], adaptive_curriculum=on)
     _saved_result(tmp_path / "e.json", [4], ada=[[1.0]], uni=[[0.0]], adaptive_curriculum=off)
     for other, needle in (("e.json", "curriculum config: cost_aware False vs True, lam 3.0 vs 6.0"),
@@ -434,7 +435,7 @@ def test_pool_rejects_results_of_other_sampler_settings(tmp_path, capsys):
 def test_compare_pairs_the_adaptive_runs_of_two_results(tmp_path, capsys):
     uni = [[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]
     _saved_result(tmp_path / "a.json", [0, 1], ada=[[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]], uni=uni,
-                  adaptive_curriculum=CurriculumConfig().model_dump(mode="json"))
+                  adaptive_curriculum=CurriculumConfig(cost_aware=True).model_dump(mode="json"))
     _saved_result(tmp_path / "b.json", [0, 1], ada=[[0.0, 0.0, None], [1.0, 1.0, 1.0]], uni=uni,
                   adaptive_overrides=["cost_aware=false"],
                   adaptive_curriculum=CurriculumConfig(cost_aware=False).model_dump(mode="json"))

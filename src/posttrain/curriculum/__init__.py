@@ -43,17 +43,19 @@ EMAs of its success rate per update (rates lp_fast = 0.2, lp_slow = 0.1) and the
        it did not help in the simulation benchmark; see the figures below).
 Probes: `probe_arms(step)` skips arms with >= probe_skip_rollouts (64) training rollouts since their
 last probe, so held-out prompts go to arms the training groups no longer measure (long unsampled).
-cost_aware (on by default): the softmax part is divided by each arm's tokens per rollout relative to the
-others (from update's `tokens`; an arm with no report counts as 1), so it splits tokens, not groups.
-Optional, off by default (it did not help in the simulation): cover_batch (one group per available arm
-in every batch with room for all; weights() then reports the rest's split).
-Defaults that differ from the issue's: lam = 6 (1 forgot more), probe_size = 16 (see config).
-Measured (`posttrain bench curriculum --json`, 32 seeds from 0): tokens to uniform's final macro
-accuracy 0.83x uniform_by_domain's, forgetting 0.010 (with lam = 3 and groups split, the defaults until
-stop 12, chosen on seeds 0-7: 0.82x and 0.013; uniform 0.005; sec 0.89x and 0.011). lam = 6 and
-cost_aware were chosen by ablation on seeds 100-331; on 64 seeds not looked at before (`-- --seeds 64
---seed-start 400`): 0.79x and 0.0097 (lam = 3, groups: 0.79x and 0.0125; sec 0.87x and 0.0102;
-uniform 0.0065).
+Optional, off by default:
+  cost_aware: the softmax part is divided by each arm's tokens per rollout relative to the others (from
+       update's `tokens`; an arm with no report counts as 1), so it splits tokens, not groups. On the real
+       model it lost to uniform (5 paired seeds, -0.029 [-0.054, -0.005]) where splitting groups tied it
+       (+0.002 [-0.020, +0.023]): it sent groups to the arms with the shortest answers. In the simulation
+       it forgets a little less (0.0100 against 0.0109, seeds 0-31).
+  cover_batch: one group per available arm in every batch with room for all; weights() then reports the
+       rest's split (it did not help in the simulation).
+Defaults that differ from the issue's: lam = 6 (1 forgot more in the simulation), probe_size = 16 (see
+config). Measured (`posttrain bench curriculum --json`, 32 seeds from 0): tokens to uniform's final macro
+accuracy 0.83x uniform_by_domain's, forgetting 0.011 (uniform 0.005, sec 0.89x and 0.011, the oracle
+0.80x); on 64 seeds not looked at while choosing (`-- --seeds 64 --seed-start 400`): 0.80x and 0.0105
+(sec 0.87x and 0.0102, uniform 0.0065). docs/curriculum.md has the full tables and the history.
 Arms with data size 0 get weight 0 and K counts only the others. Comparison samplers:
 `uniform_by_domain`, `uniform_by_data`, `dapo_filter_only` (uniform_by_domain + dropping all-equal
 groups), `sec` (Boltzmann over a TD(0) value of mean GRPO |advantage|), `dump` (softmax over UCB of a

@@ -425,6 +425,10 @@ def test_pool_rejects_results_of_other_sampler_settings(tmp_path, capsys):
     off = CurriculumConfig(cost_aware=False, lam=3.0).model_dump(mode="json")
     _saved_result(tmp_path / "d.json", [3], ada=[[1.0]], uni=[[0.0]], adaptive_curriculum=on)
     _saved_result(tmp_path / "e.json", [4], ada=[[1.0]], uni=[[0.0]], adaptive_curriculum=off)
+    # the same resolved config spelt as a --set value or taken from the defaults of its version pools
+    _saved_result(tmp_path / "f.json", [5], ada=[[0.0]], uni=[[0.0]], adaptive_curriculum=on,
+                  adaptive_overrides=["cost_aware=true"])
+    assert main(["--pool", str(tmp_path / "d.json"), str(tmp_path / "f.json")])["seeds"] == [3, 5]
     for other, needle in (("e.json", "curriculum config: cost_aware False vs True, lam 3.0 vs 6.0"),
                           ("a.json", "a.json does not record it")):
         with pytest.raises(SystemExit) as exc:

@@ -354,12 +354,17 @@ def pool_results(paths: list[str]) -> dict[str, Any]:
                 what = ("the base model's held-out scores (another model build or machine?)" if key == "base"
                         else f"'{key}': {r.get(key)!r} vs {first.get(key)!r}")
                 raise ValueError(f"--pool: {path} differs from {paths[0]} in {what}")
-        for name, mine, theirs in zip(names, _settings(r), _settings(first), strict=True):
-            if mine != theirs and not (name == "--run-set values" and None in (mine, theirs)):
-                raise ValueError(f"--pool: {path} differs from {paths[0]} in its {name}: {mine!r} vs {theirs!r}")
-        if r.get("adaptive_curriculum") != first.get("adaptive_curriculum"):
+        # the resolved config decides once a result records it (the same settings may be spelt differently, or
+        # be another version's defaults; one without it cannot be matched); before that, the --set values do
+        recorded = "adaptive_curriculum" in r or "adaptive_curriculum" in first
+        if recorded and r.get("adaptive_curriculum") != first.get("adaptive_curriculum"):
             raise ValueError(f"--pool: {path} differs from {paths[0]} in its adaptive runs' curriculum config: "
                              f"{_config_diff(r.get('adaptive_curriculum'), first.get('adaptive_curriculum'), path, paths[0])}")
+        for name, mine, theirs in zip(names, _settings(r), _settings(first), strict=True):
+            if recorded and name == names[0]:
+                continue
+            if mine != theirs and not (name == "--run-set values" and None in (mine, theirs)):
+                raise ValueError(f"--pool: {path} differs from {paths[0]} in its {name}: {mine!r} vs {theirs!r}")
     per_seed: dict[str, list[dict[str, Any]]] = {s: [] for s in SAMPLERS}
     budgets: list[int | None] = []
     seen: dict[int, str] = {}

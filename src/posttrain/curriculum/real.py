@@ -184,9 +184,10 @@ def _take_saved(ns: argparse.Namespace, saved: dict[str, Any]) -> dict[str, int]
         given = getattr(ns, key, None)
         if given is not None and int(given) != v:
             raise clash("--" + key.replace("_", "-"), int(given), v)
-    if ns.quick and not saved.get("quick", False):
+    quick = _settings(saved)["--quick"]
+    if ns.quick and not quick:
         raise clash("--quick", True, False)
-    ns.quick = bool(saved.get("quick", False))
+    ns.quick = quick
     if ns.seeds is not None or ns.seed_start != 0:
         raise ValueError(f"--reuse-uniform runs the saved result's seeds {saved['seeds']}; leave out --seeds and --seed-start")
     kept = saved.get("run_overrides")  # absent from results saved before it was recorded: taken as given
@@ -220,9 +221,10 @@ def main_real(ns: argparse.Namespace) -> dict[str, Any]:
     overrides = run_overrides(ns, sizes)
     from posttrain.config import load_config
 
-    RLRun.check(load_config(None, overrides))  # unknown domain / level fails before any model loads
+    cfg = load_config(None, overrides)
+    RLRun.check(cfg)  # unknown domain / level fails before any model loads
     # what the adaptive runs resolve to (defaults included), so results stay comparable across default changes
-    adaptive_cfg = load_config(None, [*overrides, "curriculum.sampler=adaptive"]).curriculum.model_dump(mode="json")
+    adaptive_cfg = {**cfg.curriculum.model_dump(mode="json"), "sampler": "adaptive"}
     root = Path(ns.out) if ns.out else Path(tempfile.mkdtemp(prefix="bench-curriculum-real-"))
     t0 = time.perf_counter()
     if saved is None:
@@ -263,7 +265,7 @@ def main_real(ns: argparse.Namespace) -> dict[str, Any]:
         # --set values: the adaptive runs', and the uniform runs' (the same unless they come from --reuse-uniform)
         "adaptive_overrides": list(ns.overrides),
         "adaptive_curriculum": adaptive_cfg,
-        "uniform_overrides": list(ns.overrides) if saved is None else _settings(saved)[1],
+        "uniform_overrides": list(ns.overrides) if saved is None else _settings(saved)["uniform --set values"],
         "rollouts_per_uniform_run": sizes["steps"] * sizes["tasks_per_step"] * sizes["group_size"],
         "run_root": str(root),
     }
@@ -308,12 +310,23 @@ def summarise(
 POOL_KEYS = ("model", "domains", "sizes", "eval_seed", "budget", "base")
 
 
-def _settings(result: dict[str, Any]) -> tuple[list[str], list[str], bool, list[str] | None]:
-    """(adaptive --set values, uniform --set values, --quick, --run-set values) of a saved result; results
-    saved before these were recorded ran with no --set (the --real runs so far), and their --run-set is
-    unknown (None)."""
-    return (list(result.get("adaptive_overrides", [])), list(result.get("uniform_overrides", [])),
-            bool(result.get("quick", False)), result.get("run_overrides"))
+def _settings(result: dict[str, Any]) -> dict[str, Any]:
+    """The --set values of a saved result's adaptive and uniform runs, its --quick and its --run-set values;
+    results saved before these were recorded ran with no --set (the --real runs so far), and their --run-set
+    is unknown (None)."""
+    return {"adaptive --set values": list(result.get("adaptive_overrides", [])),
+            "uniform --set values": list(result.get("uniform_overrides", [])),
+            "--quick": bool(result.get("quick", False)), "--run-set values": result.get("run_overrides")}
+
+
+def _mismatch(a: dict[str, Any], b: dict[str, Any], keys: tuple[str, ...]) -> str | None:
+    """What two saved results differ in among `keys` (the first key that differs, in words), or None."""
+    for key in keys:
+        if a.get(key) != b.get(key):
+            if key == "base":
+                return "the base model's held-out scores (another model build or machine?)"
+            return f"'{key}': {a.get(key)!r} vs {b.get(key)!r}"
+    return None
 
 
 def load_result(path: str | Path, flag: str = "--pool") -> dict[str, Any]:
@@ -347,24 +360,21 @@ def pool_results(paths: list[str]) -> dict[str, Any]:
     match the first one, or a seed two files both ran."""
     results = [load_result(p) for p in paths]
     first = results[0]
-    names = ("adaptive --set values", "uniform --set values", "--quick", "--run-set values")
     for path, r in zip(paths[1:], results[1:], strict=True):
-        for key in POOL_KEYS:
-            if r.get(key) != first.get(key):
-                what = ("the base model's held-out scores (another model build or machine?)" if key == "base"
-                        else f"'{key}': {r.get(key)!r} vs {first.get(key)!r}")
-                raise ValueError(f"--pool: {path} differs from {paths[0]} in {what}")
+        if what := _mismatch(r, first, POOL_KEYS):
+            raise ValueError(f"--pool: {path} differs from {paths[0]} in {what}")
         # the resolved config decides once a result records it (the same settings may be spelt differently, or
         # be another version's defaults; one without it cannot be matched); before that, the --set values do
         recorded = "adaptive_curriculum" in r or "adaptive_curriculum" in first
         if recorded and r.get("adaptive_curriculum") != first.get("adaptive_curriculum"):
             raise ValueError(f"--pool: {path} differs from {paths[0]} in its adaptive runs' curriculum config: "
                              f"{_config_diff(r.get('adaptive_curriculum'), first.get('adaptive_curriculum'), path, paths[0])}")
-        for name, mine, theirs in zip(names, _settings(r), _settings(first), strict=True):
-            if recorded and name == names[0]:
-                continue
-            if mine != theirs and not (name == "--run-set values" and None in (mine, theirs)):
-                raise ValueError(f"--pool: {path} differs from {paths[0]} in its {name}: {mine!r} vs {theirs!r}")
+        mine, theirs = _settings(r), _settings(first)
+        if recorded:
+            del mine["adaptive --set values"], theirs["adaptive --set values"]
+        for name in mine:
+            if mine[name] != theirs[name] and not (name == "--run-set values" and None in (mine[name], theirs[name])):
+                raise ValueError(f"--pool: {path} differs from {paths[0]} in its {name}: {mine[name]!r} vs {theirs[name]!r}")
     per_seed: dict[str, list[dict[str, Any]]] = {s: [] for s in SAMPLERS}
     budgets: list[int | None] = []
     seen: dict[int, str] = {}
@@ -377,9 +387,10 @@ def pool_results(paths: list[str]) -> dict[str, Any]:
             per_seed[s].extend(r["per_seed"][s])
         budgets.extend(r["token_budget_per_seed"])
     meta = {k: first[k] for k in ("mode", "model", "domains", "sizes", "eval_seed", "budget", "rollouts_per_uniform_run")}
-    ada_set, uni_set, quick, _ = _settings(first)
-    known = [s for s in (_settings(r)[3] for r in results) if s is not None]
-    meta.update(quick=quick, adaptive_overrides=ada_set, uniform_overrides=uni_set)
+    settings = _settings(first)
+    known = [s for s in (_settings(r)["--run-set values"] for r in results) if s is not None]
+    meta.update(quick=settings["--quick"], adaptive_overrides=settings["adaptive --set values"],
+                uniform_overrides=settings["uniform --set values"])
     if "adaptive_curriculum" in first:
         meta["adaptive_curriculum"] = first["adaptive_curriculum"]
     if known:
@@ -410,17 +421,14 @@ def compare_results(path_a: str, path_b: str) -> dict[str, Any]:
     from posttrain.orchestrator.evaluate import EvalReport, paired_delta
 
     a, b = load_result(path_a, "--compare"), load_result(path_b, "--compare")
-    for key in (*POOL_KEYS, "seeds", "token_budget_per_seed"):
-        if a.get(key) != b.get(key):
-            what = ("the base model's held-out scores" if key == "base"
-                    else f"'{key}': {a.get(key)!r} vs {b.get(key)!r}")
-            raise ValueError(f"--compare: {path_a} and {path_b} differ in {what}; their adaptive runs cannot be paired")
+    if what := _mismatch(a, b, (*POOL_KEYS, "seeds", "token_budget_per_seed")):
+        raise ValueError(f"--compare: {path_a} and {path_b} differ in {what}; their adaptive runs cannot be paired")
     eval_seed = int(a["eval_seed"])
     reps = {n: [EvalReport(f"{n}-seed{row['seed']}", row["per_task"]) for row in r["per_seed"]["adaptive"]]
             for n, r in (("a", a), ("b", b))}
     out: dict[str, Any] = {
         "mode": "compare", "a": str(path_a), "b": str(path_b), "seeds": a["seeds"], "eval_seed": eval_seed,
-        "settings": {n: {"adaptive_overrides": _settings(r)[0], "steps": [row["steps"] for row in r["per_seed"]["adaptive"]]}
+        "settings": {n: {"adaptive_overrides": _settings(r)["adaptive --set values"], "steps": [row["steps"] for row in r["per_seed"]["adaptive"]]}
                      for n, r in (("a", a), ("b", b))},
         "accuracy": {n: r["per_domain"]["adaptive"] for n, r in (("a", a), ("b", b))},
         "uniform_accuracy": {n: r["per_domain"][SAMPLERS[0]]["all"]["accuracy"] for n, r in (("a", a), ("b", b))},

@@ -225,6 +225,35 @@ def test_bench_seed_start_picks_other_learners(capsys):
     assert "--seed-start must be >= 0, got -1" in capsys.readouterr().err
 
 
+def test_layouts_parse_and_reach_the_learner_and_the_bench(capsys):
+    from posttrain.curriculum.sim import LAYOUT, LAYOUTS, make_learner, parse_layout
+
+    spelt = ",".join(f"{d}:{lv}={role}" for d, lv, role in LAYOUT)
+    assert parse_layout(spelt) == LAYOUT == parse_layout(" default ")
+    assert parse_layout("code:0=learnable, x:2=too_hard") == (("code", 0, "learnable"), ("x", 2, "too_hard"))
+    for bad, says in (("nope", "neither a preset"), ("code:0=learnable,a:1=easy", "role 'easy' is not one of"),
+                      ("code:0=learnable,a=mastered", "'a=mastered' must be domain:level=role"),
+                      ("a:0=mastered,a:1=learnable", "must include code:0"),
+                      ("code:0=learnable,code:0=mastered", "names an arm twice")):
+        with pytest.raises(ValueError, match=says):
+            parse_layout(bad)
+    idle = make_learner(5, LAYOUTS["idle_heavy"])
+    assert [a.key for a in idle.arms] == [f"{d}:{lv}" for d, lv, _ in LAYOUTS["idle_heavy"]]
+    assert idle.roles[6:] == ["mastered", "too_hard"] and 0.85 <= idle.p[6] <= 0.95 and 0.01 <= idle.p[7] <= 0.03
+    assert np.array_equal(make_learner(5).theta, make_learner(5, LAYOUT).theta)
+
+    args = ["--seeds", "1", "--budget-steps", "10", "--groups-per-step", "8", "--boot", "20",
+            "--samplers", "uniform_by_domain,adaptive"]
+    default, same = main(args), main([*args, "--layout", spelt])
+    assert default["layout"] == "default" and same["forgetting"] == default["forgetting"]
+    out = main([*args, "--layout", "idle_heavy"])
+    assert out["layout"] == "idle_heavy" and list(out["per_arm"]["adaptive"])[-2:] == ["tools:1", "logic:0"]
+    assert out["final_macro_accuracy"] != default["final_macro_accuracy"]
+    with pytest.raises(SystemExit):
+        main([*args, "--layout", "math:0=mastered"])
+    assert "--layout: layout 'math:0=mastered' must include code:0" in capsys.readouterr().err
+
+
 def test_static_sampler_holds_its_weights_and_rejects_bad_ones():
     from posttrain.curriculum.sim import StaticSampler
 

@@ -31,12 +31,13 @@ from posttrain.curriculum.arms import Arm
 from posttrain.curriculum.real import PRESETS, REUSED_FLAGS, compare_results, main_real, pool_results
 from posttrain.curriculum.sim import (
     HINDSIGHT,
-    LAYOUT,
+    LAYOUTS,
     ORACLE,
     SimRun,
     SimSettings,
     budget_tokens,
     make_learner,
+    parse_layout,
     run,
 )
 
@@ -87,7 +88,7 @@ def hindsight_search(
     Returns the best weights (shape (arms,), or (phases, arms) when phases > 1) and their run.
     Deterministic per seed."""
     rng = np.random.default_rng(30_000 + seed)
-    k = len(LAYOUT)
+    k = len(settings.layout)
     mu, sd = np.zeros((phases, k)), np.ones((phases, k))
     best: tuple[float, np.ndarray, SimRun] | None = None
     for _ in range(rounds):
@@ -140,6 +141,10 @@ def main(args: list[str]) -> dict[str, Any]:
     ap.add_argument("--samplers", default=",".join(ALL + REFERENCE),
                     help=f"comma list; must include {BASELINE}; '{ORACLE}' reads the hidden state (a ceiling)")
     ap.add_argument("--groups-per-step", type=int, default=SimSettings.groups_per_step)
+    ap.add_argument("--layout", default="default", metavar="NAME|SPEC",
+                    help=f"the simulated arms: a preset ({', '.join(LAYOUTS)}) or domain:level=role,... (roles "
+                    "mastered, learnable, too_hard; code:0 required). Presets other than default are a sensitivity "
+                    "check, not the benchmark")
     ap.add_argument("--budget-steps", type=int, default=SimSettings.budget_uniform_steps,
                     help="token budget in full batches at the mean rollout length")
     ap.add_argument("--boot", type=int, default=2000, help="bootstrap resamples")
@@ -217,8 +222,12 @@ def main(args: list[str]) -> dict[str, Any]:
         cfg = load_config(None, [f"curriculum.{o}" for o in ns.overrides]).curriculum
     except ConfigError as err:
         ap.error(str(err))
+    try:
+        layout = parse_layout(ns.layout)
+    except ValueError as err:
+        ap.error(f"--layout: {err}")
     settings = SimSettings(groups_per_step=ns.groups_per_step, budget_uniform_steps=ns.budget_steps,
-                           charge_probes=not ns.free_probes)
+                           charge_probes=not ns.free_probes, layout=layout)
     t0 = time.perf_counter()
     per: dict[str, dict[str, list[float]]] = {n: {} for n in names}
     arm_final: dict[str, list[np.ndarray]] = {n: [] for n in names}  # per seed, each arm's final p
@@ -226,7 +235,7 @@ def main(args: list[str]) -> dict[str, Any]:
     hindsight_w: list[np.ndarray] = []
     hindsight_in: dict[str, list[float]] = {"tokens_to_threshold_ratio": [], "forgetting": [], "worst_arm_accuracy": []}
     for seed in range(ns.seed_start, ns.seed_start + ns.seeds):
-        budget = budget_tokens(make_learner(seed), settings)
+        budget = budget_tokens(make_learner(seed, layout), settings)
         base = run(BASELINE, seed, cfg, settings)
         threshold = float(base.p[-1].mean())
         base_m = run_metrics(base, budget, threshold, settings.charge_probes)
@@ -263,7 +272,8 @@ def main(args: list[str]) -> dict[str, Any]:
     metrics = ["tokens_to_threshold_ratio", "final_macro_accuracy", "auc", "worst_arm_accuracy", "forgetting",
                "reached_threshold", "probe_token_share"]
     out: dict[str, Any] = {"seeds": ns.seeds, "seed_start": ns.seed_start, "baseline": BASELINE, "wall_s": round(wall_s, 2),
-                           "overrides": ns.overrides, "probe_tokens_charged": not ns.free_probes}
+                           "overrides": ns.overrides, "probe_tokens_charged": not ns.free_probes,
+                           "layout": ns.layout.strip()}
     for k in metrics:
         out[k] = {n: float(np.mean(per[n][k])) for n in names}
         if k not in ("reached_threshold", "probe_token_share"):
@@ -273,7 +283,7 @@ def main(args: list[str]) -> dict[str, Any]:
         out[k + "_diff_vs_uniform_ci95"] = {
             n: bootstrap_ci(np.array(per[n][k]) - np.array(per[BASELINE][k]), ns.boot) for n in names if n != BASELINE
         }
-    arm_keys = [Arm(domain, level).key for domain, level, _ in LAYOUT]
+    arm_keys = [Arm(domain, level).key for domain, level, _ in layout]
     out.update(per_arm_figures(arm_final, arm_forget, arm_keys, ns.boot))
     if hindsight_w:  # mean over seeds; one mapping per phase when the plan has phases
         mean_w = np.mean([np.atleast_2d(w) for w in hindsight_w], axis=0)
@@ -327,7 +337,8 @@ def _print_table(out: dict[str, Any], names: list[str]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"curriculum simulation: {out['seeds']} seeds from {out['seed_start']}, same token budget, mean [95% bootstrap CI]")
+    t = Table(title=f"curriculum simulation ({out['layout']} layout): {out['seeds']} seeds from {out['seed_start']}, "
+              "same token budget, mean [95% bootstrap CI]")
     cols = [("tokens_to_threshold_ratio", "tokens to uniform's final (x uniform)"), ("final_macro_accuracy", "final macro"),
             ("auc", "AUC vs tokens"), ("worst_arm_accuracy", "worst arm"), ("forgetting", "forgetting")]
     t.add_column("sampler")

@@ -21,11 +21,16 @@ Dynamics (per seed, every hidden parameter drawn from the ranges in `make_learne
   above its floor moves toward it by exp(-kappa_k * U), kappa in [0.02, 0.1], U = sum of |step| of
   the arms of *other* domains. Practice counteracts interference only through the arm's own
   gradient, which is small when p is near 0 or 1. Floors: mastered p in [0.3, 0.5], learnable p0/2.
-- Roles (fixed layout, 8 arms, 4 domains): 2 mastered (p0 in [0.85, 0.95]), 4 learnable (p0 in
+- Roles (the `default` layout, 8 arms, 4 domains): 2 mastered (p0 in [0.85, 0.95]), 4 learnable (p0 in
   [0.1, 0.45], eta log-uniform in [0.3, 3]), 2 too hard yet (p0 in [0.01, 0.03], learnable once
-  transfer from their domain's easier arms lifts them; rho in [0.3, 0.6]).
-- `code:0` (learnable) has no training data between 35% and 65% of the token budget (the sampler is
-  told via set_data_size(arm, 0)); its skill keeps decaying meanwhile.
+  transfer from their domain's easier arms lifts them; rho in [0.3, 0.6]). Other layouts (`LAYOUTS`,
+  or a spec `domain:level=role,...`; `parse_layout`) use the same roles and ranges: a sensitivity check
+  of how much there is to gain, not the benchmark's figures. `idle_heavy` puts about half of
+  uniform_by_domain's groups on arms with little to learn: 3 mastered, 2 learnable, 3 too hard, one of
+  them alone in its domain (no easier arm lifts it).
+- `code:0` (learnable in every preset) has no training data between 35% and 65% of the token budget
+  (the sampler is told via set_data_size(arm, 0)); its skill keeps decaying meanwhile. A layout
+  without `code:0` is refused.
 - Tokens: every rollout of arm k costs tokens_k (about 150*(1+difficulty)); probes (adaptive only)
   cost the same per prompt and count against the same budget. A probe of a domain splits its
   probe_size prompts evenly over the domain's arms; each arm's score is Binomial(m, p)/m, reported
@@ -48,7 +53,9 @@ from posttrain.config import CurriculumConfig
 from posttrain.curriculum.arms import Arm
 from posttrain.curriculum.samplers import Sampler, make_sampler
 
-LAYOUT: list[tuple[str, int, str]] = [
+Layout = tuple[tuple[str, int, str], ...]  # (domain, level, role) per arm, in arm order
+ROLES = ("mastered", "learnable", "too_hard")
+LAYOUT: Layout = (
     ("math", 0, "mastered"),
     ("math", 1, "learnable"),
     ("math", 2, "too_hard"),
@@ -57,8 +64,46 @@ LAYOUT: list[tuple[str, int, str]] = [
     ("tools", 0, "mastered"),
     ("tools", 1, "learnable"),
     ("logic", 0, "learnable"),
-]
+)
+LAYOUTS: dict[str, Layout] = {
+    "default": LAYOUT,
+    "idle_heavy": (
+        ("math", 0, "mastered"),
+        ("math", 1, "learnable"),
+        ("math", 2, "too_hard"),
+        ("code", 0, "learnable"),
+        ("code", 1, "too_hard"),
+        ("tools", 0, "mastered"),
+        ("tools", 1, "mastered"),
+        ("logic", 0, "too_hard"),
+    ),
+}
 REMOVED_ARM = Arm("code", 0)
+
+
+def parse_layout(spec: str) -> Layout:
+    """A preset name of LAYOUTS, or `domain:level=role,...` (roles: mastered, learnable, too_hard).
+    The arms must be distinct and include REMOVED_ARM (its data leaves mid-run)."""
+    spec = spec.strip()
+    if spec in LAYOUTS:
+        return LAYOUTS[spec]
+    if "=" not in spec:
+        raise ValueError(f"layout '{spec}' is neither a preset ({', '.join(LAYOUTS)}) nor domain:level=role,...")
+    out = []
+    for item in spec.split(","):
+        arm_key, _, role = item.strip().partition("=")
+        domain, _, level = arm_key.strip().partition(":")
+        if not domain or not level.strip().isdigit():
+            raise ValueError(f"layout item '{item.strip()}' must be domain:level=role with an integer level >= 0")
+        if role.strip() not in ROLES:
+            raise ValueError(f"layout item '{item.strip()}': role '{role.strip()}' is not one of {', '.join(ROLES)}")
+        out.append((domain.strip(), int(level), role.strip()))
+    keys = [(d, lv) for d, lv, _ in out]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"layout '{spec}' names an arm twice")
+    if tuple(REMOVED_ARM) not in keys:
+        raise ValueError(f"layout '{spec}' must include {REMOVED_ARM.key}: its data leaves mid-run")
+    return tuple(out)
 
 
 def _logit(p: float) -> float:
@@ -116,11 +161,11 @@ class Learner:
         self.theta = np.where(above, decayed, self.theta)
 
 
-def make_learner(seed: int) -> Learner:
+def make_learner(seed: int, layout: Layout = LAYOUT) -> Learner:
     """Draw the hidden parameters of one simulated learner (the same for every sampler at this seed)."""
     rng = np.random.default_rng(10_000 + seed)
     arms, roles, theta, floor, eta, kappa, delta, tokens, size = [], [], [], [], [], [], [], [], []
-    for domain, level, role in LAYOUT:
+    for domain, level, role in layout:
         arms.append(Arm(domain, level))
         roles.append(role)
         if role == "mastered":
@@ -222,6 +267,7 @@ class SimSettings:
     removed_until: float = 0.65
     max_resample_rounds: int = 2  # dapo_filter_only
     charge_probes: bool = True  # probe tokens count against the budget
+    layout: Layout = LAYOUT  # the arms and their roles (see LAYOUTS)
 
 
 @dataclass
@@ -247,9 +293,9 @@ def run(
     noise: int = 0,
 ) -> SimRun:
     """Drive one sampler against the seed's learner until the token budget is spent
-    (`hindsight_static` needs static_weights: one per arm of LAYOUT, or a (phases, arms) plan).
+    (`hindsight_static` needs static_weights: one per arm of s.layout, or a (phases, arms) plan).
     `noise` > 0 draws the rewards and probes from another stream: the same learner, a fresh run."""
-    learner = make_learner(seed)
+    learner = make_learner(seed, s.layout)
     rng = np.random.default_rng(20_000 + seed if noise == 0 else [20_000 + seed, int(noise)])
     sizes = {a: int(n) for a, n in zip(learner.arms, learner.data_size, strict=True)}
     if sampler_name in (ORACLE, HINDSIGHT):

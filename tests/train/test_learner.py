@@ -42,6 +42,19 @@ def base_model():
     return load_policy("tiny:llama")
 
 
+def test_lora_wrapping_raises_no_library_deprecation_warning(base_model):
+    import warnings
+
+    from posttrain.models.lora import wrap_lora
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = wrap_lora(copy.deepcopy(base_model), rank=4, alpha=8.0, dropout=0.0, target_modules=["q_proj"])
+        warnings.warn("`is_gradient_checkpointing` is deprecated (outside wrap_lora)", FutureWarning, stacklevel=1)
+    assert [str(w.message) for w in caught] == ["`is_gradient_checkpointing` is deprecated (outside wrap_lora)"]
+    assert any("lora_A" in name for name, _ in model.named_parameters())
+
+
 def test_logprobs_align_with_hf_logits_and_temperature(base_model):
     samples = make_samples(4)
     for temperature in (1.0, 2.0):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 
@@ -14,7 +15,11 @@ def wrap_lora(model: Any, rank: int, alpha: float, dropout: float, target_module
     if not targets:
         raise ValueError(f"none of the LoRA target modules {target_modules} exist in this model")
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, bias="none")
-    return get_peft_model(model, config)
+    with warnings.catch_warnings():
+        # peft reads model.is_gradient_checkpointing, which transformers 5 deprecates: a FutureWarning about the
+        # two libraries' versions that no posttrain user can act on. Only that one is silenced.
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return get_peft_model(model, config)
 
 
 def merged_state_dict(model: Any) -> dict[str, Any]:

@@ -465,6 +465,30 @@ def test_pool_rejects_results_of_other_sampler_settings(tmp_path, capsys):
         assert exc.value.code == 2 and needle in capsys.readouterr().err
 
 
+def test_committed_real_results_pool_to_the_documented_figures(tmp_path):
+    """docs/results/curriculum-real holds the five paired seeds behind docs/curriculum.md section 2; pooling
+    them must give the figures printed there (the bootstrap is seeded, so exactly those)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "docs" / "results" / "curriculum-real"
+    pooled = {}
+    for setting, (adaptive_all, delta, lo, hi) in {
+        "groups_split": (0.403, +0.002, -0.020, +0.023),
+        "cost_aware": (0.372, -0.029, -0.054, -0.005),
+    }.items():
+        out = main(["--pool", *sorted(str(p) for p in (root / setting).glob("seed*.json"))])
+        assert out["seeds"] == [0, 1, 2, 3, 4]
+        assert round(out["per_domain"]["uniform_by_domain"]["all"]["accuracy"], 3) == 0.401
+        assert round(out["per_domain"]["adaptive"]["all"]["accuracy"], 3) == adaptive_all
+        d = out["delta_adaptive_minus_uniform"]["pooled"]
+        assert (round(d["delta"], 3), round(d["ci_low"], 3), round(d["ci_high"], 3)) == (delta, lo, hi)
+        pooled[setting] = tmp_path / f"{setting}.json"
+        pooled[setting].write_text(json.dumps(out))
+    cmp = main(["--compare", str(pooled["groups_split"]), str(pooled["cost_aware"])])
+    d = cmp["delta_a_minus_b"]["pooled"]
+    assert (round(d["delta"], 3), round(d["ci_low"], 3), round(d["ci_high"], 3)) == (0.031, 0.009, 0.052)
+
+
 def test_compare_pairs_the_adaptive_runs_of_two_results(tmp_path, capsys):
     uni = [[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]
     _saved_result(tmp_path / "a.json", [0, 1], ada=[[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]], uni=uni,

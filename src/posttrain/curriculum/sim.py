@@ -65,18 +65,16 @@ LAYOUT: Layout = (
     ("tools", 1, "learnable"),
     ("logic", 0, "learnable"),
 )
+
+
+def _recast(layout: Layout, roles: dict[str, str]) -> Layout:
+    """The layout with the roles of the arms named by key ("tools:1") replaced."""
+    return tuple((d, lv, roles.get(f"{d}:{lv}", role)) for d, lv, role in layout)
+
+
 LAYOUTS: dict[str, Layout] = {
     "default": LAYOUT,
-    "idle_heavy": (
-        ("math", 0, "mastered"),
-        ("math", 1, "learnable"),
-        ("math", 2, "too_hard"),
-        ("code", 0, "learnable"),
-        ("code", 1, "too_hard"),
-        ("tools", 0, "mastered"),
-        ("tools", 1, "mastered"),
-        ("logic", 0, "too_hard"),
-    ),
+    "idle_heavy": _recast(LAYOUT, {"tools:1": "mastered", "logic:0": "too_hard"}),
 }
 REMOVED_ARM = Arm("code", 0)
 

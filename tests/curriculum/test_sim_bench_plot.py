@@ -234,7 +234,8 @@ def test_layouts_parse_and_reach_the_learner_and_the_bench(capsys):
     for bad, says in (("nope", "neither a preset"), ("code:0=learnable,a:1=easy", "role 'easy' is not one of"),
                       ("code:0=learnable,a=mastered", "'a=mastered' must be domain:level=role"),
                       ("a:0=mastered,a:1=learnable", "must include code:0"),
-                      ("code:0=learnable,code:0=mastered", "names an arm twice")):
+                      ("code:0=learnable,code:0=mastered", "names an arm twice"),
+                      ("code:0=learnable", "needs an arm besides code:0")):
         with pytest.raises(ValueError, match=says):
             parse_layout(bad)
     idle = make_learner(5, LAYOUTS["idle_heavy"])

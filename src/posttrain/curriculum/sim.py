@@ -81,7 +81,7 @@ REMOVED_ARM = Arm("code", 0)
 
 def parse_layout(spec: str) -> Layout:
     """A preset name of LAYOUTS, or `domain:level=role,...` (roles: mastered, learnable, too_hard).
-    The arms must be distinct and include REMOVED_ARM (its data leaves mid-run)."""
+    The arms must be distinct and include REMOVED_ARM (its data leaves mid-run) and another arm."""
     spec = spec.strip()
     if spec in LAYOUTS:
         return LAYOUTS[spec]
@@ -101,6 +101,8 @@ def parse_layout(spec: str) -> Layout:
         raise ValueError(f"layout '{spec}' names an arm twice")
     if tuple(REMOVED_ARM) not in keys:
         raise ValueError(f"layout '{spec}' must include {REMOVED_ARM.key}: its data leaves mid-run")
+    if len(out) < 2:
+        raise ValueError(f"layout '{spec}' needs an arm besides {REMOVED_ARM.key}, which has no data for part of the run")
     return tuple(out)
 
 

@@ -464,6 +464,20 @@ def test_pool_rejects_results_of_other_sampler_settings(tmp_path, capsys):
         with pytest.raises(SystemExit) as exc:
             main(["--pool", str(tmp_path / "d.json"), str(tmp_path / other)])
         assert exc.value.code == 2 and needle in capsys.readouterr().err
+    # --pool-any-config: the caller vouches for the adaptive settings; everything else is still checked
+    out = main(["--pool", str(tmp_path / "d.json"), str(tmp_path / "a.json"), str(tmp_path / "c.json"), "--pool-any-config"])
+    assert out["seeds"] == [3, 0, 2] and out["adaptive_config_checked"] is False
+    assert "settings were not compared across the results (--pool-any-config)" in capsys.readouterr().out
+    assert "adaptive_config_checked" not in main(["--pool", str(tmp_path / "d.json"), str(tmp_path / "f.json")])
+    _saved_result(tmp_path / "g.json", [6], ada=[[1.0]], uni=[[0.0]], eval_seed=8)
+    _saved_result(tmp_path / "h.json", [7], ada=[[1.0]], uni=[[0.0]], uniform_overrides=["lam=1"])
+    for other, needle in (("g.json", "'eval_seed': 8 vs 7"), ("h.json", "uniform --set values: ['lam=1'] vs []")):
+        with pytest.raises(SystemExit) as exc:
+            main(["--pool", str(tmp_path / "a.json"), str(tmp_path / other), "--pool-any-config"])
+        assert exc.value.code == 2 and needle in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--pool-any-config"])
+    assert "--pool-any-config needs --pool" in capsys.readouterr().err
 
 
 def test_committed_real_results_pool_to_the_documented_figures(tmp_path):
@@ -477,7 +491,7 @@ def test_committed_real_results_pool_to_the_documented_figures(tmp_path):
         "groups_split": (0.403, +0.002, -0.020, +0.023),
         "cost_aware": (0.372, -0.029, -0.054, -0.005),
     }.items():
-        out = main(["--pool", *sorted(str(p) for p in (root / setting).glob("seed*.json"))])
+        out = main(["--pool", *(str(root / setting / f"seed{s}.json") for s in range(5))])
         assert out["seeds"] == [0, 1, 2, 3, 4]
         assert round(out["per_domain"]["uniform_by_domain"]["all"]["accuracy"], 3) == 0.401
         assert round(out["per_domain"]["adaptive"]["all"]["accuracy"], 3) == adaptive_all
@@ -488,6 +502,14 @@ def test_committed_real_results_pool_to_the_documented_figures(tmp_path):
     cmp = main(["--compare", str(pooled["groups_split"]), str(pooled["cost_aware"])])
     d = cmp["delta_a_minus_b"]["pooled"]
     assert (round(d["delta"], 3), round(d["ci_low"], 3), round(d["ci_high"], 3)) == (0.031, 0.009, 0.052)
+    # the sixth seed (stop 16) records its resolved config, seeds 0-4 do not: pooled only on the caller's word
+    six = [*(str(root / "groups_split" / f"seed{s}.json") for s in range(5)), str(root / "default_stop16" / "seed5.json")]
+    with pytest.raises(SystemExit):
+        main(["--pool", *six])
+    d = main(["--pool", *six, "--pool-any-config"])["delta_adaptive_minus_uniform"]
+    assert round(d["5"]["delta"], 3) == -0.045
+    assert (round(d["pooled"]["delta"], 3), round(d["pooled"]["ci_low"], 3), round(d["pooled"]["ci_high"], 3)) == (
+        -0.006, -0.026, 0.013)
 
 
 def test_compare_pairs_the_adaptive_runs_of_two_results(tmp_path, capsys):

@@ -179,6 +179,9 @@ def main(args: list[str]) -> dict[str, Any]:
     real.add_argument("--pool", nargs="+", default=None, metavar="RESULT",
                       help="run nothing: one report over the seeds of saved --real results (a run root, its "
                       "result.json, or a --json capture), e.g. one invocation per --seed-start")
+    real.add_argument("--pool-any-config", action="store_true",
+                      help="with --pool: do not compare the adaptive runs' settings across the results (you vouch that "
+                      "they match, e.g. one saved before results recorded them); the report says they were not checked")
     real.add_argument("--compare", nargs=2, default=None, metavar=("A", "B"),
                       help="run nothing: the adaptive runs of two saved --real results (same seeds, budgets and "
                       "held-out tasks, e.g. B from --reuse-uniform) paired, A - B per seed and pooled")
@@ -187,9 +190,11 @@ def main(args: list[str]) -> dict[str, Any]:
         ap.error(f"--seed-start must be >= 0, got {ns.seed_start}")
     if ns.pool and ns.compare:
         ap.error("--pool and --compare each report on saved results; give one of them")
+    if ns.pool_any_config and not ns.pool:
+        ap.error("--pool-any-config needs --pool")
     if ns.pool or ns.compare:
         try:
-            return pool_results(ns.pool) if ns.pool else compare_results(*ns.compare)
+            return pool_results(ns.pool, not ns.pool_any_config) if ns.pool else compare_results(*ns.compare)
         except ValueError as err:
             print(f"error: {err}", file=sys.stderr)
             raise SystemExit(2) from None

@@ -354,10 +354,12 @@ def load_result(path: str | Path, flag: str = "--pool") -> dict[str, Any]:
     return obj
 
 
-def pool_results(paths: list[str]) -> dict[str, Any]:
+def pool_results(paths: list[str], check_adaptive_config: bool = True) -> dict[str, Any]:
     """`--pool A B ...`: one report over the seeds of several saved `--real` results (e.g. one invocation per
     seed with --seed-start), as if one invocation had run them all. ValueError names a file that does not
-    match the first one, or a seed two files both ran."""
+    match the first one, or a seed two files both ran. check_adaptive_config=False (`--pool-any-config`)
+    skips only the comparison of the adaptive runs' settings, for results the caller vouches for (one saved
+    before the resolved config was recorded cannot be matched with one after); the report says so."""
     results = [load_result(p) for p in paths]
     first = results[0]
     for path, r in zip(paths[1:], results[1:], strict=True):
@@ -366,11 +368,11 @@ def pool_results(paths: list[str]) -> dict[str, Any]:
         # the resolved config decides once a result records it (the same settings may be spelt differently, or
         # be another version's defaults; one without it cannot be matched); before that, the --set values do
         recorded = "adaptive_curriculum" in r or "adaptive_curriculum" in first
-        if recorded and r.get("adaptive_curriculum") != first.get("adaptive_curriculum"):
+        if check_adaptive_config and recorded and r.get("adaptive_curriculum") != first.get("adaptive_curriculum"):
             raise ValueError(f"--pool: {path} differs from {paths[0]} in its adaptive runs' curriculum config: "
                              f"{_config_diff(r.get('adaptive_curriculum'), first.get('adaptive_curriculum'), path, paths[0])}")
         mine, theirs = _settings(r), _settings(first)
-        if recorded:
+        if recorded or not check_adaptive_config:
             del mine["adaptive --set values"], theirs["adaptive --set values"]
         for name in mine:
             if mine[name] != theirs[name] and not (name == "--run-set values" and None in (mine[name], theirs[name])):
@@ -393,6 +395,8 @@ def pool_results(paths: list[str]) -> dict[str, Any]:
                 uniform_overrides=settings["uniform --set values"])
     if "adaptive_curriculum" in first:
         meta["adaptive_curriculum"] = first["adaptive_curriculum"]
+    if not check_adaptive_config:
+        meta["adaptive_config_checked"] = False
     if known:
         meta["run_overrides"] = known[0]
     meta["run_root"] = [r["run_root"] for r in results]
@@ -507,4 +511,6 @@ def _print_real(out: dict[str, Any]) -> None:
     if out["budget"] == "tokens":
         console.print(f"  budget: the adaptive run of each seed stops at uniform's tokens {out['token_budget_per_seed']} "
                       f"(probes charged; steps capped at {MAX_STEPS_FACTOR}x)")
+    if out.get("adaptive_config_checked") is False:
+        console.print("  the adaptive runs' settings were not compared across the results (--pool-any-config)")
     console.print(f"  runs under {out['run_root']}; wall {out['wall_s']} s")

@@ -12,6 +12,8 @@ tokens to the threshold, penalised for forgetting more or leaving the worst arm 
 does). The row scores the chosen mix on a fresh run of the same learner (other reward noise), so it
 does not profit from the noise the search picked; the in-sample figures are in the JSON. It says
 whether the targets are reachable by a mix or plan that knew the learner, not how a sampler would do.
+`--layout` picks the simulated arms (`sim.LAYOUTS` or a spec): a check of how the figures move with
+what there is to gain, not a replacement for the default layout's.
 `--real` (benchmark 2: a real model through the RL loop, adaptive vs uniform_by_domain, held-out
 accuracy per domain) lives in `real.py`; its flags are listed under "--real" in `--help`. `--pool` reports
 over the seeds of several saved `--real` results (separate invocations) without running anything.

@@ -107,11 +107,21 @@ class CurriculumConfig(Section):
         "adaptive"
     )
     alpha: float = Field(0.5, gt=0.0, le=1.0, description="EMA rate of the learnability signal")
-    tau: float = Field(0.4, gt=0.0, description="softmax temperature over min-max normalised scores")
-    c: float = Field(1.0, ge=0.0, description="exploration bonus weight")
-    eps: float = Field(0.15, ge=0.0, le=1.0, description="uniform mixing; every arm keeps >= eps/K")
+    tau: float = Field(0.5, gt=0.0, description="softmax temperature over min-max normalised scores")
+    c: float = Field(0.4, ge=0.0, description="exploration bonus weight")
+    eps: float = Field(
+        0.2, ge=0.0, le=1.0, description="uniform mixing at the start of the run; every arm keeps >= eps/K"
+    )
+    eps_end: float | None = Field(
+        0.3, ge=0.0, le=1.0, description="adaptive: eps at the end of the run, reached linearly with the run's "
+        "progress (None: eps throughout)"
+    )
+    domain_mix: float = Field(
+        0.3, ge=0.0, le=1.0, description="adaptive: share of uniform_by_domain blended into the policy, ramped "
+        "linearly from 0 at the start of the run to this at its end"
+    )
     lam: float = Field(
-        6.0, ge=0.0, description="forgetting weight (the issue suggests 1; 6 forgot less in the simulation benchmark)"
+        10.0, ge=0.0, description="forgetting weight (the issue suggests 1; more forgot less in the simulation benchmark)"
     )
     forget_z: float = Field(
         1.0, ge=0.0, description="forgetting counts only the probe drop beyond this many standard errors"
@@ -128,7 +138,7 @@ class CurriculumConfig(Section):
     dump_window: int = Field(300, ge=1, description="dump: |advantage| values kept per arm")
     dump_tau: float = Field(0.1, gt=0.0, description="dump: softmax temperature over UCB scores")
     lp_weight: float = Field(0.0, ge=0.0, description="adaptive: weight of the learning-progress term |fast - slow|")
-    weakness: float = Field(0.15, ge=0.0, description="adaptive: weight of the headroom term 1 - success rate")
+    weakness: float = Field(0.4, ge=0.0, description="adaptive: weight of the headroom term 1 - success rate")
     lp_fast: float = Field(0.2, gt=0.0, le=1.0, description="adaptive: EMA rate of the fast success-rate average")
     lp_slow: float = Field(
         0.1, gt=0.0, le=1.0, description="adaptive: EMA rate of the slow one (< lp_fast); also train_retention's"

@@ -104,7 +104,7 @@ def test_cover_batch_gives_every_arm_a_group():
     arms = [Arm("d", i) for i in range(6)]
 
     def drive(cover: bool) -> tuple[list[Counter], list[int]]:
-        s = make_sampler(cfg(cover_batch=cover, eps=0.06), arms, seed=4)
+        s = make_sampler(cfg(cover_batch=cover, eps=0.06, tau=0.4, c=1.0, weakness=0.15), arms, seed=4)
         counts, small = [], []
         for step in range(20):
             s.update(step, arms[0], [HALF] * 8)
@@ -153,9 +153,9 @@ def test_relative_cost_and_cost_aware_split_tokens():
     assert s.relative_cost().tolist() == [1.0, 1.0]
     s.update(0, arms[1], [HALF, HALF], tokens=4800.0)  # 300 per rollout
     assert s.relative_cost().tolist() == pytest.approx([0.5, 1.5])
-    # equal scores: the softmax part (1/2, 1/2) divided by cost -> (3/4, 1/4), then eps/K mixing
+    # equal scores: the softmax part (1/2, 1/2) divided by cost -> (3/4, 1/4), then eps/K mixing (eps = 0.2)
     w = s.weights()
-    assert [w[a] for a in arms] == pytest.approx([0.85 * 0.75 + 0.075, 0.85 * 0.25 + 0.075])
+    assert [w[a] for a in arms] == pytest.approx([0.8 * 0.75 + 0.1, 0.8 * 0.25 + 0.1])
     # tokens spent per arm are then equal in the softmax part: 0.75 * 0.5 == 0.25 * 1.5
     off = make_sampler(cfg(cost_aware=False, c=0.0, max_share=1.0), arms, seed=0)
     off.update(0, arms[0], [HALF], tokens=800.0)
@@ -213,3 +213,47 @@ def test_success_rate_reads_only_fresh_prompts_once_prompts_are_reported():
     t = make_sampler(cfg(lp_fast=1.0, lp_slow=0.5), [arm], seed=0)
     t.update(0, arm, [HALF, ONE])
     assert t._s["succ_fast"][0][0] == 0.75
+
+
+def test_schedule_ramps_eps_and_blends_uniform_by_domain_with_progress():
+    # math has two arms, code one; equal signals everywhere, so the adaptive part is uniform over arms (1/3 each)
+    arms = [Arm("math", 0), Arm("math", 1), Arm("code", 0)]
+    s = make_sampler(cfg(eps=0.2, eps_end=0.3, domain_mix=0.3), arms, seed=0)
+    for a in arms:
+        s.update(0, a, [HALF])
+    assert s.scheduled() == (0.2, 0.0)
+    assert list(s.weights().values()) == pytest.approx([1 / 3] * 3)
+    s.set_progress(0.5)
+    assert s.scheduled() == pytest.approx((0.25, 0.15))
+    # 0.85 * 1/3 + 0.15 * uniform_by_domain (1/4, 1/4, 1/2)
+    assert list(s.weights().values()) == pytest.approx([0.85 / 3 + 0.0375, 0.85 / 3 + 0.0375, 0.85 / 3 + 0.075])
+    s.set_progress(1.0)
+    assert list(s.weights().values()) == pytest.approx([0.7 / 3 + 0.075, 0.7 / 3 + 0.075, 0.7 / 3 + 0.15])
+    # all of it from uniform_by_domain, yet every arm keeps eps_end / K: 1/4 for each math arm is under 0.3
+    arms5 = [Arm("math", i) for i in range(4)] + [Arm("code", 0)]
+    t = make_sampler(cfg(eps=0.9, eps_end=None, domain_mix=1.0, max_share=1.0), arms5, seed=0)
+    t.set_progress(1.0)
+    w = list(t.weights().values())
+    assert min(w) == pytest.approx(0.9 / 5) and sum(w) == pytest.approx(1.0)
+    assert w[:4] == pytest.approx([0.18] * 4) and w[4] == pytest.approx(0.28)  # the code arm gives up the rest
+    # eps_end = None keeps eps; the progress is saved with the state and bad values are refused
+    assert make_sampler(cfg(eps=0.2, eps_end=None), arms, seed=0).scheduled() == (0.2, 0.0)
+    u = make_sampler(cfg(eps=0.2, eps_end=0.3, domain_mix=0.3), arms, seed=1)
+    u.load_state_dict(s.state_dict())
+    assert u.progress == 1.0 and u.weights() == s.weights()
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match=r"set_progress: the run's spent share must be in \[0, 1\]"):
+            s.set_progress(bad)
+    assert s.progress == 1.0  # a refused value leaves the schedule where it was
+    old = s.state_dict()
+    del old["stats"]["progress"]  # saved before set_progress existed
+    u.load_state_dict(old)
+    assert u.progress == 0.0
+
+
+def test_uniform_by_domain_ignores_progress():
+    arms = [Arm("math", 0), Arm("math", 1), Arm("code", 0)]
+    s = make_sampler(cfg(sampler="uniform_by_domain"), arms, seed=0)
+    before = s.weights()
+    s.set_progress(0.9)
+    assert s.weights() == before == {arms[0]: 0.25, arms[1]: 0.25, arms[2]: 0.5}

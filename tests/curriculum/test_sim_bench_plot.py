@@ -553,3 +553,41 @@ def test_bench_real_stops_when_a_run_is_interrupted(tmp_path, monkeypatch):
     overrides = ["model.spec=tiny:llama", "envs.domains=[{name: math, difficulties: [0]}]", "telemetry.progress=false"]
     with pytest.raises(SystemExit, match="interrupted by signal 15 during adaptive seed 3"):
         real.train_and_eval(overrides, "adaptive", 3, tmp_path, 2, 0)
+
+
+def test_tune_returns_the_best_settings_it_scored_and_their_figures(capsys):
+    from posttrain.curriculum.bench import TUNE_PENALTY, TUNED, _ratio, tune_search
+    from posttrain.curriculum.sim import SimSettings, budget_tokens, make_learner, run
+
+    cfg, s = CurriculumConfig(), SimSettings(groups_per_step=8, budget_uniform_steps=12)
+    res = tune_search([0, 1], cfg, s, rounds=1, population=3, elite=1)
+    assert list(res["settings"]) == list(TUNED)
+    assert res["start"]["settings"] == {"tau": 0.5, "eps": 0.2, "eps_end": 0.3, "domain_mix": 0.3, "c": 0.4, "lam": 10.0,
+                                        "weakness": 0.4}  # the defaults it starts from
+    assert res["objective"] <= res["start"]["objective"]
+    for name, (lo, hi) in TUNED.items():
+        assert lo <= res["settings"][name] <= hi
+    # the reported figures are those of a plain run with the reported settings, and the objective is as stated
+    tuned = cfg.model_copy(update=res["settings"])
+    rows = []
+    for seed in (0, 1):
+        budget = budget_tokens(make_learner(seed), s)
+        base = run("uniform_by_domain", seed, cfg, s)
+        thr = float(base.p[-1].mean())
+        base_m, m = run_metrics(base, budget, thr), run_metrics(run("adaptive", seed, tuned, s), budget, thr)
+        sec_m = run_metrics(run("sec", seed, cfg, s), budget, thr)
+        rows.append((_ratio(m, budget, base_m), m["forgetting"], m["worst_arm_accuracy"], base_m["forgetting"],
+                     sec_m["forgetting"], base_m["worst_arm_accuracy"]))
+    r, f, w, fu, fs, wu = np.mean(rows, axis=0)
+    assert res["in_sample"]["tokens_to_threshold_ratio"] == pytest.approx(r)
+    assert res["in_sample"]["forgetting"] == pytest.approx(f)
+    want = r + TUNE_PENALTY * (max(0.0, f - fu) + max(0.0, f - fs)) + max(0.0, wu - w)
+    assert res["objective"] == pytest.approx(want)
+    assert tune_search([0, 1], cfg, s, rounds=1, population=3, elite=1) == res  # deterministic
+    # the CLI prints the settings as --set values; bad combinations exit 2 with a message
+    out = main(["--tune", "1", "--seeds", "1", "--budget-steps", "8", "--groups-per-step", "8"])
+    assert set(out["tune"]["settings"]) == set(TUNED) and "--set tau=" in capsys.readouterr().out
+    for bad, msg in ((["--tune", "-1"], "--tune must be >= 0"), (["--tune", "1", "--hindsight", "1"], "leave out --hindsight")):
+        with pytest.raises(SystemExit) as e:
+            main(bad)
+        assert e.value.code == 2 and msg in capsys.readouterr().err

@@ -320,3 +320,20 @@ def test_token_budget_must_be_positive(tmp_path):
 
     with pytest.raises(ConfigError, match="token_budget"):
         _cfg(tmp_path, "orchestrator.token_budget=0")
+
+
+def test_progress_is_the_further_of_steps_and_tokens(tmp_path):
+    """The share of the run the loop reports to the sampler's schedule (RLRun.progress)."""
+    cfg = _cfg(tmp_path, "orchestrator.steps=10", "orchestrator.token_budget=1000")
+    rl = RLRun(cfg, RunDir.create(cfg.telemetry.run_dir, "progress"))
+    assert rl.progress(0) == 0.0
+    assert rl.progress(4) == pytest.approx(0.4)  # no tokens yet: steps lead
+    rl.counters["rollout_tokens"], rl.counters["probe_tokens"] = 500.0, 100.0
+    assert rl.progress(4) == pytest.approx(0.6)  # 600 of 1000 tokens: tokens lead, probes counted
+    rl.counters["rollout_tokens"] = 5000.0
+    assert rl.progress(4) == 1.0  # capped
+    plain = RLRun(_cfg(tmp_path, "orchestrator.steps=8"), RunDir.create(cfg.telemetry.run_dir, "plain"))
+    plain.counters["rollout_tokens"] = 1e9  # no budget: tokens do not count
+    assert plain.progress(2) == pytest.approx(0.25)
+    rl.close()
+    plain.close()

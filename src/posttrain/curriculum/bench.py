@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -77,6 +78,28 @@ def run_metrics(r: SimRun, budget: float, threshold: float, probes_charged: bool
 HINDSIGHT_PENALTY = 100.0  # budgets per unit of forgetting above, or worst-arm accuracy below, the limits
 
 
+def cross_entropy_min(
+    score: Callable[[np.ndarray], float], mu: np.ndarray, sd: np.ndarray, rounds: int, population: int, elite: int,
+    rng: np.random.Generator, sd_floor: float | np.ndarray = 0.05, bounds: tuple[np.ndarray, np.ndarray] | None = None,
+) -> tuple[float, np.ndarray]:
+    """Minimise score(x) by the cross-entropy method: each round draws `population` points from
+    N(mu, sd) (clipped to `bounds`), keeps the `elite` best, and refits mu and sd (+ sd_floor) to them.
+    Returns the best (score, x) seen. Deterministic given rng."""
+    best: tuple[float, np.ndarray] | None = None
+    for _ in range(rounds):
+        xs = mu + sd * rng.standard_normal((population, *np.shape(mu)))
+        if bounds is not None:
+            xs = np.clip(xs, *bounds)
+        scores = [score(x) for x in xs]
+        for x, sc in zip(xs, scores, strict=True):
+            if best is None or sc < best[0]:
+                best = (sc, x)
+        chosen = xs[np.argsort(scores)[:elite]]
+        mu, sd = chosen.mean(axis=0), chosen.std(axis=0) + sd_floor
+    assert best is not None, "cross_entropy_min needs rounds >= 1 and population >= 1"
+    return best
+
+
 def hindsight_search(
     seed: int, cfg: Any, settings: SimSettings, budget: float, threshold: float, rounds: int,
     population: int = 24, elite: int = 6, limits: tuple[float, float] | None = None, phases: int = 1,
@@ -89,31 +112,96 @@ def hindsight_search(
     worst arm lower: the search then looks for the issue's whole target, not speed alone.
     Returns the best weights (shape (arms,), or (phases, arms) when phases > 1) and their run.
     Deterministic per seed."""
-    rng = np.random.default_rng(30_000 + seed)
     k = len(settings.layout)
-    mu, sd = np.zeros((phases, k)), np.ones((phases, k))
-    best: tuple[float, np.ndarray, SimRun] | None = None
-    for _ in range(rounds):
-        logits = mu + sd * rng.standard_normal((population, phases, k))
-        scores = []
-        for x in logits:
-            w = np.exp(x - x.max(axis=1, keepdims=True))
-            w /= w.sum(axis=1, keepdims=True)
-            w = w[0] if phases == 1 else w
-            r = run(HINDSIGHT, seed, cfg, settings, static_weights=w)
-            m = run_metrics(r, budget, threshold, settings.charge_probes)
-            t = m["tokens_to_threshold"]
-            score = t if np.isfinite(t) else budget * (1.0 + max(0.0, threshold - m["final_macro_accuracy"]))
-            if limits is not None:
-                excess = max(0.0, m["forgetting"] - limits[0]) + max(0.0, limits[1] - m["worst_arm_accuracy"])
-                score += HINDSIGHT_PENALTY * budget * excess
-            scores.append(score)
-            if best is None or score < best[0]:
-                best = (score, w, r)
-        chosen = logits[np.argsort(scores)[:elite]]
-        mu, sd = chosen.mean(axis=0), chosen.std(axis=0) + 0.05
-    assert best is not None
-    return best[1], best[2]
+    runs: dict[bytes, tuple[np.ndarray, SimRun]] = {}
+
+    def score(logits: np.ndarray) -> float:
+        w = np.exp(logits - logits.max(axis=1, keepdims=True))
+        w /= w.sum(axis=1, keepdims=True)
+        w = w[0] if phases == 1 else w
+        r = run(HINDSIGHT, seed, cfg, settings, static_weights=w)
+        runs[logits.tobytes()] = (w, r)
+        m = run_metrics(r, budget, threshold, settings.charge_probes)
+        t = m["tokens_to_threshold"]
+        sc = t if np.isfinite(t) else budget * (1.0 + max(0.0, threshold - m["final_macro_accuracy"]))
+        if limits is not None:
+            excess = max(0.0, m["forgetting"] - limits[0]) + max(0.0, limits[1] - m["worst_arm_accuracy"])
+            sc += HINDSIGHT_PENALTY * budget * excess
+        return float(sc)
+
+    rng = np.random.default_rng(30_000 + seed)
+    _, x = cross_entropy_min(score, np.zeros((phases, k)), np.ones((phases, k)), rounds, population, elite, rng)
+    return runs[x.tobytes()]
+
+
+# --tune: the adaptive settings searched, with their bounds; tau is searched on a log scale
+TUNED: dict[str, tuple[float, float]] = {
+    "tau": (0.05, 3.0), "eps": (0.0, 0.6), "eps_end": (0.0, 0.6), "domain_mix": (0.0, 1.0), "c": (0.0, 3.0),
+    "lam": (0.0, 15.0), "weakness": (0.0, 1.5),
+}
+TUNE_PENALTY = 40.0  # tokens-to-threshold ratio per unit of forgetting above uniform's or sec's
+
+
+def tune_search(
+    seeds: list[int], cfg: Any, settings: SimSettings, rounds: int, population: int = 20, elite: int = 5,
+) -> dict[str, Any]:
+    """Cross-entropy search over the adaptive sampler's TUNED settings (the others as in cfg) on these
+    seeds. Objective, from the seeds' means: adaptive's tokens-to-threshold ratio, plus TUNE_PENALTY per
+    unit of forgetting above uniform_by_domain's and above sec's, plus the worst-arm accuracy it leaves
+    below uniform's: the issue's targets, with the ratio minimised and the rest as limits. Starts from
+    cfg's values. Returns the best settings (rounded to 3 digits, as scored) and their in-sample
+    figures; an out-of-sample check is a plain bench run with them (`--set`) on other seeds."""
+    names = list(TUNED)
+    ref = {}
+    for seed in seeds:
+        budget = budget_tokens(make_learner(seed, settings.layout), settings)
+        base = run(BASELINE, seed, cfg, settings)
+        threshold = float(base.p[-1].mean())
+        base_m = run_metrics(base, budget, threshold, settings.charge_probes)
+        sec_m = run_metrics(run("sec", seed, cfg, settings), budget, threshold, settings.charge_probes)
+        ref[seed] = (budget, threshold, base_m, sec_m)
+
+    def settings_of(x: np.ndarray) -> dict[str, float]:
+        return {n: round(float(np.exp(v) if n == "tau" else v), 3) for n, v in zip(names, x, strict=True)}
+
+    def figures(st: dict[str, float]) -> dict[str, float]:
+        c = cfg.model_copy(update={**st, "sampler": "adaptive"})
+        rows = []
+        for seed in seeds:
+            budget, threshold, base_m, sec_m = ref[seed]
+            m = run_metrics(run("adaptive", seed, c, settings), budget, threshold, settings.charge_probes)
+            rows.append((_ratio(m, budget, base_m), m["forgetting"], m["worst_arm_accuracy"], base_m["forgetting"],
+                         sec_m["forgetting"], base_m["worst_arm_accuracy"]))
+        keys = ["tokens_to_threshold_ratio", "forgetting", "worst_arm_accuracy", "uniform_forgetting",
+                "sec_forgetting", "uniform_worst_arm_accuracy"]
+        return dict(zip(keys, map(float, np.mean(rows, axis=0)), strict=True))
+
+    def objective(f: dict[str, float]) -> float:
+        return (f["tokens_to_threshold_ratio"] + TUNE_PENALTY * max(0.0, f["forgetting"] - f["uniform_forgetting"])
+                + TUNE_PENALTY * max(0.0, f["forgetting"] - f["sec_forgetting"])
+                + max(0.0, f["uniform_worst_arm_accuracy"] - f["worst_arm_accuracy"]))
+
+    lo = np.array([np.log(TUNED[n][0]) if n == "tau" else TUNED[n][0] for n in names])
+    hi = np.array([np.log(TUNED[n][1]) if n == "tau" else TUNED[n][1] for n in names])
+    start_x = np.clip([np.log(cfg.tau) if n == "tau" else (cfg.eps if getattr(cfg, n) is None else getattr(cfg, n))
+                       for n in names], lo, hi)
+    start = settings_of(start_x)
+    start_f = figures(start)
+    best: tuple[float, dict[str, float], dict[str, float]] = (objective(start_f), start, start_f)
+
+    def score(x: np.ndarray) -> float:
+        nonlocal best
+        st = settings_of(x)
+        f = figures(st)
+        if objective(f) < best[0]:
+            best = (objective(f), st, f)
+        return objective(f)
+
+    cross_entropy_min(score, start_x, (hi - lo) / 4, rounds, population, elite, np.random.default_rng(40_000 + seeds[0]),
+                      sd_floor=(hi - lo) / 100, bounds=(lo, hi))
+    return {"settings": best[1], "objective": best[0], "in_sample": best[2],
+            "start": {"settings": start, "objective": objective(start_f), "in_sample": start_f},
+            "seeds": seeds, "rounds": rounds, "population": population}
 
 
 def _ratio(m: dict[str, float], budget: float, base_m: dict[str, float]) -> float:
@@ -158,6 +246,11 @@ def main(args: list[str]) -> dict[str, Any]:
                     help=f"add '{HINDSIGHT}': the best fixed mix per seed from a search of ROUNDS x 24 runs (e.g. 8)")
     ap.add_argument("--hindsight-phases", type=int, default=1, metavar="P",
                     help=f"'{HINDSIGHT}' searches plans of P mixes, one per P-th of the token budget (e.g. 3 with --hindsight 16)")
+    ap.add_argument("--tune", type=int, default=0, metavar="ROUNDS",
+                    help=f"run no table: search the adaptive settings {', '.join(TUNED)} on these seeds (ROUNDS x 20 "
+                    "candidates, each a run per seed; 12 rounds on 32 seeds take about 20 min) for the fewest tokens to "
+                    "threshold with forgetting no worse than uniform's or sec's and the worst arm no lower than "
+                    "uniform's; prints them as --set values. Check them on other seeds with a plain run")
     real = ap.add_argument_group("--real", "benchmark 2: a real model through the RL loop (see real.py)")
     real.add_argument("--real", action="store_true", help="adaptive vs uniform_by_domain on a real model")
     real.add_argument("--quick", action="store_true", help="small preset that finishes in a few minutes")
@@ -221,6 +314,10 @@ def main(args: list[str]) -> dict[str, Any]:
         ap.error(f"--hindsight must be >= 0 rounds, got {ns.hindsight}")
     if ns.hindsight_phases < 1:
         ap.error(f"--hindsight-phases must be >= 1, got {ns.hindsight_phases}")
+    if ns.tune < 0:
+        ap.error(f"--tune must be >= 0 rounds, got {ns.tune}")
+    if ns.tune and ns.hindsight:
+        ap.error("--tune runs no table; leave out --hindsight")
     if ns.hindsight:
         names.append(HINDSIGHT)
     names = [BASELINE] + [n for n in names if n != BASELINE]
@@ -236,6 +333,9 @@ def main(args: list[str]) -> dict[str, Any]:
     settings = SimSettings(groups_per_step=ns.groups_per_step, budget_uniform_steps=ns.budget_steps,
                            charge_probes=not ns.free_probes, layout=layout)
     t0 = time.perf_counter()
+    if ns.tune:
+        return _report_tune(tune_search(list(range(ns.seed_start, ns.seed_start + ns.seeds)), cfg, settings, ns.tune),
+                            ns, time.perf_counter() - t0)
     per: dict[str, dict[str, list[float]]] = {n: {} for n in names}
     arm_final: dict[str, list[np.ndarray]] = {n: [] for n in names}  # per seed, each arm's final p
     arm_forget: dict[str, list[np.ndarray]] = {n: [] for n in names}
@@ -314,6 +414,24 @@ def main(args: list[str]) -> dict[str, Any]:
         }
     _print_table(out, names)
     return out
+
+
+def _report_tune(res: dict[str, Any], ns: argparse.Namespace, wall_s: float) -> dict[str, Any]:
+    from rich.console import Console
+
+    console = Console()
+    seeds = res["seeds"]
+    console.print(f"curriculum --tune: {res['rounds']} rounds x {res['population']} candidates on seeds "
+                  f"{seeds[0]}-{seeds[-1]} (layout {ns.layout.strip()}); objective = ratio + {TUNE_PENALTY:g} x forgetting "
+                  "above uniform's and above sec's + worst-arm shortfall below uniform's")
+    for label, st, f, obj in (("start", res["start"]["settings"], res["start"]["in_sample"], res["start"]["objective"]),
+                              ("best", res["settings"], res["in_sample"], res["objective"])):
+        console.print(f"  {label}: objective {obj:.4f}, tokens to threshold {f['tokens_to_threshold_ratio']:.3f}x, "
+                      f"forgetting {f['forgetting']:.4f} (uniform {f['uniform_forgetting']:.4f}, sec {f['sec_forgetting']:.4f}), "
+                      f"worst arm {f['worst_arm_accuracy']:.3f} (uniform {f['uniform_worst_arm_accuracy']:.3f})")
+        console.print("    " + " ".join(f"--set {k}={v:g}" for k, v in st.items()))
+    console.print(f"  in-sample figures: check them on other seeds, e.g. --seed-start 400 --seeds 64 (wall {wall_s:.0f} s)")
+    return {"tune": res, "layout": ns.layout.strip(), "overrides": ns.overrides, "wall_s": round(wall_s, 2)}
 
 
 def per_arm_figures(

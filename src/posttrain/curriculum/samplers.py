@@ -17,7 +17,13 @@ import numpy as np
 
 from posttrain.config import CurriculumConfig
 from posttrain.curriculum.arms import Arm, check_arms
-from posttrain.curriculum.policy import adaptive_policy, group_abs_dev, grpo_abs_advantages, softmax
+from posttrain.curriculum.policy import (
+    adaptive_policy,
+    bounded_renormalise,
+    group_abs_dev,
+    grpo_abs_advantages,
+    softmax,
+)
 
 STATE_VERSION = 3  # 3: adaptive's success-rate EMAs and probe counts (a version-2 state loads with them empty)
 
@@ -39,6 +45,8 @@ def check_config(cfg: CurriculumConfig) -> None:
         raise ValueError(f"make_sampler needs a CurriculumConfig, got {type(cfg).__name__}")
     checks = [
         ("eps", 0.0 <= cfg.eps <= 1.0, "in [0, 1]"),
+        ("eps_end", cfg.eps_end is None or 0.0 <= cfg.eps_end <= 1.0, "in [0, 1] or None"),
+        ("domain_mix", 0.0 <= cfg.domain_mix <= 1.0, "in [0, 1]"),
         ("alpha", 0.0 < cfg.alpha <= 1.0, "in (0, 1]"),
         ("tau", cfg.tau > 0.0, "> 0"),
         ("c", cfg.c >= 0.0, ">= 0"),
@@ -60,7 +68,7 @@ def check_config(cfg: CurriculumConfig) -> None:
     ]
     for key, ok, want in checks:
         value = getattr(cfg, key)
-        if not (ok and math.isfinite(float(value))):
+        if not (ok and (value is None or math.isfinite(float(value)))):
             raise ValueError(f"curriculum.{key} must be {want}, got {value!r}")
     if cfg.sampler not in SAMPLERS:
         raise ValueError(f"curriculum.sampler '{cfg.sampler}' is unknown; choose one of: {', '.join(SAMPLERS)}")
@@ -116,6 +124,7 @@ class Sampler:
             "reward_hi": {d: 1.0 for d in self.domains},
             "tokens": [[0.0, 0] for _ in range(k)],  # [tokens reported by update, rollouts they cover]
             "last_step": None,
+            "progress": 0.0,  # the run's spent share, from set_progress
         }
         self._init_extra(k)
 
@@ -224,6 +233,19 @@ class Sampler:
         idx = np.searchsorted(cdf, points, side="right")
         last_positive = int(np.flatnonzero(w > 0)[-1])
         return np.minimum(idx, last_positive)
+
+    def set_progress(self, fraction: float) -> None:
+        """The share of the run spent so far, in [0, 1] (steps or tokens, whichever is further along);
+        the loop reports it before each batch. Rules with a schedule (adaptive's eps_end, domain_mix)
+        read it; the others ignore it."""
+        f = float(fraction)
+        if not (math.isfinite(f) and 0.0 <= f <= 1.0):
+            raise ValueError(f"set_progress: the run's spent share must be in [0, 1], got {fraction!r}")
+        self._s["progress"] = f
+
+    @property
+    def progress(self) -> float:
+        return float(self._s["progress"])
 
     def update(
         self, step: int, arm: Arm, group_rewards: Sequence[Sequence[float]], tokens: float | None = None
@@ -366,6 +388,7 @@ class Sampler:
         if d.get("arms") != keys:
             raise ValueError(f"curriculum state has arms {d.get('arms')}, this sampler has {keys}")
         stats = copy.deepcopy(d["stats"])
+        stats.setdefault("progress", 0.0)  # saved before set_progress existed: a run's start
         if d["version"] == 2:  # the signals added in version 3 start empty, as in a fresh sampler
             fresh = type(self)(self.cfg, self.arms, 0)._s
             stats = {**{k: v for k, v in fresh.items() if k not in stats}, **stats}
@@ -492,8 +515,15 @@ class AdaptiveSampler(Sampler):
             out[f"curriculum/LP/{a.key}"] = float(lp[i])
         return out
 
+    def scheduled(self) -> tuple[float, float]:
+        """(eps, domain_mix) at the run's progress f: eps + (eps_end - eps) * f and domain_mix * f."""
+        cfg, f = self.cfg, self.progress
+        eps = cfg.eps if cfg.eps_end is None else cfg.eps + (cfg.eps_end - cfg.eps) * f
+        return eps, cfg.domain_mix * f
+
     def _policy(self, avail: np.ndarray) -> np.ndarray:
         cfg = self.cfg
+        eps, mix = self.scheduled()
         counts = np.array(self._s["n_groups"], dtype=np.float64)
         pi, _ = adaptive_policy(
             self.learnability()[avail],
@@ -503,7 +533,7 @@ class AdaptiveSampler(Sampler):
             c=cfg.c,
             lam=cfg.lam,
             tau=cfg.tau,
-            eps=cfg.eps,
+            eps=eps,
             max_share=cfg.max_share,
             progress=self.learning_progress()[avail],
             mu=cfg.lp_weight,
@@ -511,7 +541,10 @@ class AdaptiveSampler(Sampler):
             nu=cfg.weakness,
             cost=self.relative_cost()[avail] if cfg.cost_aware else None,
         )
-        return pi
+        if mix <= 0.0:
+            return pi
+        blended = (1.0 - mix) * pi + mix * _uniform_by_domain(self.arms, avail)
+        return bounded_renormalise(blended, eps / len(avail), max(cfg.max_share, 1.0 / len(avail)))
 
     def weakness(self) -> np.ndarray:
         """W_k = 1 - the arm's slow success EMA (its headroom); 0 before any group."""

@@ -250,8 +250,9 @@ class StaticSampler(Sampler):
         self._phase = 0
 
     def set_progress(self, fraction: float) -> None:
-        """The spent share of the token budget (in [0, 1]); it picks the plan's row."""
-        self._phase = min(len(self._w) - 1, max(0, int(float(fraction) * len(self._w))))
+        """The spent share of the token budget (in [0, 1]); it also picks the plan's row."""
+        super().set_progress(fraction)
+        self._phase = min(len(self._w) - 1, max(0, int(self.progress * len(self._w))))
 
     def _policy(self, avail: np.ndarray) -> np.ndarray:
         w = self._w[self._phase, avail]
@@ -318,8 +319,7 @@ def run(
     while spent < budget:
         frac = spent / budget
         want_removed = s.removed_from <= frac < s.removed_until
-        if isinstance(sampler, StaticSampler):
-            sampler.set_progress(frac)
+        sampler.set_progress(min(frac, 1.0))
         if want_removed != removed:
             removed = want_removed
             sampler.set_data_size(REMOVED_ARM, 0 if removed else int(learner.data_size[index[REMOVED_ARM]]))

@@ -160,6 +160,7 @@ class RLRun:
 
     def _pick_tasks(self, step: int, n: int) -> list[tuple[Any, Any, Any, int]]:
         """(arm, domain, task, prompt index) for n groups: the sampler picks arms, then a prompt within each arm."""
+        self.sampler.set_progress(self.progress(step))
         out = []
         for arm in self.sampler.sample(n):
             key = f"{arm.domain}:{arm.difficulty}"
@@ -408,6 +409,15 @@ class RLRun:
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, handler)
         return previous
+
+    def progress(self, step: int) -> float:
+        """The run's spent share for the sampler's schedule: step / orchestrator.steps, or the generated
+        tokens' share of orchestrator.token_budget when that is further along; capped at 1."""
+        o = self.cfg.orchestrator
+        done = step / o.steps if o.steps > 0 else 0.0
+        if o.token_budget:
+            done = max(done, (self.counters["rollout_tokens"] + self.counters["probe_tokens"]) / o.token_budget)
+        return min(1.0, max(0.0, done))
 
     def budget_spent(self) -> bool:
         """True once orchestrator.token_budget is set and the generated tokens (rollouts + probes) reach it."""

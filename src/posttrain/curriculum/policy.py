@@ -101,7 +101,7 @@ def adaptive_policy(
 
     s_k = L_k + c*sqrt(ln(N+1)/(n_k+1)) + lam*F_k (+ mu*LP_k and nu*W_k when progress LP and
     headroom W are given), min-max normalised across arms to [0, 1] (so the softmax part gives the best arm at most exp(1/tau) times
-    the worst arm's odds, ~12x at tau=0.4); pi = (1-eps)*softmax(s/tau) + eps/K, then
+    the worst arm's odds, ~7x at the default tau=0.5); pi = (1-eps)*softmax(s/tau) + eps/K, then
     `bounded_renormalise` to [eps/K, max(max_share, 1/K)]. With `cost` (each arm's tokens per rollout
     relative to the others), the softmax part is divided by it and renormalised before the mixing,
     so it splits tokens rather than groups: an arm twice as long gets half the groups at equal score.

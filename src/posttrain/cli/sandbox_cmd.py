@@ -5,6 +5,7 @@ arguments and prints."""
 from __future__ import annotations
 
 import secrets
+import signal
 import sys
 from pathlib import Path
 
@@ -134,6 +135,13 @@ def serve(
     except (SandboxUnavailable, OSError, ValueError) as err:
         fail(str(err))
     console.print(f"sandbox service on {srv.url}  token: {token}  layers: {', '.join(sb.layers)}", highlight=False)
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    # SIGINT and SIGTERM stop the service cleanly, even when started with SIGINT ignored (a shell's background job)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
     try:
         srv.serve_forever()
     except KeyboardInterrupt:

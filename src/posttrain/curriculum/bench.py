@@ -12,6 +12,9 @@ tokens to the threshold, penalised for forgetting more or leaving the worst arm 
 does). The row scores the chosen mix on a fresh run of the same learner (other reward noise), so it
 does not profit from the noise the search picked; the in-sample figures are in the JSON. It says
 whether the targets are reachable by a mix or plan that knew the learner, not how a sampler would do.
+`--tune N` runs no table: it searches the adaptive sampler's settings (`TUNED`) on the invocation's seeds
+for the fewest tokens to threshold within the forgetting and worst-arm targets (`tune_search`), and prints
+them as `--set` values to check on other seeds. The defaults came from such a search.
 `--layout` picks the simulated arms (`sim.LAYOUTS` or a spec): a check of how the figures move with
 what there is to gain, not a replacement for the default layout's.
 `--real` (benchmark 2: a real model through the RL loop, adaptive vs uniform_by_domain, held-out
@@ -193,9 +196,10 @@ def tune_search(
         nonlocal best
         st = settings_of(x)
         f = figures(st)
-        if objective(f) < best[0]:
-            best = (objective(f), st, f)
-        return objective(f)
+        o = objective(f)
+        if o < best[0]:
+            best = (o, st, f)
+        return o
 
     cross_entropy_min(score, start_x, (hi - lo) / 4, rounds, population, elite, np.random.default_rng(40_000 + seeds[0]),
                       sd_floor=(hi - lo) / 100, bounds=(lo, hi))

@@ -1,6 +1,7 @@
 """Many jobs (with worker recycling) leave no zombie, no leaked fd or thread, no temp dir, no cgroup."""
 
 import asyncio
+import gc
 import glob
 import os
 import threading
@@ -32,6 +33,7 @@ def _zombie_children() -> list[int]:
 
 
 def _check_no_leaks(n_jobs: int) -> None:
+    gc.collect()  # earlier tests' garbage (a Popen's pipes) must not close inside the measured span
     fds_before = len(os.listdir("/proc/self/fd"))
     threads_before = threading.active_count()
     tmp_before = set(glob.glob("/tmp/posttrain-sbx-*"))

@@ -75,7 +75,13 @@ def test_serve_answers_the_client_and_rejects_a_wrong_token(stop_with):
         assert httpx.get(url + "/health", headers={"Authorization": "Bearer nope"}).status_code == 401
     finally:
         os.killpg(proc.pid, stop_with)
-        code = proc.wait(timeout=30)
-        proc.stdout.close()
-        proc.stderr.close()
+        try:
+            code = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # do not leave a server behind when failing
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+        finally:
+            proc.stdout.close()
+            proc.stderr.close()
     assert code == 0  # a clean exit: workers stopped, socket closed

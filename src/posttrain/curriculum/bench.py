@@ -81,6 +81,15 @@ def run_metrics(r: SimRun, budget: float, threshold: float, probes_charged: bool
 HINDSIGHT_PENALTY = 100.0  # budgets per unit of forgetting above, or worst-arm accuracy below, the limits
 
 
+def baseline(seed: int, cfg: Any, settings: SimSettings) -> tuple[float, float, dict[str, float], SimRun]:
+    """The seed's token budget, uniform_by_domain's run, its final macro accuracy (every sampler's
+    threshold) and its metrics: (budget, threshold, metrics, run)."""
+    budget = budget_tokens(make_learner(seed, settings.layout), settings)
+    base = run(BASELINE, seed, cfg, settings)
+    threshold = float(base.p[-1].mean())
+    return budget, threshold, run_metrics(base, budget, threshold, settings.charge_probes), base
+
+
 def cross_entropy_min(
     score: Callable[[np.ndarray], float], mu: np.ndarray, sd: np.ndarray, rounds: int, population: int, elite: int,
     rng: np.random.Generator, sd_floor: float | np.ndarray = 0.05, bounds: tuple[np.ndarray, np.ndarray] | None = None,
@@ -116,15 +125,15 @@ def hindsight_search(
     Returns the best weights (shape (arms,), or (phases, arms) when phases > 1) and their run.
     Deterministic per seed."""
     k = len(settings.layout)
-    runs: dict[bytes, tuple[np.ndarray, SimRun]] = {}
 
-    def score(logits: np.ndarray) -> float:
+    def weights(logits: np.ndarray) -> np.ndarray:
         w = np.exp(logits - logits.max(axis=1, keepdims=True))
         w /= w.sum(axis=1, keepdims=True)
-        w = w[0] if phases == 1 else w
-        r = run(HINDSIGHT, seed, cfg, settings, static_weights=w)
-        runs[logits.tobytes()] = (w, r)
-        m = run_metrics(r, budget, threshold, settings.charge_probes)
+        return w[0] if phases == 1 else w
+
+    def score(logits: np.ndarray) -> float:
+        m = run_metrics(run(HINDSIGHT, seed, cfg, settings, static_weights=weights(logits)), budget, threshold,
+                        settings.charge_probes)
         t = m["tokens_to_threshold"]
         sc = t if np.isfinite(t) else budget * (1.0 + max(0.0, threshold - m["final_macro_accuracy"]))
         if limits is not None:
@@ -134,7 +143,8 @@ def hindsight_search(
 
     rng = np.random.default_rng(30_000 + seed)
     _, x = cross_entropy_min(score, np.zeros((phases, k)), np.ones((phases, k)), rounds, population, elite, rng)
-    return runs[x.tobytes()]
+    w = weights(x)
+    return w, run(HINDSIGHT, seed, cfg, settings, static_weights=w)  # runs are deterministic: the run scored
 
 
 # --tune: the adaptive settings searched, with their bounds; tau is searched on a log scale
@@ -157,10 +167,7 @@ def tune_search(
     names = list(TUNED)
     ref = {}
     for seed in seeds:
-        budget = budget_tokens(make_learner(seed, settings.layout), settings)
-        base = run(BASELINE, seed, cfg, settings)
-        threshold = float(base.p[-1].mean())
-        base_m = run_metrics(base, budget, threshold, settings.charge_probes)
+        budget, threshold, base_m, _ = baseline(seed, cfg, settings)
         sec_m = run_metrics(run("sec", seed, cfg, settings), budget, threshold, settings.charge_probes)
         ref[seed] = (budget, threshold, base_m, sec_m)
 
@@ -190,20 +197,11 @@ def tune_search(
                        for n in names], lo, hi)
     start = settings_of(start_x)
     start_f = figures(start)
-    best: tuple[float, dict[str, float], dict[str, float]] = (objective(start_f), start, start_f)
-
-    def score(x: np.ndarray) -> float:
-        nonlocal best
-        st = settings_of(x)
-        f = figures(st)
-        o = objective(f)
-        if o < best[0]:
-            best = (o, st, f)
-        return o
-
-    cross_entropy_min(score, start_x, (hi - lo) / 4, rounds, population, elite, np.random.default_rng(40_000 + seeds[0]),
-                      sd_floor=(hi - lo) / 100, bounds=(lo, hi))
-    return {"settings": best[1], "objective": best[0], "in_sample": best[2],
+    found, x = cross_entropy_min(lambda x: objective(figures(settings_of(x))), start_x, (hi - lo) / 4, rounds, population,
+                                 elite, np.random.default_rng(40_000 + seeds[0]), sd_floor=(hi - lo) / 100, bounds=(lo, hi))
+    best = start if objective(start_f) <= found else settings_of(x)  # nothing better than the start: keep it
+    best_f = start_f if best is start else figures(best)  # runs are deterministic: the figures it was scored on
+    return {"settings": best, "objective": objective(best_f), "in_sample": best_f,
             "start": {"settings": start, "objective": objective(start_f), "in_sample": start_f},
             "seeds": seeds, "rounds": rounds, "population": population}
 
@@ -346,10 +344,7 @@ def main(args: list[str]) -> dict[str, Any]:
     hindsight_w: list[np.ndarray] = []
     hindsight_in: dict[str, list[float]] = {"tokens_to_threshold_ratio": [], "forgetting": [], "worst_arm_accuracy": []}
     for seed in range(ns.seed_start, ns.seed_start + ns.seeds):
-        budget = budget_tokens(make_learner(seed, layout), settings)
-        base = run(BASELINE, seed, cfg, settings)
-        threshold = float(base.p[-1].mean())
-        base_m = run_metrics(base, budget, threshold, settings.charge_probes)
+        budget, threshold, base_m, base = baseline(seed, cfg, settings)
         for name in names:
             if name == BASELINE:
                 m, r = base_m, base

@@ -319,7 +319,7 @@ def run(
     while spent < budget:
         frac = spent / budget
         want_removed = s.removed_from <= frac < s.removed_until
-        sampler.set_progress(min(frac, 1.0))
+        sampler.set_progress(frac)
         if want_removed != removed:
             removed = want_removed
             sampler.set_data_size(REMOVED_ARM, 0 if removed else int(learner.data_size[index[REMOVED_ARM]]))

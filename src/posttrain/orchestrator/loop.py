@@ -416,13 +416,17 @@ class RLRun:
         o = self.cfg.orchestrator
         done = step / o.steps if o.steps > 0 else 0.0
         if o.token_budget:
-            done = max(done, (self.counters["rollout_tokens"] + self.counters["probe_tokens"]) / o.token_budget)
+            done = max(done, self.tokens_spent() / o.token_budget)
         return min(1.0, max(0.0, done))
+
+    def tokens_spent(self) -> float:
+        """Tokens generated so far, training rollouts and retention probes: what the token budget counts."""
+        return self.counters["rollout_tokens"] + self.counters["probe_tokens"]
 
     def budget_spent(self) -> bool:
         """True once orchestrator.token_budget is set and the generated tokens (rollouts + probes) reach it."""
         budget = self.cfg.orchestrator.token_budget
-        return budget is not None and self.counters["rollout_tokens"] + self.counters["probe_tokens"] >= budget
+        return budget is not None and self.tokens_spent() >= budget
 
     def train(self) -> dict[str, Any]:
         """Run until `orchestrator.steps` or the token budget; returns a summary. Exits early,

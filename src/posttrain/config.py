@@ -238,6 +238,12 @@ class OrchestratorConfig(Section):
     tasks_per_step: int = Field(4, ge=1, description="groups per step; each group has algorithm.group_size")
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = Field(1, ge=0)
+    async_lag: Literal["fixed", "latest"] = Field(
+        "fixed",
+        description="async: 'fixed' generates batch b with the weights after exactly b - max_staleness steps, so "
+        "a run does not depend on thread timing; 'latest' with the newest the learner has published by then "
+        "(at most max_staleness behind: fresher, not reproducible)",
+    )
     token_budget: int | None = Field(
         None,
         ge=1,

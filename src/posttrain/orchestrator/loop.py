@@ -67,7 +67,12 @@ class RLRun:
         self._loop = asyncio.new_event_loop()
         self._built = False
         self._in_async = False
-        self._async_probe_metrics: dict[str, float] = {}
+        # async mode: the rollout thread picks from the sampler and moves the task cursors while the learner
+        # thread checkpoints them; reentrant, as _feed_unfed holds it around _feed_sampler
+        self._sampler_lock = threading.RLock()
+        # async mode: groups of batches the learner has trained on that the sampler has not been fed yet (it
+        # is fed batch j just before it picks batch j + max_staleness + 1); saved in checkpoints
+        self._unfed: dict[int, list[tuple[Any, Any, list[float], int]]] = {}
 
     # ------------------------------------------------------------------ construction
 
@@ -158,22 +163,24 @@ class RLRun:
 
     # ------------------------------------------------------------------ tasks
 
-    def _pick_tasks(self, step: int, n: int) -> list[tuple[Any, Any, Any, int]]:
-        """(arm, domain, task, prompt index) for n groups: the sampler picks arms, then a prompt within each arm."""
-        self.sampler.set_progress(self.progress(step))
+    def _pick_tasks(self, step: int, n: int, spent: float | None = None) -> list[tuple[Any, Any, Any, int]]:
+        """(arm, domain, task, prompt index) for n groups: the sampler picks arms, then a prompt within each arm.
+        `spent`: the tokens the schedule reads (default: tokens_spent())."""
         out = []
-        for arm in self.sampler.sample(n):
-            key = f"{arm.domain}:{arm.difficulty}"
-            cursor = self.cursors.get(key, 0)
-            seen = self.seen_prompts.get(key, [])[-8:]
-            candidates = [str(cursor), str(cursor + 1)] + [str(i) for i in seen]
-            chosen = int(self.sampler.choose_prompt(arm, candidates))
-            if chosen >= cursor:
-                self.cursors[key] = chosen + 1
-                self.seen_prompts.setdefault(key, []).append(chosen)
-            domain = self.domains[arm.domain]
-            task = domain.task("train", arm.difficulty, chosen, seed=self.cfg.seed)
-            out.append((arm, domain, task, chosen))
+        with self._sampler_lock:
+            self.sampler.set_progress(self.progress(step, spent))
+            for arm in self.sampler.sample(n):
+                key = f"{arm.domain}:{arm.difficulty}"
+                cursor = self.cursors.get(key, 0)
+                seen = self.seen_prompts.get(key, [])[-8:]
+                candidates = [str(cursor), str(cursor + 1)] + [str(i) for i in seen]
+                chosen = int(self.sampler.choose_prompt(arm, candidates))
+                if chosen >= cursor:
+                    self.cursors[key] = chosen + 1
+                    self.seen_prompts.setdefault(key, []).append(chosen)
+                domain = self.domains[arm.domain]
+                task = domain.task("train", arm.difficulty, chosen, seed=self.cfg.seed)
+                out.append((arm, domain, task, chosen))
         return out
 
     def _rollout(self, picks: list[tuple[Any, Any, Any, int]], step: int, group_offset: int) -> RolloutBatch:
@@ -193,8 +200,11 @@ class RLRun:
         )
         return self._loop.run_until_complete(coro)
 
-    def _collect_step(self, step: int) -> tuple[list[Trajectory], list[tuple[Any, Any, list[float], int]], dict[str, float]]:
-        """Rollouts for one step, with dynamic sampling (drop equal-reward groups, refill, bounded)."""
+    def _collect_step(
+        self, step: int, spent: float | None = None
+    ) -> tuple[list[Trajectory], list[tuple[Any, Any, list[float], int]], dict[str, float]]:
+        """Rollouts for one step, with dynamic sampling (drop equal-reward groups, refill, bounded);
+        `spent` goes to _pick_tasks."""
         cfg = self.cfg
         want = cfg.orchestrator.tasks_per_step
         kept: list[Trajectory] = []
@@ -205,7 +215,7 @@ class RLRun:
         rounds = cfg.algorithm.max_resample_rounds if cfg.algorithm.dynamic_sampling else 0
         dropped = total_groups = 0
         for round_ in range(rounds + 1):
-            picks = self._pick_tasks(step, want if round_ == 0 else want - len({t.group_id for t in kept}))
+            picks = self._pick_tasks(step, want if round_ == 0 else want - len({t.group_id for t in kept}), spent)
             batch = self._rollout(picks, step, offset)
             first_gid = offset
             offset += len(picks)
@@ -213,8 +223,7 @@ class RLRun:
             every.extend(batch.trajectories)
             by_group: dict[int, list[Trajectory]] = {}
             for t in batch.trajectories:
-                if t.status.is_infra_failure:
-                    self.counters["infra_failures"] += 1
+                if t.status.is_infra_failure:  # counted by rollout_stats; _after_step adds them to the counters
                     continue
                 by_group.setdefault(t.group_id, []).append(t)
             for gi, (arm, _, _, index) in enumerate(picks):
@@ -236,19 +245,27 @@ class RLRun:
             stats["rollout/empty_after_filter"] = 1.0
         stats["rollout/wall_s"] = wall
         stats["rollout/dropped_group_frac"] = dropped / total_groups if total_groups else 0.0
-        self.counters["dropped_groups"] += dropped
+        stats["rollout/dropped_groups"] = float(dropped)
         return kept, groups_for_sampler, stats
 
-    def _feed_sampler(self, groups: list[tuple[Any, Any, list[float], int]]) -> None:
+    def _feed_sampler(self, groups: list[tuple[Any, Any, list[float], int]], step: int) -> None:
+        """Tell the sampler the rewards of batch `step`'s groups (every group, dropped ones included)."""
         by_arm: dict[Any, list[list[float]]] = {}
         tokens: dict[Any, int] = {}
-        for arm, prompt_id, rewards, generated in groups:
-            by_arm.setdefault(arm, []).append(rewards)
-            tokens[arm] = tokens.get(arm, 0) + generated
-            self.sampler.record_prompt(arm, str(prompt_id), rewards)
-        for arm, group_rewards in by_arm.items():
-            # the groups' generated tokens let a cost-aware sampler split tokens rather than groups
-            self.sampler.update(self.step, arm, group_rewards, tokens=tokens[arm] or None)
+        with self._sampler_lock:
+            for arm, prompt_id, rewards, generated in groups:
+                by_arm.setdefault(arm, []).append(rewards)
+                tokens[arm] = tokens.get(arm, 0) + generated
+                self.sampler.record_prompt(arm, str(prompt_id), rewards)
+            for arm, group_rewards in by_arm.items():
+                # the groups' generated tokens let a cost-aware sampler split tokens rather than groups
+                self.sampler.update(step, arm, group_rewards, tokens=tokens[arm] or None)
+
+    def _feed_unfed(self, before: int) -> None:
+        """Async mode: feed the sampler the held-back batches j < before, in order."""
+        with self._sampler_lock:
+            for j in sorted(j for j in self._unfed if j < before):
+                self._feed_sampler(self._unfed.pop(j), j)
 
     # ------------------------------------------------------------------ one update
 
@@ -328,21 +345,24 @@ class RLRun:
     # ------------------------------------------------------------------ probes (held-out)
 
     def _probe(self, step: int) -> dict[str, float]:
+        """Held-out probes of the arms the sampler names, scored into it. The caller charges
+        out["heldout/generated_tokens"] to counters["probe_tokens"]."""
         from posttrain.orchestrator.evaluate import evaluate_engine
 
         n = self.cfg.curriculum.probe_size
-        arms = self.sampler.probe_arms(step) or self.arms  # the sampler may skip arms its training groups measured
+        with self._sampler_lock:
+            arms = self.sampler.probe_arms(step) or self.arms  # the sampler may skip arms its training groups measured
         usage: dict[str, float] = {}
         results = evaluate_engine(
             self.engine, self.tokenizer, self.domains, arms, n, self.sandbox, self._sampling_params(False),
             self.limits, seed=self.cfg.seed, loop=self._loop, usage=usage,
         )
-        self.counters["probe_tokens"] += usage.get("generated_tokens", 0.0)
         out: dict[str, float] = {"heldout/generated_tokens": usage.get("generated_tokens", 0.0)}
         for arm, scores in results.items():
             score = float(np.mean(scores)) if scores else 0.0
             if scores:
-                self.sampler.record_probe(step, arm, score, n=len(scores))
+                with self._sampler_lock:
+                    self.sampler.record_probe(step, arm, score, n=len(scores))
             out[f"heldout/{arm.domain}:{arm.difficulty}"] = score
         doms: dict[str, list[float]] = {}
         for arm, scores in results.items():
@@ -356,17 +376,23 @@ class RLRun:
     def save(self) -> Path:
         def write(tmp: Path) -> None:
             self.learner.save(tmp / LEARNER_DIR)
-            state = {
-                "step": self.step,
-                "learner_version": self.learner.version,
-                "engine_version": self.engine.version,
-                "cursors": self.cursors,
-                "seen_prompts": self.seen_prompts,
-                "counters": self.counters,
-                "sampler": self.sampler.state_dict(),
-                "python_random": _py_random_state(),
-                "numpy_random": _np_random_state(),
-            }
+            with self._sampler_lock:  # async mode: the rollout thread may be picking
+                state = {
+                    "step": self.step,
+                    "learner_version": self.learner.version,
+                    "engine_version": self.engine.version,
+                    "cursors": dict(self.cursors),
+                    "seen_prompts": {k: list(v) for k, v in self.seen_prompts.items()},
+                    "counters": self.counters,
+                    "sampler": self.sampler.state_dict(),
+                    # async mode: batches trained on whose groups the sampler has not been fed yet
+                    "sampler_pending": [
+                        [j, [[arm.key, pid, rewards, gen] for arm, pid, rewards, gen in groups]]
+                        for j, groups in sorted(self._unfed.items()) if j < self.step
+                    ],
+                    "python_random": _py_random_state(),
+                    "numpy_random": _np_random_state(),
+                }
             (tmp / RUN_STATE).write_text(json.dumps(state))
 
         path = save_checkpoint(self.run_dir.checkpoints, self.step, write, keep=self.cfg.orchestrator.keep_checkpoints)
@@ -387,6 +413,9 @@ class RLRun:
         self.seen_prompts = {k: list(v) for k, v in state["seen_prompts"].items()}
         self.counters = {**COUNTERS, **state["counters"]}  # checkpoints from before a counter existed start it at 0
         self.sampler.load_state_dict(state["sampler"])
+        by_key = {a.key: a for a in self.arms}
+        for j, groups in state.get("sampler_pending", []):  # async checkpoints: feed what was held back
+            self._feed_sampler([(by_key[key], pid, rewards, gen) for key, pid, rewards, gen in groups], j)
         _set_py_random_state(state["python_random"])
         _set_np_random_state(state["numpy_random"])
         self._sync_weights(self.learner.weights())
@@ -410,23 +439,25 @@ class RLRun:
             previous[sig] = signal.signal(sig, handler)
         return previous
 
-    def progress(self, step: int) -> float:
+    def progress(self, step: int, spent: float | None = None) -> float:
         """The run's spent share for the sampler's schedule: step / orchestrator.steps, or the generated
-        tokens' share of orchestrator.token_budget when that is further along; capped at 1."""
+        tokens' share of orchestrator.token_budget when that is further along; capped at 1. `spent`: the
+        tokens to read (default tokens_spent(); the async rollout thread passes its own count)."""
         o = self.cfg.orchestrator
         done = step / o.steps if o.steps > 0 else 0.0
         if o.token_budget:
-            done = max(done, self.tokens_spent() / o.token_budget)
+            done = max(done, (self.tokens_spent() if spent is None else spent) / o.token_budget)
         return min(1.0, max(0.0, done))
 
     def tokens_spent(self) -> float:
         """Tokens generated so far, training rollouts and retention probes: what the token budget counts."""
         return self.counters["rollout_tokens"] + self.counters["probe_tokens"]
 
-    def budget_spent(self) -> bool:
-        """True once orchestrator.token_budget is set and the generated tokens (rollouts + probes) reach it."""
+    def budget_spent(self, spent: float | None = None) -> bool:
+        """True once orchestrator.token_budget is set and the generated tokens (rollouts + probes; `spent`
+        if given) reach it."""
         budget = self.cfg.orchestrator.token_budget
-        return budget is not None and self.tokens_spent() >= budget
+        return budget is not None and (self.tokens_spent() if spent is None else spent) >= budget
 
     def train(self) -> dict[str, Any]:
         """Run until `orchestrator.steps` or the token budget; returns a summary. Exits early,
@@ -458,20 +489,37 @@ class RLRun:
             "generated_tokens": self.counters["rollout_tokens"] + self.counters["probe_tokens"],
         }
 
-    def _after_step(self, logger: MetricsLogger, progress: Progress, metrics: dict[str, float]) -> None:
+    def _after_step(
+        self, logger: MetricsLogger, progress: Progress, metrics: dict[str, float],
+        pre: tuple[dict[str, float], dict[str, float]] | None = None,
+    ) -> None:
+        """Count, probe, log, checkpoint. The row of step s carries the probe run before batch s and the
+        sampler's signals after it. `pre` = (probe metrics, signals) from the async rollout thread, which
+        ran that probe; without it the probe runs here (sync mode; async mode once the thread has ended)."""
         cfg = self.cfg
         self.step += 1
-        self.counters["rollout_tokens"] += metrics.get("rollout/generated_tokens", 0.0)
-        metrics.update(self._async_probe_metrics)
-        self._async_probe_metrics = {}
-        if cfg.curriculum.probe_every and self.sampler.probe_due(self.step) and not self._in_async:
-            t0 = time.perf_counter()
-            metrics.update(self._probe(self.step))
-            # cached prefix KV from the probe would make the next step's numerics depend on whether the
-            # run was resumed here (a resumed engine starts cold); start every step from a cold cache
-            self.engine.release_kv_cache()
-            metrics["timeline/probe_s"] = time.perf_counter() - t0
-        metrics.update({k: float(v) for k, v in self.sampler.signals().items()})
+        # counted here, from the batch's stats, not where the batch was collected: in async mode that is the
+        # rollout thread, running ahead, and the logged counters would depend on how far ahead it was
+        for counter, key in (("rollout_tokens", "generated_tokens"), ("infra_failures", "infra_failures"),
+                             ("dropped_groups", "dropped_groups")):
+            self.counters[counter] += metrics.get(f"rollout/{key}", 0.0)
+        if pre is not None:
+            probe, signals = pre
+            self.counters["probe_tokens"] += probe.get("heldout/generated_tokens", 0.0)
+            metrics.update(probe)
+        else:
+            if cfg.curriculum.probe_every and not self._in_async and self.sampler.probe_due(self.step):
+                t0 = time.perf_counter()
+                probe = self._probe(self.step)
+                self.counters["probe_tokens"] += probe["heldout/generated_tokens"]
+                metrics.update(probe)
+                # cached prefix KV from the probe would make the next step's numerics depend on whether the
+                # run was resumed here (a resumed engine starts cold); start every step from a cold cache
+                self.engine.release_kv_cache()
+                metrics["timeline/probe_s"] = time.perf_counter() - t0
+            with self._sampler_lock:
+                signals = {k: float(v) for k, v in self.sampler.signals().items()}
+        metrics.update(signals)
         metrics.update({f"counters/{k}": v for k, v in self.counters.items()})
         logger.log(self.step, metrics)
         every = cfg.orchestrator.checkpoint_every
@@ -495,7 +543,7 @@ class RLRun:
             t_step = time.perf_counter()
             self.phases.add("generate")
             trajs, groups, stats = self._collect_step(self.step)
-            self._feed_sampler(groups)
+            self._feed_sampler(groups, self.step)
             t0 = time.perf_counter()
             train_metrics = self._update(trajs)
             update_s = time.perf_counter() - t0
@@ -507,59 +555,115 @@ class RLRun:
         return metrics
 
     def _train_async(self, logger: MetricsLogger, progress: Progress) -> dict[str, float]:
-        """Generation of step b may start once the learner has done b - k updates (k = max_staleness).
+        """Generation runs up to k = max_staleness batches ahead of the learner, in a rollout thread with its
+        own event loop, which alone drives the engine and picks from the sampler until the last batch.
 
-        Rollouts run in a producer thread (its own event loop); weights published by the learner
-        are loaded into the engine by the producer between batches, so a batch has one policy
-        version. k = 0 is the sync schedule exactly.
+        Batch b (counted from 0; a resumed run starts at its checkpoint's step s0):
+        - weights: with async_lag 'fixed' (the default), the learner's weights after b - k steps (the
+          run's starting weights while b - k <= s0): every batch is exactly k steps stale once the
+          pipeline is full, and the run does not depend on which thread is faster. With 'latest', the
+          newest weights published once the learner has done b - k steps: fresher, but which ones
+          depends on timing. The learner hands weights over one snapshot at a time.
+        - sampler: before it picks b, it is fed the groups of batches < b - k, in order (the learner has
+          trained on them). The rollout thread feeds them itself, so timing cannot add or remove one.
+        - probes: before b when due, with b's weights; the row of step b carries them and the sampler's
+          signals after them, as in sync mode. The last row's probe runs after the thread has ended,
+          with the final weights.
+        - schedule and budget: read the tokens of batches < b and of the probes up to b, which the rollout
+          thread counts itself; it stops before the batch at which the learner's budget check stops.
+        k = 0 is the sync schedule exactly: the same weights and the same rows. A resumed async run
+        continues from its checkpoint (held-back sampler feedback included) but is not bit-exact: the k
+        batches in flight, and the older weights that generated them, are not saved.
         """
         k = self.cfg.orchestrator.max_staleness
+        fixed = self.cfg.orchestrator.async_lag == "fixed"
         total = self.cfg.orchestrator.steps
+        start = self.step
         cond = threading.Condition()
-        state: dict[str, Any] = {"updates_done": self.step, "weights": None, "error": None, "spent": False}
-        batches: dict[int, tuple[list[Trajectory], list, dict[str, float]]] = {}
-        sampler_lock = threading.Lock()
+        # slot: (weights, version, steps the learner had done) on their way from the learner to the rollout thread
+        state: dict[str, Any] = {"done": start, "slot": None, "error": None, "spent": False, "ended": False}
+        pres: dict[int, tuple[dict[str, float], dict[str, float]]] = {}  # before batch b: probe metrics, signals
+        batches: dict[int, tuple[list[Trajectory], dict[str, float]]] = {}
+
+        def halted() -> bool:
+            return self._stop_signal is not None or state["error"] is not None
+
+        def weights_ready(need: int, exact: bool) -> bool:
+            if exact:
+                return state["slot"] is not None and state["slot"][2] == need
+            return state["done"] >= need
 
         def producer() -> None:
             loop = asyncio.new_event_loop()
+            spent = self.tokens_spent()
             try:
-                for b in range(self.step, total):
+                for b in range(start, total):
+                    need = b - k
+                    exact = fixed and need > start
                     with cond:
-                        cond.wait_for(
-                            lambda b=b: state["updates_done"] >= b - k or self._stop_signal is not None or state["error"]
-                        )
-                        if self._stop_signal is not None or state["error"]:
+                        cond.wait_for(lambda need=need, exact=exact: halted() or weights_ready(need, exact))
+                        if halted():
                             return
-                        if self.budget_spent():  # the learner stops at the same check; say so in case it waits
-                            state["spent"] = True
+                        pending = state["slot"] if exact or not fixed else None
+                        if pending is not None:
+                            state["slot"] = None
                             cond.notify_all()
-                            return
-                        pending, state["weights"] = state["weights"], None
                     if pending is not None:
-                        weights, version = pending
-                        self.engine.load_weights(weights, version=version)
+                        self.engine.load_weights(pending[0], version=pending[1])
+                    self._feed_unfed(before=need)
                     old_loop, self._loop = self._loop, loop
                     try:
-                        with sampler_lock:
-                            # in async mode probes run here, on the engine's own thread, between batches
-                            if b > 0 and self.cfg.curriculum.probe_every and self.sampler.probe_due(b):
+                        if b > start:  # the row of step b; start's was logged before the run began
+                            probe: dict[str, float] = {}
+                            if self.cfg.curriculum.probe_every and self.sampler.probe_due(b):
                                 t0 = time.perf_counter()
                                 probe = self._probe(b)
                                 self.engine.release_kv_cache()
                                 probe["timeline/probe_s"] = time.perf_counter() - t0
-                                self._async_probe_metrics.update(probe)
-                            result = self._collect_step(b)
+                                spent += probe["heldout/generated_tokens"]
+                            with self._sampler_lock:
+                                signals = {key: float(v) for key, v in self.sampler.signals().items()}
+                            with cond:
+                                pres[b] = (probe, signals)
+                                cond.notify_all()
+                        if self.budget_spent(spent):  # the learner's check stops before this batch too
+                            with cond:
+                                state["spent"] = True
+                            return
+                        trajs, groups, stats = self._collect_step(b, spent)
+                        with self._sampler_lock:
+                            self._unfed[b] = groups
                     finally:
                         self._loop = old_loop
+                    spent += stats.get("rollout/generated_tokens", 0.0)
                     with cond:
-                        batches[b] = result
+                        batches[b] = (trajs, stats)
                         cond.notify_all()
             except BaseException as err:  # surface producer failures in the main thread
                 with cond:
                     state["error"] = err
-                    cond.notify_all()
             finally:
                 loop.close()
+                with cond:
+                    state["ended"] = True
+                    cond.notify_all()
+
+        def finish(trained: int) -> None:
+            """Stop and join the rollout thread; feed the sampler what the learner trained on and hand the
+            engine the final weights, as the sync schedule leaves them."""
+            with cond:
+                if not state["ended"] and self._stop_signal is None:
+                    self._stop_signal = -1  # the learner stopped first (budget, signal, error): stop generating
+                cond.notify_all()
+            thread.join()
+            if self._stop_signal == -1:
+                self._stop_signal = None
+            self._in_async = False
+            with self._sampler_lock:
+                self._feed_unfed(before=trained)
+                self._unfed.clear()  # batches generated but not trained on
+            if state["error"] is None:
+                self._sync_weights(self.learner.weights())
 
         self._in_async = True
         thread = threading.Thread(target=producer, name="posttrain-rollout", daemon=True)
@@ -569,27 +673,26 @@ class RLRun:
             while self.step < total and self._stop_signal is None and not self.budget_spent():
                 t_step = time.perf_counter()
                 with cond:
-                    cond.wait_for(
-                        lambda: self.step in batches or state["error"] is not None or self._stop_signal is not None
-                        or state["spent"]
-                    )
+                    cond.wait_for(lambda: self.step in batches or halted() or state["ended"])
                     if state["error"] is not None:
                         raise state["error"]
-                    if (self._stop_signal is not None or state["spent"]) and self.step not in batches:
+                    if self.step not in batches:  # stopped, or the budget ran out before this batch
                         break
-                    trajs, groups, stats = batches.pop(self.step)
+                    trajs, stats = batches.pop(self.step)
                 idle = time.perf_counter() - t_step
-                with sampler_lock:
-                    self._feed_sampler(groups)
                 t0 = time.perf_counter()
                 staleness = [self.learner.version - t.policy_version for t in trajs]
                 train_metrics = self._update(trajs)
                 update_s = time.perf_counter() - t0
                 t0 = time.perf_counter()
-                snapshot = self._snapshot_weights()
+                done = self.step + 1
+                needed = done + (k if fixed else 0) < total  # a batch still to come is generated with these weights
                 with cond:
-                    state["weights"] = (snapshot, self.learner.version + 0)
-                    state["updates_done"] += 1
+                    if fixed and needed:
+                        cond.wait_for(lambda: state["slot"] is None or halted() or state["ended"])
+                    if needed and not state["ended"]:
+                        state["slot"] = (self._snapshot_weights(), self.learner.version + 0, done)
+                    state["done"] = done
                     cond.notify_all()
                 self.phases.add("sync_weights")
                 sync_s = time.perf_counter() - t0
@@ -603,17 +706,17 @@ class RLRun:
                         "staleness/max": float(max(staleness)) if staleness else 0.0,
                     }
                 )
-                with sampler_lock:
-                    self._after_step(logger, progress, metrics)
+                pre = None
+                if done < total:
+                    with cond:
+                        cond.wait_for(lambda done=done: done in pres or halted() or state["ended"])
+                        pre = pres.pop(done, None)
+                else:
+                    finish(trained=done)  # the last row probes here, with the final weights
+                self._after_step(logger, progress, metrics, pre)
         finally:
-            with cond:
-                if self._stop_signal is None and self.step < total:
-                    self._stop_signal = -1
-                cond.notify_all()
-            thread.join()
-            self._in_async = False
-            if self._stop_signal == -1:
-                self._stop_signal = None
+            if self._in_async:
+                finish(trained=self.step)
         return metrics
 
     def close(self) -> None:

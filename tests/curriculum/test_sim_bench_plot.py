@@ -16,6 +16,7 @@ from posttrain.curriculum.bench import (
     main,
     per_arm_figures,
     run_metrics,
+    target_intervals,
 )
 from posttrain.curriculum.plot import domain_shares
 from posttrain.curriculum.sim import Learner, OracleSampler
@@ -99,6 +100,31 @@ def test_bench_small_run_reports_every_sampler(tmp_path):
     lo, hi = one["adaptive_forgetting_minus_ci95"]["sec"]
     assert lo == hi == pytest.approx(one["forgetting"]["adaptive"] - one["forgetting"]["sec"])
     assert set(one["adaptive_forgetting_minus_ci95"]) == {"sec"}
+    assert set(one["targets_ci95"]) == set(one["targets"])
+    assert one["targets_ci95"]["forgetting_better_than_sec"]["interval"] == [lo, hi]
+
+
+def test_targets_read_from_intervals_say_met_tie_or_missed():
+    """The interval verdicts: met only when the whole interval is on the target's side of its limit."""
+    out = {
+        "tokens_to_threshold_ratio_ci95": {"adaptive": [0.80, 0.90]},  # all above 0.75: missed
+        "worst_arm_accuracy_diff_vs_uniform_ci95": {"adaptive": [0.01, 0.20]},  # all above 0: met
+        "forgetting_diff_vs_uniform_ci95": {"adaptive": [-0.0004, 0.0019]},  # holds 0: tie
+        "adaptive_forgetting_minus_ci95": {"sec": [-0.007, -0.002], "dump": [0.001, 0.004]},  # met, missed
+    }
+    got = {k: (v["verdict"], v["limit"], v["interval"]) for k, v in target_intervals(out).items()}
+    assert got == {
+        "tokens_to_threshold_ratio<=0.75": ("missed", 0.75, [0.80, 0.90]),
+        "worst_arm_not_worse_than_uniform": ("met", 0.0, [0.01, 0.20]),
+        "forgetting_not_worse_than_uniform": ("tie", 0.0, [-0.0004, 0.0019]),
+        "forgetting_better_than_sec": ("met", 0.0, [-0.007, -0.002]),
+        "forgetting_better_than_dump": ("missed", 0.0, [0.001, 0.004]),
+    }
+    out["tokens_to_threshold_ratio_ci95"]["adaptive"] = [0.70, 0.74]
+    out["worst_arm_accuracy_diff_vs_uniform_ci95"]["adaptive"] = [-0.02, 0.0]  # touches the limit: a tie
+    again = target_intervals(out)
+    assert again["tokens_to_threshold_ratio<=0.75"]["verdict"] == "met"
+    assert again["worst_arm_not_worse_than_uniform"]["verdict"] == "tie"
 
 
 def test_per_arm_figures_hand_computed():

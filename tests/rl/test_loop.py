@@ -229,9 +229,11 @@ def test_cli_train_three_steps_with_code_and_tool_domains(tmp_path):
     assert f"done: 3 steps, {tokens:.0f} generated tokens;" in " ".join(out.split())
 
 
-def test_sigterm_during_a_step_leaves_a_loadable_checkpoint(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sigterm_during_a_step_leaves_a_loadable_checkpoint(tmp_path, mode):
     sets = [f"--set={s}" for s in TINY + DOMAINS] + [
-        f"--set=telemetry.run_dir={tmp_path}", "--set=orchestrator.steps=50", "--set=orchestrator.checkpoint_every=0"
+        f"--set=telemetry.run_dir={tmp_path}", "--set=orchestrator.steps=50", "--set=orchestrator.checkpoint_every=0",
+        f"--set=orchestrator.mode={mode}", "--set=orchestrator.max_staleness=2",
     ]
     proc = _cli("train", "--name", "term", *sets)
     metrics = tmp_path / "term" / "metrics.jsonl"

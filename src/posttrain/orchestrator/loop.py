@@ -581,7 +581,7 @@ class RLRun:
         start = self.step
         cond = threading.Condition()
         # slot: (weights, version, steps the learner had done) on their way from the learner to the rollout thread
-        state: dict[str, Any] = {"done": start, "slot": None, "error": None, "spent": False, "ended": False}
+        state: dict[str, Any] = {"done": start, "slot": None, "error": None, "ended": False}
         pres: dict[int, tuple[dict[str, float], dict[str, float]]] = {}  # before batch b: probe metrics, signals
         batches: dict[int, tuple[list[Trajectory], dict[str, float]]] = {}
 
@@ -627,8 +627,6 @@ class RLRun:
                                 pres[b] = (probe, signals)
                                 cond.notify_all()
                         if self.budget_spent(spent):  # the learner's check stops before this batch too
-                            with cond:
-                                state["spent"] = True
                             return
                         trajs, groups, stats = self._collect_step(b, spent)
                         with self._sampler_lock:
@@ -679,39 +677,46 @@ class RLRun:
                     if self.step not in batches:  # stopped, or the budget ran out before this batch
                         break
                     trajs, stats = batches.pop(self.step)
-                idle = time.perf_counter() - t_step
+                waited = time.perf_counter() - t_step  # for this batch; idle adds the waits below
+                idle = waited
                 t0 = time.perf_counter()
                 staleness = [self.learner.version - t.policy_version for t in trajs]
                 train_metrics = self._update(trajs)
                 update_s = time.perf_counter() - t0
-                t0 = time.perf_counter()
                 done = self.step + 1
                 needed = done + (k if fixed else 0) < total  # a batch still to come is generated with these weights
-                with cond:
-                    if fixed and needed:
+                t0 = time.perf_counter()
+                if fixed and needed:  # the rollout thread has not taken the previous snapshot yet
+                    with cond:
                         cond.wait_for(lambda: state["slot"] is None or halted() or state["ended"])
-                    if needed and not state["ended"]:
-                        state["slot"] = (self._snapshot_weights(), self.learner.version + 0, done)
+                idle += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                snapshot = self._snapshot_weights() if needed else None  # outside the lock: a copy of every weight
+                with cond:
+                    if snapshot is not None and not state["ended"]:
+                        state["slot"] = (snapshot, self.learner.version + 0, done)
                     state["done"] = done
                     cond.notify_all()
                 self.phases.add("sync_weights")
                 sync_s = time.perf_counter() - t0
+                pre = None
+                if done < total:  # the probe and signals of the next row, from the rollout thread
+                    t0 = time.perf_counter()
+                    with cond:
+                        cond.wait_for(lambda done=done: done in pres or halted() or state["ended"])
+                        pre = pres.pop(done, None)
+                    idle += time.perf_counter() - t0
                 wall = time.perf_counter() - t_step
                 metrics = self._step_metrics(trajs, stats, train_metrics, update_s, sync_s, wall, idle)
                 metrics.update(
                     {
                         # the share of this batch's generation that ran while the learner was busy
-                        "timeline/overlap": max(0.0, 1.0 - idle / stats["rollout/wall_s"]) if stats.get("rollout/wall_s") else 0.0,
+                        "timeline/overlap": max(0.0, 1.0 - waited / stats["rollout/wall_s"]) if stats.get("rollout/wall_s") else 0.0,
                         "staleness/mean": float(np.mean(staleness)) if staleness else 0.0,
                         "staleness/max": float(max(staleness)) if staleness else 0.0,
                     }
                 )
-                pre = None
-                if done < total:
-                    with cond:
-                        cond.wait_for(lambda done=done: done in pres or halted() or state["ended"])
-                        pre = pres.pop(done, None)
-                else:
+                if done == total:
                     finish(trained=done)  # the last row probes here, with the final weights
                 self._after_step(logger, progress, metrics, pre)
         finally:

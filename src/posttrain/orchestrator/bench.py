@@ -21,7 +21,10 @@ from rich.table import Table
 TRL_REFERENCE_S = 14.0  # measured on this machine kind when the issue was filed
 
 
-def _ours(steps: int, completions: int, new_tokens: int, dtype: str, seed: int, mode: str = "sync", staleness: int = 1) -> list[dict[str, Any]]:
+def _ours(
+    steps: int, completions: int, new_tokens: int, dtype: str, seed: int, mode: str = "sync", staleness: int = 1,
+    lag: str = "fixed",
+) -> list[dict[str, Any]]:
     from posttrain.config import load_config
     from posttrain.orchestrator.loop import RLRun
     from posttrain.telemetry import RunDir, read_metrics
@@ -46,6 +49,7 @@ def _ours(steps: int, completions: int, new_tokens: int, dtype: str, seed: int, 
                 f"trainer.bf16_autocast={dtype == 'bfloat16'}",
                 f"orchestrator.mode={mode}",
                 f"orchestrator.max_staleness={staleness}",
+                f"orchestrator.async_lag={lag}",
             ],
         )
         run = RunDir.create(tmp, "bench")
@@ -147,6 +151,8 @@ def main(args: list[str]) -> dict[str, Any]:
         help="our loop's mode: sync is on-policy like TRL; async overlaps the next step's generation with the update",
     )
     parser.add_argument("--max-staleness", type=int, default=1, help="async: policy versions a trajectory may lag")
+    parser.add_argument("--async-lag", choices=["fixed", "latest"], default="fixed",
+                        help="async: exactly max-staleness behind (reproducible) or the newest weights published")
     parser.add_argument("--seed", type=int, default=0)
     ns = parser.parse_args(args)
     console = Console()
@@ -156,7 +162,7 @@ def main(args: list[str]) -> dict[str, Any]:
     from posttrain.models import load_policy
     from posttrain.train.bench import matmul_gflops
 
-    rows = _ours(ns.steps, ns.completions, ns.new_tokens, ns.dtype, ns.seed, ns.mode, ns.max_staleness)
+    rows = _ours(ns.steps, ns.completions, ns.new_tokens, ns.dtype, ns.seed, ns.mode, ns.max_staleness, ns.async_lag)
     ours = [r["timeline/step_s"] for r in rows]  # the final step's checkpoint is not in step_s
     ours_s = statistics.median(ours[1:] or ours)
     params = sum(p.numel() for p in load_policy("smollm2-135m").parameters())
@@ -172,7 +178,8 @@ def main(args: list[str]) -> dict[str, Any]:
         except ImportError as err:
             trl_note = f"not measured ({err.name} not installed: pip install trl); reference {TRL_REFERENCE_S} s"
     table = Table("system", "per-step s (median, after warm-up)", "steps")
-    label = "posttrain (sync)" if ns.mode == "sync" else f"posttrain (async, staleness <= {ns.max_staleness})"
+    label = "posttrain (sync)" if ns.mode == "sync" else (
+        f"posttrain (async, staleness {'=' if ns.async_lag == 'fixed' else '<='} {ns.max_staleness})")
     table.add_row(label, f"{ours_s:.2f}", " ".join(f"{t:.2f}" for t in ours))
     if trl_s is not None:
         table.add_row("TRL GRPOTrainer", f"{trl_s:.2f}", " ".join(f"{t:.2f}" for t in trl_times))
@@ -194,6 +201,7 @@ def main(args: list[str]) -> dict[str, Any]:
         "dtype": ns.dtype,
         "mode": ns.mode,
         "max_staleness": ns.max_staleness if ns.mode == "async" else 0,
+        "async_lag": ns.async_lag if ns.mode == "async" else None,
         "trl_step_s": trl_s,
         "trl_note": trl_note,
         "ratio_vs_trl": (trl_s / ours_s) if trl_s else None,

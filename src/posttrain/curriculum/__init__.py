@@ -68,7 +68,7 @@ tokens to uniform's final macro accuracy 0.87x uniform_by_domain's, forgetting 0
 paired +0.0008 [-0.0004, +0.0019]; sec 0.89x and 0.0107, the oracle 0.79x); seeds 400-463: 0.85x and
 0.0066 (uniform 0.0065, sec 0.0102). The stop 12-16 defaults (tau 0.4, c 1, eps 0.15, no schedule, lam 6,
 weakness 0.15) reached threshold sooner, 0.83x and 0.80x, but forgot 0.0109 and 0.0105. On the real model
-(`--real`, four paired seeds) the new rule ties uniform, +0.014 [-0.011, +0.038], as the old one did.
+(`--real`, seven paired seeds) the new rule ties uniform, +0.004 [-0.015, +0.023], as the old one did.
 docs/curriculum.md has the full tables and the history.
 Arms with data size 0 get weight 0 and K counts only the others. Comparison samplers:
 `uniform_by_domain`, `uniform_by_data`, `dapo_filter_only` (uniform_by_domain + dropping all-equal

@@ -23,7 +23,7 @@ TRL_REFERENCE_S = 14.0  # measured on this machine kind when the issue was filed
 
 def _ours(
     steps: int, completions: int, new_tokens: int, dtype: str, seed: int, mode: str = "sync", staleness: int = 1,
-    lag: str = "fixed",
+    lag: str = "fixed", checkpoint_every: int = 0,
 ) -> list[dict[str, Any]]:
     from posttrain.config import load_config
     from posttrain.orchestrator.loop import RLRun
@@ -41,7 +41,7 @@ def _ours(
                 f"algorithm.group_size={completions}",
                 "orchestrator.tasks_per_step=1",
                 f"orchestrator.steps={steps}",
-                "orchestrator.checkpoint_every=0",
+                f"orchestrator.checkpoint_every={checkpoint_every}",
                 "curriculum.probe_every=0",
                 "telemetry.progress=false",
                 "telemetry.tensorboard=false",
@@ -153,6 +153,8 @@ def main(args: list[str]) -> dict[str, Any]:
     parser.add_argument("--max-staleness", type=int, default=1, help="async: policy versions a trajectory may lag")
     parser.add_argument("--async-lag", choices=["fixed", "latest"], default="fixed",
                         help="async: exactly max-staleness behind (reproducible) or the newest weights published")
+    parser.add_argument("--checkpoint-every", type=int, default=0,
+                        help="checkpoint period in steps (0: none); with the fixed lag the pipeline restarts there")
     parser.add_argument("--seed", type=int, default=0)
     ns = parser.parse_args(args)
     console = Console()
@@ -162,7 +164,8 @@ def main(args: list[str]) -> dict[str, Any]:
     from posttrain.models import load_policy
     from posttrain.train.bench import matmul_gflops
 
-    rows = _ours(ns.steps, ns.completions, ns.new_tokens, ns.dtype, ns.seed, ns.mode, ns.max_staleness, ns.async_lag)
+    rows = _ours(ns.steps, ns.completions, ns.new_tokens, ns.dtype, ns.seed, ns.mode, ns.max_staleness, ns.async_lag,
+                 ns.checkpoint_every)
     ours = [r["timeline/step_s"] for r in rows]  # the final step's checkpoint is not in step_s
     ours_s = statistics.median(ours[1:] or ours)
     params = sum(p.numel() for p in load_policy("smollm2-135m").parameters())
@@ -202,6 +205,7 @@ def main(args: list[str]) -> dict[str, Any]:
         "mode": ns.mode,
         "max_staleness": ns.max_staleness if ns.mode == "async" else 0,
         "async_lag": ns.async_lag if ns.mode == "async" else None,
+        "checkpoint_every": ns.checkpoint_every,
         "trl_step_s": trl_s,
         "trl_note": trl_note,
         "ratio_vs_trl": (trl_s / ours_s) if trl_s else None,

@@ -73,6 +73,9 @@ class RLRun:
         # async mode: groups of batches the learner has trained on that the sampler has not been fed yet (it
         # is fed batch j just before it picks batch j + max_staleness + 1); saved in checkpoints
         self._unfed: dict[int, list[tuple[Any, Any, list[float], int]]] = {}
+        # async mode: the sampler and task cursors as the rollout thread left them before picking the batch of a
+        # periodic checkpoint's step (it may have picked on since); what save() writes instead of the live ones
+        self._ckpt_view: tuple[dict[str, Any], dict[str, int], dict[str, list[int]]] | None = None
 
     # ------------------------------------------------------------------ construction
 
@@ -373,18 +376,23 @@ class RLRun:
 
     # ------------------------------------------------------------------ checkpoint
 
+    def _sampler_view(self) -> tuple[dict[str, Any], dict[str, int], dict[str, list[int]]]:
+        """Copies of the sampler's state and the task cursors (the caller holds the sampler lock)."""
+        return self.sampler.state_dict(), dict(self.cursors), {k: list(v) for k, v in self.seen_prompts.items()}
+
     def save(self) -> Path:
         def write(tmp: Path) -> None:
             self.learner.save(tmp / LEARNER_DIR)
             with self._sampler_lock:  # async mode: the rollout thread may be picking
+                sampler, cursors, seen = self._ckpt_view or self._sampler_view()
                 state = {
                     "step": self.step,
                     "learner_version": self.learner.version,
                     "engine_version": self.engine.version,
-                    "cursors": dict(self.cursors),
-                    "seen_prompts": {k: list(v) for k, v in self.seen_prompts.items()},
+                    "cursors": cursors,
+                    "seen_prompts": seen,
                     "counters": self.counters,
-                    "sampler": self.sampler.state_dict(),
+                    "sampler": sampler,
                     # async mode: batches trained on whose groups the sampler has not been fed yet
                     "sampler_pending": [
                         [j, [[arm.key, pid, rewards, gen] for arm, pid, rewards, gen in groups]]
@@ -491,11 +499,12 @@ class RLRun:
 
     def _after_step(
         self, logger: MetricsLogger, progress: Progress, metrics: dict[str, float],
-        pre: tuple[dict[str, float], dict[str, float]] | None = None,
+        pre: tuple[dict[str, float], dict[str, float], Any] | None = None,
     ) -> None:
         """Count, probe, log, checkpoint. The row of step s carries the probe run before batch s and the
-        sampler's signals after it. `pre` = (probe metrics, signals) from the async rollout thread, which
-        ran that probe; without it the probe runs here (sync mode; async mode once the thread has ended)."""
+        sampler's signals after it. `pre` = (probe metrics, signals, the sampler and cursors as they were
+        then, or None) from the async rollout thread, which ran that probe; without it the probe runs here
+        (sync mode; async mode once the thread has ended)."""
         cfg = self.cfg
         self.step += 1
         # counted here, from the batch's stats, not where the batch was collected: in async mode that is the
@@ -504,7 +513,7 @@ class RLRun:
                              ("dropped_groups", "dropped_groups")):
             self.counters[counter] += metrics.get(f"rollout/{key}", 0.0)
         if pre is not None:
-            probe, signals = pre
+            probe, signals, self._ckpt_view = pre
             self.counters["probe_tokens"] += probe.get("heldout/generated_tokens", 0.0)
             metrics.update(probe)
         else:
@@ -528,6 +537,7 @@ class RLRun:
             t0 = time.perf_counter()
             self.save()
             metrics["timeline/checkpoint_s"] = time.perf_counter() - t0
+        self._ckpt_view = None
         figures = {"reward": metrics.get("reward/mean", 0.0)}
         for d in self.domains:
             if f"reward/{d}" in metrics:
@@ -558,22 +568,28 @@ class RLRun:
         """Generation runs up to k = max_staleness batches ahead of the learner, in a rollout thread with its
         own event loop, which alone drives the engine and picks from the sampler until the last batch.
 
-        Batch b (counted from 0; a resumed run starts at its checkpoint's step s0):
-        - weights: with async_lag 'fixed' (the default), the learner's weights after b - k steps (the
-          run's starting weights while b - k <= s0): every batch is exactly k steps stale once the
-          pipeline is full, and the run does not depend on which thread is faster. With 'latest', the
-          newest weights published once the learner has done b - k steps: fresher, but which ones
-          depends on timing. The learner hands weights over one snapshot at a time.
-        - sampler: before it picks b, it is fed the groups of batches < b - k, in order (the learner has
-          trained on them). The rollout thread feeds them itself, so timing cannot add or remove one.
+        Batch b (counted from 0):
+        - weights: with async_lag 'fixed' (the default), the learner's weights after w(b) steps, where
+          w(b) = max(b - k, c) and c is the latest periodic checkpoint step (a multiple of
+          checkpoint_every) at or before b, or the run's start: every batch is k steps stale once the
+          pipeline is full, and the pipeline restarts at each periodic checkpoint, so a run resumed from
+          one is the run that went on (one batch's generation no longer overlaps an update there). The
+          run does not depend on which thread is faster. With 'latest', the newest weights published
+          once the learner has done b - k steps: fresher, but which ones depends on timing. The learner
+          hands weights over one snapshot at a time.
+        - sampler: before it picks b, it is fed the groups of batches < w(b) ('latest': < b - k), in order
+          (the learner has trained on them). The rollout thread feeds them itself, so timing cannot add
+          or remove one. At a periodic checkpoint's step it also copies the sampler and the task cursors
+          for the checkpoint, before it picks on.
         - probes: before b when due, with b's weights; the row of step b carries them and the sampler's
           signals after them, as in sync mode. The last row's probe runs after the thread has ended,
           with the final weights.
         - schedule and budget: read the tokens of batches < b and of the probes up to b, which the rollout
           thread counts itself; it stops before the batch at which the learner's budget check stops.
-        k = 0 is the sync schedule exactly: the same weights and the same rows. A resumed async run
-        continues from its checkpoint (held-back sampler feedback included) but is not bit-exact: the k
-        batches in flight, and the older weights that generated them, are not saved.
+        k = 0 is the sync schedule exactly: the same weights and the same rows. With 'fixed', a run resumed
+        from a periodic checkpoint is the run that went on, bit for bit; one resumed from a checkpoint
+        written mid-interval (on a signal) continues, held-back sampler feedback included, but not
+        bit-exactly.
         """
         k = self.cfg.orchestrator.max_staleness
         fixed = self.cfg.orchestrator.async_lag == "fixed"
@@ -582,11 +598,20 @@ class RLRun:
         cond = threading.Condition()
         # slot: (weights, version, steps the learner had done) on their way from the learner to the rollout thread
         state: dict[str, Any] = {"done": start, "slot": None, "error": None, "ended": False}
-        pres: dict[int, tuple[dict[str, float], dict[str, float]]] = {}  # before batch b: probe metrics, signals
+        pres: dict[int, tuple[dict[str, float], dict[str, float], Any]] = {}  # before batch b: probe, signals, view
         batches: dict[int, tuple[list[Trajectory], dict[str, float]]] = {}
 
         def halted() -> bool:
             return self._stop_signal is not None or state["error"] is not None
+
+        every = self.cfg.orchestrator.checkpoint_every
+
+        def weights_step(b: int) -> int:
+            """w(b): the learner steps behind batch b's weights."""
+            if not fixed:
+                return b - k
+            restart = max(start, b // every * every) if every else start
+            return max(b - k, restart)
 
         def weights_ready(need: int, exact: bool) -> bool:
             if exact:
@@ -596,10 +621,11 @@ class RLRun:
         def producer() -> None:
             loop = asyncio.new_event_loop()
             spent = self.tokens_spent()
+            loaded = start  # the learner steps behind the engine's weights
             try:
                 for b in range(start, total):
-                    need = b - k
-                    exact = fixed and need > start
+                    need = weights_step(b)
+                    exact = fixed and need > loaded
                     with cond:
                         cond.wait_for(lambda need=need, exact=exact: halted() or weights_ready(need, exact))
                         if halted():
@@ -610,6 +636,7 @@ class RLRun:
                             cond.notify_all()
                     if pending is not None:
                         self.engine.load_weights(pending[0], version=pending[1])
+                        loaded = pending[2]
                     self._feed_unfed(before=need)
                     old_loop, self._loop = self._loop, loop
                     try:
@@ -623,8 +650,9 @@ class RLRun:
                                 spent += probe["heldout/generated_tokens"]
                             with self._sampler_lock:
                                 signals = {key: float(v) for key, v in self.sampler.signals().items()}
+                                view = self._sampler_view() if fixed and every and b % every == 0 else None
                             with cond:
-                                pres[b] = (probe, signals)
+                                pres[b] = (probe, signals, view)
                                 cond.notify_all()
                         if self.budget_spent(spent):  # the learner's check stops before this batch too
                             return
@@ -684,7 +712,8 @@ class RLRun:
                 train_metrics = self._update(trajs)
                 update_s = time.perf_counter() - t0
                 done = self.step + 1
-                needed = done + (k if fixed else 0) < total  # a batch still to come is generated with these weights
+                # a batch still to come is generated with these weights ('latest': may be)
+                needed = any(weights_step(b) == done for b in range(done, min(total, done + k + 1))) if fixed else done < total
                 t0 = time.perf_counter()
                 if fixed and needed:  # the rollout thread has not taken the previous snapshot yet
                     with cond:

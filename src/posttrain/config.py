@@ -240,9 +240,10 @@ class OrchestratorConfig(Section):
     max_staleness: int = Field(1, ge=0)
     async_lag: Literal["fixed", "latest"] = Field(
         "fixed",
-        description="async: 'fixed' generates batch b with the weights after exactly b - max_staleness steps, so "
-        "a run does not depend on thread timing; 'latest' with the newest the learner has published by then "
-        "(at most max_staleness behind: fresher, not reproducible)",
+        description="async: 'fixed' generates batch b with the weights after b - max_staleness steps, or after the "
+        "last periodic checkpoint's step if later (the pipeline restarts there), so a run does not depend on thread "
+        "timing and resumes exactly from periodic checkpoints; 'latest' with the newest the learner has published "
+        "by then (at most max_staleness behind: fresher, not reproducible)",
     )
     token_budget: int | None = Field(
         None,

@@ -182,7 +182,7 @@ def main(args: list[str]) -> dict[str, Any]:
             trl_note = f"not measured ({err.name} not installed: pip install trl); reference {TRL_REFERENCE_S} s"
     table = Table("system", "per-step s (median, after warm-up)", "steps")
     label = "posttrain (sync)" if ns.mode == "sync" else (
-        f"posttrain (async, staleness {'=' if ns.async_lag == 'fixed' else '<='} {ns.max_staleness})")
+        f"posttrain (async, staleness <= {ns.max_staleness}, {ns.async_lag} lag)")
     table.add_row(label, f"{ours_s:.2f}", " ".join(f"{t:.2f}" for t in ours))
     if trl_s is not None:
         table.add_row("TRL GRPOTrainer", f"{trl_s:.2f}", " ".join(f"{t:.2f}" for t in trl_times))

@@ -347,6 +347,22 @@ class RLRun:
 
     # ------------------------------------------------------------------ probes (held-out)
 
+    def _signals(self) -> dict[str, float]:
+        with self._sampler_lock:
+            return {k: float(v) for k, v in self.sampler.signals().items()}
+
+    def _probe_if_due(self, step: int) -> dict[str, float]:
+        """`_probe` when the sampler wants one at `step` (else {}), timed; the KV cache is freed after it."""
+        if not (self.cfg.curriculum.probe_every and self.sampler.probe_due(step)):
+            return {}
+        t0 = time.perf_counter()
+        probe = self._probe(step)
+        # cached prefix KV from the probe would make the next step's numerics depend on whether the run was
+        # resumed here (a resumed engine starts cold); start every step from a cold cache
+        self.engine.release_kv_cache()
+        probe["timeline/probe_s"] = time.perf_counter() - t0
+        return probe
+
     def _probe(self, step: int) -> dict[str, float]:
         """Held-out probes of the arms the sampler names, scored into it. The caller charges
         out["heldout/generated_tokens"] to counters["probe_tokens"]."""
@@ -514,20 +530,11 @@ class RLRun:
             self.counters[counter] += metrics.get(f"rollout/{key}", 0.0)
         if pre is not None:
             probe, signals, self._ckpt_view = pre
-            self.counters["probe_tokens"] += probe.get("heldout/generated_tokens", 0.0)
-            metrics.update(probe)
         else:
-            if cfg.curriculum.probe_every and not self._in_async and self.sampler.probe_due(self.step):
-                t0 = time.perf_counter()
-                probe = self._probe(self.step)
-                self.counters["probe_tokens"] += probe["heldout/generated_tokens"]
-                metrics.update(probe)
-                # cached prefix KV from the probe would make the next step's numerics depend on whether the
-                # run was resumed here (a resumed engine starts cold); start every step from a cold cache
-                self.engine.release_kv_cache()
-                metrics["timeline/probe_s"] = time.perf_counter() - t0
-            with self._sampler_lock:
-                signals = {k: float(v) for k, v in self.sampler.signals().items()}
+            probe = {} if self._in_async else self._probe_if_due(self.step)
+            signals = self._signals()
+        self.counters["probe_tokens"] += probe.get("heldout/generated_tokens", 0.0)
+        metrics.update(probe)
         metrics.update(signals)
         metrics.update({f"counters/{k}": v for k, v in self.counters.items()})
         logger.log(self.step, metrics)
@@ -641,15 +648,10 @@ class RLRun:
                     old_loop, self._loop = self._loop, loop
                     try:
                         if b > start:  # the row of step b; start's was logged before the run began
-                            probe: dict[str, float] = {}
-                            if self.cfg.curriculum.probe_every and self.sampler.probe_due(b):
-                                t0 = time.perf_counter()
-                                probe = self._probe(b)
-                                self.engine.release_kv_cache()
-                                probe["timeline/probe_s"] = time.perf_counter() - t0
-                                spent += probe["heldout/generated_tokens"]
+                            probe = self._probe_if_due(b)
+                            spent += probe.get("heldout/generated_tokens", 0.0)
+                            signals = self._signals()
                             with self._sampler_lock:
-                                signals = {key: float(v) for key, v in self.sampler.signals().items()}
                                 view = self._sampler_view() if fixed and every and b % every == 0 else None
                             with cond:
                                 pres[b] = (probe, signals, view)

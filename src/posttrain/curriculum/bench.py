@@ -6,6 +6,8 @@ uniform_by_domain's final macro accuracy (per seed, as a ratio; a sampler that n
 censored at the budget), worst-arm accuracy, forgetting (max over time minus final, per arm, averaged).
 The `oracle` row reads the simulator's hidden p and eta (see `sim.OracleSampler`): how far an
 allocation that knew the truth gets, so a missed target can be told apart from an unreachable one.
+It allocates greedily; `oracle_plan` (`planning.PlanningOracle`, only when `--samplers` names it, ~1.5 s
+a seed) reads the same state and plans to the end of the budget on the learner's expected dynamics.
 The issue's targets are printed twice: on the means over seeds (`targets`, as the issue states them) and on
 95% intervals (`targets_ci95`, `target_intervals`: met, missed, or a tie that these seeds cannot tell).
 `--hindsight N` adds `hindsight_static`: per seed, the fixed mix of arms (`--hindsight-phases P`: a plan
@@ -29,18 +31,19 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from posttrain.config import ConfigError, load_config
 from posttrain.curriculum.arms import Arm
+from posttrain.curriculum.planning import cross_entropy_min
 from posttrain.curriculum.real import PRESETS, REUSED_FLAGS, compare_results, main_real, pool_results
 from posttrain.curriculum.sim import (
     HINDSIGHT,
     LAYOUTS,
     ORACLE,
+    ORACLE_PLAN,
     SimRun,
     SimSettings,
     budget_tokens,
@@ -51,7 +54,8 @@ from posttrain.curriculum.sim import (
 
 BASELINE = "uniform_by_domain"
 ALL = ["uniform_by_domain", "uniform_by_data", "dapo_filter_only", "sec", "dump", "adaptive"]
-REFERENCE = [ORACLE]  # reads the simulator's hidden state; a ceiling, not a competitor
+REFERENCE = [ORACLE]  # reads the simulator's hidden state (greedy); a reference, not a competitor
+ON_REQUEST = [ORACLE_PLAN]  # references that --samplers must name: oracle_plan adds ~45 s per 32 seeds
 
 
 def first_crossing(tokens: np.ndarray, macro: np.ndarray, threshold: float) -> float:
@@ -90,28 +94,6 @@ def baseline(seed: int, cfg: Any, settings: SimSettings) -> tuple[float, float, 
     base = run(BASELINE, seed, cfg, settings)
     threshold = float(base.p[-1].mean())
     return budget, threshold, run_metrics(base, budget, threshold, settings.charge_probes), base
-
-
-def cross_entropy_min(
-    score: Callable[[np.ndarray], float], mu: np.ndarray, sd: np.ndarray, rounds: int, population: int, elite: int,
-    rng: np.random.Generator, sd_floor: float | np.ndarray = 0.05, bounds: tuple[np.ndarray, np.ndarray] | None = None,
-) -> tuple[float, np.ndarray]:
-    """Minimise score(x) by the cross-entropy method: each round draws `population` points from
-    N(mu, sd) (clipped to `bounds`), keeps the `elite` best, and refits mu and sd (+ sd_floor) to them.
-    Returns the best (score, x) seen. Deterministic given rng."""
-    best: tuple[float, np.ndarray] | None = None
-    for _ in range(rounds):
-        xs = mu + sd * rng.standard_normal((population, *np.shape(mu)))
-        if bounds is not None:
-            xs = np.clip(xs, *bounds)
-        scores = [score(x) for x in xs]
-        for x, sc in zip(xs, scores, strict=True):
-            if best is None or sc < best[0]:
-                best = (sc, x)
-        chosen = xs[np.argsort(scores)[:elite]]
-        mu, sd = chosen.mean(axis=0), chosen.std(axis=0) + sd_floor
-    assert best is not None, "cross_entropy_min needs rounds >= 1 and population >= 1"
-    return best
 
 
 def hindsight_search(
@@ -233,7 +215,8 @@ def main(args: list[str]) -> dict[str, Any]:
                     help="first simulated learner's seed (e.g. 100 for a held-out set the defaults were not tuned on); "
                     "--real: first training seed (to add seeds to an earlier run)")
     ap.add_argument("--samplers", default=",".join(ALL + REFERENCE),
-                    help=f"comma list; must include {BASELINE}; '{ORACLE}' reads the hidden state (a ceiling)")
+                    help=f"comma list; must include {BASELINE}; '{ORACLE}' reads the hidden state and allocates "
+                    f"greedily; '{ORACLE_PLAN}' (not in the default list) reads it and plans (planning.py)")
     ap.add_argument("--groups-per-step", type=int, default=SimSettings.groups_per_step)
     ap.add_argument("--layout", default="default", metavar="NAME|SPEC",
                     help=f"the simulated arms: a preset ({', '.join(LAYOUTS)}) or domain:level=role,... (roles "
@@ -309,7 +292,7 @@ def main(args: list[str]) -> dict[str, Any]:
             raise SystemExit(2) from None
     ns.seeds = 32 if ns.seeds is None else ns.seeds
     names = [n.strip() for n in ns.samplers.split(",") if n.strip()]
-    unknown = [n for n in names if n not in ALL + REFERENCE]
+    unknown = [n for n in names if n not in ALL + REFERENCE + ON_REQUEST]
     if unknown or BASELINE not in names:
         ap.error(f"--samplers: unknown {unknown}" if unknown else f"--samplers must include {BASELINE}")
     if ns.seeds < 1 or ns.groups_per_step < 1 or ns.budget_steps < 1:

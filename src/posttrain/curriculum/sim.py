@@ -35,7 +35,9 @@ Dynamics (per seed, every hidden parameter drawn from the ranges in `make_learne
   cost the same per prompt and count against the same budget. A probe of a domain splits its
   probe_size prompts evenly over the domain's arms; each arm's score is Binomial(m, p)/m, reported
   with its m. Only the arms the sampler's `probe_arms(step)` names are probed (and charged).
-`OracleSampler` (bench row `oracle`) reads the hidden p and eta: a ceiling for allocation, not a sampler.
+`OracleSampler` (bench row `oracle`) reads the hidden p and eta and allocates greedily: not a sampler.
+`planning.PlanningOracle` (bench row `oracle_plan`) reads the whole hidden state and plans on the
+expected dynamics: how far knowing the learner takes an allocation that looks ahead.
 `StaticSampler` (bench row `hindsight_static`, `--hindsight`) holds one fixed weight vector (or one per
 phase of the budget), the best one a search finds for the seed by running it: what a fixed mix (or a
 phased plan) chosen with hindsight can reach.
@@ -203,6 +205,7 @@ def make_learner(seed: int, layout: Layout = LAYOUT) -> Learner:
 
 
 ORACLE = "oracle"
+ORACLE_PLAN = "oracle_plan"  # planning.PlanningOracle: reads the hidden state and plans
 
 
 class OracleSampler(Sampler):
@@ -299,12 +302,16 @@ def run(
     learner = make_learner(seed, s.layout)
     rng = np.random.default_rng(20_000 + seed if noise == 0 else [20_000 + seed, int(noise)])
     sizes = {a: int(n) for a, n in zip(learner.arms, learner.data_size, strict=True)}
-    if sampler_name in (ORACLE, HINDSIGHT):
-        sampler: Sampler = (
-            OracleSampler(cfg, learner.arms, seed, learner)
-            if sampler_name == ORACLE
-            else StaticSampler(cfg, learner.arms, seed, static_weights)  # rejects missing or bad weights
-        )
+    if sampler_name in (ORACLE, HINDSIGHT, ORACLE_PLAN):
+        sampler: Sampler
+        if sampler_name == ORACLE:
+            sampler = OracleSampler(cfg, learner.arms, seed, learner)
+        elif sampler_name == ORACLE_PLAN:
+            from posttrain.curriculum.planning import PlanningOracle  # planning imports this module
+
+            sampler = PlanningOracle(cfg, learner.arms, seed, learner, s)
+        else:
+            sampler = StaticSampler(cfg, learner.arms, seed, static_weights)  # rejects missing or bad weights
         for a, n in sizes.items():
             sampler.set_data_size(a, n)
     else:

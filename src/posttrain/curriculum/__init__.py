@@ -38,7 +38,8 @@ The default rule (`adaptive`), per available arm k of K:
          to their weights, repeated until none exceeds it (then the same for the floor), so pi sums to 1
          and every available arm keeps at least eps/K; unsampled arms never decay to zero.
 Over the run (the loop reports its spent share f in [0, 1] through `set_progress`: the further of
-step / orchestrator.steps and generated tokens / orchestrator.token_budget):
+step / orchestrator.steps and generated tokens / orchestrator.token_budget; a run resumed with another
+orchestrator.steps re-times the rest of the schedule, one resumed with the same steps or token budget not):
   eps_f = eps + (eps_end - eps) * f   (eps_end = None: eps throughout);
   pi_f  = (1 - m*f) * pi + m*f * uniform_by_domain, m = domain_mix, renormalised again into
           [eps_f/K, max(max_share, 1/K)]: the mix turns toward uniform_by_domain as the budget runs out.
@@ -65,7 +66,8 @@ probe_size 16 (the issue suggests tau 0.4, c 1, eps 0.15, lam 1, 64 prompts). Th
 that family on simulation seeds 100-131 for the fewest tokens to threshold with forgetting no worse than
 uniform's, checked on seeds 0-31 and 400-463. Measured (`posttrain bench curriculum --json`, seeds 0-31):
 tokens to uniform's final macro accuracy 0.87x uniform_by_domain's, forgetting 0.0060 (uniform 0.0051,
-paired +0.0008 [-0.0004, +0.0019]; sec 0.89x and 0.0107, the oracle 0.79x); seeds 400-463: 0.85x and
+paired +0.0008 [-0.0004, +0.0019]; sec 0.89x and 0.0107, the greedy oracle 0.79x, `oracle_plan` 0.71x
+and 0.0050: with the learner's hidden state, planning meets the 0.75x target); seeds 400-463: 0.85x and
 0.0066 (uniform 0.0065, sec 0.0102). The stop 12-16 defaults (tau 0.4, c 1, eps 0.15, no schedule, lam 6,
 weakness 0.15) reached threshold sooner, 0.83x and 0.80x, but forgot 0.0109 and 0.0105. On the real model
 (`--real`, seven paired seeds) the new rule ties uniform, +0.004 [-0.015, +0.023], as the old one did.

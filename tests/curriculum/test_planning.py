@@ -10,7 +10,7 @@ from posttrain.config import CurriculumConfig
 from posttrain.curriculum import planning
 from posttrain.curriculum.bench import _ratio, baseline, main, run_metrics
 from posttrain.curriculum.planning import PlanningOracle, cross_entropy_min, expected_run, move
-from posttrain.curriculum.sim import ORACLE, ORACLE_PLAN, SimSettings, make_learner, run
+from posttrain.curriculum.sim import ORACLE, ORACLE_PLAN, REMOVED_ARM, SimSettings, make_learner, run
 
 
 def test_a_groups_mean_gradient_is_p1mp_times_1_minus_1_over_g():
@@ -62,6 +62,29 @@ def test_expected_run_splits_plans_into_phases_and_stops_at_the_budget():
     assert res["final"][1, 7] > res["final"][0, 7]
     assert np.all(np.isinf(res["reach"]))  # threshold inf: never reached
     assert np.all(res["peak"] >= res["final"] - 1e-15)
+
+
+def test_expected_run_gives_the_removed_arm_nothing_while_its_data_is_away():
+    learner, s = make_learner(0), SimSettings()
+    rm = learner.arms.index(REMOVED_ARM)
+    k = len(learner.arms)
+    budget = 40 * s.groups_per_step * s.group_size * learner.tokens.mean()
+    start = 0.5 * budget  # inside the removal window [0.35, 0.65) of the budget
+    only_removed = np.eye(k)[rm][None, None, :]
+    away = expected_run(learner, learner.theta, only_removed, start, budget, s, np.inf, learner.p, removed=rm)
+    idle = expected_run(learner, learner.theta, only_removed, start, budget, s, np.inf, learner.p)
+    # with its data away, the all-on-code:0 plan trains the other arms (uniformly) until the data returns;
+    # without a window it trains code:0 alone, so the other domains' arms only decay
+    elsewhere = learner.domain_of != learner.domain_of[rm]
+    assert np.all(away["final"][0, elsewhere] > idle["final"][0, elsewhere])
+    assert np.all(idle["final"][0, elsewhere] <= learner.p[elsewhere] + 1e-12)
+    assert away["final"][0, rm] < idle["final"][0, rm]  # code:0 itself trained less
+    # a window over the whole run: the plan is exactly uniform over the arms with data
+    always = SimSettings(removed_from=0.0, removed_until=2.0)
+    rest = np.where(np.arange(k) == rm, 0.0, 1.0 / (k - 1))[None, None, :]
+    a = expected_run(learner, learner.theta, only_removed, 0.0, budget, always, np.inf, learner.p, removed=rm)
+    b = expected_run(learner, learner.theta, rest, 0.0, budget, always, np.inf, learner.p, removed=rm)
+    assert np.array_equal(a["final"], b["final"])
 
 
 def test_batched_cross_entropy_equals_the_pointwise_one():

@@ -91,7 +91,7 @@ def expected_run(
     for a success rate r, whose mean over Binomial(G, p) draws is p(1-p)(1 - 1/G); p is the rollouts'
     success rate, before the disuse decay.) Arm `removed` gets no groups while the spent share is in the
     settings' removal window (its weight goes to the others in proportion, or the mixes come from
-    plans_removed there). Returns per plan: reach (tokens at the first
+    plans_removed there; a mix with no weight left is uniform over the arms with data). Returns per plan: reach (tokens at the first
     step whose macro accuracy is >= threshold; inf if none), final (p at the end, (C, arms)), peak
     (highest p, past `peak` included) and macro (the final macro accuracy)."""
     c, phases, _ = plans.shape
@@ -109,13 +109,14 @@ def expected_run(
         frac = spent_c / budget
         out = (settings.removed_from <= frac) & (frac < settings.removed_until) if removed is not None else None
         w = plans[rows, phase].copy()
+        there = np.ones_like(w)  # 1 where the arm has data now
         if out is not None and out.any():
+            there[out, removed] = 0.0
             if plans_removed is not None:
                 w[out] = plans_removed[rows[out], phase[out]]
-            else:
-                w[out, removed] = 0.0
+            w[out, removed] = 0.0
         total = w.sum(axis=1, keepdims=True)
-        w = np.where(total > 0, w / np.where(total > 0, total, 1.0), 1.0 / w.shape[1])
+        w = np.where(total > 0, w / np.where(total > 0, total, 1.0), there / there.sum(axis=1, keepdims=True))
         groups = b * w
         p = 1.0 / (1.0 + np.exp(-th))  # the rollouts' success rate, before this step's disuse decay
         idle = np.clip(1.0 - groups, 0.0, 1.0)

@@ -133,6 +133,21 @@ def expected_run(
     return {"reach": reach, "final": final, "peak": peak_c, "macro": final.mean(axis=1)}
 
 
+def search_plan(
+    score: Callable[[np.ndarray], np.ndarray], previous: np.ndarray, keep_previous: bool, rng: np.random.Generator,
+    rounds: int, population: int, elite: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Cross-entropy search over plans as softmax logits (shape (phases, arms)), started at `previous`;
+    with keep_previous, `previous` stays when score rates it no worse than the search's best (so noise in
+    the search does not churn the allocation). Returns (the plan's logits, its first mix as weights)."""
+    found, best = cross_entropy_min(score, previous, np.ones_like(previous), rounds, population, elite, rng,
+                                    batched=True)
+    if keep_previous and score(previous[None])[0] <= found:
+        best = previous
+    w = np.exp(best[0] - best[0].max())
+    return best, w / w.sum()
+
+
 class PlanningOracle(Sampler):
     """A reference, not a sampler anyone can run: model-predictive control with the learner's hidden
     state and dynamics (see the module docstring). Deterministic per seed."""
@@ -178,8 +193,7 @@ class PlanningOracle(Sampler):
         return reach - self.w_final * res["macro"] + self.w_forget * forgetting - self.w_worst * res["final"].min(axis=1)
 
     def _replan(self) -> None:
-        """Search plans from the current state; keep the previous plan when the model scores it no worse
-        than the search's best (so noise in the search does not churn the allocation)."""
+        """Search plans from the current state (`search_plan`, keeping the previous plan if no worse)."""
         spent = self.progress * self._budget
         model = self.model()
 
@@ -190,13 +204,8 @@ class PlanningOracle(Sampler):
                                self._removed)
             return self.objective(res)
 
-        found, best = cross_entropy_min(score, self._mu, np.ones_like(self._mu), self.rounds, self.population,
-                                        self.elite, self._plan_rng, batched=True)
-        if self._plan is not None and score(self._mu[None])[0] <= found:
-            best = self._mu
-        self._mu = best
-        w = np.exp(best[0] - best[0].max())
-        self._plan = w / w.sum()
+        self._mu, self._plan = search_plan(score, self._mu, self._plan is not None, self._plan_rng, self.rounds,
+                                           self.population, self.elite)
 
     def _policy(self, avail: np.ndarray) -> np.ndarray:
         self._peak = np.maximum(self._peak, self._learner.p)

@@ -6,7 +6,7 @@ uniform_by_domain's final macro accuracy (per seed, as a ratio; a sampler that n
 censored at the budget), worst-arm accuracy, forgetting (max over time minus final, per arm, averaged).
 The `oracle` row reads the simulator's hidden p and eta (see `sim.OracleSampler`): how far an
 allocation that knew the truth gets, so a missed target can be told apart from an unreachable one.
-It allocates greedily; `oracle_plan` (`planning.PlanningOracle`, only when `--samplers` names it, ~1.5 s
+It allocates greedily; `oracle_plan` (`planning.PlanningOracle`, only when `--samplers` names it, ~2.5 s
 a seed) reads the same state and plans to the end of the budget on the learner's expected dynamics.
 The issue's targets are printed twice: on the means over seeds (`targets`, as the issue states them) and on
 95% intervals (`targets_ci95`, `target_intervals`: met, missed, or a tie that these seeds cannot tell).
@@ -55,7 +55,7 @@ from posttrain.curriculum.sim import (
 BASELINE = "uniform_by_domain"
 ALL = ["uniform_by_domain", "uniform_by_data", "dapo_filter_only", "sec", "dump", "adaptive"]
 REFERENCE = [ORACLE]  # reads the simulator's hidden state (greedy); a reference, not a competitor
-ON_REQUEST = [ORACLE_PLAN]  # references that --samplers must name: oracle_plan adds ~45 s per 32 seeds
+ON_REQUEST = [ORACLE_PLAN]  # references that --samplers must name: oracle_plan adds ~80 s per 32 seeds
 
 
 def first_crossing(tokens: np.ndarray, macro: np.ndarray, threshold: float) -> float:

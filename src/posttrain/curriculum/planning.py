@@ -28,7 +28,7 @@ import numpy as np
 from posttrain.config import CurriculumConfig
 from posttrain.curriculum.arms import Arm
 from posttrain.curriculum.samplers import Sampler, _uniform_by_domain
-from posttrain.curriculum.sim import ORACLE_PLAN, REMOVED_ARM, Learner, SimSettings, budget_tokens
+from posttrain.curriculum.sim import ORACLE_PLAN, REMOVED_ARM, Learner, SimSettings, budget_tokens, sigmoid
 
 
 def cross_entropy_min(
@@ -99,7 +99,8 @@ def expected_run(
     th = np.repeat(theta[None, :], c, axis=0)
     spent_c = np.full(c, float(spent))
     reach = np.full(c, np.inf)
-    peak_c = np.maximum(np.repeat(peak[None, :], c, axis=0), 1.0 / (1.0 + np.exp(-th)))
+    p = sigmoid(th)  # the success rates; at the top of a step, the rollouts' (before the disuse decay)
+    peak_c = np.maximum(np.repeat(peak[None, :], c, axis=0), p)
     rows = np.arange(c)
     domains = domain_matrix(learner)
     left = max(budget - spent, 1.0)
@@ -118,19 +119,17 @@ def expected_run(
         total = w.sum(axis=1, keepdims=True)
         w = np.where(total > 0, w / np.where(total > 0, total, 1.0), there / there.sum(axis=1, keepdims=True))
         groups = b * w
-        p = 1.0 / (1.0 + np.exp(-th))  # the rollouts' success rate, before this step's disuse decay
         idle = np.clip(1.0 - groups, 0.0, 1.0)
         step = learner.eta * w * p * (1.0 - p) * (1.0 - 1.0 / g)
         nxt = move(learner, th, step, idle, domains)
         th = np.where(going[:, None], nxt, th)
         spent_c = spent_c + np.where(going, (groups * g * learner.tokens).sum(axis=1), 0.0)
-        p = 1.0 / (1.0 + np.exp(-th))
+        p = sigmoid(th)
         peak_c = np.maximum(peak_c, p)
         hit = going & np.isinf(reach) & (p.mean(axis=1) >= threshold - 1e-12)
         reach[hit] = spent_c[hit]
         going = spent_c < budget
-    final = 1.0 / (1.0 + np.exp(-th))
-    return {"reach": reach, "final": final, "peak": peak_c, "macro": final.mean(axis=1)}
+    return {"reach": reach, "final": p, "peak": peak_c, "macro": p.mean(axis=1)}
 
 
 def search_plan(

@@ -112,6 +112,11 @@ def _logit(p: float) -> float:
     return float(np.log(p / (1.0 - p)))
 
 
+def sigmoid(theta: np.ndarray) -> np.ndarray:
+    """Success probabilities of skill logits."""
+    return 1.0 / (1.0 + np.exp(-theta))
+
+
 @dataclass
 class Learner:
     arms: list[Arm]
@@ -132,7 +137,7 @@ class Learner:
 
     @property
     def p(self) -> np.ndarray:
-        return 1.0 / (1.0 + np.exp(-self.theta))
+        return sigmoid(self.theta)
 
     def train(self, idx: np.ndarray, rewards: np.ndarray) -> None:
         """One optimiser step on groups of arms `idx` (shape B) with rewards (B, G)."""

@@ -510,7 +510,7 @@ class RLRun:
         return {
             "step": self.step, "interrupted": interrupted, "signal": self._stop_signal, "last": last,
             "budget_spent": self.budget_spent(),
-            "generated_tokens": self.counters["rollout_tokens"] + self.counters["probe_tokens"],
+            "generated_tokens": self.tokens_spent(),
         }
 
     def _after_step(

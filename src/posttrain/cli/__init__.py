@@ -30,8 +30,20 @@ def _version(value: bool) -> None:
 @app.callback()
 def _root(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="print the version"),
+    plugin: list[str] = typer.Option(
+        [], "--plugin", metavar="FILE.py|MODULE",
+        help="import a Python file or module that registers task domains (repeatable), before the command runs",
+    ),
 ) -> None:
-    pass
+    if plugin:
+        from posttrain.envs import load_plugin
+
+        for target in plugin:
+            try:
+                load_plugin(target)
+            except ValueError as err:
+                typer.echo(f"error: {err}", err=True)
+                raise typer.Exit(2) from None
 
 
 def _add_group(module: str, name: str) -> None:

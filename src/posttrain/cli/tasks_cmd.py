@@ -44,9 +44,16 @@ def list_cmd(json_out: bool = typer.Option(False, "--json", help="print the tabl
     from rich.table import Table
 
     from posttrain.envs import get_domain, list_domains
+    from posttrain.envs.registry import domain_class
 
     rows = []
     for name in list_domains():
+        cls = domain_class(name)
+        if cls.required_options:  # levels come from the data: shown once options are given (`tasks sample`)
+            rows.append({"domain": name, "difficulties": [], "splits": list(cls.splits),
+                         "sandbox": cls.requires_sandbox, "description": cls.description,
+                         "required_options": list(cls.required_options)})
+            continue
         d = get_domain(name)
         rows.append({"domain": name, "difficulties": d.difficulties, "splits": list(d.splits),
                      "sandbox": d.requires_sandbox, "description": d.description})
@@ -54,7 +61,8 @@ def list_cmd(json_out: bool = typer.Option(False, "--json", help="print the tabl
     for col in ("domain", "difficulties", "splits", "sandbox", "description"):
         table.add_column(col)
     for r in rows:
-        table.add_row(r["domain"], ", ".join(map(str, r["difficulties"])), ", ".join(r["splits"]),
+        levels = ", ".join(map(str, r["difficulties"])) or "needs --option " + "=, ".join(r["required_options"]) + "="
+        table.add_row(r["domain"], levels, ", ".join(r["splits"]),
                       "yes" if r["sandbox"] else "no", r["description"])
     console.print(table)
     if json_out:
@@ -130,18 +138,23 @@ def check(
     seed: int = typer.Option(0, "--seed"),
     config: str = typer.Option(None, "--config", help="run config whose `sandbox` section is used"),
     set_: list[str] = typer.Option(None, "--set", help="config override, e.g. --set sandbox.pool_size=2"),
+    option: list[str] = typer.Option(None, "--option", help="domain option key=value (with a DOMAIN)"),
     json_out: bool = typer.Option(False, "--json", help="print the results as JSON, last line"),
 ) -> None:
-    """Run every reference solution through its verifier; exit 1 unless all score 1.0."""
+    """Run every reference solution through its verifier; exit 1 unless all score 1.0. `--all` skips the
+    domains that need options (such as `dataset`'s path): check those by name with --option."""
     from rich.table import Table
     from rich.text import Text
 
     from posttrain.envs import list_domains
+    from posttrain.envs.registry import domain_class
 
     if all_ == (domain is not None):
         fail("give either a DOMAIN or --all", EXIT_USAGE)
-    names = list_domains() if all_ else [domain]
-    domains = [_domain(name, {}) for name in names]
+    if all_ and option:
+        fail("--option applies to one DOMAIN, not to --all", EXIT_USAGE)
+    names = [n for n in list_domains() if not domain_class(n).required_options] if all_ else [domain]
+    domains = [_domain(name, _options(option)) for name in names]
     cfg = load_config_or_exit(config, set_)
     sandbox = None
     if any(d.requires_sandbox for d in domains):

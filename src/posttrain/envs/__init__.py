@@ -33,7 +33,7 @@ Adding a domain: subclass `Domain`, decorate it with `@register_env("name")`, an
 """
 
 from posttrain.envs.base import Domain, Environment, Observation, StepResult
-from posttrain.envs.registry import UnknownDomainError, get_domain, list_domains, register_env
+from posttrain.envs.registry import UnknownDomainError, get_domain, list_domains, load_plugin, register_env
 from posttrain.envs.scripted import EpisodeResult, check_reference, run_episode
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "UnknownDomainError",
     "check_reference",
     "get_domain",
+    "load_plugin",
     "list_domains",
     "register_env",
     "run_episode",

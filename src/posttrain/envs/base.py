@@ -118,6 +118,7 @@ class Domain(ABC):
     splits: tuple[str, ...] = (TRAIN, HELDOUT)
     requires_sandbox: bool = False
     description: str = ""
+    required_options: tuple[str, ...] = ()  # options without which the domain cannot be built (e.g. a data path)
 
     @abstractmethod
     def task(self, split: str, difficulty: int, index: int, seed: int = 0) -> Task:

@@ -1,15 +1,21 @@
 """The domain registry: `@register_env(name)` on a `Domain` class, `get_domain(name, **options)`,
-`list_domains()`.
+`list_domains()`, and plugins: `load_plugin(path_or_module)` (the CLI's `--plugin`) and the
+`posttrain.domains` entry-point group of installed packages (`name = "package.module"`; the module
+registers its domains on import).
 
-Built-in domains are imported lazily on first lookup so that listing them stays cheap; owns nothing
-about any one domain.
+Built-in and entry-point domains are imported lazily on first lookup so that listing them stays cheap;
+owns nothing about any one domain.
 """
 
 from __future__ import annotations
 
 import difflib
+import hashlib
 import importlib
+import importlib.util
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from posttrain.envs.base import Domain
@@ -23,7 +29,9 @@ _BUILTIN: dict[str, str] = {
     "code.humaneval": "posttrain.envs.domains.code",
     "tools.apis": "posttrain.envs.domains.tools_apis",
     "swe.ci_fix": "posttrain.envs.domains.swe_ci_fix",
+    "dataset": "posttrain.envs.domains.dataset",
 }
+ENTRY_POINT_GROUP = "posttrain.domains"
 
 
 class UnknownDomainError(KeyError):
@@ -49,14 +57,57 @@ def register_env(name: str) -> Callable[[type[Domain]], type[Domain]]:
     return deco
 
 
+def _entry_points() -> dict[str, str]:
+    """Domain name -> module, from installed packages' `posttrain.domains` entry points."""
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep.value.split(":")[0] for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def load_plugin(target: str) -> list[str]:
+    """Import a plugin (a `.py` file or a module name) whose import registers domains; returns the domain
+    names it added. Errors name the plugin."""
+    before = set(_REGISTRY)
+    if target.endswith(".py"):
+        file = Path(target)
+        if not file.is_file():
+            raise ValueError(f"plugin '{target}': no such file")
+        name = "posttrain_plugin_" + hashlib.sha256(str(file.resolve()).encode()).hexdigest()[:12]
+        if name not in sys.modules:
+            spec = importlib.util.spec_from_file_location(name, file)
+            if spec is None or spec.loader is None:
+                raise ValueError(f"plugin '{target}': cannot be loaded as a Python module")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            try:
+                spec.loader.exec_module(module)
+            except Exception as err:
+                del sys.modules[name]
+                raise ValueError(f"plugin '{target}' failed on import: {type(err).__name__}: {err}") from None
+    else:
+        try:
+            importlib.import_module(target)
+        except ImportError as err:
+            raise ValueError(f"plugin '{target}': cannot import it ({err})") from None
+    return sorted(set(_REGISTRY) - before)
+
+
 def list_domains() -> list[str]:
-    """All domain names: the built-ins and anything registered since."""
-    return sorted(set(_BUILTIN) | set(_REGISTRY))
+    """All domain names: the built-ins, the installed entry points and anything registered since."""
+    return sorted(set(_BUILTIN) | set(_entry_points()) | set(_REGISTRY))
 
 
 def domain_class(name: str) -> type[Domain]:
     if name not in _REGISTRY and name in _BUILTIN:
         importlib.import_module(_BUILTIN[name])
+    if name not in _REGISTRY:
+        module = _entry_points().get(name)
+        if module is not None:
+            try:
+                importlib.import_module(module)
+            except Exception as err:
+                raise ValueError(f"domain '{name}': its entry point module '{module}' failed on import: "
+                                 f"{type(err).__name__}: {err}") from None
     if name not in _REGISTRY:
         valid = list_domains()
         close = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)

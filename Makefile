@@ -41,10 +41,10 @@ demo: setup
 	$(VENV)/bin/posttrain report runs/demo
 
 test: setup
-	$(VENV)/bin/pytest -q -m "not slow" -p no:cacheprovider
+	$(VENV)/bin/pytest -m "not slow" -p no:cacheprovider
 
 test-slow: setup
-	$(VENV)/bin/pytest -q -m slow -p no:cacheprovider
+	$(VENV)/bin/pytest -m slow -p no:cacheprovider
 
 lint: setup
 	$(VENV)/bin/ruff check src tests

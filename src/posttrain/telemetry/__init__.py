@@ -4,8 +4,8 @@ Every long-running command writes into a `RunDir` and logs through a `MetricsLog
 metrics mean belongs to the layer that produced them.
 """
 
-from posttrain.telemetry.logger import MetricsLogger, read_metrics
+from posttrain.telemetry.logger import MetricsLogger, WandbSink, read_metrics
 from posttrain.telemetry.progress import Progress
 from posttrain.telemetry.rundir import RunDir
 
-__all__ = ["MetricsLogger", "Progress", "RunDir", "read_metrics"]
+__all__ = ["MetricsLogger", "Progress", "RunDir", "WandbSink", "read_metrics"]

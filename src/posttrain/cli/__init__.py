@@ -16,6 +16,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # help text is plain: square brackets in examples stay as written
 )
 
 _EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}

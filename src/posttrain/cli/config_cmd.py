@@ -7,7 +7,7 @@ import typer
 from posttrain.cli.common import console, load_config_or_exit
 from posttrain.config import config_to_yaml
 
-app = typer.Typer(help="Inspect run configs.", no_args_is_help=True)
+app = typer.Typer(help="Inspect run configs.", no_args_is_help=True, rich_markup_mode=None)
 
 
 @app.command("show")

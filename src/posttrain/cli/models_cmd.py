@@ -9,7 +9,7 @@ from rich.table import Table
 
 from posttrain.cli.common import EXIT_USAGE, console, fail
 
-app = typer.Typer(help="Models available on this machine.", no_args_is_help=True)
+app = typer.Typer(help="Models available on this machine.", no_args_is_help=True, rich_markup_mode=None)
 
 
 @app.command("list")

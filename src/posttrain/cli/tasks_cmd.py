@@ -12,7 +12,7 @@ import typer
 
 from posttrain.cli.common import EXIT_USAGE, console, fail, load_config_or_exit, print_json_last
 
-app = typer.Typer(help="Task domains: list, sample, check reference solutions.", no_args_is_help=True)
+app = typer.Typer(help="Task domains: list, sample, check reference solutions.", no_args_is_help=True, rich_markup_mode=None)
 
 
 def _options(items: list[str] | None) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from posttrain.config import (
     config_from_dict,
     config_to_dict,
     load_config,
+    save_config,
 )
 
 
@@ -41,8 +42,13 @@ def train(
     from posttrain.models import ModelNotFoundError
     from posttrain.orchestrator import CheckpointError, RLRun
     from posttrain.orchestrator.export import save_hf_folder
-    from posttrain.telemetry import RunDir
+    from posttrain.telemetry.rundir import RunDir, check_run_name
 
+    if name is not None:
+        try:
+            check_run_name(name)
+        except ValueError as err:
+            fail(f"--name: {err}", EXIT_USAGE)
     if resume:
         try:
             run = RunDir.open(resume)
@@ -50,6 +56,10 @@ def train(
             cfg = config_from_dict(apply_overrides(config_to_dict(saved), set_ or [])) if set_ else saved
         except (FileNotFoundError, ConfigError) as err:
             fail(str(err), EXIT_USAGE)
+        try:
+            RLRun.check(cfg)
+        except (ValueError, KeyError, ModelNotFoundError) as err:
+            fail(f"cannot resume the run: {err}", EXIT_USAGE)
     else:
         cfg = load_config_or_exit(config, set_)
         try:
@@ -58,10 +68,8 @@ def train(
             fail(f"cannot start the run: {err}", EXIT_USAGE)
         try:
             run = RunDir.create(cfg.telemetry.run_dir, name or cfg.telemetry.name, overwrite=overwrite)
-        except FileExistsError as err:
+        except (FileExistsError, ValueError) as err:
             fail(str(err), EXIT_USAGE)
-        from posttrain.config import save_config
-
         save_config(cfg, run.config)
     rl = RLRun(cfg, run, show_progress=not no_progress and cfg.telemetry.progress)
     try:
@@ -120,14 +128,29 @@ def eval_(
     api_key: str = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY"),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy; > 0 = sampled pass@1"),
     samples: int = typer.Option(4, "--samples", min=1, help="samples per task when --temperature > 0"),
+    pass_at_: str = typer.Option(None, "--pass-at", help="unbiased pass@k for these k, e.g. 1,4,16 (needs --samples >= max k)"),
     json_out: bool = typer.Option(False, "--json", help="print a JSON object last"),
 ) -> None:
-    """Held-out accuracy per domain with 95% bootstrap intervals; paired delta against --baseline."""
+    """Held-out strict accuracy per domain with 95% bootstrap intervals, mean shaped reward and its
+    components, optional pass@k; paired delta against --baseline."""
     from posttrain.models import ModelNotFoundError
-    from posttrain.orchestrator.evaluate import evaluate_api, evaluate_local, paired_delta
+    from posttrain.orchestrator.evaluate import (
+        ACCURACY_DEFINITION,
+        check_pass_at,
+        evaluate_api,
+        evaluate_local,
+        paired_delta,
+        parse_pass_at,
+    )
     from posttrain.rollout import EpisodeLimits
-    from posttrain.sandbox import make_sandbox
+    from posttrain.sandbox import SandboxUnavailable, make_sandbox
 
+    per_task_samples = 1 if temperature == 0.0 else samples
+    try:
+        pass_at = parse_pass_at(pass_at_) if pass_at_ else []
+        check_pass_at(pass_at, per_task_samples)
+    except ValueError as err:
+        fail(str(err), EXIT_USAGE)
     run_dir: Path | None = None
     if model and (Path(model) / "config.yaml").is_file():
         run_dir = Path(model)
@@ -153,46 +176,43 @@ def eval_(
         domains, arms = _arms_for(cfg, suite)
     except (KeyError, ValueError) as err:
         fail(str(err), EXIT_USAGE)
-    sandbox = make_sandbox(cfg.sandbox)
+    sandbox = None
+    if any(getattr(d, "requires_sandbox", False) for d in domains.values()):
+        try:
+            sandbox = make_sandbox(cfg.sandbox)
+        except (SandboxUnavailable, ValueError) as err:
+            fail(f"cannot start the sandbox for {', '.join(sorted(domains))}: {err}", EXIT_USAGE)
     try:
         reports = []
         if api_base:
             limits = EpisodeLimits(cfg.envs.max_turns, cfg.envs.max_episode_tokens, cfg.engine.max_new_tokens)
             reports.append(
-                evaluate_api(api_base, api_model, domains, arms, n, limits, cfg.seed, api_key, temperature=temperature, samples=samples)
+                evaluate_api(api_base, api_model, domains, arms, n, limits, cfg.seed, api_key, temperature=temperature,
+                             samples=samples, sandbox=sandbox, pass_at=pass_at)
             )
             if reports[-1].failures:
                 err_console.print(
                     f"[yellow]{len(reports[-1].failures)} episode(s) failed at {api_base}, e.g. {reports[-1].failures[0]}[/yellow]"
                 )
         else:
-            reports.append(evaluate_local(model_spec, cfg, domains, arms, n, cfg.seed, sandbox, temperature, samples))
+            reports.append(evaluate_local(model_spec, cfg, domains, arms, n, cfg.seed, sandbox, temperature, samples, pass_at))
         if baseline:
-            reports.append(evaluate_local(baseline, cfg, domains, arms, n, cfg.seed, sandbox, temperature, samples))
+            reports.append(evaluate_local(baseline, cfg, domains, arms, n, cfg.seed, sandbox, temperature, samples, pass_at))
     except ModelNotFoundError as err:
         fail(str(err), EXIT_USAGE)
     finally:
-        asyncio.run(sandbox.close())
-    table = Table("domain", *[f"{r.model[-40:]}" for r in reports], *(["delta [95% CI]"] if baseline else []))
-    delta = paired_delta(reports[0], reports[1], cfg.seed) if baseline else None
-    for dom in reports[0].per_domain:
-        cells = []
-        for r in reports:
-            d = r.per_domain[dom]
-            cells.append(f"{d['accuracy']:.3f} [{d['ci_low']:.3f}, {d['ci_high']:.3f}] n={d['n']}")
-        if delta:
-            dd = delta["per_domain"][dom]
-            cells.append(f"{dd['delta']:+.3f} [{dd['ci_low']:+.3f}, {dd['ci_high']:+.3f}]")
-        table.add_row(dom, *cells)
-    if delta:
-        table.add_row("all", *[""] * len(reports), f"{delta['delta']:+.3f} [{delta['ci_low']:+.3f}, {delta['ci_high']:+.3f}]")
-    console.print(table)
+        if sandbox is not None:
+            asyncio.run(sandbox.close())
+    delta = paired_delta(reports[0], reports[1], cfg.seed, pass_at) if baseline else None
+    console.print(_eval_table(reports, delta, pass_at))
     result: dict[str, Any] = {
         "model": reports[0].model,
+        "accuracy_definition": ACCURACY_DEFINITION,
         "per_domain": reports[0].per_domain,
         "n_per_arm": n,
         "temperature": temperature,
-        "samples_per_task": 1 if temperature == 0.0 else samples,
+        "samples_per_task": per_task_samples,
+        "pass_at_k": pass_at,
     }
     if delta:
         result.update(
@@ -206,10 +226,52 @@ def eval_(
                 "n_tasks": delta["n_tasks"],
             }
         )
+        if pass_at:
+            result["delta_pass_at"] = delta["pass_at"]
     if run_dir is not None:
         (run_dir / "eval.json").write_text(json.dumps(result, indent=1))
     if json_out:
         print_json_last(result)
+
+
+def _eval_table(reports: list[Any], delta: dict[str, Any] | None, pass_at: list[int]) -> Table:
+    """One row per domain and figure: strict accuracy and pass@k with intervals (and the paired delta),
+    then the mean shaped reward and its components, which are not accuracy."""
+
+    def ci(v: float, lo: float, hi: float, sign: str = "") -> str:
+        return f"{v:{sign}.3f} [{lo:{sign}.3f}, {hi:{sign}.3f}]"
+
+    table = Table("domain", "figure", *[r.model[-40:] for r in reports], *(["delta [95% CI]"] if delta else []))
+    for dom in reports[0].per_domain:
+        rows: list[tuple[str, list[str], str]] = []
+        cells = []
+        for r in reports:
+            d = r.per_domain.get(dom, {})
+            cells.append(f"{ci(d['accuracy'], d['ci_low'], d['ci_high'])} n={d['n']}" if d else "")
+        dd = delta["per_domain"][dom] if delta else None
+        rows.append(("accuracy (strict)", cells, ci(dd["delta"], dd["ci_low"], dd["ci_high"], "+") if dd else ""))
+        for k in pass_at:
+            cells = []
+            for r in reports:
+                p = r.per_domain.get(dom, {}).get("pass_at", {}).get(str(k))
+                cells.append(f"{ci(p['value'], p['ci_low'], p['ci_high'])} n={p['n']}" if p else "")
+            pd = dd["pass_at"][str(k)] if dd else None
+            rows.append((f"pass@{k}", cells, ci(pd["delta"], pd["ci_low"], pd["ci_high"], "+") if pd else ""))
+        shaped = [r.per_domain.get(dom, {}) for r in reports]
+        if any("mean_reward" in d for d in shaped):
+            rows.append(("mean reward (shaped)", [f"{d['mean_reward']:.3f}" if "mean_reward" in d else "" for d in shaped], ""))
+        for name in sorted({c for d in shaped for c in d.get("mean_components", {})}):
+            vals = [d.get("mean_components", {}).get(name) for d in shaped]
+            rows.append((f"mean {name}", [f"{v:.3f}" if v is not None else "" for v in vals], ""))
+        for i, (figure, cells, change) in enumerate(rows):
+            table.add_row(dom if i == 0 else "", figure, *cells, *([change] if delta else []))
+    if delta:
+        blank = [""] * len(reports)
+        table.add_row("all", "accuracy (strict)", *blank, ci(delta["delta"], delta["ci_low"], delta["ci_high"], "+"))
+        for k in pass_at:
+            pd = delta["pass_at"][str(k)]
+            table.add_row("all", f"pass@{k}", *blank, ci(pd["delta"], pd["ci_low"], pd["ci_high"], "+"))
+    return table
 
 
 def export(

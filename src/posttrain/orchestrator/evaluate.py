@@ -1,14 +1,18 @@
-"""Held-out evaluation: per-domain accuracy with 95% bootstrap intervals, and paired comparison with a
-baseline model on the same tasks. The policy is our engine, or any OpenAI-compatible endpoint.
+"""Held-out evaluation: per-domain strict accuracy with 95% bootstrap intervals, unbiased pass@k, and
+paired comparison with a baseline model on the same tasks. The policy is our engine, or any
+OpenAI-compatible endpoint.
 
-A task's score is its `correct` reward component (or the reward when a domain has none).
-Infrastructure failures are excluded and counted, never scored 0.
+A task's score is strict success: the domain's `success` reward component, or `reward >= 1` when a
+domain reports none. The shaped reward and its other components are reported beside it under their own
+names, never as accuracy. Infrastructure failures are excluded and counted, never scored 0.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,10 +22,63 @@ from posttrain.rollout import EpisodeLimits, run_episode
 from posttrain.types import Message, Task, ToolCall
 
 BOOTSTRAP_RESAMPLES = 2000
+FULL_REWARD = 1.0 - 1e-9  # a reward this high is full marks (float sums of weights such as 0.85 + 0.15)
+ACCURACY_DEFINITION = "strict success per task: rewards['success'], else reward >= 1; mean over samples"
 
 
 def task_score(rewards: dict[str, float], reward: float) -> float:
-    return float(rewards["correct"]) if "correct" in rewards else float(reward)
+    """Strict success of one episode: the domain's `success` component, else 1 only for full reward."""
+    if "success" in rewards:
+        return float(rewards["success"])
+    return 1.0 if reward is not None and reward >= FULL_REWARD else 0.0
+
+
+@dataclass(frozen=True)
+class EpisodeScore:
+    """One scored episode: strict success (what accuracy counts), the shaped reward, its other components."""
+
+    success: float
+    reward: float
+    components: dict[str, float] = field(default_factory=dict)
+
+
+def episode_score(rewards: dict[str, float], reward: float | None) -> EpisodeScore:
+    shaped = float(reward or 0.0)
+    parts = {k: float(v) for k, v in rewards.items() if k != "success"}
+    return EpisodeScore(task_score(rewards, shaped), shaped, parts)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one task from n samples of which c succeeded (Chen et al. 2021):
+    1 - C(n-c, k) / C(n, k), the chance that k of the n samples drawn without replacement hold a success."""
+    if not 0 <= c <= n:
+        raise ValueError(f"pass@k needs 0 <= successes <= samples, got {c} of {n}")
+    if not 1 <= k <= n:
+        raise ValueError(f"pass@{k} needs at least {k} samples per task, got {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def parse_pass_at(text: str) -> list[int]:
+    """`"1,4,16"` -> [1, 4, 16]; ValueError naming the bad entry."""
+    out: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part.isdigit() or int(part) < 1:
+            raise ValueError(f"--pass-at takes comma-separated integers >= 1 (e.g. 1,4,16), got {part!r}")
+        if int(part) not in out:
+            out.append(int(part))
+    return sorted(out)
+
+
+def check_pass_at(pass_at: Sequence[int], samples_per_task: int) -> None:
+    """ValueError, naming --pass-at and --samples, when some k exceeds the samples drawn per task."""
+    if pass_at and max(pass_at) > samples_per_task:
+        raise ValueError(
+            f"--pass-at {max(pass_at)} needs at least {max(pass_at)} samples per task, but each task gets "
+            f"{samples_per_task}: pass --samples {max(pass_at)} or more with --temperature > 0"
+        )
 
 
 def bootstrap_ci(values: np.ndarray, seed: int = 0, resamples: int = BOOTSTRAP_RESAMPLES) -> tuple[float, float]:
@@ -56,10 +113,10 @@ def score_tasks(
     seed: int = 0,
     loop: asyncio.AbstractEventLoop | None = None,
     usage: dict[str, float] | None = None,
-) -> list[float | None]:
-    """Each task's score, the mean over `samples` seeded episodes (None when every one of them was an
-    infrastructure failure). Greedy sampling ignores the seeds. `usage`, when given, gains the episodes'
-    generated tokens under "generated_tokens"."""
+) -> list[list[EpisodeScore]]:
+    """Each task's scored episodes out of `samples` seeded ones (infrastructure failures left out, so a
+    task whose every episode failed gets []). Greedy sampling ignores the seeds. `usage`, when given,
+    gains the episodes' generated tokens under "generated_tokens"."""
     from dataclasses import replace
 
     from posttrain.rollout import sample_seed
@@ -84,13 +141,16 @@ def score_tasks(
             runner.close()
     if usage is not None:
         usage["generated_tokens"] = usage.get("generated_tokens", 0.0) + float(sum(t.num_generated for t in trajs))
-    out: list[float | None] = []
-    for i in range(len(tasks)):
-        scores = [
-            task_score(t.rewards, t.reward) for t in trajs[i * samples : (i + 1) * samples] if not t.status.is_infra_failure
-        ]
-        out.append(float(np.mean(scores)) if scores else None)
-    return out
+    return episodes_of(trajs, samples)
+
+
+def episodes_of(trajectories: Sequence[Any], samples: int) -> list[list[EpisodeScore]]:
+    """Group trajectories (`samples` consecutive ones per task) into each task's scored episodes,
+    infrastructure failures left out."""
+    return [
+        [episode_score(t.rewards, t.reward) for t in trajectories[i : i + samples] if not t.status.is_infra_failure]
+        for i in range(0, len(trajectories), samples)
+    ]
 
 
 def evaluate_engine(
@@ -106,34 +166,78 @@ def evaluate_engine(
     loop: asyncio.AbstractEventLoop | None = None,
     usage: dict[str, float] | None = None,
 ) -> dict[Any, list[float]]:
-    """Scores per arm (infra failures dropped) for our engine, greedy by default; `usage` as in score_tasks."""
+    """Strict success per task, per arm (infra failures dropped), for our engine, greedy by default;
+    `usage` as in score_tasks."""
     tasks = heldout_tasks(domains, arms, n, seed)
     scores: dict[Any, list[float]] = {arm: [] for arm in arms}
     results = score_tasks(engine, tokenizer, tasks, sandbox, sampling, limits, 1, seed, loop, usage)
-    for (arm, _, _), score in zip(tasks, results, strict=True):
-        if score is not None:
-            scores[arm].append(score)
+    for (arm, _, _), episodes in zip(tasks, results, strict=True):
+        if episodes:
+            scores[arm].append(float(np.mean([e.success for e in episodes])))
     return scores
+
+
+def _mean_or_nan(values: Sequence[float]) -> float:
+    return float(np.mean(values)) if len(values) else float("nan")
+
+
+def _interval(values: Sequence[float], seed: int) -> dict[str, float]:
+    arr = np.asarray(values, dtype=float)
+    lo, hi = bootstrap_ci(arr, seed)
+    return {"value": _mean_or_nan(arr), "ci_low": lo, "ci_high": hi, "n": len(arr)}
 
 
 @dataclass
 class EvalReport:
+    """One model's held-out results. `per_task` holds each task's strict success (the mean over its
+    samples; None = every sample an infrastructure failure); `episodes`, when the scorer kept them, each
+    task's scored episodes, from which mean reward, components and pass@k are drawn."""
+
     model: str
     per_task: dict[str, list[float | None]]  # domain -> score per task (None = infra failure)
-    per_domain: dict[str, dict[str, float]] = field(default_factory=dict)
+    per_domain: dict[str, dict[str, Any]] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)  # why episodes failed at the infrastructure level
+    episodes: dict[str, list[list[EpisodeScore]]] = field(default_factory=dict)
 
-    def summarise(self, seed: int = 0) -> None:
+    def add(self, domain: str, episodes: list[EpisodeScore]) -> None:
+        """Record one task's scored episodes (in task order)."""
+        self.episodes.setdefault(domain, []).append(list(episodes))
+        self.per_task.setdefault(domain, []).append(float(np.mean([e.success for e in episodes])) if episodes else None)
+
+    def pass_at(self, domain: str, k: int) -> list[float | None]:
+        """Unbiased pass@k per task (None where fewer than k episodes were scored)."""
+        out: list[float | None] = []
+        for eps in self.episodes.get(domain, []):
+            c = sum(1 for e in eps if e.success >= FULL_REWARD)
+            out.append(pass_at_k(len(eps), c, k) if len(eps) >= k else None)
+        return out
+
+    def summarise(self, seed: int = 0, pass_at: Sequence[int] = ()) -> None:
         for dom, scores in self.per_task.items():
             vals = np.array([s for s in scores if s is not None], dtype=float)
             lo, hi = bootstrap_ci(vals, seed)
-            self.per_domain[dom] = {
-                "accuracy": float(vals.mean()) if len(vals) else float("nan"),
+            entry: dict[str, Any] = {
+                "accuracy": _mean_or_nan(vals),
                 "ci_low": lo,
                 "ci_high": hi,
                 "n": len(vals),
                 "infra_failures": sum(s is None for s in scores),
             }
+            scored = [eps for eps in self.episodes.get(dom, []) if eps]
+            if scored:
+                entry["samples"] = sum(len(eps) for eps in scored)
+                entry["mean_reward"] = _mean_or_nan([np.mean([e.reward for e in eps]) for eps in scored])
+                names = sorted({k for eps in scored for e in eps for k in e.components})
+                entry["mean_components"] = {
+                    name: _mean_or_nan([np.mean(got) for eps in scored if (got := [e.components[name] for e in eps
+                                                                                   if name in e.components])])
+                    for name in names
+                }
+            if pass_at:
+                entry["pass_at"] = {
+                    str(k): _interval([v for v in self.pass_at(dom, k) if v is not None], seed) for k in pass_at
+                }
+            self.per_domain[dom] = entry
 
 
 class _BadResponse(Exception):
@@ -151,10 +255,12 @@ def _message_of(resp: Any) -> dict[str, Any]:
 
 
 async def _api_episode(
-    client: Any, model: str, domain: Any, task: Task, limits: EpisodeLimits, temperature: float = 0.0, seed: int | None = None
-) -> tuple[float | None, str]:
-    """One episode against an OpenAI-compatible chat endpoint (text in, text out)."""
-    env = domain.make_env(None, chat_format="hermes")
+    client: Any, model: str, domain: Any, task: Task, limits: EpisodeLimits, sandbox: Any = None,
+    temperature: float = 0.0, seed: int | None = None,
+) -> tuple[EpisodeScore | None, str]:
+    """One episode against an OpenAI-compatible chat endpoint (text in, text out); the environment runs
+    its code in `sandbox` like a local rollout does. (None, why) on an infrastructure failure."""
+    env = domain.make_env(sandbox, chat_format="hermes")
     obs = await env.reset(task)
     messages: list[Message] = list(obs.messages)
     for _ in range(limits.max_turns):
@@ -188,104 +294,140 @@ async def _api_episode(
             text += "\n<tool_call>" + json.dumps({"name": fn.get("name"), "arguments": args}) + "</tool_call>"
         result = await env.step(text)
         if result.info.get("infra_failure"):
-            return None, "sandbox failure"
+            return None, f"sandbox failure: {result.info.get('infra_error', '')}"[:300]
         if result.done:
-            return task_score(result.rewards, result.reward or 0.0), ""
+            return episode_score(result.rewards, result.reward), ""
         messages.append(Message("assistant", choice.get("content") or "", tool_calls=calls or None))
         tool_ids = iter(c.id for c in calls)
         for m in result.observations:
             if m.role == "tool":
                 m = Message("tool", m.content, tool_call_id=next(tool_ids, m.tool_call_id), name=m.name)
             messages.append(m)
-    return 0.0, "out of turns"
+    # out of turns: score the state as it stands, as a local rollout would
+    result = await env.finalize()
+    if result.info.get("infra_failure"):
+        return None, f"sandbox failure: {result.info.get('infra_error', '')}"[:300]
+    return episode_score(result.rewards, result.reward), ""
 
 
 def evaluate_api(
     api_base: str, model: str, domains: dict[str, Any], arms: list[Any], n: int, limits: EpisodeLimits, seed: int,
     api_key: str | None = None, concurrency: int = 8, temperature: float = 0.0, samples: int = 1,
+    sandbox: Any = None, pass_at: Sequence[int] = (),
 ) -> EvalReport:
     """Score any OpenAI-compatible server on the same held-out tasks as `evaluate_local`.
 
-    temperature 0 asks for greedy decoding (one episode per task); otherwise each task's score is the
-    mean of `samples` episodes, each request carrying the seed `seed + k` (servers may ignore it). A
-    task whose episodes all fail at the transport or protocol level (connection error, non-200,
-    a body that is not a chat completion) is an infrastructure failure (`None`), never a crash."""
+    Domains that run code (`requires_sandbox`) need `sandbox`. temperature 0 asks for greedy decoding
+    (one episode per task); otherwise each task gets `samples` episodes, each request carrying the seed
+    `seed + j` (servers may ignore it), and `pass_at` lists the k of pass@k to report. An episode that
+    fails at the transport or protocol level (connection error, non-200, a body that is not a chat
+    completion) or in the sandbox is an infrastructure failure, never a crash or a score."""
     import httpx
 
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
     k = 1 if temperature == 0.0 else samples
+    check_pass_at(pass_at, k)
+    _check_sandbox(domains, arms, sandbox)
     tasks = heldout_tasks(domains, arms, n, seed)
     failures: list[str] = []
 
-    async def run_all() -> list[float | None]:
+    async def run_all() -> list[list[EpisodeScore]]:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         sem = asyncio.Semaphore(concurrency)
         async with httpx.AsyncClient(base_url=api_base.rstrip("/"), headers=headers, timeout=120.0) as client:
 
-            async def one(d: Any, t: Task, j: int) -> float | None:
+            async def one(d: Any, t: Task, j: int) -> EpisodeScore | None:
                 async with sem:
                     try:
-                        score, why = await _api_episode(client, model, d, t, limits, temperature, None if k == 1 else seed + j)
+                        score, why = await _api_episode(
+                            client, model, d, t, limits, sandbox, temperature, None if k == 1 else seed + j
+                        )
                     except httpx.HTTPError as err:
                         score, why = None, f"{type(err).__name__}: {err}"
                 if score is None:
                     failures.append(why)
                 return score
 
-            async def task_mean(d: Any, t: Task) -> float | None:
-                got = [s for s in await asyncio.gather(*(one(d, t, j) for j in range(k))) if s is not None]
-                return float(np.mean(got)) if got else None
+            async def task_episodes(d: Any, t: Task) -> list[EpisodeScore]:
+                return [s for s in await asyncio.gather(*(one(d, t, j) for j in range(k))) if s is not None]
 
-            return await asyncio.gather(*(task_mean(d, t) for _, d, t in tasks))
+            return await asyncio.gather(*(task_episodes(d, t) for _, d, t in tasks))
 
     results = asyncio.run(run_all())
     report = EvalReport(model=f"{api_base}#{model}", per_task={}, failures=failures)
-    for (arm, _, _), score in zip(tasks, results, strict=True):
-        report.per_task.setdefault(arm.domain, []).append(score)
-    report.summarise(seed)
+    for (arm, _, _), episodes in zip(tasks, results, strict=True):
+        report.add(arm.domain, episodes)
+    report.summarise(seed, pass_at)
     return report
+
+
+def _check_sandbox(domains: dict[str, Any], arms: list[Any], sandbox: Any) -> None:
+    if sandbox is None:
+        needing = sorted({a.domain for a in arms if getattr(domains[a.domain], "requires_sandbox", False)})
+        if needing:
+            raise ValueError(f"domain(s) {', '.join(needing)} run code: pass a sandbox (posttrain.sandbox.make_sandbox)")
 
 
 def evaluate_local(
     spec: str, cfg: Any, domains: dict[str, Any], arms: list[Any], n: int, seed: int, sandbox: Any,
-    temperature: float = 0.0, samples: int = 1,
+    temperature: float = 0.0, samples: int = 1, pass_at: Sequence[int] = (),
 ) -> EvalReport:
     """Load `spec` (model spec or HF folder) into our engine and score it on held-out tasks.
 
-    temperature 0 is greedy (one sample); otherwise each task's score is the mean over `samples`
-    seeded samples (pass@1 estimated from k samples), the same seeds for every model compared.
+    temperature 0 is greedy (one sample); otherwise each task gets `samples` seeded samples, the same
+    seeds for every model compared: accuracy is then pass@1 estimated from them, and `pass_at` lists
+    further k of pass@k to report.
     """
     from posttrain.engine import SamplingParams, make_engine
     from posttrain.models import load_policy, load_tokenizer
 
+    k = 1 if temperature == 0.0 else samples
+    check_pass_at(pass_at, k)
     tokenizer = load_tokenizer(spec)
     engine = make_engine(cfg.engine, load_policy(spec, dtype=cfg.engine.dtype), tokenizer)
     limits = EpisodeLimits(cfg.envs.max_turns, cfg.envs.max_episode_tokens, cfg.engine.max_new_tokens)
     sampling = SamplingParams(
         temperature=temperature, max_tokens=cfg.engine.max_new_tokens, stop_token_ids=[tokenizer.eos_token_id]
     )
-    k = 1 if temperature == 0.0 else samples
     tasks = heldout_tasks(domains, arms, n, seed)
     report = EvalReport(model=spec, per_task={})
-    for (arm, _, _), score in zip(tasks, score_tasks(engine, tokenizer, tasks, sandbox, sampling, limits, k, seed), strict=True):
-        report.per_task.setdefault(arm.domain, []).append(score)
-    report.summarise(seed)
+    results = score_tasks(engine, tokenizer, tasks, sandbox, sampling, limits, k, seed)
+    for (arm, _, _), episodes in zip(tasks, results, strict=True):
+        report.add(arm.domain, episodes)
+    report.summarise(seed, pass_at)
     return report
 
 
-def paired_delta(model: EvalReport, baseline: EvalReport, seed: int = 0) -> dict[str, Any]:
-    """Mean difference (model - baseline) over tasks scored in both, per domain and over all tasks,
-    with paired bootstrap 95% intervals."""
+def _paired(a: Sequence[float | None], b: Sequence[float | None]) -> list[float]:
+    return [x - y for x, y in zip(a, b, strict=False) if x is not None and y is not None]
+
+
+def _delta(diffs: Sequence[float], seed: int) -> dict[str, Any]:
+    arr = np.asarray(diffs, dtype=float)
+    lo, hi = bootstrap_ci(arr, seed)
+    return {"delta": _mean_or_nan(arr), "ci_low": lo, "ci_high": hi, "n_tasks": len(arr)}
+
+
+def paired_delta(model: EvalReport, baseline: EvalReport, seed: int = 0, pass_at: Sequence[int] = ()) -> dict[str, Any]:
+    """Mean difference (model - baseline) over tasks scored in both, per domain and over all tasks, with
+    paired bootstrap 95% intervals: of strict accuracy, and of pass@k for each k in `pass_at` (under
+    "pass_at", keyed by str(k))."""
     out: dict[str, Any] = {"per_domain": {}}
     all_diffs: list[float] = []
+    all_pass: dict[int, list[float]] = {k: [] for k in pass_at}
     for dom in model.per_task:
-        a, b = model.per_task[dom], baseline.per_task.get(dom, [])
-        diffs = np.array([x - y for x, y in zip(a, b, strict=False) if x is not None and y is not None], dtype=float)
-        lo, hi = bootstrap_ci(diffs, seed)
-        out["per_domain"][dom] = {"delta": float(diffs.mean()) if len(diffs) else float("nan"), "ci_low": lo, "ci_high": hi}
-        all_diffs.extend(diffs.tolist())
-    arr = np.array(all_diffs, dtype=float)
-    lo, hi = bootstrap_ci(arr, seed)
-    out.update({"delta": float(arr.mean()) if len(arr) else float("nan"), "ci_low": lo, "ci_high": hi, "n_tasks": len(arr)})
+        diffs = _paired(model.per_task[dom], baseline.per_task.get(dom, []))
+        entry = _delta(diffs, seed)
+        all_diffs.extend(diffs)
+        if pass_at:
+            entry["pass_at"] = {}
+            for k in pass_at:
+                pdiffs = _paired(model.pass_at(dom, k), baseline.pass_at(dom, k))
+                entry["pass_at"][str(k)] = _delta(pdiffs, seed)
+                all_pass[k].extend(pdiffs)
+        out["per_domain"][dom] = entry
+    out.update(_delta(all_diffs, seed))
+    if pass_at:
+        out["pass_at"] = {str(k): _delta(v, seed) for k, v in all_pass.items()}
     return out

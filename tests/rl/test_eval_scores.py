@@ -1,0 +1,173 @@
+"""Held-out scoring: strict success as the task score (shaped reward and components reported apart),
+the unbiased pass@k estimator against hand-computed numbers and brute-force enumeration, and pass@k
+with intervals for a model, its baseline and their paired delta."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from fractions import Fraction
+
+import pytest
+from typer.testing import CliRunner
+
+from posttrain.cli import app
+from posttrain.orchestrator.evaluate import (
+    EpisodeScore,
+    EvalReport,
+    check_pass_at,
+    episode_score,
+    episodes_of,
+    paired_delta,
+    parse_pass_at,
+    pass_at_k,
+    task_score,
+)
+from posttrain.types import Task, Trajectory, TrajectoryStatus
+
+
+def _traj(rewards: dict[str, float], reward: float, status: TrajectoryStatus = TrajectoryStatus.OK) -> Trajectory:
+    task = Task(id="t", domain="code.unit_tests", difficulty=0, prompt=[])
+    return Trajectory(task, [1, 2], [0, 1], [0.0, -0.5], 1, rewards=rewards, reward=reward, status=status)
+
+
+def test_task_score_is_strict_success_not_the_shaped_reward():
+    # code.unit_tests, 5 of 6 hidden tests passed, well formatted: shaped reward 0.85 * 5/6 + 0.15
+    shaped = 0.85 * 5 / 6 + 0.15
+    assert task_score({"passed": 5 / 6, "format": 1.0}, shaped) == 0.0
+    assert task_score({"passed": 1.0, "format": 1.0}, 0.85 + 0.15) == 1.0
+    # a domain's own success component wins over the reward, either way
+    assert task_score({"success": 1.0, "passed": 1.0, "format": 0.0}, 0.85) == 1.0
+    assert task_score({"success": 0.0}, 1.0) == 0.0
+    # a custom domain with no success component: only full reward counts
+    assert task_score({}, 0.999) == 0.0 and task_score({}, 1.0) == 1.0
+    assert episode_score({"success": 0.0, "passed": 0.5, "format": 1.0}, 0.575) == EpisodeScore(
+        0.0, 0.575, {"passed": 0.5, "format": 1.0}
+    )
+
+
+def test_hand_made_trajectories_give_accuracy_reward_and_components_apart():
+    # two tasks, two samples each; task 1's second sample died in the sandbox (excluded, not 0)
+    trajs = [
+        _traj({"passed": 1.0, "format": 1.0}, 1.0),
+        _traj({"passed": 4 / 6, "format": 1.0}, 0.85 * 4 / 6 + 0.15),
+        _traj({"passed": 0.5, "format": 0.0}, 0.425),
+        _traj({}, 0.0, TrajectoryStatus.SANDBOX_ERROR),
+    ]
+    per_task = episodes_of(trajs, samples=2)
+    assert [len(eps) for eps in per_task] == [2, 1]
+    report = EvalReport("m", per_task={})
+    for eps in per_task:
+        report.add("code.unit_tests", eps)
+    report.add("code.unit_tests", [])  # a third task with every sample an infra failure
+    report.summarise(seed=0)
+    assert report.per_task["code.unit_tests"] == [0.5, 0.0, None]
+    d = report.per_domain["code.unit_tests"]
+    assert d["accuracy"] == 0.25 and d["n"] == 2 and d["infra_failures"] == 1 and d["samples"] == 3
+    # mean over tasks of each task's mean: ((1 + 0.85*4/6 + 0.15) / 2 + 0.425) / 2
+    assert d["mean_reward"] == pytest.approx(((1.0 + 0.85 * 4 / 6 + 0.15) / 2 + 0.425) / 2)
+    assert d["mean_components"] == pytest.approx({"passed": ((1 + 4 / 6) / 2 + 0.5) / 2, "format": (1.0 + 0.0) / 2})
+    assert "pass_at" not in d
+
+
+@pytest.mark.parametrize(("n", "c", "k", "expected"), [
+    (4, 1, 1, 0.25), (4, 1, 2, 0.5), (4, 1, 3, 0.75), (4, 1, 4, 1.0),
+    (4, 0, 4, 0.0), (4, 4, 1, 1.0),
+    (5, 2, 2, 0.7),  # 1 - C(3,2)/C(5,2) = 1 - 3/10
+    (10, 3, 4, 1 - 35 / 210),  # 1 - C(7,4)/C(10,4)
+])
+def test_pass_at_k_hand_computed(n, c, k, expected):
+    assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+
+
+def test_pass_at_k_equals_brute_force_enumeration_of_k_subsets():
+    for n in range(1, 8):
+        for c in range(n + 1):
+            outcomes = [1] * c + [0] * (n - c)
+            for k in range(1, n + 1):
+                subsets = list(itertools.combinations(range(n), k))
+                exact = Fraction(sum(any(outcomes[i] for i in s) for s in subsets), len(subsets))
+                assert pass_at_k(n, c, k) == pytest.approx(float(exact), abs=1e-12), (n, c, k)
+
+
+def test_pass_at_k_refuses_too_few_samples_and_bad_counts():
+    with pytest.raises(ValueError, match="pass@5 needs at least 5 samples per task, got 4"):
+        pass_at_k(4, 1, 5)
+    with pytest.raises(ValueError, match="successes"):
+        pass_at_k(4, 5, 1)
+    with pytest.raises(ValueError, match="--pass-at 16 needs at least 16 samples per task.*--samples 16"):
+        check_pass_at([1, 4, 16], 4)
+    check_pass_at([1, 4], 4)
+    assert parse_pass_at("16, 1,4,4") == [1, 4, 16]
+    with pytest.raises(ValueError, match="--pass-at .*'0'"):
+        parse_pass_at("1,0")
+
+
+def _ok(success: int) -> EpisodeScore:
+    return EpisodeScore(float(success), float(success))
+
+
+def test_pass_at_with_intervals_for_model_baseline_and_delta():
+    # 4 samples per task; successes per task: model [1, 4, 0], baseline [0, 2, 0]
+    model, base = EvalReport("m", {}), EvalReport("b", {})
+    for c in (1, 4, 0):
+        model.add("math", [_ok(i < c) for i in range(4)])
+    for c in (0, 2, 0):
+        base.add("math", [_ok(i < c) for i in range(4)])
+    for r in (model, base):
+        r.summarise(seed=0, pass_at=[1, 2, 4])
+    p = model.per_domain["math"]["pass_at"]
+    # pass@1 = c/n per task: (0.25 + 1 + 0) / 3; pass@2: (0.5 + 1 + 0) / 3; pass@4: (1 + 1 + 0) / 3
+    assert p["1"]["value"] == pytest.approx(1.25 / 3) and p["1"]["n"] == 3
+    assert p["2"]["value"] == pytest.approx(1.5 / 3) and p["4"]["value"] == pytest.approx(2 / 3)
+    assert p["1"]["value"] == pytest.approx(model.per_domain["math"]["accuracy"])  # pass@1 is the accuracy
+    assert 0.0 <= p["4"]["ci_low"] <= p["4"]["value"] <= p["4"]["ci_high"] <= 1.0
+    assert p["4"]["ci_low"] < p["4"]["ci_high"]
+    # baseline pass@2 per task: 0, 1 - C(2,2)/C(4,2) = 5/6, 0
+    assert base.per_domain["math"]["pass_at"]["2"]["value"] == pytest.approx((5 / 6) / 3)
+    delta = paired_delta(model, base, seed=0, pass_at=[1, 2, 4])
+    # per-task pass@2 differences: 0.5 - 0, 1 - 5/6, 0 - 0
+    d2 = delta["per_domain"]["math"]["pass_at"]["2"]
+    assert d2["delta"] == pytest.approx((0.5 + 1 / 6) / 3) and d2["n_tasks"] == 3
+    assert delta["pass_at"]["4"]["delta"] == pytest.approx((1 + 0 + 0) / 3)  # baseline pass@4: 0, 1, 0
+    assert delta["delta"] == pytest.approx((0.25 + 0.5 + 0) / 3)  # accuracy: (0.25 - 0, 1 - 0.5, 0)
+    assert d2["ci_low"] <= d2["delta"] <= d2["ci_high"]
+
+
+def test_pass_at_skips_tasks_with_too_few_scored_samples():
+    r = EvalReport("m", {})
+    r.add("math", [_ok(1), _ok(0), _ok(0), _ok(0)])
+    r.add("math", [_ok(1), _ok(1)])  # two of four samples were infrastructure failures
+    assert r.pass_at("math", 2) == [pytest.approx(0.5), 1.0]
+    assert r.pass_at("math", 4) == [1.0, None]
+    r.summarise(pass_at=[4])
+    assert r.per_domain["math"]["pass_at"]["4"]["n"] == 1 and r.per_domain["math"]["accuracy"] == pytest.approx(0.625)
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--temperature", "1.0", "--samples", "4", "--pass-at", "1,4,16"], "--pass-at 16 needs at least 16 samples"),
+    (["--pass-at", "4"], "--pass-at 4 needs at least 4 samples per task, but each task gets 1"),
+    (["--pass-at", "two"], "--pass-at takes comma-separated integers"),
+])
+def test_cli_pass_at_needs_enough_samples(args, needle):
+    result = CliRunner().invoke(app, ["eval", "tiny:llama", "--suite", "math", "--n", "1", *args])
+    assert result.exit_code == 2, result.output
+    assert needle in " ".join(result.output.split())
+
+
+def test_cli_eval_json_reports_pass_at_for_model_and_baseline(tmp_path):
+    args = ["eval", "tiny:llama", "--baseline", "tiny:llama", "--suite", "math", "--n", "2", "--temperature", "1.0",
+            "--samples", "2", "--pass-at", "1,2", "--json",
+            "--set", "engine.max_new_tokens=4", "--set", "engine.num_kv_blocks=64"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output.strip().splitlines()[-1])
+    assert out["pass_at_k"] == [1, 2] and out["samples_per_task"] == 2
+    for per in (out["per_domain"]["math"], out["baseline_per_domain"]["math"]):
+        assert set(per["pass_at"]) == {"1", "2"} and per["pass_at"]["1"]["n"] == per["n"] > 0
+        assert per["pass_at"]["1"]["value"] == per["accuracy"]
+        assert set(per["mean_components"]) == {"correct", "format"} and "mean_reward" in per
+    # the same model on the same seeds: every paired difference is 0
+    assert out["delta_pass_at"]["2"] == {"delta": 0.0, "ci_low": 0.0, "ci_high": 0.0, "n_tasks": out["per_domain"]["math"]["n"]}
+    assert out["delta_per_domain"]["math"]["pass_at"]["1"]["delta"] == 0.0
+    assert "pass@2" in result.output and "mean reward" in result.output

@@ -153,3 +153,123 @@ def test_cli_eval_api_base_prints_per_domain_json(server):
     assert out["per_domain"]["tools.apis"]["accuracy"] == 0.5 and out["per_domain"]["tools.apis"]["n"] == N
     missing = CliRunner().invoke(app, ["eval", "--api-base", url])
     assert missing.exit_code == 2 and "--api-base needs --model" in missing.output
+
+
+# ---------------------------------------------------------------------------------------------
+# code domains: the environment runs the server's code in the sandbox the evaluator was given
+
+
+CODE_N = 6
+CODE_GOOD = {0, 3}  # tasks answered with the domain's reference; the rest pass only their first hidden case
+
+
+def _partial(task: Any) -> str:
+    """Code that returns the right value for the first hidden case only (well formatted, so the shaped
+    reward is 0.85 x its fraction passed + 0.15 while strict success is 0)."""
+    fn, params, first = task.meta["fn"], task.meta["params"], task.meta["hidden"][0]
+    return (f"```python\ndef {fn}({params}):\n    if [{params}] == {first['args']!r}:\n"
+            f"        return {first['expected']!r}\n    return 'wrong'\n```")
+
+
+def _partial_passed(task: Any) -> float:
+    first = task.meta["hidden"][0]
+    hidden = task.meta["hidden"]
+    return sum(1 for c in hidden if c["args"] == first["args"] or c["expected"] == "wrong") / len(hidden)
+
+
+@pytest.fixture
+def code_server() -> Iterator[tuple[str, list[Any]]]:
+    domain = get_domain("code.unit_tests")
+    tasks = [t for _, _, t in heldout_tasks({"code.unit_tests": domain}, [Arm("code.unit_tests", 0)], CODE_N, SEED)]
+    by_prompt = {t.prompt[0].content: (i, t) for i, t in enumerate(tasks)}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            user = next(m["content"] for m in body["messages"] if m["role"] == "user")
+            i, task = by_prompt[user]
+            text = domain.reference(task)[0] if i in CODE_GOOD else _partial(task)
+            raw = json.dumps(_completion({"role": "assistant", "content": text})).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/v1", tasks
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    from posttrain.sandbox import LocalSandbox, SandboxUnavailable
+
+    try:
+        sb = LocalSandbox(pool_size=2)
+    except SandboxUnavailable as err:
+        pytest.skip(f"sandbox unavailable on this machine: {err}")
+    yield sb
+    sb.close_blocking()
+
+
+def _expected_code_figures(tasks: list[Any]) -> tuple[float, float, float]:
+    """(strict accuracy, mean shaped reward, mean fraction passed) computed by hand from the tasks."""
+    passed = [1.0 if i in CODE_GOOD else _partial_passed(t) for i, t in enumerate(tasks)]
+    return len(CODE_GOOD) / len(tasks), sum(0.85 * p + 0.15 for p in passed) / len(tasks), sum(passed) / len(tasks)
+
+
+def test_api_eval_runs_code_in_the_sandbox_and_scores_strictly(code_server, sandbox):
+    url, tasks = code_server
+    domains = {"code.unit_tests": get_domain("code.unit_tests")}
+    arms = [Arm("code.unit_tests", 0)]
+    accuracy, reward, passed = _expected_code_figures(tasks)
+    assert accuracy == 1 / 3 and reward > accuracy  # the shaped reward would have overstated it
+    report = evaluate_api(url, MODEL, domains, arms, CODE_N, EpisodeLimits(2, 4096, 256), SEED, sandbox=sandbox)
+    assert not report.failures
+    assert report.per_task["code.unit_tests"] == [1.0 if i in CODE_GOOD else 0.0 for i in range(CODE_N)]
+    d = report.per_domain["code.unit_tests"]
+    assert d["accuracy"] == pytest.approx(accuracy) and d["n"] == CODE_N and d["infra_failures"] == 0
+    assert d["mean_reward"] == pytest.approx(reward)
+    assert d["mean_components"]["passed"] == pytest.approx(passed) and d["mean_components"]["format"] == 1.0
+    with pytest.raises(ValueError, match="code.unit_tests run code: pass a sandbox"):
+        evaluate_api(url, MODEL, domains, arms, 1, EpisodeLimits(2, 4096, 256), SEED)
+
+
+def test_cli_and_example_script_score_a_code_domain_at_an_endpoint(code_server):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    url, tasks = code_server
+    accuracy, reward, _ = _expected_code_figures(tasks)
+    result = CliRunner().invoke(
+        app, ["eval", "--api-base", url, "--model", MODEL, "--suite", "code.unit_tests", "--n", str(CODE_N), "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output.strip().splitlines()[-1])
+    per = out["per_domain"]["code.unit_tests"]
+    assert per["accuracy"] == pytest.approx(accuracy) and per["mean_reward"] == pytest.approx(reward)
+    assert out["accuracy_definition"].startswith("strict success")
+    # the example script, with its suite and task count narrowed by trailing options
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "POSTTRAIN": str(Path(sys.executable).parent / "posttrain")}
+    proc = subprocess.run(
+        ["bash", str(root / "examples" / "score_openai_endpoint.sh"), url, MODEL, "--suite", "code.unit_tests",
+         "--n", str(CODE_N)],
+        capture_output=True, text=True, timeout=300, env=env, cwd=root,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    script = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert script["per_domain"]["code.unit_tests"]["accuracy"] == pytest.approx(accuracy)
+    assert list(script["per_domain"]) == ["code.unit_tests"]

@@ -23,6 +23,9 @@ codes = [
     "import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            time.sleep(60)\n            os._exit(0)\n        n += 1\nexcept OSError as e:\n    print('stopped', n, e.errno)",
     "import os\nfor t in (os.getppid(), -1, 1):\n    try:\n        os.kill(t, 9)\n    except OSError as e:\n        print(e.errno)",
     "import socket\ntry:\n    socket.socket()\nexcept OSError as e:\n    print(e.errno)",
+    "for p in ('/dev/x', '/dev/shm/x'):\n    try:\n        open(p, 'w').write('x')\n        print('written')\n    except OSError as e:\n        print(e.errno)",
+    "import os; print(os.listdir('/dev/shm'), 'x' in os.listdir('/dev'))",
+    "import ctypes; libc = ctypes.CDLL(None, use_errno=True); print(libc.shmget(0, 4096, 0o1600), ctypes.get_errno())",
 ]
 for code in codes:
     r = sb.run_blocking(Job(code=code, limits=Limits(max_processes=8)))
@@ -54,4 +57,7 @@ def test_unprivileged_user_gets_the_same_jail(tmp_path):
         "ok stopped 7 11",  # RLIMIT_NPROC: the job + 7 children = max_processes
         "ok 1 1 1",  # EPERM for the worker, everyone (-1) and the jail's init
         "ok 1",
+        "ok 30 written",  # /dev is read-only (in a user namespace bwrap's /dev would be ours to write)
+        "ok [] False",  # /dev/shm was emptied after the job; nothing was planted in /dev
+        "ok -1 38",  # SysV IPC: ENOSYS
     ]

@@ -24,6 +24,7 @@ from pathlib import Path
 JAILED_DIR = Path(__file__).resolve().parent / "jailed"
 JAIL_ROOT = "/opt/ptsb"
 JAIL_JOB_ROOT = "/job"
+JAIL_SHM_DIR = "/dev/shm"
 JAIL_UID_BASE = 61000  # one unprivileged uid per worker slot when we start as root
 CGROUP_V1_ROOT = Path("/sys/fs/cgroup")
 ETC_FILES = ("/etc/alternatives", "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime")
@@ -94,7 +95,7 @@ class Isolation:
     def layers(self) -> list[str]:
         out = []
         if self.namespaces:
-            out.append("namespaces(bwrap: user-visible fs ro, net, pid, ipc, uts, private /job)")
+            out.append("namespaces(bwrap: user-visible fs ro, net, pid, ipc, uts, private /job and /dev/shm)")
         out.append("rlimits")
         if self.seccomp:
             out.append("seccomp")
@@ -246,7 +247,11 @@ class JailSpec:
             argv += ["--perms", "0755", "--dir", f"{JAIL_ROOT}/site"]
             for path in self.binds:
                 argv += ["--ro-bind", str(path), f"{JAIL_ROOT}/site/{path.name}"]
+        # /dev: bwrap's tmpfs would be writable by the job in a user namespace and unbounded; it is
+        # made read-only, with a private, sized /dev/shm that the worker empties after every job.
         argv += ["--proc", "/proc", "--dev", "/dev",
+                 "--perms", "01777", "--size", str(self.job_disk_bytes), "--tmpfs", JAIL_SHM_DIR,
+                 "--remount-ro", "/dev",
                  "--perms", "01777", "--size", str(self.job_disk_bytes), "--tmpfs", JAIL_JOB_ROOT,
                  "--symlink", f"{JAIL_JOB_ROOT}/.tmp", "/tmp",
                  "--remount-ro", "/", "--chdir", JAIL_JOB_ROOT, "--clearenv",
@@ -263,7 +268,7 @@ class JailSpec:
             argv += ["/usr/bin/setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
                      "--inh-caps=-all", "--bounding-set=-all", "--"]
         # RLIMIT_NPROC counts the jail uid's processes: the worker, plus bwrap's init when it shares the uid
-        cfg = dict(cfg, job_root=JAIL_JOB_ROOT, pidns=True, nproc_extra=1 if self.slot_uid is not None else 2,
+        cfg = dict(cfg, job_root=JAIL_JOB_ROOT, shm_dir=JAIL_SHM_DIR, pidns=True, nproc_extra=1 if self.slot_uid is not None else 2,
                    sys_path=[f"{JAIL_ROOT}/site"] if self.binds else [])
         return argv + [self.python.jail_executable, "-I", "-S", "-B", f"{JAIL_ROOT}/jailed/worker.py",
                        json.dumps(cfg)]

@@ -42,6 +42,15 @@ X86_64_DENY = {
     "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433, "pidfd_getfd": 438,
     "process_madvise": 440, "mount_setattr": 442, "process_mrelease": 448,
 }
+# SysV IPC and POSIX message queues: their objects belong to the jail's IPC namespace, which lives as
+# long as the worker (hundreds of jobs), so a job could leave memory charged to the worker's cgroup
+# and data for the next job. Denied with ENOSYS, as on a kernel built without them. (POSIX shm is a
+# file in the jail's private /dev/shm, emptied after each job.)
+X86_64_IPC_DENY = {
+    "shmget": 29, "shmat": 30, "shmctl": 31, "semget": 64, "semop": 65, "semctl": 66, "shmdt": 67,
+    "msgget": 68, "msgsnd": 69, "msgrcv": 70, "msgctl": 71, "semtimedop": 220, "mq_open": 240,
+    "mq_unlink": 241, "mq_timedsend": 242, "mq_timedreceive": 243, "mq_notify": 244, "mq_getsetattr": 245,
+}
 X86_64_NET_DENY = {"connect": 42, "accept": 43, "bind": 49, "listen": 50, "accept4": 288}
 NR_SOCKET, NR_SOCKETPAIR, NR_CLONE, NR_CLONE3 = 41, 53, 56, 435
 NR_KILL, NR_TKILL, NR_TGKILL, NR_RT_SIGQUEUEINFO, NR_RT_TGSIGQUEUEINFO = 62, 200, 234, 129, 297
@@ -99,6 +108,8 @@ def build_filter(protected_pids: tuple[int, ...] = (), allow_network: bool = Fal
         deny.update(X86_64_NET_DENY)
     for nr in sorted(deny.values()):
         a.op(_JEQ_K, nr, "deny", 0)
+    for nr in sorted(X86_64_IPC_DENY.values()):
+        a.op(_JEQ_K, nr, "enosys", 0)
     a.op(_JEQ_K, NR_CLONE3, "enosys", 0)  # args live in memory; glibc falls back to clone
     a.op(_JEQ_K, NR_CLONE, "clone", 0)
     if not allow_network:

@@ -1,8 +1,9 @@
 """The long-lived jailed worker: pre-imports a profile, then forks one supervised child per job.
 
 Runs inside the jail (stdlib only). Speaks a length-prefixed protocol on the fds it got as stdin/
-stdout; each child gets rlimits, the seccomp filter, its own process group, a clean environment and
-a fresh job dir. It does not choose isolation layers (the pool's bwrap command line does).
+stdout; each child gets rlimits, the seccomp filter, its own process group, a clean environment, a
+fresh job dir and an empty /dev/shm, and no fd but its stdin/stdout/stderr. It does not choose
+isolation layers (the pool's bwrap command line does).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ FRAME = struct.Struct("!II")  # header length, total blob length
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_DUMPABLE = 4
 PR_SET_PDEATHSIG = 1
-MEMORY_MARK = b"M"
+MEMORY_ERROR_LINE = b"MemoryError\n"  # what the harness writes last on stderr for a Python MemoryError
 CHILD_FDS_LIMIT = 256
 MAX_INODES_TO_WIPE = 5000
 COMPILE = {
@@ -78,6 +79,7 @@ class Worker:
         self.cfg = cfg
         self.job_root = cfg["job_root"]
         self.jobdir = self.job_root  # the job owns the whole private tmpfs; it is emptied after each job
+        self.shm_dir = cfg.get("shm_dir")  # the jail's private /dev/shm tmpfs, emptied after each job too
         self.in_pidns = bool(cfg.get("pidns"))
         self.libc = ctypes.CDLL(None, use_errno=True)
         self.seccomp: seccomp.Installer | None = None
@@ -198,12 +200,17 @@ class Worker:
                     "wall_ms": (time.monotonic() - t0) * 1000, "recycle": True}, [b"", b""]
         finally:
             # Millions of empty files cost kernel memory and a slow wipe: let the jail die instead.
-            if self._used_inodes() > MAX_INODES_TO_WIPE or not self._wipe_jobdir():
+            # /dev/shm is wiped like the job dir: POSIX shm (and anything else a job leaves there)
+            # would otherwise outlive the job, readable by the next one and charged to its memory.
+            dirs = [self.jobdir, *([self.shm_dir] if self.shm_dir else [])]
+            if sum(self._used_inodes(d) for d in dirs) > MAX_INODES_TO_WIPE or not all(map(self._wipe_dir, dirs)):
                 self.recycle_hint = True
 
     def _fresh_jobdir(self) -> None:
         if os.listdir(self.jobdir):
             raise RuntimeError("job dir not empty at job start")
+        if self.shm_dir and os.listdir(self.shm_dir):
+            raise RuntimeError(f"{self.shm_dir} not empty at job start")
         os.mkdir(os.path.join(self.jobdir, ".tmp"), 0o700)
 
     def _write_input(self, name: str, data: bytes) -> None:
@@ -244,15 +251,15 @@ class Worker:
             blobs.append(data)
         return names, blobs
 
-    def _used_inodes(self) -> int:
+    def _used_inodes(self, path: str) -> int:
         try:
-            st = os.statvfs(self.jobdir)
+            st = os.statvfs(path)
         except OSError:
             return 0
         return st.f_files - st.f_ffree if self.in_pidns else 0  # only meaningful on the jail's own tmpfs
 
-    def _wipe_jobdir(self) -> bool:
-        """Empty the job dir; a job may have chmod-ed its own dirs to 000, so fix modes as we go."""
+    def _wipe_dir(self, root: str) -> bool:
+        """Empty `root`; a job may have chmod-ed its own dirs to 000, so fix modes as we go."""
 
         def fix(func, path, _exc):
             try:
@@ -265,15 +272,15 @@ class Worker:
 
         if not self.in_pidns:  # our own temp dir (the jail's /job is root-owned and 1777)
             try:
-                os.chmod(self.jobdir, 0o700)
+                os.chmod(root, 0o700)
             except OSError:
                 pass
         try:
-            entries = os.listdir(self.jobdir)
+            entries = os.listdir(root)
         except OSError:
             return False
         for name in entries:
-            path = os.path.join(self.jobdir, name)
+            path = os.path.join(root, name)
             if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path, onerror=fix)
             else:
@@ -282,11 +289,11 @@ class Worker:
                 except OSError:
                     pass
         try:
-            return not os.listdir(self.jobdir)
+            return not os.listdir(root)
         except OSError:
             return False
 
-    def _watch(self, pid: int, t0: float, limits: dict, out_r: int, err_r: int, st_r: int):
+    def _watch(self, pid: int, t0: float, limits: dict, out_r: int, err_r: int, python: bool):
         cap = int(limits["max_output_bytes"])
         deadline = t0 + float(limits["wall_time_s"])
         bufs = {out_r: bytearray(), err_r: bytearray()}
@@ -321,11 +328,6 @@ class Worker:
                 if self._read_capped(fd, bufs, truncated, cap, open_fds) and reason is None:
                     reason = "output"
         recycle = recycle or bool(open_fds)
-        try:
-            os.set_blocking(st_r, False)
-            mark = os.read(st_r, 16)
-        except OSError:
-            mark = b""
         cpu_ms = (ru.ru_utime + ru.ru_stime) * 1000
         exit_code, sig = None, None
         if os.WIFSIGNALED(wstatus):
@@ -333,11 +335,12 @@ class Worker:
         else:
             exit_code = os.WEXITSTATUS(wstatus)
         stderr = bytes(bufs[err_r])
-        # Python reports MemoryError on fd 3; C++ aborts with bad_alloc; C usually segfaults on a NULL
-        # malloc, which we only attribute to memory when the job really was near its limit.
+        # A Python MemoryError ends stderr with the harness's line (the job holds no private channel to
+        # us: it could only claim one by raising it); C++ aborts with bad_alloc; C usually segfaults on
+        # a NULL malloc, which we only attribute to memory when the job really was near its limit.
         near_limit = ru.ru_maxrss * 1024 >= 0.8 * limits["memory_bytes"]
-        memory = (MEMORY_MARK in mark or b"std::bad_alloc" in stderr[-4096:]
-                  or (sig == signal.SIGSEGV and near_limit))
+        python_oom = python and exit_code == 1 and stderr.endswith(MEMORY_ERROR_LINE)
+        memory = python_oom or b"std::bad_alloc" in stderr[-4096:] or (sig == signal.SIGSEGV and near_limit)
         if reason == "timeout":
             status = "timeout"
         elif reason == "output":
@@ -399,33 +402,31 @@ class Worker:
     def supervise(self, target: tuple, limits: dict, stdin_fd: int | None, argv: list | None = None):
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        st_r, st_w = os.pipe()
         t0 = time.monotonic()
         pid = os.fork()
         if pid == 0:  # child: never returns
             try:
-                self._child(target, limits, stdin_fd, out_w, err_w, st_w, argv or [])
+                self._child(target, limits, stdin_fd, out_w, err_w, argv or [])
             finally:
                 os._exit(127)
         os.close(out_w)
         os.close(err_w)
-        os.close(st_w)
         try:
-            return self._watch(pid, t0, limits, out_r, err_r, st_r)
+            return self._watch(pid, t0, limits, out_r, err_r, target[0] == "python")
         finally:
-            for fd in (out_r, err_r, st_r):
+            for fd in (out_r, err_r):
                 _close_quiet(fd)
 
-    def _child(self, target, limits, stdin_fd, out_w, err_w, st_w, argv) -> None:
+    def _child(self, target, limits, stdin_fd, out_w, err_w, argv) -> None:
         os.setpgid(0, 0)
         if stdin_fd is None:
             stdin_fd = os.open("/dev/null", os.O_RDONLY)
         os.dup2(stdin_fd, 0)
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
-        os.dup2(st_w, 3)
-        os.closerange(4, 1 << 16)
-        os.set_inheritable(3, False)
+        # Nothing but stdio survives: a Python job runs in this very process, so any fd left open here
+        # (the protocol pipes, a status pipe) would be the job's to write.
+        os.closerange(3, 1 << 16)
         os.chdir(self.jobdir)
         if not self.in_pidns:  # no PID namespace to take the job down with the worker
             self.libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -482,14 +483,13 @@ def _run_python(code: bytes, argv: list) -> None:
             _write_quiet(2, f"{exc.code}\n".encode())
             status = 1
     except MemoryError:
-        _write_quiet(3, MEMORY_MARK)
-        _write_quiet(2, b"MemoryError\n")
+        _write_quiet(2, MEMORY_ERROR_LINE)
         status = 1
     except BaseException as exc:
         try:  # hide the harness frame: the traceback starts in the job's code
             traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next if exc.__traceback__ else None)
         except MemoryError:
-            _write_quiet(3, MEMORY_MARK)
+            _write_quiet(2, b"\n" + MEMORY_ERROR_LINE)
         status = 1
     for stream in (sys.stdout, sys.stderr):
         try:

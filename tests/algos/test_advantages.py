@@ -35,7 +35,7 @@ def test_grpo_group_normalised_with_equal_group_zero_and_singleton():
     gid = torch.tensor([0, 0, 0, 0, 1, 1, 2])
     out = get_advantage("grpo")(tr, mask, gid, normalize_std=True)
     a = 0.5 / math.sqrt(1 / 3)  # unbiased std of [1,0,0,1] is sqrt(1/3)
-    expected_seq = [a, -a, -a, a, 0.0, 0.0, 0.3]
+    expected_seq = [a, -a, -a, a, 0.0, 0.0, 0.0]  # a singleton has no baseline: 0, not its raw score 0.3
     for i, e in enumerate(expected_seq):
         assert out.advantages[i].tolist() == pytest.approx([e * m for m in masks[i]], abs=1e-5)
     assert out.zero_signal.tolist() == [False, False, False, False, True, True, False]
@@ -48,6 +48,19 @@ def test_grpo_without_std_and_dr_grpo_are_the_centred_scores():
     for out in (get_advantage("grpo")(tr, mask, gid, normalize_std=False), get_advantage("dr_grpo")(tr, mask, gid)):
         assert out.advantages[:, 1].tolist() == pytest.approx([0.5, -0.5, -0.5, 0.5])
         assert out.advantages[:, 0].tolist() == [0, 0, 0, 0]
+
+
+def test_a_lone_group_member_gets_no_advantage_from_group_estimators():
+    # group 0 lost all but one member (e.g. to infrastructure failures): its raw score is no signal
+    tr, mask = outcome([0.7, 1, 0], [[0, 1]] * 3)
+    gid = torch.tensor([0, 1, 1])
+    for name in ("grpo", "dr_grpo", "rloo"):
+        out = get_advantage(name)(tr, mask, gid)
+        assert out.advantages[0].tolist() == [0.0, 0.0], name
+    from posttrain.algos import uses_group_baseline
+
+    assert all(uses_group_baseline(n) for n in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"))
+    assert not uses_group_baseline("reinforce_pp") and not uses_group_baseline("gae")
 
 
 def test_rloo_leave_one_out_baseline():

@@ -27,12 +27,26 @@ MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
         ("token_mean", None, 7 / 3),  # (1 + 2 + 4) / 3 tokens
         ("seq_mean_token_sum", None, 3.5),  # (3 + 4) / 2
         ("seq_mean_token_mean", None, 2.75),  # (1.5 + 4) / 2
-        ("seq_mean_token_sum_norm", None, 7 / 6),  # (3/3 + 4/3) / 2, norm = padded length 3
         ("seq_mean_token_sum_norm", 10, 0.35),  # (3/10 + 4/10) / 2
     ],
 )
 def test_aggregation_modes(mode, norm, expected):
     assert aggregate(LOSS, MASK, mode, norm).item() == pytest.approx(expected)
+
+
+def test_dr_grpo_divisor_is_a_constant_not_the_padded_width():
+    # the same two completions behind prompts of 1 and of 6 tokens (mask 0 there): the gradient of the
+    # aggregate with respect to each completion token's loss is 1 / (rows * norm) both times
+    short = torch.tensor([[0.0, 1.0, 1.0, 1.0], [0.0, 1.0, 0.0, 0.0]])
+    long = torch.cat([torch.zeros(2, 5), short], dim=1)
+    grads = []
+    for mask in (short, long):
+        loss = torch.zeros_like(mask, requires_grad=True)
+        aggregate(loss, mask, "seq_mean_token_sum_norm", 64).backward()
+        grads.append(loss.grad[mask > 0])
+    assert grads[0].tolist() == grads[1].tolist() == [1 / (2 * 64)] * 4
+    with pytest.raises(ValueError, match="needs norm_tokens"):
+        aggregation_weights(short, "seq_mean_token_sum_norm")
 
 
 def test_aggregation_weights_split_over_micro_batches_sum_to_the_whole():

@@ -17,7 +17,11 @@ ARMS4 = [Arm("math", 0), Arm("math", 1), Arm("code", 0), Arm("code", 1)]
 
 
 def cfg(**kw) -> CurriculumConfig:
-    return CurriculumConfig(**kw)
+    """A curriculum config; a sampler only the simulator offers (uniform_by_data) is set past validation,
+    as curriculum/sim.py does."""
+    sampler = kw.pop("sampler", "adaptive")
+    c = CurriculumConfig(**kw)
+    return c.model_copy(update={"sampler": sampler})
 
 
 def feed(sampler, step, plan):
@@ -221,6 +225,36 @@ def test_uniform_samplers_weights():
     sizes = {arms[0]: 100, arms[1]: 300}
     w = make_sampler(cfg(sampler="uniform_by_data"), arms, seed=0, data_sizes=sizes).weights()
     assert list(w.values()) == pytest.approx([100 / 600, 300 / 600, 200 / 600])  # unknown -> mean known
+
+
+def test_real_config_offers_only_samplers_the_loop_can_run():
+    # uniform_by_data needs data sizes, which the task generators do not have: only the simulator has it
+    with pytest.raises(ConfigError, match="'curriculum.sampler': got \"uniform_by_data\""):
+        load_config(None, ["curriculum.sampler=uniform_by_data"])
+    with pytest.raises(ConfigError, match="did you mean 'adaptive'"):
+        load_config(None, ["curriculum.sampler=adaptiv"])
+    assert load_config(None, ["curriculum.sampler=dapo_filter_only"]).curriculum.sampler == "dapo_filter_only"
+
+
+def test_domain_weights_set_the_prior_shares():
+    arms = [Arm("math", 0), Arm("math", 1), Arm("code", 0)]
+    weights = {"math": 1.0, "code": 3.0}
+    w = make_sampler(cfg(sampler="uniform_by_domain"), arms, seed=0, domain_weights=weights).weights()
+    assert list(w.values()) == pytest.approx([0.125, 0.125, 0.75])  # domains 1 : 3, math split over 2 levels
+    # adaptive, before any evidence: the softmax part follows the prior, the eps/K floor stays uniform
+    # (code 1.5 keeps it under max_share 0.5)
+    ad = make_sampler(cfg(), arms, seed=0, domain_weights={"math": 1.0, "code": 1.5}).weights()
+    q = [1 / 3.5, 1 / 3.5, 1.5 / 3.5]
+    assert list(ad.values()) == pytest.approx([0.8 * x + 0.2 / 3 for x in q])
+    # sec and dump multiply their softmax by the prior
+    sec = make_sampler(cfg(sampler="sec"), arms, seed=0, domain_weights=weights).weights()
+    assert list(sec.values()) == pytest.approx([1 / 5, 1 / 5, 3 / 5])
+    # equal weights are the plain rule, bit for bit
+    plain = make_sampler(cfg(), arms, seed=0).weights()
+    same = make_sampler(cfg(), arms, seed=0, domain_weights={"math": 2.0, "code": 2.0}).weights()
+    assert plain == same
+    with pytest.raises(ValueError, match="domain weights name \\['tools'\\]"):
+        make_sampler(cfg(), arms, seed=0, domain_weights={"tools": 1.0})
 
 
 def test_sec_and_dump_hand_computed():

@@ -427,3 +427,39 @@ def test_group_split_fills_chunks_up_to_the_budget():
     assert _split_group([0, 1, 2, 3], [150] * 4, 100, 200) == [[0, 1], [2, 3]]
     # a row over the budget on its own still gets a chunk
     assert _split_group([0, 1], [5000, 150], 100, 200) == [[0], [1]]
+
+
+def test_dr_grpo_gradient_does_not_move_with_the_prompt_length(base_model):
+    # Dr. GRPO's divisor is a constant (engine.max_new_tokens, resolved when the config loads), so a
+    # longer prompt elsewhere in the batch (a wider padded batch) leaves the gradient as it was
+    from posttrain.config import load_config
+
+    algo = load_config(None, ["algorithm.advantage=dr_grpo", "algorithm.loss_agg=seq_mean_token_sum_norm"]).algorithm
+    assert algo.loss_norm_tokens == 64  # engine.max_new_tokens
+    a = Sample([5, 6, 7, 8, 9, 10, 11], [0, 0, 0, 1, 1, 1, 1], [-6.0] * 7, reward=1.0, group_id=0, policy_version=0)
+    b = Sample([5, 6, 7, 12, 13, 14], [0, 0, 0, 1, 1, 1], [-6.0] * 6, reward=0.0, group_id=0, policy_version=0)
+    norms = []
+    for prompt_len in (3, 40):  # a zero-advantage row whose prompt sets the padded width
+        c = Sample(list(range(20, 20 + prompt_len)) + [1, 2], [0] * prompt_len + [1, 1], [-6.0] * (prompt_len + 2),
+                   reward=0.0, group_id=1, policy_version=0)
+        lrn = learner(TrainerConfig(lr=1e-3, max_grad_norm=1e9), algo, model=copy.deepcopy(base_model))
+        norms.append(lrn.step([a, b, c])["grad_norm"])
+    assert norms[0] > 0
+    assert norms[1] == pytest.approx(norms[0], rel=1e-4)
+
+
+def test_gspo_clips_with_its_own_range_not_ppo_clip_s(base_model, monkeypatch):
+    from posttrain.algos import registry
+
+    seen = []
+    real = registry.POLICY_LOSSES["gspo"]
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs["clip_low"], kwargs["clip_high"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setitem(registry.POLICY_LOSSES, "gspo", spy)
+    algo = AlgorithmConfig(policy_loss="gspo", loss_agg="seq_mean_token_mean")
+    assert (algo.clip_low, algo.clip_high) == (0.2, 0.28)  # ppo_clip's, left at their defaults
+    learner(algo=algo, model=copy.deepcopy(base_model)).step(make_samples(4))
+    assert seen and set(seen) == {(3e-4, 4e-4)}

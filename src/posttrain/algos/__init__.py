@@ -37,6 +37,7 @@ from posttrain.algos.registry import (
     list_policy_losses,
     register_advantage,
     register_policy_loss,
+    uses_group_baseline,
 )
 
 __all__ = [
@@ -66,5 +67,6 @@ __all__ = [
     "register_policy_loss",
     "sequence_scores",
     "tis_weights",
+    "uses_group_baseline",
     "value_loss",
 ]

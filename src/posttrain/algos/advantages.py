@@ -77,34 +77,35 @@ def _outcome(adv_seq: Tensor, mask: Tensor, zero_signal: Tensor) -> AdvantageOut
     return AdvantageOutput(adv, adv.clone(), zero_signal)
 
 
-@register_advantage("grpo")
+@register_advantage("grpo", group_baseline=True)
 def grpo(
     token_rewards: Tensor, mask: Tensor, group_ids: Tensor, *, normalize_std: bool = True, eps: float = 1e-6, **_: object
 ) -> AdvantageOutput:
-    """(score - group mean) / (group std + eps), std unbiased; a singleton keeps its raw score (no baseline)."""
+    """(score - group mean) / (group std + eps), std unbiased. A group of one has no baseline: its
+    advantage is 0 (its raw score would push every such answer up)."""
     scores = sequence_scores(token_rewards, mask)
     st = group_stats(scores, group_ids)
     multi = st.size > 1
-    centred = torch.where(multi, scores - st.mean, scores)
+    centred = torch.where(multi, scores - st.mean, torch.zeros_like(scores))
     std = torch.where(multi, st.std, torch.ones_like(st.std))
     adv = centred / (std + eps) if normalize_std else centred
     return _outcome(adv, mask, st.equal)
 
 
-@register_advantage("dr_grpo")
+@register_advantage("dr_grpo", group_baseline=True)
 def dr_grpo(token_rewards: Tensor, mask: Tensor, group_ids: Tensor, **_: object) -> AdvantageOutput:
     """Dr. GRPO: score - group mean, no std division (pair it with loss_agg=seq_mean_token_sum_norm)."""
     return grpo(token_rewards, mask, group_ids, normalize_std=False)
 
 
-@register_advantage("rloo")
+@register_advantage("rloo", group_baseline=True)
 def rloo(token_rewards: Tensor, mask: Tensor, group_ids: Tensor, **_: object) -> AdvantageOutput:
-    """Leave-one-out baseline: score_i - mean of the other members' scores."""
+    """Leave-one-out baseline: score_i - mean of the other members' scores; 0 for a group of one (no others)."""
     scores = sequence_scores(token_rewards, mask)
     st = group_stats(scores, group_ids)
     n = st.size
     others = (st.mean * n - scores) / (n - 1).clamp_min(1.0)
-    adv = torch.where(n > 1, scores - others, scores)
+    adv = torch.where(n > 1, scores - others, torch.zeros_like(scores))
     return _outcome(adv, mask, st.equal)
 
 
@@ -135,7 +136,7 @@ def reinforce_pp(
     return AdvantageOutput(adv, returns, st.equal)
 
 
-@register_advantage("reinforce_pp_baseline")
+@register_advantage("reinforce_pp_baseline", group_baseline=True)
 def reinforce_pp_baseline(token_rewards: Tensor, mask: Tensor, group_ids: Tensor, **_: object) -> AdvantageOutput:
     """REINFORCE++-baseline: score - group mean, then whitened over the batch's generated tokens.
 

@@ -23,8 +23,9 @@ def aggregation_weights(mask: Tensor, mode: str, norm_tokens: float | None = Non
     token_mean:              sum L / (generated tokens in the batch)
     seq_mean_token_sum:      mean over sequences of (sum L over the sequence)
     seq_mean_token_mean:     mean over sequences of (mean L over the sequence); empty ones give 0
-    seq_mean_token_sum_norm: mean over sequences of (sum L / norm_tokens), norm_tokens a constant
-                             (default: the padded length T), i.e. Dr. GRPO's length-unbiased form
+    seq_mean_token_sum_norm: mean over sequences of (sum L / norm_tokens), norm_tokens a constant that
+                             Dr. GRPO takes as the generation budget (required: a batch-dependent width,
+                             such as the padded length with its prompt, would scale the gradient with it)
     Sequence means divide by all rows B, including rows whose mask is all zero.
     """
     m = mask.to(torch.float32)
@@ -36,7 +37,9 @@ def aggregation_weights(mask: Tensor, mode: str, norm_tokens: float | None = Non
     if mode == "seq_mean_token_mean":
         return m / (m.sum(-1, keepdim=True).clamp_min(1.0) * rows)
     if mode == "seq_mean_token_sum_norm":
-        norm = float(norm_tokens) if norm_tokens is not None else float(m.shape[-1])
+        if norm_tokens is None:
+            raise ValueError("seq_mean_token_sum_norm needs norm_tokens, a constant (Dr. GRPO: the generation budget)")
+        norm = float(norm_tokens)
         if norm <= 0:
             raise ValueError(f"seq_mean_token_sum_norm needs norm_tokens > 0, got {norm}")
         return m / (norm * rows)

@@ -13,6 +13,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 ADVANTAGES: dict[str, Callable[..., Any]] = {}
 POLICY_LOSSES: dict[str, Callable[..., Any]] = {}
+GROUP_BASELINE: set[str] = set()  # estimators whose baseline is the rest of the sequence's group
 
 
 def _register(table: dict[str, Callable[..., Any]], kind: str, name: str) -> Callable[[F], F]:
@@ -32,9 +33,18 @@ def _get(table: dict[str, Callable[..., Any]], kind: str, name: str) -> Callable
         raise KeyError(f"unknown {kind} '{name}'; registered: {', '.join(sorted(table))}") from None
 
 
-def register_advantage(name: str) -> Callable[[F], F]:
-    """Register an advantage estimator: `fn(token_rewards, mask, group_ids, **params) -> AdvantageOutput`."""
+def register_advantage(name: str, group_baseline: bool = False) -> Callable[[F], F]:
+    """Register an advantage estimator: `fn(token_rewards, mask, group_ids, **params) -> AdvantageOutput`.
+    `group_baseline`: its baseline comes from the other members of the group, so a group of one has none."""
+    if group_baseline:
+        GROUP_BASELINE.add(name)
     return _register(ADVANTAGES, "advantage estimator", name)
+
+
+def uses_group_baseline(name: str) -> bool:
+    """Whether the estimator `name` compares a sequence with its group (a lone member carries no signal)."""
+    get_advantage(name)
+    return name in GROUP_BASELINE
 
 
 def register_policy_loss(name: str) -> Callable[[F], F]:

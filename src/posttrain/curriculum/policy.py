@@ -96,6 +96,7 @@ def adaptive_policy(
     headroom: np.ndarray | None = None,
     nu: float = 0.0,
     cost: np.ndarray | None = None,
+    prior: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The default rule over K available arms; returns (pi, raw scores s).
 
@@ -105,6 +106,8 @@ def adaptive_policy(
     `bounded_renormalise` to [eps/K, max(max_share, 1/K)]. With `cost` (each arm's tokens per rollout
     relative to the others), the softmax part is divided by it and renormalised before the mixing,
     so it splits tokens rather than groups: an arm twice as long gets half the groups at equal score.
+    With `prior` (each arm's domain weight) the softmax part is multiplied by it and renormalised, so
+    before any evidence it splits as the prior does; the eps/K floor stays uniform.
     """
     k = len(learnability)
     bonus = c * np.sqrt(np.log(total + 1.0) / (np.asarray(counts, dtype=np.float64) + 1.0))
@@ -116,6 +119,9 @@ def adaptive_policy(
     q = softmax(minmax(s) / tau)
     if cost is not None:
         q = q / np.asarray(cost, dtype=np.float64)
+        q = q / q.sum()
+    if prior is not None:
+        q = q * np.asarray(prior, dtype=np.float64)
         q = q / q.sum()
     pi = (1.0 - eps) * q + eps / k
     return bounded_renormalise(pi, eps / k, max(max_share, 1.0 / k)), s

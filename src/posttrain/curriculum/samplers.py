@@ -74,6 +74,29 @@ def check_config(cfg: CurriculumConfig) -> None:
         raise ValueError(f"curriculum.sampler '{cfg.sampler}' is unknown; choose one of: {', '.join(SAMPLERS)}")
 
 
+def _check_domain_weights(weights: dict[str, float] | None, domains: list[str]) -> dict[str, float]:
+    """Every domain's prior weight (1 when not given); ValueError for an unknown domain or a weight <= 0."""
+    weights = dict(weights or {})
+    unknown = sorted(set(weights) - set(domains))
+    if unknown:
+        raise ValueError(f"domain weights name {unknown}, which this curriculum lacks (its domains: {domains})")
+    out = {}
+    for d in domains:
+        w = float(weights.get(d, 1.0))
+        if not (math.isfinite(w) and w > 0):
+            raise ValueError(f"the weight of domain '{d}' must be a finite number > 0, got {weights.get(d)!r}")
+        out[d] = w
+    return out
+
+
+def _with_prior(pi: np.ndarray, prior: np.ndarray | None) -> np.ndarray:
+    """pi * prior, renormalised (pi itself when there is no prior)."""
+    if prior is None:
+        return pi
+    q = pi * prior
+    return q / q.sum()
+
+
 def _as_int(value: object, what: str, minimum: int = 0) -> int:
     """Accept Python and numpy integers (not bools or floats) at or above minimum."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < minimum:
@@ -102,11 +125,17 @@ class Sampler:
     uses_probes = False  # only samplers whose rule reads forgetting ask for probes
     filters_groups = False  # dapo_filter_only: the loop drops all-equal groups and resamples
 
-    def __init__(self, cfg: CurriculumConfig, arms: Sequence[Arm], seed: int):
+    def __init__(
+        self, cfg: CurriculumConfig, arms: Sequence[Arm], seed: int, domain_weights: dict[str, float] | None = None
+    ):
         self.cfg = cfg
         self.arms = check_arms(arms)
         self._index = {a: i for i, a in enumerate(self.arms)}
         self.domains = sorted({a.domain for a in self.arms})
+        self.domain_weights = _check_domain_weights(domain_weights, self.domains)
+        # per-arm prior (its domain's weight), None when every domain weighs the same: the rules' plain form
+        w = [self.domain_weights[a.domain] for a in self.arms]
+        self._prior = None if len(set(w)) <= 1 else np.array(w, dtype=np.float64)
         self.seed = int(seed)
         self._rng = np.random.Generator(np.random.PCG64(self.seed))
         k = len(self.arms)
@@ -540,10 +569,11 @@ class AdaptiveSampler(Sampler):
             headroom=self.weakness()[avail],
             nu=cfg.weakness,
             cost=self.relative_cost()[avail] if cfg.cost_aware else None,
+            prior=None if self._prior is None else self._prior[avail],
         )
         if mix <= 0.0:
             return pi
-        blended = (1.0 - mix) * pi + mix * _uniform_by_domain(self.arms, avail)
+        blended = (1.0 - mix) * pi + mix * _uniform_by_domain(self.arms, avail, self.domain_weights)
         return bounded_renormalise(blended, eps / len(avail), max(cfg.max_share, 1.0 / len(avail)))
 
     def weakness(self) -> np.ndarray:
@@ -560,18 +590,24 @@ class AdaptiveSampler(Sampler):
         return np.where(np.isnan(per), 1.0, per / np.nanmean(per))
 
 
-def _uniform_by_domain(arms: list[Arm], avail: np.ndarray) -> np.ndarray:
+def _uniform_by_domain(arms: list[Arm], avail: np.ndarray, weights: dict[str, float] | None = None) -> np.ndarray:
+    """Each available domain's share in proportion to its weight (equal without weights), split evenly
+    over its available difficulties."""
     domains = sorted({arms[i].domain for i in avail})
     per_domain = {d: sum(1 for i in avail if arms[i].domain == d) for d in domains}
-    return np.array([1.0 / len(domains) / per_domain[arms[i].domain] for i in avail])
+    if weights is None or len({weights[d] for d in domains}) <= 1:
+        return np.array([1.0 / len(domains) / per_domain[arms[i].domain] for i in avail])
+    total = sum(weights[d] for d in domains)
+    return np.array([weights[arms[i].domain] / total / per_domain[arms[i].domain] for i in avail])
 
 
 @register_sampler("uniform_by_domain")
 class UniformByDomain(Sampler):
-    """Each domain with data gets the same share, split evenly over its difficulties (ROLL-style static)."""
+    """Each domain with data gets a share in proportion to its weight (envs.domains[].weight; equal by
+    default), split evenly over its difficulties (ROLL-style static)."""
 
     def _policy(self, avail: np.ndarray) -> np.ndarray:
-        return _uniform_by_domain(self.arms, avail)
+        return _uniform_by_domain(self.arms, avail, self.domain_weights)
 
 
 @register_sampler("uniform_by_data")
@@ -583,7 +619,7 @@ class UniformByData(Sampler):
         known = [s for s in sizes if s is not None]
         fill = float(np.mean(known)) if known else 1.0
         w = np.array([fill if s is None else float(s) for s in sizes])
-        return w / w.sum()
+        return _with_prior(w / w.sum(), None if self._prior is None else self._prior[avail])
 
 
 @register_sampler("dapo_filter_only")
@@ -609,7 +645,8 @@ class SecSampler(Sampler):
         self._s["sec_q"][i] = a * r + (1.0 - a) * self._s["sec_q"][i]
 
     def _policy(self, avail: np.ndarray) -> np.ndarray:
-        return softmax(np.array(self._s["sec_q"])[avail] / self.cfg.sec_tau)
+        pi = softmax(np.array(self._s["sec_q"])[avail] / self.cfg.sec_tau)
+        return _with_prior(pi, None if self._prior is None else self._prior[avail])
 
 
 @register_sampler("dump")
@@ -631,16 +668,22 @@ class DumpSampler(Sampler):
         total = float(n.sum())
         mean_adv = np.array([float(np.mean(w)) if w else 0.0 for w in self._s["dump_window"]])
         ucb = mean_adv + np.sqrt(2.0 * np.log(total + 1.0) / (n + 1.0))
-        return softmax(ucb[avail] / self.cfg.dump_tau)
+        pi = softmax(ucb[avail] / self.cfg.dump_tau)
+        return _with_prior(pi, None if self._prior is None else self._prior[avail])
 
 
 def make_sampler(
-    cfg: CurriculumConfig, arms: Sequence[Arm], seed: int, data_sizes: dict[Arm, int] | None = None
+    cfg: CurriculumConfig,
+    arms: Sequence[Arm],
+    seed: int,
+    data_sizes: dict[Arm, int] | None = None,
+    domain_weights: dict[str, float] | None = None,
 ) -> Sampler:
-    """Build the sampler named by cfg.sampler; ValueError names a bad setting or a bad arm."""
+    """Build the sampler named by cfg.sampler; ValueError names a bad setting or a bad arm.
+    `domain_weights`: each domain's prior weight (envs.domains[].weight; 1 for a domain not named)."""
     check_config(cfg)
     seed = _as_int(seed, "make_sampler: seed")
-    sampler = SAMPLERS[cfg.sampler](cfg, arms, seed)
+    sampler = SAMPLERS[cfg.sampler](cfg, arms, seed, domain_weights)
     for arm, n in (data_sizes or {}).items():
         sampler.set_data_size(arm, n)
     return sampler

@@ -96,6 +96,11 @@ class Learner:
             raise ValueError("algorithm.advantage=gae needs a value function: set trainer.critic to 'copy' or 'separate'")
         if trainer_cfg.critic == "separate" and critic_model is None and not trainer_cfg.critic_spec:
             raise ValueError("trainer.critic=separate needs trainer.critic_spec (a model spec for the critic)")
+        if algo_cfg.loss_agg == "seq_mean_token_sum_norm" and algo_cfg.loss_norm_tokens is None:
+            raise ValueError(
+                "algorithm.loss_agg=seq_mean_token_sum_norm needs algorithm.loss_norm_tokens, Dr. GRPO's constant "
+                "(a run config sets it to engine.max_new_tokens)"
+            )
         if trainer_cfg.lr_schedule != "constant" and trainer_cfg.lr_decay_steps <= 0:
             raise ValueError(f"trainer.lr_schedule={trainer_cfg.lr_schedule} needs trainer.lr_decay_steps > 0")
 
@@ -393,6 +398,8 @@ class Learner:
             if a.tis_cap is not None:
                 batch.is_weights = torch.zeros_like(batch.loss_mask)
         policy_loss_fn = get_policy_loss(a.policy_loss)
+        # GSPO clips a sequence ratio, whose useful range is ~1e-4, not PPO's token-ratio 0.2
+        clip_low, clip_high = (a.gspo_clip_low, a.gspo_clip_high) if a.policy_loss == "gspo" else (a.clip_low, a.clip_high)
         use_kl_loss = batch.ref_logprobs is not None and not a.kl_in_reward and self.kl_ctl.value > 0
         t0 = time.perf_counter()
         sums: dict[str, float] = {}
@@ -451,8 +458,8 @@ class Learner:
                             mi.old_logprobs,
                             mi.advantages,
                             mmask,
-                            clip_low=a.clip_low,
-                            clip_high=a.clip_high,
+                            clip_low=clip_low,
+                            clip_high=clip_high,
                             dual_clip=a.dual_clip,
                             weights=mi.is_weights,
                         )

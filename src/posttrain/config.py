@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -68,7 +70,6 @@ class EngineConfig(Section):
         True, description="paged engine: keep each decode group's K/V contiguous across steps (no per-step block gather)"
     )
     device: str = Field("cpu", description="torch device of the paged engine: cpu, cuda, cuda:1, ...")
-    temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     max_new_tokens: int = Field(64, ge=1, description="per assistant turn")
@@ -83,7 +84,11 @@ class EngineConfig(Section):
 class DomainConfig(Section):
     name: str
     difficulties: list[int] = [0]
-    weight: float = Field(1.0, ge=0.0)
+    weight: float = Field(
+        1.0, gt=0.0, description="the domain's prior share of the curriculum, relative to the other domains': "
+        "uniform_by_domain splits the batch in proportion to it; score-based samplers (adaptive, sec, dump) multiply "
+        "each of the domain's arms' softmax term by it (adaptive's eps floor stays uniform)",
+    )
     options: dict[str, Any] = {}
 
 
@@ -103,8 +108,10 @@ class EnvsConfig(Section):
 class CurriculumConfig(Section):
     """Domain/difficulty sampling; the rules are documented in `posttrain.curriculum`."""
 
-    sampler: Literal["adaptive", "uniform_by_domain", "uniform_by_data", "dapo_filter_only", "sec", "dump"] = (
-        "adaptive"
+    sampler: Literal["adaptive", "uniform_by_domain", "dapo_filter_only", "sec", "dump"] = Field(
+        "adaptive",
+        description="dapo_filter_only: uniform_by_domain with DAPO's group filter (as algorithm.dynamic_sampling). "
+        "The simulator's uniform_by_data is not offered: the task generators have no data size",
     )
     alpha: float = Field(0.5, gt=0.0, le=1.0, description="EMA rate of the learnability signal")
     tau: float = Field(0.5, gt=0.0, description="softmax temperature over min-max normalised scores")
@@ -168,8 +175,10 @@ class AlgorithmConfig(Section):
     normalize_std: bool = True
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     lam: float = Field(0.95, ge=0.0, le=1.0)
-    clip_low: float = Field(0.2, ge=0.0)
-    clip_high: float = Field(0.28, ge=0.0)
+    clip_low: float = Field(0.2, ge=0.0, description="ppo_clip: ratio clip below, 1 - clip_low")
+    clip_high: float = Field(0.28, ge=0.0, description="ppo_clip: ratio clip above, 1 + clip_high (DAPO's clip-higher)")
+    gspo_clip_low: float = Field(3e-4, ge=0.0, description="gspo: sequence-ratio clip below (GSPO's own range)")
+    gspo_clip_high: float = Field(4e-4, ge=0.0, description="gspo: sequence-ratio clip above")
     dual_clip: float | None = Field(None, gt=1.0)
     kl_coef: float = Field(0.0, ge=0.0)
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -189,8 +198,23 @@ class AlgorithmConfig(Section):
         1.0, gt=0.0, description="sampling temperature of the behaviour logprobs; the learner divides logits by it"
     )
     loss_norm_tokens: int | None = Field(
-        None, ge=1, description="constant divisor of seq_mean_token_sum_norm (default: the batch's padded length)"
+        None, ge=1, description="constant divisor of seq_mean_token_sum_norm, Dr. GRPO's generation budget; unset = "
+        "engine.max_new_tokens, resolved when the config loads",
     )
+
+    @field_validator("advantage")
+    @classmethod
+    def _known_advantage(cls, v: str) -> str:
+        from posttrain.algos import list_advantages
+
+        return _registered("advantage estimator", v, list_advantages())
+
+    @field_validator("policy_loss")
+    @classmethod
+    def _known_policy_loss(cls, v: str) -> str:
+        from posttrain.algos import list_policy_losses
+
+        return _registered("policy loss", v, list_policy_losses())
 
 
 class TrainerConfig(Section):
@@ -259,10 +283,9 @@ class OrchestratorConfig(Section):
 
 
 class PlacementConfig(Section):
+    """Where the roles run. Only `local` (one process) exists yet; the engine's device is engine.device."""
+
     backend: Literal["local", "ray"] = "local"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    num_gpus: int = Field(0, ge=0)
-    num_nodes: int = Field(1, ge=1)
     weight_sync: Literal["in_process", "shared_file", "nccl"] = "in_process"
 
 
@@ -276,8 +299,11 @@ class SandboxConfig(Section):
     recycle_after: int = Field(500, ge=1, description="replace a worker after this many jobs")
     allow_unisolated: bool = Field(False, description="run without namespaces (bwrap) when unavailable: unsafe")
     allow_network: bool = Field(False, description="let jobs with Limits.network=True reach the network")
-    wall_time_s: float = Field(5.0, gt=0.0, description="default job wall/CPU limit (limits_from_config)")
-    memory_mb: int = Field(512, ge=16, description="default job memory limit (limits_from_config)")
+    wall_time_s: float = Field(
+        60.0, gt=0.0, description="ceiling on every job's wall and CPU time; an environment's job asking for less "
+        "keeps its own (the test harness sizes its jobs from the tests, at most 60 s)",
+    )
+    memory_mb: int = Field(512, ge=16, description="memory limit (address space, per process) of every job")
     job_disk_mb: int = Field(64, ge=1, description="size of each worker's private job tmpfs")
     memory_backstop_mb: int = Field(2048, ge=64, description="cgroup memory cap per worker (all its jobs)")
     max_pids: int = Field(128, ge=8, description="cgroup pids cap per worker (worker + job processes)")
@@ -287,10 +313,17 @@ class SandboxConfig(Section):
 
 class TelemetryConfig(Section):
     run_dir: str = "runs"
-    name: str | None = None
+    name: str | None = Field(None, description="run directory name under run_dir (one path component)")
     jsonl: bool = True
     tensorboard: bool = True
     progress: bool = True
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, v: str | None) -> str | None:
+        from posttrain.telemetry.rundir import check_run_name
+
+        return None if v is None else check_run_name(v)
 
 
 class RunConfig(Section):
@@ -320,13 +353,34 @@ class RunConfig(Section):
         self.engine.dtype = self.engine.resolved_dtype()
         if self.trainer.bf16_autocast is None:
             self.trainer.bf16_autocast = self.engine.dtype == "bfloat16"
+        if self.algorithm.loss_agg == "seq_mean_token_sum_norm" and self.algorithm.loss_norm_tokens is None:
+            # Dr. GRPO divides each sequence's token-loss sum by a constant, the generation budget
+            self.algorithm.loss_norm_tokens = self.engine.max_new_tokens
         if self.algorithm.advantage == "gae" and self.trainer.critic == "none":
             raise ValueError("algorithm.advantage=gae needs a value function: set trainer.critic to 'copy' or 'separate'")
         return self
 
 
+def _registered(kind: str, name: str, names: list[str]) -> str:
+    if name in names:
+        return name
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    raise ValueError(f"unknown {kind} '{name}'{hint} (registered: {', '.join(names)})")
+
+
 # ----------------------------------------------------------------------------------------------
 # loading, overrides, errors
+
+# keys that existed once and do nothing now: where their job went (or why there is none)
+REMOVED_KEYS: dict[str, tuple[str | None, str]] = {
+    "engine.temperature": (
+        "algorithm.temperature", "the rollout sampling temperature is algorithm.temperature, which the learner divides by"
+    ),
+    "placement.device": ("engine.device", "engine.device picks the engine's torch device; the learner runs on CPU"),
+    "placement.num_gpus": (None, "no multi-GPU backend exists yet (no Ray or FSDP): a run is one local process"),
+    "placement.num_nodes": (None, "no multi-node backend exists yet (no Ray or FSDP): a run is one local process"),
+}
 
 
 def _valid_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
@@ -365,13 +419,22 @@ def _format_validation_error(err: ValidationError) -> str:
             ]
             match = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.5)
             hint = f"; did you mean '{(parent + '.') if parent else ''}{match[0]}'?" if match else ""
+            removed = REMOVED_KEYS.get(f"{parent}.{leaf}" if parent else leaf)
+            if removed is not None:
+                target, why = removed
+                hint = (f"; did you mean '{target}'?" if target else "") + f" (removed: {why})"
             valid = ", ".join(sorted(siblings)) if siblings else ""
             lines.append(f"unknown key '{key}'{hint} (valid keys here: {valid})")
         else:
             value = e.get("input")
             shown = json.dumps(value, default=str) if not isinstance(value, dict) else "{...}"
             where = f"'{key}'" if key else "config"
-            lines.append(f"{where}: got {shown}: {e['msg']}")
+            hint = ""
+            if e["type"] == "literal_error" and isinstance(value, str):
+                choices = re.findall(r"'([^']*)'", str(e.get("ctx", {}).get("expected", "")))
+                close = difflib.get_close_matches(value, choices, n=1, cutoff=0.5)
+                hint = f"; did you mean '{close[0]}'?" if close else ""
+            lines.append(f"{where}: got {shown}: {e['msg']}{hint}")
     return "invalid config:\n  " + "\n  ".join(lines)
 
 
@@ -452,11 +515,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data = loaded
     if overrides:
         base = config_to_dict(config_from_dict(data))
-        # validation resolved engine.dtype 'auto' and an unset trainer.bf16_autocast; put back what was given,
-        # so that an override of what they depend on (engine.dtype, engine.device) resolves them anew
-        given = {sec: data.get(sec) if isinstance(data.get(sec), dict) else {} for sec in ("engine", "trainer")}
+        # validation resolved engine.dtype 'auto', an unset trainer.bf16_autocast and algorithm.loss_norm_tokens;
+        # put back what was given, so that an override of what they depend on (engine.dtype, engine.device,
+        # engine.max_new_tokens) resolves them anew
+        given = {
+            sec: data.get(sec) if isinstance(data.get(sec), dict) else {} for sec in ("engine", "trainer", "algorithm")
+        }
         base["engine"]["dtype"] = given["engine"].get("dtype", "auto")
         base["trainer"]["bf16_autocast"] = given["trainer"].get("bf16_autocast")
+        base["algorithm"]["loss_norm_tokens"] = given["algorithm"].get("loss_norm_tokens")
         data = apply_overrides(base, overrides)
     return config_from_dict(data)
 
@@ -470,4 +537,11 @@ def config_to_yaml(cfg: RunConfig) -> str:
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> None:
-    Path(path).write_text(config_to_yaml(cfg))
+    """Write `cfg` as YAML atomically (temp file, fsync, rename): a crash leaves the old file or the new one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as fh:
+        fh.write(config_to_yaml(cfg))
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)

@@ -148,3 +148,55 @@ def test_native_bf16_reads_the_cpu_flags(monkeypatch, tmp_path):
         info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
         monkeypatch.setattr(builtins, "open", lambda p, *a, _i=info, **k: real_open(_i if p == "/proc/cpuinfo" else p, *a, **k))
         assert config_mod.native_bf16("cpu") is expected
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("engine.temperature=0.7", "unknown key 'engine.temperature'; did you mean 'algorithm.temperature'?"),
+        ("placement.device=cuda", "unknown key 'placement.device'; did you mean 'engine.device'?"),
+        ("placement.num_gpus=8", "unknown key 'placement.num_gpus' (removed: no multi-GPU backend"),
+        ("placement.num_nodes=2", "unknown key 'placement.num_nodes' (removed: no multi-node backend"),
+    ],
+)
+def test_keys_that_did_nothing_are_gone_with_the_unknown_key_error(override, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert expected in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("algorithm.advantage=grp", "'algorithm.advantage': got \"grp\""),
+        ("algorithm.policy_loss=ppo_clp", "did you mean 'ppo_clip'?"),
+        ("curriculum.sampler=sec_", "did you mean 'sec'?"),
+    ],
+)
+def test_registered_names_are_checked_when_the_config_loads(override, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert expected in str(err.value)
+    if "advantage" in override:
+        assert "did you mean 'grpo'?" in str(err.value) and "registered: " in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["..", ".", "../x", "a/b", ".hidden", "a..b", "", "x\n", "a b"])
+def test_run_names_must_be_one_safe_path_component(name):
+    with pytest.raises(ConfigError, match="'telemetry.name'.*is not allowed"):
+        load_config(None, [f"telemetry.name={name!r}"] if name else ["telemetry.name=''"])
+    assert load_config(None, ["telemetry.name=grpo-math_1.v2"]).telemetry.name == "grpo-math_1.v2"
+
+
+def test_dr_grpo_constant_follows_max_new_tokens_unless_given():
+    base = ["algorithm.loss_agg=seq_mean_token_sum_norm"]
+    assert load_config(None, [*base, "engine.max_new_tokens=200"]).algorithm.loss_norm_tokens == 200
+    assert load_config(None, [*base, "algorithm.loss_norm_tokens=50"]).algorithm.loss_norm_tokens == 50
+    assert load_config(None, []).algorithm.loss_norm_tokens is None  # token_mean: no constant
+
+
+def test_sandbox_limits_and_domain_weight_are_validated():
+    with pytest.raises(ConfigError, match="'envs.domains\\[0\\].weight': got 0"):
+        load_config(None, ["envs.domains.0.weight=0"])
+    cfg = load_config(None, ["sandbox.wall_time_s=2.5", "sandbox.memory_mb=256"])
+    assert (cfg.sandbox.wall_time_s, cfg.sandbox.memory_mb) == (2.5, 256)

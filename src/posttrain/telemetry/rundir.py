@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=@-]{0,127}")
+
+
+def check_run_name(name: str) -> str:
+    """`name` if it can name a run directory: one path component (no '/', '\\', '..'), no leading dot,
+    1-128 characters of letters, digits and _ . + = @ -; else ValueError saying what is allowed. A name
+    like '..' would make `--overwrite` delete the directory above the run root."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
+        raise ValueError(
+            f"run name {name!r} is not allowed: use one path component of 1-128 letters, digits and _ . + = @ - "
+            "that does not start with '.' or contain '..' (e.g. --name grpo-math-1)"
+        )
+    return name
 
 
 @dataclass
@@ -14,7 +29,7 @@ class RunDir:
 
     @classmethod
     def create(cls, root: str | Path, name: str | None = None, overwrite: bool = False) -> RunDir:
-        name = name or time.strftime("run-%Y%m%d-%H%M%S")
+        name = check_run_name(name or time.strftime("run-%Y%m%d-%H%M%S"))
         path = Path(root) / name
         if path.exists():
             if not overwrite:

@@ -460,3 +460,84 @@ def test_async_resume_from_a_periodic_checkpoint_is_bit_exact(tmp_path, monkeypa
     assert all(torch.equal(w[key], wm[key]) for key in w)
     straight.close()
     mid.close()
+
+
+def _fsync_recorder(monkeypatch) -> list[str]:
+    """Record the path of every fd that os.fsync is called on."""
+    seen: list[str] = []
+    real = os.fsync
+
+    def spy(fd):
+        seen.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    return seen
+
+
+def test_checkpoint_files_and_directories_are_fsynced_before_publishing(tmp_path, monkeypatch):
+    from posttrain.config import AlgorithmConfig, ModelConfig, TrainerConfig
+    from posttrain.orchestrator import save_checkpoint
+    from posttrain.train import Learner
+
+    learner = Learner(ModelConfig(spec="tiny:llama"), TrainerConfig(), AlgorithmConfig(), seed=0)
+    published: dict[str, list[str]] = {}
+
+    def write(tmp: Path) -> None:
+        learner.save(tmp / "learner")
+        (tmp / "run_state.json").write_text("{}")
+        published["tmp"] = [str(tmp)]
+
+    seen = _fsync_recorder(monkeypatch)
+    final = save_checkpoint(tmp_path / "ckpts", 1, write)
+    tmp = published["tmp"][0]
+    rel = {os.path.relpath(p, tmp) for p in seen if p.startswith(tmp)}
+    want = {os.path.relpath(p, final) for p in map(str, [final, *final.rglob("*")])}
+    assert "learner" in want and "learner/policy.safetensors" in want
+    assert want <= rel, f"not fsynced before the rename: {sorted(want - rel)}"
+
+
+def test_replacing_a_checkpoint_never_leaves_its_step_without_a_valid_one(tmp_path, monkeypatch):
+    import shutil
+
+    from posttrain.orchestrator import latest_valid, save_checkpoint
+
+    root = tmp_path / "ckpts"
+
+    def write(tag: str):
+        def fill(tmp: Path) -> None:
+            (tmp / "sub").mkdir()
+            (tmp / "sub" / "weights.bin").write_bytes(tag.encode() * 1000)
+            (tmp / "run_state.json").write_text(json.dumps({"tag": tag}))
+        return fill
+
+    first = save_checkpoint(root, 5, write("old"), keep=1)
+    assert first.name == "step-000005"
+    checks: list[str] = []
+
+    def valid_step_5_exists(what: str) -> None:
+        path, _ = latest_valid(root)
+        assert json.loads((path / "manifest.json").read_text())["step"] == 5, what
+        checks.append(what)
+
+    for mod, name in ((os, "rename"), (os, "replace"), (shutil, "rmtree")):
+        real = getattr(mod, name)
+
+        def guarded(*args, _real=real, _name=name, **kw):
+            if Path(args[0]).parent == root or Path(args[0]) == root:
+                valid_step_5_exists(f"before {_name}({args[0]})")
+            out = _real(*args, **kw)
+            if Path(args[0]).parent == root:
+                valid_step_5_exists(f"after {_name}({args[0]})")
+            return out
+
+        monkeypatch.setattr(mod, name, guarded)
+    second = save_checkpoint(root, 5, write("new"), keep=1)
+    monkeypatch.undo()
+    assert checks  # the publication went through the guarded calls
+    path, warnings = latest_valid(root)
+    assert path == second and not warnings
+    assert json.loads((path / "run_state.json").read_text()) == {"tag": "new"}
+    assert list_checkpoints(root) == [second]  # the superseded one is gone once the new one is published
+    third = save_checkpoint(root, 5, write("newer"), keep=1)
+    assert third != second and list_checkpoints(root) == [third]

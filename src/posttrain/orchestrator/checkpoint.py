@@ -1,4 +1,4 @@
-"""Atomic run checkpoints: write into a temp dir, fsync, rename, then move the `latest` pointer.
+"""Atomic run checkpoints: write into a temp dir, fsync, rename to a fresh name, then move the `latest` pointer.
 
 Each checkpoint holds a manifest of sha256 digests; a corrupt or partial checkpoint is detected on
 load and the previous good one is used. What goes inside is the caller's (learner state, run state).
@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -38,12 +39,35 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _fsync_tree(top: Path) -> None:
+    """fsync every file under `top`, then every directory bottom-up (so each entry is durable)."""
+    for dirpath, _, filenames in os.walk(top, topdown=False):
+        for name in filenames:
+            with open(Path(dirpath) / name, "rb") as fh:
+                os.fsync(fh.fileno())
+        _fsync_dir(Path(dirpath))
+
+
+_NAME = re.compile(r"step-(\d+)(?:\.r(\d+))?")
+
+
 def step_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
+def _parse(name: str) -> tuple[int, int] | None:
+    """(step, revision) of a checkpoint directory name: step-000010 is revision 0, step-000010.r001 is 1."""
+    m = _NAME.fullmatch(name)
+    return (int(m.group(1)), int(m.group(2) or 0)) if m else None
+
+
 def save_checkpoint(root: Path, step: int, write: Callable[[Path], None], keep: int = 2) -> Path:
-    """Call `write(tmpdir)` to fill a checkpoint, then publish it atomically as `root/step-N`."""
+    """Call `write(tmpdir)` to fill a checkpoint, then publish it as `root/step-N` (atomically).
+
+    The temp dir is fsynced (files and directories) and renamed to a name nothing holds yet: `step-N`,
+    or `step-N.rK` when a checkpoint of step N exists already (a resumed run saving that step again);
+    then the `latest` pointer is swapped by rename, and only after that are older revisions of step N
+    and checkpoints beyond `keep` removed. A reader never finds no valid checkpoint of step N."""
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
     try:
@@ -51,33 +75,37 @@ def save_checkpoint(root: Path, step: int, write: Callable[[Path], None], keep: 
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         manifest = {"step": step, "files": {str(p.relative_to(tmp)): _sha256(p) for p in files}}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        for p in [*files, tmp / MANIFEST]:
-            with open(p, "rb") as fh:
-                os.fsync(fh.fileno())
-        _fsync_dir(tmp)
-        final = root / step_name(step)
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+        _fsync_tree(tmp)
+        revisions = [parsed[1] for p in root.iterdir() if (parsed := _parse(p.name)) is not None and parsed[0] == step]
+        name = step_name(step) if not revisions else f"{step_name(step)}.r{max(revisions) + 1:03d}"
+        final = root / name
+        os.rename(tmp, final)  # a fresh name: nothing is replaced, so nothing is ever missing
         _fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     pointer_tmp = root / f".{LATEST}.tmp"
-    pointer_tmp.write_text(final.name)
-    with open(pointer_tmp, "rb") as fh:
+    with open(pointer_tmp, "w") as fh:
+        fh.write(final.name)
+        fh.flush()
         os.fsync(fh.fileno())
     os.replace(pointer_tmp, root / LATEST)
     _fsync_dir(root)
+    for old in list_checkpoints(root):
+        if old != final and _parse(old.name)[0] == step:  # type: ignore[index]
+            shutil.rmtree(old, ignore_errors=True)  # superseded revisions of this step
     for old in list_checkpoints(root)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        if old != final:
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 
 def list_checkpoints(root: Path) -> list[Path]:
+    """Checkpoint directories, oldest first (by step, then revision)."""
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-"))
+    found = [(parsed, p) for p in root.iterdir() if p.is_dir() and (parsed := _parse(p.name)) is not None]
+    return [p for _, p in sorted(found)]
 
 
 def verify(path: Path) -> bool:

@@ -110,10 +110,17 @@ def load_learner_state_dict(learner: Learner, state: dict[str, Any]) -> None:
     learner.optimizer_offloaded = False
 
 
-def _fsync_dir(path: Path) -> None:
-    for f in path.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+def _fsync_dir(path: Path, files: bool = True) -> None:
+    """fsync the files directly in `path` (when `files`), then the directory itself (its entries)."""
+    if files:
+        for f in path.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def save_learner(learner: Learner, directory: str | Path) -> None:
@@ -152,6 +159,7 @@ def save_learner(learner: Learner, directory: str | Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, out)
+        _fsync_dir(out.parent, files=False)  # the rename itself
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -47,6 +47,15 @@ def test_doctor_json_reports_layers():
     assert out.returncode == 0 and report["isolated"] is True
     assert {"rlimits", "seccomp", "clean-env"} <= set(report["layers"])
     assert report["probe"]["job_status"] == "ok" and report["probe"]["worker"]["seccomp"] == "on"
+    # which cgroup version backs the memory/pids caps, the same one the library detects here
+    from posttrain.sandbox.isolation import detect
+
+    assert report["cgroups"] == detect().cgroups
+    if report["cgroups"]:
+        assert report["cgroups_detail"].startswith(report["cgroups"] + " ")
+        assert f"cgroups-{report['cgroups']}(memory,pids)" in report["layers"]
+    table = cli("sandbox", "doctor")
+    assert f"cgroups {report['cgroups'] or 'v1/v2'} (memory, pids)" in table.stdout
 
 
 def _ignore_sigint() -> None:

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from posttrain.sandbox import ExecStatus, Job, Limits, LocalSandbox
-from posttrain.sandbox.isolation import own_cgroup_dir
+from posttrain.sandbox.isolation import sandbox_cgroup_dirs
 
 CODES = [
     "print(1)",
@@ -50,9 +50,9 @@ def _check_no_leaks(n_jobs: int) -> None:
         assert sb.stats["recycles"] >= n_jobs // max(10, n_jobs // 10) - 2
         last = sb.run_blocking(Job(code="import os\nprint(sorted(os.listdir('/job')), len([p for p in os.listdir('/proc') if p.isdigit()]))"))
         assert last.stdout == b"['.tmp', 'solution.py'] 3\n"
-        cgroup_dirs = [d for ctl in ("memory", "pids") for d in
-                       glob.glob(f"{own_cgroup_dir(ctl)}/posttrain-sandbox-{os.getpid()}/i{sb.instance}-*")]
-        assert len(cgroup_dirs) == (4 if sb.isolation.cgroups else 0)  # 2 slots x (memory, pids)
+        cgroup_dirs = sandbox_cgroup_dirs(sb.isolation.cgroups, sb.instance)
+        # 2 slots, each with a memory and a pids group on v1 and one group on v2
+        assert len(cgroup_dirs) == {"v1": 4, "v2": 2, None: 0}[sb.isolation.cgroups]
     finally:
         sb.close_blocking()
     assert _zombie_children() == []

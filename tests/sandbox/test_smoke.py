@@ -81,19 +81,18 @@ def test_many_concurrent_asyncio_tasks(sandbox):
 
 def test_worker_killed_from_outside_is_an_infra_failure_then_replaced():
     import contextlib
-    import glob
     import os
     import signal
     import time
     from pathlib import Path
 
     from posttrain.sandbox import LocalSandbox
-    from posttrain.sandbox.isolation import own_cgroup_dir
+    from posttrain.sandbox.isolation import sandbox_cgroup_dirs
 
     with LocalSandbox(pool_size=1) as sb:
         assert sb.run_blocking(Job(code="pass")).status == ExecStatus.OK  # the worker is up
-        base = own_cgroup_dir("pids") / f"posttrain-sandbox-{os.getpid()}"
-        procs = glob.glob(f"{base}/i{sb.instance}-default-*/cgroup.procs")
+        procs = [str(d / "cgroup.procs") for d in sandbox_cgroup_dirs(sb.isolation.cgroups, sb.instance)
+                 if d.name.startswith(f"i{sb.instance}-default-")][-1:]  # v1: the pids group
         assert procs, "cgroups are needed to find the worker's processes"
 
         def pids() -> set[str]:

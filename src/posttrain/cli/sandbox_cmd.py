@@ -85,13 +85,14 @@ def doctor(json_out: bool = typer.Option(False, "--json", help="print the report
         ("namespaces (bwrap)", iso.namespaces, iso.details.get("namespaces", iso.bwrap or "")),
         ("seccomp filter", iso.seccomp, iso.details.get("seccomp", "verified by a worker self-test"
                                                          if probe.get("worker", {}).get("seccomp") == "on" else "")),
-        ("cgroups (memory, pids)", bool(iso.cgroups), iso.details.get("cgroups", "")),
+        (f"cgroups {iso.cgroups or 'v1/v2'} (memory, pids)", bool(iso.cgroups), iso.details.get("cgroups", "")),
         ("uid drop", iso.uid_drop, iso.details.get("uid_drop", "one unprivileged uid per worker slot")),
         ("rlimits", True, "AS, DATA, CPU, FSIZE, NOFILE, NPROC, CORE=0 per job"),
         ("clean environment", True, "jobs see a fixed 9-variable environment"),
     ]
     if json_out:
-        print_json_last({"layers": iso.layers, "missing": iso.missing, "isolated": iso.isolated, "probe": probe})
+        print_json_last({"layers": iso.layers, "missing": iso.missing, "isolated": iso.isolated,
+                         "cgroups": iso.cgroups, "cgroups_detail": iso.details.get("cgroups", ""), "probe": probe})
         return
     table = Table(title="posttrain sandbox doctor")
     table.add_column("layer")

@@ -1,12 +1,13 @@
 """Isolation layers: detect what this machine offers, build the jail command line, manage cgroups.
 
-Owns the bubblewrap argv (namespaces, read-only binds, private job tmpfs, uid drop), cgroup v1
-memory/pids groups per worker slot, profiles (what a warm worker pre-imports and which packages it
+Owns the bubblewrap argv (namespaces, read-only binds, private job tmpfs, uid drop), cgroup memory/
+pids groups per worker slot (v1, or v2 under a delegated subtree), profiles (what a warm worker pre-imports and which packages it
 may see) and the doctor report. It does not run jobs (`pool`) or filter syscalls (`jailed.seccomp`).
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import importlib.util
 import json
@@ -17,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +29,9 @@ JAIL_JOB_ROOT = "/job"
 JAIL_SHM_DIR = "/dev/shm"
 JAIL_UID_BASE = 61000  # one unprivileged uid per worker slot when we start as root
 CGROUP_V1_ROOT = Path("/sys/fs/cgroup")
+CGROUP_V2_CONTROLLERS = ("memory", "pids")
+CGROUP_V2_MAIN_PREFIX = "posttrain-main-"  # the leaf this process moves into to free its cgroup (v2)
+CGROUP_PARENT_PREFIX = "posttrain-sandbox-"
 ETC_FILES = ("/etc/alternatives", "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime")
 ETC_NETWORK_FILES = ("/etc/resolv.conf", "/etc/hosts", "/etc/nsswitch.conf", "/etc/ssl", "/etc/ca-certificates")
 
@@ -87,7 +92,7 @@ class Isolation:
     bwrap: str | None = None
     namespaces: bool = False
     seccomp: bool = False
-    cgroups: str | None = None  # "v1" when memory+pids groups are writable
+    cgroups: str | None = None  # "v1" or "v2" when memory+pids groups are writable
     uid_drop: bool = False
     details: dict[str, str] = field(default_factory=dict)
 
@@ -168,18 +173,185 @@ def own_cgroup_dir(controller: str) -> Path:
 
 
 def _probe_cgroups() -> tuple[str | None, str]:
+    """v1 first: on a hybrid host the memory controller sits on v1 and the v2 tree has none."""
     mem, pids = own_cgroup_dir("memory"), own_cgroup_dir("pids")
     if (mem / "memory.limit_in_bytes").exists() and (pids / "cgroup.procs").exists():
         probe = mem / f"posttrain-probe-{os.getpid()}"
         try:
             probe.mkdir(exist_ok=True)
             probe.rmdir()
-            return "v1", "memory and pids controllers writable"
+            return "v1", f"v1 under {mem} and {pids}: memory.limit_in_bytes, pids.max per worker"
         except OSError as err:
             return None, f"cgroup v1 present but not writable ({err.strerror})"
-    if (CGROUP_V1_ROOT / "cgroup.controllers").exists():
-        return None, "cgroup v2 detected; this version only drives cgroup v1"
+    base = cgroup_v2_base()
+    if base is not None:
+        why = probe_cgroup_v2(base, os.getpid())
+        return ("v2", f"v2 at {base}: memory.max, memory.swap.max, pids.max per worker") if why is None else (None, why)
     return None, "no cgroup memory/pids controller mounted"
+
+
+# ---- cgroup v2 -------------------------------------------------------------------------------
+def cgroup2_mount(mountinfo: str = "/proc/self/mountinfo") -> Path | None:
+    """Where the cgroup2 hierarchy is mounted (/sys/fs/cgroup, or /sys/fs/cgroup/unified on a hybrid host)."""
+    try:
+        for line in Path(mountinfo).read_text().splitlines():
+            fields = line.split()
+            sep = fields.index("-")
+            if fields[sep + 1] == "cgroup2":
+                return Path(fields[4])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def cgroup_v2_base(mount: Path | None = None, proc_cgroup: str = "/proc/self/cgroup") -> Path | None:
+    """The v2 cgroup our groups nest under: our own, or, once we moved into our `posttrain-main-*` leaf
+    (or were started inside another posttrain's), that leaf's parent."""
+    mount = mount if mount is not None else cgroup2_mount()
+    if mount is None:
+        return None
+    try:
+        rel = next(line.split(":", 2)[2] for line in Path(proc_cgroup).read_text().splitlines()
+                   if line.startswith("0::"))
+    except (OSError, StopIteration):
+        return None
+    own = mount / rel.strip().lstrip("/")
+    return own.parent if own.name.startswith(CGROUP_V2_MAIN_PREFIX) else own
+
+
+def _cg_read(path: Path) -> list[str]:
+    return path.read_text().split()
+
+
+def _cg_write(path: Path, text: str) -> None:
+    with open(path, "w") as fh:  # one write(2): the kernel parses each write as one command
+        fh.write(text)
+
+
+def _cg_mkdir(path: Path) -> None:
+    path.mkdir(exist_ok=True)  # the kernel fills in the interface files
+
+
+def probe_cgroup_v2(base: Path, pid: int) -> str | None:
+    """None when per-worker groups with memory and pids limits can be made under `base`, else why not."""
+    try:
+        available = _cg_read(base / "cgroup.controllers")
+        enabled = _cg_read(base / "cgroup.subtree_control")
+        procs = _cg_read(base / "cgroup.procs")
+    except OSError as err:
+        return f"cgroup v2 at {base} unreadable ({err.strerror})"
+    missing = [c for c in CGROUP_V2_CONTROLLERS if c not in available]
+    if missing:
+        verb = "controllers are" if len(missing) > 1 else "controller is"
+        return (f"cgroup v2 at {base}: the {' and '.join(missing)} {verb} not delegated here "
+                f"(cgroup.controllers: {' '.join(available) or 'none'})")
+    if any(c not in enabled for c in CGROUP_V2_CONTROLLERS) and set(procs) - {str(pid)}:
+        return (f"cgroup v2 at {base} holds {len(set(procs) - {str(pid)})} other process(es), so its memory and "
+                "pids controllers cannot be handed to child groups; start posttrain in a delegated cgroup "
+                "of its own (e.g. systemd-run --scope -p Delegate=yes ...)")
+    probe = base / f"posttrain-probe-{pid}"
+    try:
+        probe.mkdir(exist_ok=True)
+        probe.rmdir()
+    except OSError as err:
+        return f"cgroup v2 at {base} not writable ({err.strerror})"
+    return None
+
+
+def ensure_cgroup_v2_parent(base: Path, pid: int) -> Path:
+    """Enable memory+pids for children of `base` and return our per-process parent group under it.
+
+    A v2 group with processes of its own cannot hand controllers to children ("no internal
+    processes"): when `base` holds only this process, we first move into a leaf of our own."""
+    want = "".join(f" +{c}" for c in CGROUP_V2_CONTROLLERS).strip()
+    if any(c not in _cg_read(base / "cgroup.subtree_control") for c in CGROUP_V2_CONTROLLERS):
+        try:
+            _cg_write(base / "cgroup.subtree_control", want)
+        except OSError as err:
+            if err.errno != errno.EBUSY:
+                raise
+            leaf = base / f"{CGROUP_V2_MAIN_PREFIX}{pid}"
+            _cg_mkdir(leaf)
+            _cg_write(leaf / "cgroup.procs", str(pid))
+            _cg_write(base / "cgroup.subtree_control", want)
+    parent = base / f"{CGROUP_PARENT_PREFIX}{pid}"
+    _cg_mkdir(parent)
+    if any(c not in _cg_read(parent / "cgroup.subtree_control") for c in CGROUP_V2_CONTROLLERS):
+        _cg_write(parent / "cgroup.subtree_control", want)
+    return parent
+
+
+def cgroup_v2_limits(memory_bytes: int, max_pids: int) -> dict[str, str]:
+    """The files a v2 worker group gets: no swap, so memory.max is the whole story."""
+    return {"memory.max": str(memory_bytes), "memory.swap.max": "0", "pids.max": str(max_pids)}
+
+
+def _kill_procs(procs: Path, deadline: float) -> bool:
+    """SIGKILL every pid listed in `procs` until it is empty (True) or the deadline passes (False)."""
+    while True:
+        try:
+            pids = [int(p) for p in procs.read_text().split()]
+        except OSError:
+            return True
+        if not pids:
+            return True
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
+
+
+class CgroupV2Slot:
+    """A cgroup v2 group for one worker slot, a leaf under this process's `posttrain-sandbox-<pid>`."""
+
+    OPTIONAL = ("memory.swap.max",)  # absent when the kernel does not account swap
+
+    def __init__(self, parent: Path, name: str, limits: dict[str, str]) -> None:
+        self.dir = parent / name
+        _cg_mkdir(self.dir)
+        for key, value in limits.items():
+            try:
+                _cg_write(self.dir / key, value)
+            except FileNotFoundError:
+                if key not in self.OPTIONAL:
+                    raise
+
+    @property
+    def dirs(self) -> list[Path]:
+        return [self.dir]
+
+    @property
+    def procs_files(self) -> list[str]:
+        return [str(self.dir / "cgroup.procs")]
+
+    def oom_kills(self) -> int:
+        try:
+            for line in (self.dir / "memory.events").read_text().splitlines():
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+        except OSError:
+            pass
+        return 0
+
+    def kill_all(self, timeout_s: float = 5.0) -> bool:
+        """Kill everything in the group (cgroup.kill where the kernel has it) and wait until it is empty."""
+        try:
+            _cg_write(self.dir / "cgroup.kill", "1")
+        except OSError:
+            pass
+        return _kill_procs(self.dir / "cgroup.procs", time.monotonic() + timeout_s)
+
+    def remove(self) -> None:
+        self.kill_all()
+        for d in (self.dir, self.dir.parent):  # the parent goes once its last slot is gone
+            try:
+                d.rmdir()
+            except OSError:
+                pass
 
 
 @dataclass(frozen=True)
@@ -285,7 +457,7 @@ class CgroupSlot:
     """A cgroup v1 memory+pids group for one worker slot, created under a per-process parent."""
 
     def __init__(self, name: str, memory_bytes: int, max_pids: int) -> None:
-        base = f"posttrain-sandbox-{os.getpid()}"
+        base = f"{CGROUP_PARENT_PREFIX}{os.getpid()}"
         self.dirs = [own_cgroup_dir("memory") / base / name, own_cgroup_dir("pids") / base / name]
         for d in self.dirs:
             d.mkdir(parents=True, exist_ok=True)
@@ -307,23 +479,7 @@ class CgroupSlot:
 
     def kill_all(self, timeout_s: float = 5.0) -> bool:
         """SIGKILL every process still in the group and wait until it is empty."""
-        deadline = time.monotonic() + timeout_s
-        procs = self.dirs[1] / "cgroup.procs"
-        while True:
-            try:
-                pids = [int(p) for p in procs.read_text().split()]
-            except OSError:
-                return True
-            if not pids:
-                return True
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.005)
+        return _kill_procs(self.dirs[1] / "cgroup.procs", time.monotonic() + timeout_s)
 
     def remove(self) -> None:
         self.kill_all()
@@ -338,22 +494,55 @@ class CgroupSlot:
                 pass
 
 
-def sweep_stale_cgroups() -> None:
+def make_cgroup_slot(version: str, name: str, memory_bytes: int, max_pids: int) -> CgroupSlot | CgroupV2Slot:
+    """The worker slot's group for the detected cgroup version ("v1" or "v2")."""
+    if version == "v1":
+        return CgroupSlot(name, memory_bytes, max_pids)
+    base = cgroup_v2_base()
+    if base is None:
+        raise SandboxUnavailable("cgroup v2 was detected but its mount is gone")
+    with _V2_SETUP:
+        parent = ensure_cgroup_v2_parent(base, os.getpid())
+    return CgroupV2Slot(parent, name, cgroup_v2_limits(memory_bytes, max_pids))
+
+
+_V2_SETUP = threading.Lock()
+
+
+def sandbox_cgroup_dirs(version: str | None, instance: int) -> list[Path]:
+    """The worker groups of `LocalSandbox` number `instance` in this process (v1: memory and pids)."""
+    pattern = f"{CGROUP_PARENT_PREFIX}{os.getpid()}/i{instance}-*"
+    if version == "v1":
+        return [d for ctl in ("memory", "pids") for d in sorted(own_cgroup_dir(ctl).glob(pattern))]
+    base = cgroup_v2_base() if version == "v2" else None
+    return sorted(base.glob(pattern)) if base is not None else []
+
+
+def _stale(name: str, prefix: str) -> bool:
+    pid = name[len(prefix):]
+    return name.startswith(prefix) and pid.isdigit() and not Path(f"/proc/{pid}").exists()
+
+
+def sweep_stale_cgroups(version: str = "v1", v2_base: Path | None = None) -> None:
     """Remove empty groups left by sandbox processes that died without cleaning up."""
-    for ctl in ("memory", "pids"):
-        root = own_cgroup_dir(ctl)
+    if version == "v1":
+        roots = [own_cgroup_dir(ctl) for ctl in ("memory", "pids")]
+    else:
+        base = v2_base if v2_base is not None else cgroup_v2_base()
+        roots = [base] if base is not None else []
+    for root in roots:
         if not root.is_dir():
             continue
-        for parent in root.glob("posttrain-sandbox-*"):
-            pid = parent.name.rsplit("-", 1)[-1]
-            if pid.isdigit() and Path(f"/proc/{pid}").exists():
+        for parent in root.iterdir():
+            if _stale(parent.name, CGROUP_PARENT_PREFIX):
+                for child in parent.iterdir():
+                    if child.is_dir():
+                        try:
+                            child.rmdir()
+                        except OSError:
+                            pass
+            elif not _stale(parent.name, CGROUP_V2_MAIN_PREFIX):
                 continue
-            for child in parent.iterdir():
-                if child.is_dir():
-                    try:
-                        child.rmdir()
-                    except OSError:
-                        pass
             try:
                 parent.rmdir()
             except OSError:

@@ -58,11 +58,13 @@ class PoolSettings:
 class _WorkerProc:
     """One live worker process (jailed or not) and its framed pipes."""
 
-    def __init__(self, argv: list[str], cgroup: iso_mod.CgroupSlot | None, job_root: str | None) -> None:
-        if cgroup is not None:
-            mem_procs, pids_procs = cgroup.procs_files
-            argv = ["/bin/sh", "-c", 'echo $$ >"$0" && echo $$ >"$1" && shift 1 && exec "$@"',
-                    mem_procs, pids_procs, *argv]
+    def __init__(self, argv: list[str], cgroup: iso_mod.CgroupSlot | iso_mod.CgroupV2Slot | None,
+                 job_root: str | None) -> None:
+        if cgroup is not None:  # join the group(s) first, then become the jail: nothing runs outside them
+            files = cgroup.procs_files
+            script = " && ".join([*(f'echo $$ >"${i}"' for i in range(len(files))),
+                                  *([f"shift {len(files) - 1}"] if len(files) > 1 else []), 'exec "$@"'])
+            argv = ["/bin/sh", "-c", script, *files, *argv]
         self.job_root = job_root
         self.cgroup = cgroup
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -156,7 +158,7 @@ class _WorkerProc:
         except subprocess.TimeoutExpired:
             log.error("sandbox worker %d did not die after SIGKILL", self.proc.pid)
         if self.cgroup is not None and not self.cgroup.kill_all():
-            log.error("sandbox cgroup still has processes after SIGKILL: %s", self.cgroup.dirs[1])
+            log.error("sandbox cgroup still has processes after SIGKILL: %s", self.cgroup.dirs[-1])
         for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             try:
                 stream.close()  # type: ignore[union-attr]
@@ -185,9 +187,10 @@ class _Pool:
         owner, iso = self.owner, self.owner.isolation
         cfg = {"preload": list(self.profile.preload), "network": self.network, "seccomp": iso.seccomp}
         cgroup = None
-        if iso.cgroups == "v1":
+        if iso.cgroups:
             name = f"i{owner.instance}-{self.profile.name}-{'net' if self.network else 'nonet'}-{slot}"
-            cgroup = iso_mod.CgroupSlot(name, owner.settings.memory_backstop_bytes, owner.settings.max_pids)
+            cgroup = iso_mod.make_cgroup_slot(iso.cgroups, name, owner.settings.memory_backstop_bytes,
+                                              owner.settings.max_pids)
         if iso.namespaces:
             uid = iso_mod.JAIL_UID_BASE + owner.slot_uid_index() if iso.uid_drop else None
             spec = iso_mod.JailSpec(iso_mod.python_install(), uid, self.binds, self.network,
@@ -290,8 +293,8 @@ class LocalSandbox:
         if not self.isolation.isolated:
             log.warning("SANDBOX RUNNING WITHOUT ISOLATION (allow_unisolated=true): %s",
                         "; ".join(self.isolation.missing))
-        if self.isolation.cgroups == "v1":
-            iso_mod.sweep_stale_cgroups()
+        if self.isolation.cgroups:
+            iso_mod.sweep_stale_cgroups(self.isolation.cgroups)
         self.settings = PoolSettings(
             pool_size=cfg.pool_size or (os.cpu_count() or 1),
             recycle_after=cfg.recycle_after,

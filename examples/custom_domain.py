@@ -27,7 +27,7 @@ class ReverseEnv(Environment):
     async def step(self, assistant_text: str) -> StepResult:
         want = " ".join(reversed(self.task.meta["words"]))
         correct = float(assistant_text.strip().lower() == want)
-        return StepResult([], correct, True, {"correct": correct})
+        return StepResult([], correct, True, {"correct": correct, "success": correct})
 
 
 @register_env("reverse.words")

@@ -1,5 +1,6 @@
 """The contract every domain keeps: deterministic generators, disjoint splits, reference solutions
-scoring 1.0, and wrong, empty, malformed or hostile outputs scoring below 1 without raising."""
+scoring 1.0 with a strict `success` of 1.0, and wrong, empty, malformed or hostile outputs scoring below
+1 with `success` 0.0, without raising."""
 
 from __future__ import annotations
 
@@ -70,9 +71,10 @@ def test_reference_solutions_score_one(name):
                 task = d.task(split, level, i)
                 res = run(run_episode(d.make_env(None), task, d.reference(task)))
                 assert res.done and res.reward == 1.0, (task.id, res.rewards, res.info)
+                assert res.rewards["success"] == 1.0, (task.id, res.rewards)
 
 
-@pytest.mark.parametrize("name", SANDBOXED)
+@pytest.mark.parametrize("name", [*SANDBOXED, "code.humaneval"])
 def test_sandboxed_reference_solutions_score_one(name, sandbox):
     d = get_domain(name)
     for level in d.difficulties:
@@ -80,6 +82,7 @@ def test_sandboxed_reference_solutions_score_one(name, sandbox):
             task = d.task(split, level, 0)
             res = run(run_episode(d.make_env(sandbox), task, d.reference(task)))
             assert res.done and res.reward == 1.0, (task.id, res.rewards, res.info)
+            assert res.rewards["success"] == 1.0, (task.id, res.rewards)
 
 
 @pytest.mark.parametrize("name", CPU + SANDBOXED)
@@ -91,4 +94,4 @@ def test_wrong_empty_malformed_hostile_outputs_score_below_one(name, request):
     for text in texts:
         res = run(run_episode(d.make_env(sandbox), task, [text]))
         assert res.done and res.reward is not None and 0.0 <= res.reward < 1.0, (text[:40], res.rewards, res.info)
-        assert res.info["infra_failure"] is False
+        assert res.rewards["success"] == 0.0 and res.info["infra_failure"] is False

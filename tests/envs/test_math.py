@@ -37,7 +37,7 @@ def test_reward_weighting():
     for text, (reward, correct, fmt) in cases.items():
         res = _score(task, text)
         assert res.reward == pytest.approx(reward), text
-        assert res.rewards == {"correct": correct, "format": fmt}, text
+        assert res.rewards == {"correct": correct, "format": fmt, "success": correct}, text
 
 
 def test_dataset_scorer_partial_credit_is_used():
@@ -47,6 +47,7 @@ def test_dataset_scorer_partial_credit_is_used():
     ans = task.meta["answer"]
     res = _score(task, f"<answer>{ans} x</answer>")
     assert res.rewards["correct"] == pytest.approx(len(ans) / len(ans + " x"))
+    assert 0.0 < res.rewards["correct"] < 1.0 and res.rewards["success"] == 0.0  # partial credit is no success
 
 
 def test_any_reasoning_gym_dataset_by_name_with_config():

@@ -33,12 +33,47 @@ def test_generated_repo_has_tests_that_catch_the_bug():
     assert files[task.meta["bug_path"]] != task.meta["original_files"][task.meta["bug_path"]]
 
 
-def test_doing_nothing_scores_the_originally_passing_fraction(sandbox):
+def test_doing_nothing_scores_zero_though_most_tests_pass(sandbox):
     d = get_domain("swe.ci_fix")
     task = d.task("train", 0, 1)
     res = run(run_episode(d.make_env(sandbox), task, [CALL([("submit", {})])]))
     total = res.info["tests_total"]
-    assert res.reward == pytest.approx((total - len(task.meta["failing_tests"])) / total) and res.reward < 1.0
+    assert res.rewards["passed"] == pytest.approx((total - len(task.meta["failing_tests"])) / total)
+    assert res.rewards["passed"] > 0.5
+    assert (res.rewards["fixed"], res.rewards["kept"], res.rewards["success"], res.reward) == (0.0, 1.0, 0.0, 0.0)
+
+
+def test_a_fix_that_breaks_passing_tests_is_scaled_by_what_it_kept(sandbox):
+    d = get_domain("swe.ci_fix")
+    task = next(t for t in (d.task("train", 1, i) for i in range(20)) if _leaf_module(t))
+    leaf = _leaf_module(task)
+    ids = [t for f in sorted(task.meta["original_files"]) for t in _ids_of(task, f)]
+    broken = [t for t in ids if f"from app.{leaf} import" in task.meta["original_files"][t.split("::")[0]]]
+    passing_before = [t for t in ids if t not in task.meta["failing_tests"]]
+    fix = d.reference(task)[1]
+    breaker = CALL([("write_file", {"path": f"app/{leaf}.py", "content": "raise RuntimeError('broken')\n"})])
+    res = run(run_episode(d.make_env(sandbox), task, [fix, breaker, CALL([("submit", {})])]))
+    kept = (len(passing_before) - len(broken)) / len(passing_before)
+    assert broken and res.rewards["fixed"] == 1.0 and res.rewards["kept"] == pytest.approx(kept)
+    assert res.reward == pytest.approx(kept) and res.rewards["success"] == 0.0
+
+
+def _ids_of(task, path):
+    from posttrain.envs.domains.swe_ci_fix import test_ids
+
+    return test_ids({path: task.meta["original_files"][path]})
+
+
+def _leaf_module(task):
+    """An app module other than the buggy one that no other app module imports."""
+    files = task.meta["original_files"]
+    for path in sorted(files):
+        name = path[len("app/"):-3]
+        if not path.startswith("app/") or name == "__init__" or path == task.meta["bug_path"]:
+            continue
+        if not any(f"app.{name}" in src for p, src in files.items() if p.startswith("app/") and p != path):
+            return name
+    return None
 
 
 def test_modifying_tests_scores_zero(sandbox):

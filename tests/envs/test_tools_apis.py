@@ -68,7 +68,7 @@ def test_bad_arguments_are_observations_the_model_can_recover_from():
     assert tool_msg.role == "tool" and "invalid_arguments" in tool_msg.content
     assert res.info["invalid_tool_calls"] == 1
     # state is right and the model finished, but the invalid call halves the format component
-    assert res.rewards == {"state": 1.0, "correct": 1.0, "format": 0.5, "finished": 1.0}
+    assert res.rewards == {"state": 1.0, "correct": 1.0, "format": 0.5, "finished": 1.0, "success": 1.0}
     assert res.reward == pytest.approx(0.85 + 0.15 * 0.5)
 
 

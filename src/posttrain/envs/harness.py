@@ -1,137 +1,35 @@
-"""The test harness environments send into the sandbox, and the parsing of what it prints back.
+"""The test jobs environments send into the sandbox, and the reading of what comes back.
 
-Each test runs in its own forked child (the untrusted code never runs in the harness process), with a
-per-test timeout. In "call" mode the child only returns the JSON of `fn(*args)`; expected values never
-enter the sandbox, so a solution cannot forge a pass by printing fake results - the environment compares
-outside. In "exec" mode (repository tests, HumanEval's `check`) a test passes when its snippet returns
-and the child reports it through a private pipe. Owns no grading policy beyond pass/fail per test.
+A harness job is the sandbox's trusted runner (`posttrain.sandbox.grading.runner_job`): the tests run
+in the runner, the untrusted code in a separate subject process that only answers calls with plain
+values, and the verdict is one nonce-tagged line the subject cannot write, taken only from a job that
+ended OK with exit status 0. Test kinds: `call_tests` (the runner returns `fn(*args)` and expected
+values never enter the sandbox: the environment compares outside), `{"kind": "code"}` snippets run
+against bound solution names (HumanEval's `check`), and `module_tests` (test functions of trusted
+test modules that import the solution's package through proxies). Owns no grading policy beyond
+pass/fail per test.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import tempfile
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from posttrain.sandbox.api import ExecResult, ExecStatus, Job, Limits
+from posttrain.sandbox.grading import read_runner_result, runner_job
 
-RESULT_MARKER = "@@POSTTRAIN_HARNESS_RESULTS@@"
 
-# Runs inside the sandbox. Reads harness_spec.json from the working directory.
-HARNESS_SOURCE = r'''
-import json, os, select, signal, sys, time, traceback
-
-MARK = "@@POSTTRAIN_HARNESS_RESULTS@@"
-CAP = 4000
-
-def _child(spec, test, wfd):
-    os.setpgid(0, 0)
-    try:
-        os.close(0)
-    except OSError:
-        pass
-    out = {"ok": False}
-    try:
-        sys.path[:0] = spec.get("sys_path", [])
-        ns = {"__name__": "__main__"}
-        if spec.get("setup"):
-            exec(compile(spec["setup"], spec.get("setup_name", "submission.py"), "exec"), ns)
-        if spec["mode"] == "call":
-            fn = ns.get(test["fn"])
-            if not callable(fn):
-                raise NameError("function %r is not defined" % test["fn"])
-            value = fn(*test["args"])
-            out = {"ok": True, "value": json.loads(json.dumps(value, default=repr))}
-        else:
-            exec(compile(test["code"], "<test>", "exec"), ns)
-            out = {"ok": True}
-    except BaseException:
-        tb = traceback.format_exc().replace(os.getcwd() + os.sep, "")
-        out = {"ok": False, "error": tb[-CAP:]}
-    try:
-        data = json.dumps(out, default=repr).encode()
-    except Exception:
-        data = json.dumps({"ok": False, "error": "result is not serialisable"}).encode()
-    os.write(wfd, data[: 1 << 20])
-    os._exit(0)
-
-def _run_one(spec, test, timeout_s):
-    r, w = os.pipe()
-    sys.stdout.flush(); sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        os.close(r)
-        try:
-            _child(spec, test, w)
-        finally:
-            os._exit(1)
-    os.close(w)
-    chunks, size, status = [], 0, None
-    deadline = time.monotonic() + timeout_s
-    open_pipe = True
-    while True:
-        if open_pipe:
-            ready, _, _ = select.select([r], [], [], 0.005)
-            if ready:
-                b = os.read(r, 65536)
-                if not b:
-                    open_pipe = False
-                elif size < (1 << 20):
-                    chunks.append(b); size += len(b)
-        done_pid, st = os.waitpid(pid, os.WNOHANG)
-        if done_pid:
-            status = st
-            break
-        if time.monotonic() > deadline:
-            for sig_target in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
-                try:
-                    sig_target()
-                except OSError:
-                    pass
-            os.waitpid(pid, 0)
-            os.close(r)
-            return {"ok": False, "error": "timeout after %.1fs" % timeout_s, "timeout": True}
-        if not open_pipe:
-            time.sleep(0.002)
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except OSError:
-        pass
-    while open_pipe:
-        b = os.read(r, 65536)
-        if not b:
-            break
-        if size < (1 << 20):
-            chunks.append(b); size += len(b)
-    os.close(r)
-    try:
-        res = json.loads(b"".join(chunks).decode("utf-8", "replace"))
-        if not isinstance(res, dict):
-            raise ValueError
-    except Exception:
-        code = os.waitstatus_to_exitcode(status) if status is not None else None
-        return {"ok": False, "error": "test process ended without a result (exit %s)" % code}
-    if os.waitstatus_to_exitcode(status) != 0:
-        res["ok"] = False
-        res.setdefault("error", "test process exited with %s" % os.waitstatus_to_exitcode(status))
-    return res
-
-def main():
-    with open("harness_spec.json") as f:
-        spec = json.load(f)
-    results, timeouts = [], 0
-    for t in spec["tests"]:
-        if timeouts >= int(spec.get("max_timeouts", 2)):
-            results.append({"ok": False, "error": "skipped after %d timeouts" % timeouts, "timeout": True})
-            continue
-        res = _run_one(spec, t, float(spec.get("timeout_s", 2.0)))
-        timeouts += bool(res.get("timeout"))
-        results.append(res)
-    sys.stdout.write("\n" + MARK + json.dumps(results) + "\n")
-    sys.stdout.flush()
-
-main()
-'''
+@dataclass
+class HarnessJob:
+    job: Job
+    nonce: str
+    n_tests: int
 
 
 @dataclass
@@ -148,48 +46,74 @@ class HarnessReport:
         return len(self.results)
 
 
-def build_job(
-    mode: str,
-    tests: list[dict[str, Any]],
-    setup: str | None = None,
-    files: dict[str, bytes] | None = None,
-    sys_path: list[str] | None = None,
-    per_test_timeout_s: float = 2.0,
-    setup_name: str = "submission.py",
-    max_timeouts: int = 2,
-) -> Job:
-    if mode not in ("call", "exec"):
-        raise ValueError(f"harness mode must be 'call' or 'exec', got {mode!r}")
-    spec = {"mode": mode, "tests": tests, "setup": setup, "sys_path": sys_path or [],
-            "timeout_s": per_test_timeout_s, "setup_name": setup_name,
-            "max_timeouts": max_timeouts}
-    all_files = dict(files or {})
-    all_files["harness_spec.json"] = json.dumps(spec).encode()
-    wall = min(60.0, 2.0 + per_test_timeout_s * min(max(1, len(tests)), max_timeouts + 2) * 1.5 + 0.05 * len(tests))
+def call_tests(fn: str, args_list: list[list[Any]]) -> list[dict[str, Any]]:
+    return [{"kind": "call", "fn": fn, "args": list(args)} for args in args_list]
+
+
+def module_tests(test_ids: list[str]) -> list[dict[str, Any]]:
+    """'tests/test_x.py::test_y' -> a test that imports trusted module `tests.test_x` and calls test_y."""
+    out = []
+    for test_id in test_ids:
+        path, name = test_id.split("::")
+        out.append({"kind": "module", "module": path[:-3].replace("/", "."), "fn": name})
+    return out
+
+
+def module_name(path: str) -> str | None:
+    """Dotted module name of a repository .py path ('tests/__init__.py' -> 'tests'), else None."""
+    if not path.endswith(".py"):
+        return None
+    parts = path[:-3].split("/")
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts) if parts and all(p.isidentifier() for p in parts) else None
+
+
+def build_job(tests: list[dict[str, Any]], *, program: str | None = None, program_name: str = "submission.py",
+              bind: list[str] | str = (), prelude: str | None = None, modules: dict[str, str] | None = None,
+              proxy_packages: tuple[str, ...] = (), files: dict[str, bytes] | None = None,
+              subject_path: tuple[str, ...] = (), per_test_timeout_s: float = 2.0, max_timeouts: int = 2) -> HarnessJob:
+    """One runner job for `tests` (see `posttrain.sandbox.grading.runner_job` for the spec's fields)."""
+    if not tests:
+        raise ValueError("a harness job needs at least one test")
+    spec = {"tests": tests, "program": program, "program_name": program_name,
+            "bind": bind if isinstance(bind, str) else list(bind), "prelude": prelude, "modules": modules or {},
+            "proxy_packages": list(proxy_packages), "subject_path": list(subject_path),
+            "timeout_s": per_test_timeout_s, "max_timeouts": max_timeouts}
+    n = len(tests)
+    # interpreter starts (one per subject, restarted after a crash) plus the tests' own budget
+    wall = min(90.0, 3.0 + per_test_timeout_s * min(n, max_timeouts + 2) * 1.5 + 0.08 * n)
     limits = Limits(wall_time_s=wall, cpu_time_s=wall, max_output_bytes=1 << 20)
-    return Job(code=HARNESS_SOURCE, files=all_files, limits=limits)
+    job, nonce = runner_job(spec, files, limits)
+    return HarnessJob(job, nonce, n)
 
 
-def parse_result(result: ExecResult, n_tests: int) -> HarnessReport:
-    """Read the harness's last result line. A sandbox failure is infra; anything else that lacks a
-    well-formed result line (killed, timed out, memory) means every test failed."""
+def parse_result(result: ExecResult, hjob: HarnessJob) -> HarnessReport:
+    """A sandbox failure is infra; a job without the runner's one complete, nonce-tagged result line
+    (killed, timed out, out of memory, non-zero exit) means every test failed."""
     if result.status == ExecStatus.SANDBOX_ERROR:
         return HarnessReport(infra_failure=True, error=result.error or "sandbox error", status=str(result.status))
-    text = result.stdout_text
-    idx = text.rfind(RESULT_MARKER)
-    results: Any = None
-    if idx >= 0:
-        line = text[idx + len(RESULT_MARKER):].split("\n", 1)[0]
-        try:
-            results = json.loads(line)
-        except json.JSONDecodeError:
-            results = None
-    if not isinstance(results, list) or len(results) != n_tests or not all(isinstance(r, dict) for r in results):
-        why = f"harness produced no results (status {result.status}, exit {result.exit_code})"
+    results, why = read_runner_result(result, hjob.nonce, hjob.n_tests)
+    if results is None:
         tail = result.stderr_text[-500:]
-        return HarnessReport(results=[{"ok": False, "error": why + (": " + tail if tail else "")}] * n_tests,
-                             status=str(result.status))
+        failed = {"ok": False, "error": why + (": " + tail if tail else "")}
+        return HarnessReport(results=[dict(failed) for _ in range(hjob.n_tests)], status=str(result.status))
     return HarnessReport(results=results, status=str(result.status))
+
+
+def run_locally(hjob: HarnessJob, timeout_s: float = 60.0) -> ExecResult:
+    """Run a harness job in a local subprocess: for OUR generated code only (generation-time checks)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, data in hjob.job.files.items():
+            p = Path(tmp, name)
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(data)
+        t0 = time.monotonic()
+        proc = subprocess.run([sys.executable, "-I", "-c", hjob.job.code], cwd=tmp, capture_output=True,
+                              timeout=timeout_s)
+    status = ExecStatus.OK if proc.returncode == 0 else ExecStatus.RUNTIME_ERROR
+    return ExecResult(status=status, exit_code=proc.returncode, stdout=proc.stdout, stderr=proc.stderr,
+                      wall_ms=(time.monotonic() - t0) * 1000)
 
 
 def json_equal(value: Any, expected: Any) -> bool:

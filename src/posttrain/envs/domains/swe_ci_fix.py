@@ -2,10 +2,21 @@
 under `tests/`) with one injected bug; the observation is the failing test log and the file listing;
 tools are `read_file`, `write_file`, `run_tests` and `submit`. All test runs go through the sandbox.
 
-Reward = fraction of all the repository's tests (originally passing and originally failing) that pass
-after the episode, and 0 when any file under `tests/` was modified or created. Components: `passed`
-(the fraction) and `tests_untouched`. Levels: 0 = 3 modules and an operator/constant bug; 1 = 4-5
-modules, any mutation; 2 = 6-8 modules, any mutation.
+Reward = fixed * kept, and 0 when a test or a protected file was touched: `fixed` = the fraction of the
+originally failing tests that pass now, `kept` = the fraction of the originally passing tests that
+still pass. Tests that passed before any edit earn nothing by themselves (doing nothing scores 0), and
+breaking them scales the credit for a fix down in proportion. `success` = 1 only when every test passes
+and nothing protected was touched. Components: `fixed`, `kept`, `passed` (fraction of all tests),
+`tests_untouched`, `success`. Protected: everything under `tests/` (edits score 0) and every file that
+steers a test run anywhere in the tree - conftest.py, pytest.ini, pyproject.toml, setup.cfg, tox.ini,
+sitecustomize.py, usercustomize.py, *.pth - which `write_file` refuses and which also score 0.
+Levels: 0 = 3 modules and an operator/constant bug; 1 = 4-5 modules, any mutation; 2 = 6-8 modules.
+
+Tests run in the trusted runner (`envs.harness`) from the ORIGINAL test files of the task; the model's
+`app/` runs in a separate `python -I -S` subject process that only answers calls with plain values, so
+nothing the model writes (an `app/__init__.py` that exits, forges output, kills the runner or patches
+`builtins`/`unittest`) can pass a test. Residual risk: code that special-cases the exact inputs the
+visible tests use (the tests are readable) passes them without being a general fix.
 
 Generation checks that the bug makes at least one test fail by running the generated tests with the
 same harness in a local subprocess (our own generated code only, never model output).
@@ -17,16 +28,12 @@ import ast
 import json
 import random
 import re
-import subprocess
-import sys
-import tempfile
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 from posttrain.envs.base import Domain, Environment
 from posttrain.envs.domains import swe_repos as repos
-from posttrain.envs.harness import HARNESS_SOURCE, build_job, parse_result
+from posttrain.envs.harness import build_job, module_name, module_tests, parse_result, run_locally
 from posttrain.envs.parsers import get_parser
 from posttrain.envs.registry import register_env
 from posttrain.envs.tool_env import ToolEnvironment
@@ -35,6 +42,8 @@ from posttrain.types import Message, Task, ToolSpec
 
 MAX_FILE_CHARS = 50_000
 MAX_FILES = 60
+STEERING_FILES = frozenset({"conftest.py", "pytest.ini", "pyproject.toml", "setup.cfg", "tox.ini",
+                            "sitecustomize.py", "usercustomize.py"})
 _PATH = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*(/[A-Za-z0-9_][A-Za-z0-9_.\-]*)*$")
 LEVELS = {0: ((3, 3), ("wrong_operator", "off_by_one")), 1: ((4, 5), repos.MUTATION_KINDS),
           2: ((6, 8), repos.MUTATION_KINDS)}
@@ -67,35 +76,35 @@ def test_ids(files: dict[str, str]) -> list[str]:
     return out
 
 
-def _test_snippet(test_id: str) -> str:
-    path, name = test_id.split("::")
-    module = path[:-3].replace("/", ".")
-    return f"import importlib\nimportlib.import_module({module!r}).{name}()"
+def is_test_file(path: str) -> bool:
+    return path.startswith("tests/")
 
 
-def harness_tests(ids: list[str]) -> list[dict[str, str]]:
-    return [{"code": _test_snippet(t)} for t in ids]
+def is_steering_file(path: str) -> bool:
+    """A file that changes how tests are collected or how Python starts, wherever it sits."""
+    name = path.rsplit("/", 1)[-1]
+    return name in STEERING_FILES or name.endswith(".pth")
 
 
-def _encode(files: dict[str, str]) -> dict[str, bytes]:
-    return {p: c.encode() for p, c in files.items()}
+def touched_protected(files: dict[str, str], original: dict[str, str]) -> list[str]:
+    """Test and steering files that differ from (or are missing from, or are new to) the original."""
+    return sorted(p for p in set(files) | set(original)
+                  if (is_test_file(p) or is_steering_file(p)) and files.get(p) != original.get(p))
+
+
+def tests_job(files: dict[str, str], original: dict[str, str], ids: list[str], per_test_timeout_s: float):
+    """The ORIGINAL test modules run in the trusted runner; the working tree (minus tests and steering
+    files) is what the subject imports `app` from."""
+    trusted = {name: src for p, src in original.items() if is_test_file(p) and (name := module_name(p))}
+    tree = {p: c.encode() for p, c in files.items() if not is_test_file(p) and not is_steering_file(p)}
+    return build_job(module_tests(ids), modules=trusted, proxy_packages=(repos.PKG,), files=tree,
+                     subject_path=(".",), per_test_timeout_s=per_test_timeout_s)
 
 
 def run_tests_locally(files: dict[str, str], ids: list[str]) -> list[dict[str, Any]]:
     """Run OUR generated repository's tests in a subprocess (generation-time check only)."""
-    job = build_job("exec", harness_tests(ids), files=_encode(files), sys_path=["."], per_test_timeout_s=5.0)
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, data in job.files.items():
-            p = Path(tmp, name)
-            p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_bytes(data)
-        Path(tmp, "harness.py").write_text(HARNESS_SOURCE)
-        proc = subprocess.run([sys.executable, "-I", "harness.py"], cwd=tmp, capture_output=True, timeout=60)
-    from posttrain.sandbox.api import ExecResult, ExecStatus
-
-    report = parse_result(ExecResult(status=ExecStatus.OK, exit_code=proc.returncode, stdout=proc.stdout,
-                                     stderr=proc.stderr), len(ids))
-    return report.results
+    hjob = tests_job(files, files, ids, per_test_timeout_s=5.0)
+    return parse_result(run_locally(hjob), hjob).results
 
 
 def build_repo(rng: random.Random, n_modules: int) -> dict[str, str]:
@@ -144,13 +153,14 @@ class CiFixEnv(ToolEnvironment):
         self.sandbox = sandbox
 
     async def _run(self, files: dict[str, str]) -> tuple[list[str], list[dict[str, Any]]]:
-        ids = test_ids(self.task.meta["original_files"])
-        job = build_job("exec", harness_tests(ids), files=_encode(files), sys_path=["."], per_test_timeout_s=2.0)
+        original = self.task.meta["original_files"]
+        ids = test_ids(original)
+        hjob = tests_job(files, original, ids, per_test_timeout_s=2.0)
         try:
-            result = await self.sandbox.run(job)
+            result = await self.sandbox.run(hjob.job)
         except Exception as err:  # noqa: BLE001 - a sandbox that raises is an infrastructure failure
             raise InfraError(f"{type(err).__name__}: {err}") from err
-        report = parse_result(result, len(ids))
+        report = parse_result(result, hjob)
         if report.infra_failure:
             raise InfraError(report.error)
         return ids, report.results
@@ -172,6 +182,10 @@ class CiFixEnv(ToolEnvironment):
     def write_file(self, path: str, content: str) -> str:
         if not _PATH.match(path) or ".." in path.split("/"):
             raise ToolError("invalid_argument", f"'{path}' is not a relative path inside the repository")
+        if is_steering_file(path):
+            raise ToolError("protected", f"'{path}' steers the test run (conftest.py, pytest.ini, pyproject.toml, "
+                            "setup.cfg, tox.ini, sitecustomize.py, usercustomize.py and .pth files are protected); "
+                            "fix the code under app/ instead")
         if path not in self.files and len(self.files) >= MAX_FILES:
             raise ToolError("invalid_argument", f"too many files (limit {MAX_FILES})")
         self.files[path] = content
@@ -185,15 +199,21 @@ class CiFixEnv(ToolEnvironment):
         return "submitted"
 
     async def score(self) -> tuple[float, dict[str, float], dict[str, Any]]:
-        original = self.task.meta["original_files"]
-        touched = sorted(p for p in set(self.files) | set(original)
-                         if p.startswith("tests/") and self.files.get(p) != original.get(p))
+        meta = self.task.meta
+        touched = touched_protected(self.files, meta["original_files"])
         ids, results = await self._run(self.files)
-        passed = sum(bool(r.get("ok")) for r in results) / max(1, len(ids))
+        now_passing = {t for t, r in zip(ids, results, strict=True) if r.get("ok") is True}
+        failing_before = set(meta["failing_tests"])
+        passing_before = set(ids) - failing_before
+        fixed = len(failing_before & now_passing) / max(1, len(failing_before))
+        kept = len(passing_before & now_passing) / len(passing_before) if passing_before else 1.0
+        passed = len(now_passing) / max(1, len(ids))
         untouched = 0.0 if touched else 1.0
-        info = {"tests_passed": sum(bool(r.get("ok")) for r in results), "tests_total": len(ids),
-                "modified_tests": touched[:10], "submitted": self.called_terminal}
-        return passed * untouched, {"passed": passed, "tests_untouched": untouched}, info
+        success = float(untouched == 1.0 and len(now_passing) == len(ids))
+        info = {"tests_passed": len(now_passing), "tests_total": len(ids), "modified_tests": touched[:10],
+                "submitted": self.called_terminal}
+        rewards = {"fixed": fixed, "kept": kept, "passed": passed, "tests_untouched": untouched, "success": success}
+        return fixed * kept * untouched, rewards, info
 
 
 @register_env("swe.ci_fix")

@@ -13,7 +13,8 @@ state and (where asked) the `<answer>` equals the gold answer; `finished` = 1 wh
 episode itself (a plain-text reply) and 0.5 when the turn limit cut it off; `format` (see `format_score`)
 = 1 when every tool call parsed and passed its schema and at least one was made (every task needs a
 call), 0.5 when some but not all did, 0.25 when the model only attempted the markup - a graded signal,
-because SmolLM2-135M almost never writes a valid call unprompted.
+because SmolLM2-135M almost never writes a valid call unprompted. `success` = `correct` (strict:
+state and answer right; finishing and format do not enter it).
 """
 
 from __future__ import annotations
@@ -361,7 +362,7 @@ class ShopEnv(ToolEnvironment):
             info["extracted_answer"] = got
         fmt = format_score(self.counts)
         finished = 0.5 if self.truncated else 1.0
-        rewards.update(correct=correct, format=fmt, finished=finished)
+        rewards.update(correct=correct, format=fmt, finished=finished, success=correct)
         return clip01(W_CORRECT * correct * finished + W_FORMAT * fmt), rewards, info
 
 

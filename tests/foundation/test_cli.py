@@ -61,3 +61,35 @@ def test_unknown_benchmark_exits_2():
 def test_console_script_runs():
     out = subprocess.run([sys.executable, "-m", "posttrain", "--version"], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == f"posttrain {__version__}"
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("algorithm.advantage=grp", "did you mean 'grpo'?"),
+        ("algorithm.policy_loss=gsop", "did you mean 'gspo'?"),
+        ("curriculum.sampler=dumpp", "did you mean 'dump'?"),
+        ("envs.domains=[{name: mathh}]", "did you mean 'math'?"),
+    ],
+)
+def test_train_checks_registered_names_before_a_run_directory_exists(tmp_path, override, expected):
+    root = tmp_path / "runs"
+    result = runner.invoke(app, ["train", "--set", override, "--set", f"telemetry.run_dir={root}",
+                                 "--set", "model.spec=tiny:llama", "--set", "orchestrator.steps=0", "--no-progress"])
+    assert result.exit_code == 2, result.output
+    assert expected in " ".join(result.output.split())
+    assert not root.exists() or not any(root.iterdir())
+
+
+@pytest.mark.parametrize("name", ["..", ".", "../victim", "a/b", ".hidden"])
+def test_train_rejects_run_names_that_are_not_one_safe_component(tmp_path, name):
+    root = tmp_path / "work" / "runs"
+    root.mkdir(parents=True)
+    keep = tmp_path / "work" / "precious.txt"
+    keep.write_text("do not delete")
+    (tmp_path / "victim").mkdir()
+    result = runner.invoke(app, ["train", "--name", name, "--overwrite", "--set", f"telemetry.run_dir={root}",
+                                 "--set", "model.spec=tiny:llama", "--set", "orchestrator.steps=0", "--no-progress"])
+    assert result.exit_code == 2, result.output
+    assert "is not allowed" in result.output and "--name" in result.output
+    assert keep.read_text() == "do not delete" and (tmp_path / "victim").is_dir() and not any(root.iterdir())

@@ -71,6 +71,8 @@ def test_resume_is_bit_exact(tmp_path):
     first = _run(_cfg(tmp_path, "orchestrator.steps=2"), "resumed")
     first.close()
     resumed = _run(_cfg(tmp_path, "orchestrator.steps=4"), "resumed", resume=True)
+    # the run's config.yaml states what it was resumed with (steps=4, not the first leg's 2)
+    assert load_config(resumed.run_dir.config) == resumed.cfg
     a, b = straight.learner.weights(), resumed.learner.weights()
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -541,3 +543,79 @@ def test_replacing_a_checkpoint_never_leaves_its_step_without_a_valid_one(tmp_pa
     assert list_checkpoints(root) == [second]  # the superseded one is gone once the new one is published
     third = save_checkpoint(root, 5, write("newer"), keep=1)
     assert third != second and list_checkpoints(root) == [third]
+
+
+def test_dapo_filter_only_filters_in_the_real_loop_and_domain_weights_reach_the_sampler(tmp_path, monkeypatch):
+    # dynamic_sampling is off: the sampler alone asks for DAPO's filter; the tiny policy scores 0 on math
+    cfg = _cfg(tmp_path, "orchestrator.steps=1", "curriculum.probe_every=0", "curriculum.sampler=dapo_filter_only",
+               "algorithm.max_resample_rounds=2",
+               "envs.domains=[{name: math, difficulties: [0]}, {name: tools.apis, difficulties: [0], weight: 3}]")
+    run_dir = RunDir.create(cfg.telemetry.run_dir, "dapo")
+    rl = RLRun(cfg, run_dir)
+    rl.build()
+    w = rl.sampler.weights()
+    assert [w[a] for a in rl.arms] == pytest.approx([0.25, 0.75])  # uniform_by_domain's shares, weighted 1 : 3
+    rl.arms = rl.arms[:1]
+    rl.sampler = type(rl.sampler)(cfg.curriculum, rl.arms, cfg.seed)  # math alone: every group all-zero
+    seen = []
+    monkeypatch.setattr(rl.learner, "step", lambda samples, current_version=None: seen.extend(samples) or {})
+    rl.train()
+    row = read_metrics(run_dir.metrics)[-1]
+    assert row["rollout/dropped_group_frac"] == 1.0 and seen == []
+    assert row["rollout/episodes"] == 3 * cfg.orchestrator.tasks_per_step * cfg.algorithm.group_size
+    rl.close()
+
+
+def test_a_group_left_with_one_member_is_dropped_and_counted(tmp_path, monkeypatch):
+    from posttrain.types import TrajectoryStatus
+
+    cfg = _cfg(tmp_path, "orchestrator.steps=1", "curriculum.probe_every=0", "envs.domains=[{name: math, difficulties: [0]}]")
+    run_dir = RunDir.create(cfg.telemetry.run_dir, "lone")
+    rl = RLRun(cfg, run_dir)
+    rl.build()
+    real_rollout = rl._rollout
+
+    def lose_one(picks, step, group_offset):
+        batch = real_rollout(picks, step, group_offset)
+        victim = next(t for t in batch.trajectories if t.group_id == group_offset)  # group 0 keeps one member
+        victim.status = TrajectoryStatus.SANDBOX_ERROR
+        return batch
+
+    monkeypatch.setattr(rl, "_rollout", lose_one)
+    seen = []
+    monkeypatch.setattr(rl.learner, "step", lambda samples, current_version=None: seen.extend(samples) or {})
+    rl.train()
+    row = read_metrics(run_dir.metrics)[-1]
+    assert row["rollout/dropped_singleton_groups"] == 1.0 and row["counters/dropped_singleton_groups"] == 1.0
+    assert {t.group_id for t in seen} == {1, 2}  # the lone member's group never reaches the learner
+    assert len(seen) == 2 * cfg.algorithm.group_size
+    rl.close()
+
+
+def test_the_run_s_sandbox_gets_the_configured_per_job_limits(tmp_path, monkeypatch):
+    import asyncio
+
+    import posttrain.sandbox as sandbox_mod
+    from posttrain.sandbox import Job, Limits
+
+    jobs = []
+
+    class Recorder:
+        async def run(self, job):
+            jobs.append(job)
+            return ExecResult(ExecStatus.OK)
+
+        async def run_batch(self, batch):
+            return [await self.run(j) for j in batch]
+
+        async def close(self):
+            pass
+
+    monkeypatch.setattr(sandbox_mod, "make_sandbox", lambda cfg=None: Recorder())
+    cfg = _cfg(tmp_path, "sandbox.wall_time_s=3", "sandbox.memory_mb=100")
+    sb = RLRun(cfg, RunDir.create(tmp_path, "limits"))._make_sandbox()
+    asyncio.run(sb.run(Job(code="", limits=Limits(wall_time_s=20.0, cpu_time_s=20.0))))
+    asyncio.run(sb.run_batch([Job(code="", limits=Limits(wall_time_s=1.0, cpu_time_s=1.5))]))
+    a, b = (j.limits for j in jobs)
+    assert (a.wall_time_s, a.cpu_time_s, a.memory_bytes) == (3.0, 3.0, 100 << 20)  # capped
+    assert (b.wall_time_s, b.cpu_time_s, b.memory_bytes) == (1.0, 1.5, 100 << 20)  # below the cap: its own

@@ -47,7 +47,8 @@ class StopRequested(Exception):
 # training rollouts (dynamic-sampling extras included) and by retention probes; orchestrator.token_budget
 # is spent against their sum.
 COUNTERS: dict[str, float] = {
-    "infra_failures": 0.0, "dropped_stale": 0.0, "dropped_groups": 0.0, "rollout_tokens": 0.0, "probe_tokens": 0.0,
+    "infra_failures": 0.0, "dropped_stale": 0.0, "dropped_groups": 0.0, "dropped_singleton_groups": 0.0,
+    "rollout_tokens": 0.0, "probe_tokens": 0.0,
 }
 
 
@@ -125,7 +126,9 @@ class RLRun:
                     raise ValueError(f"envs.domains: '{d.name}' has no difficulty {lvl}; valid levels are {valid}")
                 arms.append(Arm(d.name, lvl))
         self.arms = arms
-        self.sampler = make_sampler(cfg.curriculum, arms, seed=cfg.seed)
+        self.sampler = make_sampler(
+            cfg.curriculum, arms, seed=cfg.seed, domain_weights={d.name: d.weight for d in cfg.envs.domains}
+        )
         self.learner = Learner(cfg.model, cfg.trainer, cfg.algorithm, seed=cfg.seed)
         engine_model = load_policy(cfg.model.spec, dtype=cfg.engine.dtype, seed=cfg.seed)
         self.engine = make_engine(cfg.engine, engine_model, self.tokenizer)
@@ -136,9 +139,10 @@ class RLRun:
         self._built = True
 
     def _make_sandbox(self) -> Any:
+        from posttrain.orchestrator.limits import ConfiguredSandbox
         from posttrain.sandbox import make_sandbox
 
-        return make_sandbox(self.cfg.sandbox)
+        return ConfiguredSandbox(make_sandbox(self.cfg.sandbox), self.cfg.sandbox)
 
     def _sampling_params(self, train: bool) -> Any:
         from posttrain.engine import SamplingParams
@@ -206,17 +210,23 @@ class RLRun:
     def _collect_step(
         self, step: int, spent: float | None = None
     ) -> tuple[list[Trajectory], list[tuple[Any, Any, list[float], int]], dict[str, float]]:
-        """Rollouts for one step, with dynamic sampling (drop equal-reward groups, refill, bounded);
+        """Rollouts for one step, with dynamic sampling (drop equal-reward groups, refill, bounded) when
+        algorithm.dynamic_sampling is on or the sampler filters groups (dapo_filter_only); a group that
+        infrastructure failures left with one member (no baseline) is dropped and counted;
         `spent` goes to _pick_tasks."""
         cfg = self.cfg
+        filtering = cfg.algorithm.dynamic_sampling or self.sampler.filters_groups
+        from posttrain.algos import uses_group_baseline
+
+        lone_ok = not uses_group_baseline(cfg.algorithm.advantage)
         want = cfg.orchestrator.tasks_per_step
         kept: list[Trajectory] = []
         groups_for_sampler: list[tuple[Any, Any, list[float], int]] = []
         every: list[Trajectory] = []
         wall = 0.0
         offset = 0
-        rounds = cfg.algorithm.max_resample_rounds if cfg.algorithm.dynamic_sampling else 0
-        dropped = total_groups = 0
+        rounds = cfg.algorithm.max_resample_rounds if filtering else 0
+        dropped = total_groups = singletons = 0
         for round_ in range(rounds + 1):
             picks = self._pick_tasks(step, want if round_ == 0 else want - len({t.group_id for t in kept}), spent)
             batch = self._rollout(picks, step, offset)
@@ -236,19 +246,23 @@ class RLRun:
                 rewards = [t.reward for t in members]
                 groups_for_sampler.append((arm, index, rewards, sum(t.num_generated for t in members)))
                 total_groups += 1
-                if cfg.algorithm.dynamic_sampling and len(set(rewards)) == 1:
+                if len(members) == 1 < cfg.algorithm.group_size and not lone_ok:
+                    singletons += 1  # its advantage would be its raw score: no group to compare with
+                    continue
+                if filtering and len(set(rewards)) == 1:
                     dropped += 1
                     continue
                 kept.extend(members)
-            if not cfg.algorithm.dynamic_sampling or len({t.group_id for t in kept}) >= want:
+            if not filtering or len({t.group_id for t in kept}) >= want:
                 break
         stats = rollout_stats(every, wall)
-        if cfg.algorithm.dynamic_sampling and not kept:
+        if filtering and not kept:
             # every group was uninformative: train on nothing rather than on noise, but say so
             stats["rollout/empty_after_filter"] = 1.0
         stats["rollout/wall_s"] = wall
         stats["rollout/dropped_group_frac"] = dropped / total_groups if total_groups else 0.0
         stats["rollout/dropped_groups"] = float(dropped)
+        stats["rollout/dropped_singleton_groups"] = float(singletons)
         return kept, groups_for_sampler, stats
 
     def _feed_sampler(self, groups: list[tuple[Any, Any, list[float], int]], step: int) -> None:
@@ -443,6 +457,8 @@ class RLRun:
         _set_py_random_state(state["python_random"])
         _set_np_random_state(state["numpy_random"])
         self._sync_weights(self.learner.weights())
+        # the run goes on with this config (a resume may override settings): config.yaml says so
+        save_config(self.cfg, self.run_dir.config)
         # metrics after the checkpoint belong to the interrupted tail; the resumed run rewrites them
         if self.run_dir.metrics.exists():
             kept = [r for r in read_metrics(self.run_dir.metrics) if r.get("step", 0) <= self.step]
@@ -526,7 +542,7 @@ class RLRun:
         # counted here, from the batch's stats, not where the batch was collected: in async mode that is the
         # rollout thread, running ahead, and the logged counters would depend on how far ahead it was
         for counter, key in (("rollout_tokens", "generated_tokens"), ("infra_failures", "infra_failures"),
-                             ("dropped_groups", "dropped_groups")):
+                             ("dropped_groups", "dropped_groups"), ("dropped_singleton_groups", "dropped_singleton_groups")):
             self.counters[counter] += metrics.get(f"rollout/{key}", 0.0)
         if pre is not None:
             probe, signals, self._ckpt_view = pre

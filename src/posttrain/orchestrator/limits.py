@@ -1,0 +1,43 @@
+"""The run's sandbox limits: every job a run's environments send passes through `ConfiguredSandbox`,
+which caps its wall and CPU time at `sandbox.wall_time_s` and sets its memory limit to
+`sandbox.memory_mb`. It does not execute anything: the wrapped sandbox does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from posttrain.sandbox import ExecResult, Job, limits_from_config
+
+
+class ConfiguredSandbox:
+    """A `Sandbox` that applies the config's per-job limits, then hands the job to `inner`."""
+
+    def __init__(self, inner: Any, cfg: Any) -> None:
+        self.inner = inner
+        self.limits = limits_from_config(cfg)
+
+    def apply(self, job: Job) -> Job:
+        """`job` with wall/CPU time at most the configured ones and the configured memory limit."""
+        lim = job.limits
+        capped = dataclasses.replace(
+            lim,
+            wall_time_s=min(lim.wall_time_s, self.limits.wall_time_s),
+            cpu_time_s=min(lim.cpu_time_s, self.limits.cpu_time_s),
+            memory_bytes=self.limits.memory_bytes,
+        )
+        return dataclasses.replace(job, limits=capped)
+
+    async def run(self, job: Job) -> ExecResult:
+        return await self.inner.run(self.apply(job))
+
+    async def run_batch(self, jobs: Sequence[Job]) -> list[ExecResult]:
+        return await self.inner.run_batch([self.apply(j) for j in jobs])
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    def __getattr__(self, name: str) -> Any:  # stats, layers, warm(), ... of the wrapped sandbox
+        return getattr(self.inner, name)

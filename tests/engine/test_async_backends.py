@@ -146,3 +146,63 @@ def test_agenerate_works_across_event_loops_and_errors_reach_the_caller(tokenize
     assert asyncio.run(engine.agenerate(req)).completions[0].token_ids == first  # a new loop, a new driver
     with pytest.raises(BadRequestError, match="max_tokens must be >= 1"):
         asyncio.run(engine.agenerate(GenerationRequest([5], SamplingParams(max_tokens=0))))
+
+
+def test_hf_seeded_requests_give_the_same_tokens_alone_and_concurrently(tokenizer):
+    import threading
+
+    import torch
+
+    model = tiny("llama")
+    engine = HFEngine(model, tokenizer)
+    prompts = random_prompts([7, 12], seed=43)
+    params = [SamplingParams(temperature=1.0, top_k=50, max_tokens=16, seed=s, ignore_eos=True) for s in (11, 12)]
+    reqs = [GenerationRequest(p, q) for p, q in zip(prompts, params, strict=True)]
+    state = torch.get_rng_state()
+    alone = [engine.generate([r])[0].completions[0].token_ids for r in reqs]
+    assert torch.equal(torch.get_rng_state(), state)  # a seeded request never touches the global generator
+    assert alone[0] != alone[1]
+
+    stop = threading.Event()
+
+    def other_work():  # e.g. a learner's dropout in another thread, drawing from the global generator
+        while not stop.is_set():
+            torch.manual_seed(int(torch.randint(0, 1000, (1,))))
+            torch.rand(64)
+
+    async def together():
+        return await asyncio.gather(*(engine.agenerate(r) for r in reqs))
+
+    noise = threading.Thread(target=other_work)
+    noise.start()
+    try:
+        for _ in range(3):
+            outs = asyncio.run(together())
+            assert [o.completions[0].token_ids for o in outs] == alone
+    finally:
+        stop.set()
+        noise.join()
+
+
+def test_every_end_of_turn_id_stops_generation(tokenizer):
+    import copy
+
+    from posttrain.engine.stops import end_of_turn_ids
+
+    model = copy.deepcopy(tiny("llama"))
+    prompt = random_prompts([9], seed=44)[0]
+    free = PagedEngine(model, tokenizer, block_size=4, num_blocks=64).generate([GenerationRequest(prompt, GREEDY)])
+    toks = free[0].completions[0].token_ids
+    assert len(toks) == 12 and toks[0] != tokenizer.eos_token_id
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, toks[0]]  # generation_config.json's list
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    for engine in (PagedEngine(model, tokenizer, block_size=4, num_blocks=64), HFEngine(model, tokenizer)):
+        c = engine.generate([GenerationRequest(prompt, params)])[0].completions[0]
+        assert c.token_ids == toks[:1] and c.finish_reason == "stop", type(engine).__name__
+    # the chat template's end-of-turn marker counts even when the tokenizer's eos is another token
+    other = copy.deepcopy(tokenizer)
+    other.eos_token = "<|endoftext|>"
+    bare = copy.deepcopy(model)
+    bare.config.eos_token_id, bare.generation_config.eos_token_id = None, None
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert end_of_turn_ids(bare, other) == sorted({other.eos_token_id, im_end})

@@ -35,7 +35,7 @@ def make_engine(engine_cfg: EngineConfig, model: Any, tokenizer: Any, *, seed: i
         from posttrain.engine.hf import HFEngine
 
         return HFEngine(
-            model, tokenizer, max_model_len=engine_cfg.max_model_len, max_batch_size=engine_cfg.max_num_seqs
+            model, tokenizer, max_model_len=engine_cfg.max_model_len, max_batch_size=engine_cfg.max_num_seqs, seed=seed
         )
     if engine_cfg.backend == "vllm":
         from posttrain.engine.vllm_backend import VLLMEngine

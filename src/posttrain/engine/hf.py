@@ -1,22 +1,26 @@
 """HFEngine: transformers' `generate` behind the engine interface, the baseline the paged engine is measured against.
 
 Batches requests with identical sampling parameters into one left-padded `generate` call (n samples
-via `num_return_sequences`). Logprobs come from the raw logits after temperature and repetition
-penalty, like the paged engine's. Seeds are per call, not per request (HF draws for the whole batch).
-Does not page, share prefixes or batch continuously: that is what it is the baseline for.
+as n rows). Logprobs come from the raw logits after temperature and repetition penalty, like the
+paged engine's. Sampling draws each row from its own torch.Generator (`seed_for(seed, index)`, as the
+paged engine does) inside a logits processor, never from the global generator, so a seeded request
+gives the same tokens whatever runs in other threads. Does not page, share prefixes or batch
+continuously: that is what it is the baseline for.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import torch
 
-from posttrain.engine.sampling import apply_repetition_penalty
+from posttrain.engine.sampling import apply_repetition_penalty, sample_row, seed_for
+from posttrain.engine.stops import end_of_turn_ids
 from posttrain.engine.types import (
     Completion,
     GenerationOutput,
@@ -41,9 +45,25 @@ class BlockingAsyncMixin:
             yield StreamDelta(out.request_id, j, c.token_ids, c.logprobs, c.text, c.finish_reason)
 
 
+class _RowSampler:
+    """A logits processor that samples every row with its own generator (sampling.sample_row) and leaves
+    only that token possible, so HF's greedy step takes it."""
+
+    def __init__(self, params: SamplingParams, prompts: list[list[int]], width: int, generators: list[torch.Generator]):
+        self.params, self.prompts, self.width, self.generators = params, prompts, width, generators
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        out = torch.full_like(scores, -float("inf"))
+        for row in range(scores.shape[0]):
+            history = self.prompts[row] + input_ids[row, self.width :].tolist()
+            token, _ = sample_row(scores[row].float(), self.params, history, self.generators[row])
+            out[row, token] = 0.0
+        return out
+
+
 class HFEngine(BlockingAsyncMixin):
     def __init__(
-        self, model: Any, tokenizer: Any, *, max_model_len: int = 4096, max_batch_size: int = 64
+        self, model: Any, tokenizer: Any, *, max_model_len: int = 4096, max_batch_size: int = 64, seed: int = 0
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -54,8 +74,9 @@ class HFEngine(BlockingAsyncMixin):
         self._ids = itertools.count()
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_id = int(pad)
-        eos = getattr(model.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
-        self.eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        self.eos_ids = end_of_turn_ids(model, tokenizer)
+        self._seed_rng = torch.Generator().manual_seed(seed)  # seeds of unseeded requests
+        self._seed_lock = threading.Lock()
 
     def _key(self, p: SamplingParams) -> tuple:
         return (
@@ -99,29 +120,35 @@ class HFEngine(BlockingAsyncMixin):
             ids[i, width - n :] = torch.tensor(r.prompt_token_ids)
             mask[i, width - n :] = 1
         stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_ids)
+        ids, mask = ids.repeat_interleave(p.n, 0), mask.repeat_interleave(p.n, 0)  # row i * n + j
         kwargs: dict[str, Any] = dict(
             max_new_tokens=min(p.max_tokens, self.max_model_len - width),
-            num_return_sequences=p.n,
             return_dict_in_generate=True,
             output_logits=True,
             pad_token_id=self.pad_id,
             eos_token_id=stop_ids or [self.model.config.vocab_size],  # an id never sampled: no stop
-            repetition_penalty=p.repetition_penalty,
+            do_sample=False,  # sampling happens in _RowSampler, with per-row generators
+            temperature=None,
+            top_p=None,
+            top_k=None,
         )
         if p.temperature == 0.0:
-            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+            kwargs.update(repetition_penalty=p.repetition_penalty)
         else:
-            kwargs.update(
-                do_sample=True,
-                temperature=p.temperature,
-                top_p=p.top_p,
-                top_k=p.top_k,  # 0 disables (None would mean the default 50)
-                min_p=p.min_p or None,
-            )
+            generators = []
+            for _ in reqs:
+                if p.seed is not None:
+                    base = p.seed
+                else:
+                    with self._seed_lock:
+                        base = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
+                generators.extend(torch.Generator().manual_seed(seed_for(base, j)) for j in range(p.n))
+            prompts = [list(r.prompt_token_ids) for r in reqs for _ in range(p.n)]
+            from transformers import LogitsProcessorList
+
+            kwargs.update(logits_processor=LogitsProcessorList([_RowSampler(p, prompts, width, generators)]))
         if p.stop:
             kwargs.update(stop_strings=list(p.stop), tokenizer=self.tokenizer)
-        if p.seed is not None:
-            torch.manual_seed(p.seed)
         out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
         ttft = time.perf_counter() - t0  # HF returns all at once: its first token is its last
         new = out.sequences[:, width:]

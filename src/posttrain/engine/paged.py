@@ -24,6 +24,7 @@ from posttrain.engine.model_runner import DecodeGroup, ModelRunner, PrefillChunk
 from posttrain.engine.sampling import sample, seed_for
 from posttrain.engine.scheduler import Scheduler
 from posttrain.engine.sequence import Sequence
+from posttrain.engine.stops import end_of_turn_ids
 from posttrain.engine.types import (
     BadRequestError,
     Completion,
@@ -125,7 +126,7 @@ class PagedEngine:
             if decode_staging
             else None
         )
-        self.eos_ids = self._eos_ids(config, tokenizer)
+        self.eos_ids = set(end_of_turn_ids(model, tokenizer))
         self.version = 0
         self._seed_rng = torch.Generator().manual_seed(seed)
         self._ids = itertools.count()
@@ -137,16 +138,6 @@ class PagedEngine:
         self._driver: asyncio.Task | None = None
         self._peak: dict | None = None
         self.num_steps = 0
-
-    @staticmethod
-    def _eos_ids(config: Any, tokenizer: Any) -> set[int]:
-        ids: set[int] = set()
-        for src in (getattr(config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-            if isinstance(src, int):
-                ids.add(src)
-            elif isinstance(src, (list, tuple)):
-                ids.update(int(t) for t in src)
-        return ids
 
     # ---- requests ------------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from posttrain.engine.hf import BlockingAsyncMixin
+from posttrain.engine.stops import end_of_turn_ids
 from posttrain.engine.types import (
     Completion,
     GenerationOutput,
@@ -44,6 +45,7 @@ class VLLMEngine(BlockingAsyncMixin):
         self._asleep = False
         self._ids = itertools.count()
         self.caches_prefixes = engine_cfg.enable_prefix_caching
+        self.eos_ids = end_of_turn_ids(model, tokenizer)  # vLLM reads generation_config, not the chat template's
         self._dir = tempfile.TemporaryDirectory(prefix="posttrain-vllm-")
         model.save_pretrained(self._dir.name)
         tokenizer.save_pretrained(self._dir.name)
@@ -67,7 +69,7 @@ class VLLMEngine(BlockingAsyncMixin):
             repetition_penalty=p.repetition_penalty,
             max_tokens=p.max_tokens,
             stop=list(p.stop),
-            stop_token_ids=list(p.stop_token_ids),
+            stop_token_ids=list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_ids),
             seed=p.seed,
             ignore_eos=p.ignore_eos,
             logprobs=0,

@@ -237,8 +237,12 @@ def test_bad_input_errors_name_the_problem(base_model):
         lrn.update(build_batch(make_samples(2)))
     with pytest.raises(ValueError, match="gae needs a value function"):
         Learner(TINY, TrainerConfig(), AlgorithmConfig(advantage="gae"), model=base_model)
-    with pytest.raises(KeyError, match="unknown policy loss"):
-        Learner(TINY, TrainerConfig(), AlgorithmConfig(policy_loss="ppo"), model=base_model)
+    with pytest.raises(ValueError, match="unknown policy loss 'ppo'.*registered: gspo, ppo_clip"):  # at config load
+        AlgorithmConfig(policy_loss="ppo")
+    with pytest.raises(KeyError, match="unknown policy loss"):  # a config built past validation
+        Learner(TINY, TrainerConfig(), AlgorithmConfig.model_construct(policy_loss="ppo"), model=base_model)
+    with pytest.raises(ValueError, match="needs algorithm.loss_norm_tokens"):
+        Learner(TINY, TrainerConfig(), AlgorithmConfig(loss_agg="seq_mean_token_sum_norm"), model=base_model)
 
 
 def test_offload_optimizer_is_recorded_and_update_reloads(base_model):

@@ -73,9 +73,14 @@ weakness 0.15) reached threshold sooner, 0.83x and 0.80x, but forgot 0.0109 and 
 (`--real`, seven paired seeds) the new rule ties uniform, +0.004 [-0.015, +0.023], as the old one did.
 docs/curriculum.md has the full tables and the history.
 Arms with data size 0 get weight 0 and K counts only the others. Comparison samplers:
-`uniform_by_domain`, `uniform_by_data`, `dapo_filter_only` (uniform_by_domain + dropping all-equal
-groups), `sec` (Boltzmann over a TD(0) value of mean GRPO |advantage|), `dump` (softmax over UCB of a
-window of GRPO |advantage|). Each class docstring in `samplers.py` states its exact rule.
+`uniform_by_domain`, `uniform_by_data` (the simulator only: the task generators have no data size, so a
+run config does not offer it), `dapo_filter_only` (uniform_by_domain + dropping all-equal groups; the RL
+loop filters and refills for it as for algorithm.dynamic_sampling), `sec` (Boltzmann over a TD(0) value
+of mean GRPO |advantage|), `dump` (softmax over UCB of a window of GRPO |advantage|). Each class
+docstring in `samplers.py` states its exact rule. `make_sampler(..., domain_weights={domain: w})`
+(envs.domains[].weight) sets the prior: uniform_by_domain splits in proportion to it; adaptive, sec and
+dump multiply each arm's softmax term by it (adaptive's eps/K floor stays uniform); equal weights are
+the plain rules exactly.
 """
 
 from posttrain.curriculum.arms import Arm, arm_from_key

@@ -229,7 +229,18 @@ sys.path[:] = [p for p in sys.path if p not in ("", ".", posix.getcwd())]  # fir
 def _posttrain_runner():
     cwd = posix.getcwd()
     import builtins, ctypes, importlib, importlib.machinery, json, marshal, os, select, signal
-    import time, traceback, types
+    import linecache, time, traceback, types
+
+    def trusted_compile(source, filename):
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)  # for tracebacks
+        return compile(source, filename, "exec")
+
+    def test_traceback(err):
+        """The traceback from the tests' own frames on (the runner's frames are noise to a reader)."""
+        own = trusted_compile.__code__.co_filename
+        frames = [f for f in traceback.extract_tb(err.__traceback__) if f.filename != own]
+        return "".join(["Traceback (most recent call last):\n", *traceback.format_list(frames),
+                        *traceback.format_exception_only(type(err), err)])
 
     if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE = 0
         sys.stderr.write("runner: prctl(PR_SET_DUMPABLE) failed\n")
@@ -467,7 +478,7 @@ def _posttrain_runner():
         def exec_module(self, module):
             if module.__name__ in trusted_sources:
                 module.__file__ = module.__name__.replace(".", "/") + ".py"
-                exec(compile(trusted_sources[module.__name__], module.__file__, "exec"), module.__dict__)
+                exec(trusted_compile(trusted_sources[module.__name__], module.__file__), module.__dict__)
             else:
                 try:
                     call_subject({"op": "import", "module": module.__name__})
@@ -519,7 +530,7 @@ def _posttrain_runner():
             return {"ok": True, "value": json.loads(text)}
         if kind == "code":
             bind_solution()
-            exec(compile(test["code"], test.get("name", "<test>"), "exec"), namespace)
+            exec(trusted_compile(test["code"], test.get("name", "<test>")), namespace)
             return {"ok": True}
         if kind == "module":
             fresh_modules()
@@ -531,7 +542,7 @@ def _posttrain_runner():
         raise TestTimeout("timeout after %.1fs" % timeout_s)
 
     if spec.get("prelude"):
-        exec(compile(spec["prelude"], spec.get("prelude_name", "<tests>"), "exec"), namespace)
+        exec(trusted_compile(spec["prelude"], spec.get("prelude_name", "<tests>")), namespace)
     results, timeouts = [], 0
     for test in spec["tests"]:
         if timeouts >= int(spec.get("max_timeouts") or 2):
@@ -545,7 +556,7 @@ def _posttrain_runner():
         try:
             res = run_test(test)
         except BaseException as err:
-            tb = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+            tb = test_traceback(err)
             remote = getattr(err, "remote_traceback", "")
             text = (tb + ("\nIn the solution:\n" + remote if remote else "")).replace(cwd + os.sep, "")
             res = {"ok": False, "error": text[-CAP:]}

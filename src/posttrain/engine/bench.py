@@ -1,4 +1,9 @@
-"""`posttrain bench engine`: generated tok/s of the paged engine vs HF `generate` (HFEngine), in one run.
+"""`posttrain bench engine`: generated tok/s of the paged engine vs HF `generate`, in one run.
+
+The baseline is `model.generate` as a user would call it (`HFGenerate`): one left-padded batch per
+workload, HF's own sampling, and the sampled tokens' logprobs (which RL needs, and which ours returns)
+from one vectorised log-softmax per sequence over the logits HF returns — not the per-token Python
+loop and per-row samplers that the `hf` backend (`HFEngine`) runs for its seeding and stop handling.
 
 Workloads (random-token prompts, temperature 1, EOS ignored so both engines generate the same
 number of tokens): rollout (8 prompts of 50-500 tokens x 4 samples, 128 new), serving (32 distinct
@@ -14,6 +19,7 @@ prompts' prefill. Medians over --repeats.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
@@ -21,10 +27,61 @@ from typing import Any
 
 import torch
 
-from posttrain.engine.hf import HFEngine
 from posttrain.engine.model_runner import onednn_packing_works
 from posttrain.engine.paged import PagedEngine
-from posttrain.engine.types import GenerationRequest, SamplingParams
+from posttrain.engine.types import Completion, GenerationOutput, GenerationRequest, SamplingParams
+
+
+class HFGenerate:
+    """HF `generate` as a baseline for the bench's workloads: the requests share their sampling params but
+    for the seed (HF draws for the whole batch from the global generator, seeded once per batch), sample
+    at a temperature with top_p = 1 and top_k = 0, and ignore EOS, so every row has max_tokens tokens."""
+
+    def __init__(self, model: Any, tokenizer: Any, max_batch_size: int = 64) -> None:
+        self.model, self.tokenizer, self.max_batch_size = model, tokenizer, max_batch_size
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = int(pad)
+
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
+        p = requests[0].params
+        if any(dataclasses.replace(r.params, seed=p.seed) != p for r in requests) or not p.ignore_eos:
+            raise ValueError("HFGenerate takes requests that share their sampling params (but the seed) and ignore EOS")
+        if p.seed is not None:
+            torch.manual_seed(p.seed)
+        per_call = max(1, self.max_batch_size // p.n)
+        out: list[GenerationOutput] = []
+        for k in range(0, len(requests), per_call):
+            out += self._batch(requests[k : k + per_call], p)
+        return out
+
+    @torch.inference_mode()
+    def _batch(self, reqs: list[GenerationRequest], p: SamplingParams) -> list[GenerationOutput]:
+        t0 = time.perf_counter()
+        width = max(len(r.prompt_token_ids) for r in reqs)
+        ids = torch.full((len(reqs), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(reqs):
+            ids[i, width - len(r.prompt_token_ids) :] = torch.tensor(r.prompt_token_ids)
+            mask[i, width - len(r.prompt_token_ids) :] = 1
+        eos = [self.model.config.vocab_size]  # an id never sampled: no stop
+        sampling = dict(do_sample=True, temperature=p.temperature, top_p=1.0, top_k=0) if p.temperature > 0 else (
+            dict(do_sample=False, temperature=None, top_p=None, top_k=None))
+        gen = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=p.max_tokens,
+                                  num_return_sequences=p.n, return_dict_in_generate=True, output_logits=True,
+                                  pad_token_id=self.pad_id, eos_token_id=eos, **sampling)
+        ttft = time.perf_counter() - t0
+        new = gen.sequences[:, width:]
+        logits = torch.stack(gen.logits, dim=1)  # (rows, new tokens, vocab)
+        results = []
+        for i, r in enumerate(reqs):
+            comps = []
+            for j in range(p.n):
+                row = i * p.n + j
+                scaled = logits[row].float() / (p.temperature if p.temperature > 0 else 1.0)
+                lps = torch.log_softmax(scaled, -1).gather(-1, new[row].unsqueeze(-1)).squeeze(-1)
+                comps.append(Completion(new[row].tolist(), lps.tolist(), "", "length"))
+            results.append(GenerationOutput(f"hf-{i}", list(r.prompt_token_ids), comps, ttft))
+        return results
 
 
 @dataclass
@@ -181,7 +238,7 @@ def main(args: list[str]) -> dict:
             max_model_len=2048,
             seed=opts.seed,
         )
-        hf = HFEngine(model, tokenizer, max_batch_size=64)
+        hf = HFGenerate(model, tokenizer, max_batch_size=64)
         warm = [GenerationRequest([5, 6, 7, 8], SamplingParams(max_tokens=4, ignore_eos=True))]
         paged.generate(warm)
         if not opts.no_hf:

@@ -316,6 +316,9 @@ class TelemetryConfig(Section):
     name: str | None = Field(None, description="run directory name under run_dir (one path component)")
     jsonl: bool = True
     tensorboard: bool = True
+    wandb: Literal["off", "offline", "online"] = Field(
+        "off", description="Weights & Biases: offline writes into the run dir (upload later with `wandb sync`)")
+    wandb_project: str = Field("posttrain", min_length=1, description="W&B project of the run")
     progress: bool = True
 
     @field_validator("name")

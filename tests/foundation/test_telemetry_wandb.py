@@ -15,12 +15,18 @@ wandb = pytest.importorskip("wandb")
 
 
 def offline_history(directory: Path) -> list[dict[str, float]]:
-    """The history rows of the one offline run under `directory` (the .wandb file is a LevelDB-style log
-    of 32 KiB blocks of framed protobuf records after a 7-byte header)."""
+    """The history rows of the offline runs under `directory`, oldest first (a .wandb file is a LevelDB-style
+    log of 32 KiB blocks of framed protobuf records after a 7-byte header)."""
+    rows = []
+    for path in sorted(directory.glob("wandb/offline-run-*/run-*.wandb")):
+        rows += _history(path.read_bytes())
+    return rows
+
+
+def _history(data: bytes) -> list[dict[str, float]]:
     from wandb.proto import wandb_internal_pb2 as pb
 
-    (path,) = directory.glob("wandb/offline-run-*/run-*.wandb")
-    data, pos, records, partial = path.read_bytes(), 7, [], b""
+    pos, records, partial = 7, [], b""
     while pos + 7 <= len(data):
         left = 32768 - pos % 32768
         _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
@@ -57,3 +63,32 @@ def test_offline_wandb_gets_the_same_scalars_as_jsonl(tmp_path):
 def test_bad_wandb_mode_is_named():
     with pytest.raises(ValueError, match="wandb mode must be online, offline or disabled, got 'local'"):
         WandbSink("p", "n", ".", mode="local")
+
+
+def test_a_training_run_logs_to_wandb_and_its_resume_continues_the_same_wandb_run(tmp_path):
+    from posttrain.config import load_config, save_config
+    from posttrain.orchestrator import RLRun
+    from posttrain.telemetry import RunDir
+
+    settings = ["model.spec=tiny:llama", "engine.num_kv_blocks=256", "engine.max_new_tokens=8", "algorithm.group_size=2",
+                "orchestrator.tasks_per_step=2", "orchestrator.checkpoint_every=1", "curriculum.probe_every=0",
+                "envs.domains=[{name: math, difficulties: [0]}]", "telemetry.progress=false",
+                "telemetry.tensorboard=false", "telemetry.wandb=offline", f"telemetry.run_dir={tmp_path}"]
+    cfg = load_config(None, [*settings, "orchestrator.steps=2"])
+    run_dir = RunDir.create(tmp_path, "wb")
+    save_config(cfg, run_dir.config)
+    first = RLRun(cfg, run_dir, show_progress=False)
+    first.train()
+    first.close()
+    run_id = (run_dir.path / "wandb_id").read_text().strip()
+    resumed = RLRun(load_config(None, [*settings, "orchestrator.steps=3"]), RunDir.open(run_dir.path),
+                    show_progress=False)
+    resumed.load()
+    resumed.train()
+    resumed.close()
+    assert (run_dir.path / "wandb_id").read_text().strip() == run_id
+    assert {p.name.split("-")[-1] for p in run_dir.path.glob("wandb/offline-run-*")} == {run_id}
+    history = offline_history(run_dir.path)
+    rows = read_metrics(run_dir.metrics)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [h["train/loss"] for h in history] == [r["train/loss"] for r in rows]

@@ -22,7 +22,7 @@ import numpy as np
 from posttrain.config import RunConfig, save_config
 from posttrain.orchestrator.checkpoint import latest_valid, save_checkpoint
 from posttrain.rollout import EpisodeLimits, RolloutBatch, collect_groups, rollout_stats
-from posttrain.telemetry import MetricsLogger, Progress, RunDir, read_metrics
+from posttrain.telemetry import MetricsLogger, Progress, RunDir, WandbSink, read_metrics
 from posttrain.types import Trajectory
 
 RUN_STATE = "run_state.json"
@@ -499,6 +499,18 @@ class RLRun:
         budget = self.cfg.orchestrator.token_budget
         return budget is not None and (self.tokens_spent() if spent is None else spent) >= budget
 
+    def _wandb_sink(self) -> WandbSink | None:
+        """The run's W&B sink; a resumed run continues the W&B run whose id the run dir keeps."""
+        tel = self.cfg.telemetry
+        if tel.wandb == "off":
+            return None
+        id_file = self.run_dir.path / "wandb_id"
+        resume_id = id_file.read_text().strip() if id_file.is_file() else None
+        sink = WandbSink(tel.wandb_project, self.run_dir.path.name, self.run_dir.path, mode=tel.wandb,
+                         config=self.cfg.model_dump(mode="json"), resume_id=resume_id)
+        id_file.write_text(sink.id + "\n")
+        return sink
+
     def train(self) -> dict[str, Any]:
         """Run until `orchestrator.steps` or the token budget; returns a summary. Exits early,
         checkpointed, on SIGINT/SIGTERM."""
@@ -507,7 +519,8 @@ class RLRun:
         if not self.run_dir.config.exists():
             save_config(cfg, self.run_dir.config)
         logger = MetricsLogger(
-            self.run_dir.metrics if cfg.telemetry.jsonl else None, self.run_dir.tb if cfg.telemetry.tensorboard else None
+            self.run_dir.metrics if cfg.telemetry.jsonl else None, self.run_dir.tb if cfg.telemetry.tensorboard else None,
+            wandb=self._wandb_sink(),
         )
         previous = self._install_signals()
         last: dict[str, float] = {}

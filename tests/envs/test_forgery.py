@@ -318,3 +318,12 @@ def test_the_verdict_needs_one_complete_line_with_the_nonce_and_exit_zero(stdout
     assert parse_result(res, _job()).results[0]["ok"] is False
     good = ExecResult(status=ExecStatus.OK, exit_code=0, stdout=_line("n" * 32, [{"ok": True}]).encode())
     assert parse_result(good, _job()).results == [{"ok": True}]
+
+
+def test_a_crash_or_hang_inside_one_call_fails_only_that_test(sandbox):
+    program = ("import os, time\n"
+               "def sq(x):\n    if x == 3:\n        os._exit(0)\n    if x == 4:\n        time.sleep(60)\n"
+               "    return x * x\n")
+    tests = ["assert sq(2) == 4", "assert sq(3) == 9", "assert sq(5) == 25", "assert sq(4) == 16", "assert sq(6) == 36"]
+    g = asyncio.run(grade_asserts(sandbox, program, tests, per_test_timeout_s=0.5))
+    assert g.per_test == [True, False, True, False, True] and g.status == ExecStatus.OK

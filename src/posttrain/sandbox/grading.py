@@ -386,6 +386,7 @@ def _posttrain_runner():
     def start_subject():
         if state["load_error"] is not None:
             raise RemoteError(state["load_error"])
+        signal.setitimer(signal.ITIMER_REAL, timeout_s + 2.5)
         subject = state["subject"] = Subject()
         try:  # the interpreter's start and the program's load get their own budget, once per subject
             subject.request({"op": "init", "sys_path": subject_path, "program": spec.get("program"),
@@ -396,6 +397,7 @@ def _posttrain_runner():
                 state["load_error"] = "the solution failed to load: %s" % err
             raise
         state["deadline"] = time.monotonic() + timeout_s
+        signal.setitimer(signal.ITIMER_REAL, timeout_s + 0.25)
         return subject
 
     def call_subject(msg):
@@ -552,7 +554,7 @@ def _posttrain_runner():
         state["deadline"] = time.monotonic() + timeout_s
         state["timed_out"] = False
         signal.signal(signal.SIGALRM, alarm)
-        signal.setitimer(signal.ITIMER_REAL, 2 * timeout_s + 3.0)  # backstop for the trusted side itself
+        signal.setitimer(signal.ITIMER_REAL, timeout_s + 0.25)  # the trusted side's own backstop
         try:
             res = run_test(test)
         except BaseException as err:

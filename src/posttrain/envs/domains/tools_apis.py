@@ -14,7 +14,8 @@ episode itself (a plain-text reply) and 0.5 when the turn limit cut it off; `for
 = 1 when every tool call parsed and passed its schema and at least one was made (every task needs a
 call), 0.5 when some but not all did, 0.25 when the model only attempted the markup - a graded signal,
 because SmolLM2-135M almost never writes a valid call unprompted. `success` = `correct` (strict:
-state and answer right; finishing and format do not enter it).
+state and answer right; finishing and format do not enter it). Residual risk: none from code - the model
+only emits tool calls to an in-process service; any call sequence that reaches the gold state counts.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """Remote mode end to end on 127.0.0.1 with a random port: the same Sandbox interface over HTTP."""
 
 import asyncio
+import concurrent.futures
+import contextlib
 import socket
 import threading
 import time
@@ -8,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from posttrain.sandbox import ExecStatus, Job, Limits, make_sandbox
+from posttrain.sandbox import ExecResult, ExecStatus, Job, Limits, make_sandbox
 from posttrain.sandbox.api import job_from_dict, job_to_dict
 from posttrain.sandbox.grading import grade_asserts
 from posttrain.sandbox.remote import RemoteSandbox, RemoteSandboxError, make_server
@@ -110,3 +112,187 @@ def test_run_sync_wrapper(sandbox):
     from posttrain.sandbox import run_sync
 
     assert run_sync(sandbox, Job(code="print('sync')")).stdout == b"sync\n"
+
+
+class CountingSandbox:
+    """Stands in for the pool behind the server: runs each job as a short sleep and records how many
+    were in flight at once, so the server's admission can be measured exactly."""
+
+    def __init__(self, job_s: float = 0.15) -> None:
+        self.job_s = job_s
+        self.executor = concurrent.futures.ThreadPoolExecutor(16)
+        self.lock = threading.Lock()
+        self.in_flight = self.peak = self.submitted = 0
+
+    def check(self, job):
+        if job.language != "python":
+            raise ValueError(f"unknown language '{job.language}'")
+
+    def submit(self, job):
+        with self.lock:
+            self.submitted += 1
+
+        def go():
+            with self.lock:
+                self.in_flight += 1
+                self.peak = max(self.peak, self.in_flight)
+            time.sleep(self.job_s)
+            with self.lock:
+                self.in_flight -= 1
+            return ExecResult(status=ExecStatus.OK, stdout=job.code.encode())
+
+        return self.executor.submit(go)
+
+
+@contextlib.contextmanager
+def serving(sandbox, **kw):
+    srv = make_server(sandbox, "127.0.0.1", 0, TOKEN, **kw)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield srv
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_max_concurrent_counts_jobs_not_requests():
+    fake = CountingSandbox()
+    with serving(fake, max_concurrent=2) as srv:
+        async def go():
+            async with RemoteSandbox(srv.url, TOKEN) as sb:
+                return await asyncio.gather(sb.run_batch([Job(code=f"b{i}") for i in range(6)]),
+                                            sb.run(Job(code="one")), sb.run_batch([Job(code="x"), Job(code="y")]))
+
+        t0 = time.monotonic()
+        batch, one, pair = asyncio.run(go())
+        elapsed = time.monotonic() - t0
+    assert [r.stdout for r in batch] == [f"b{i}".encode() for i in range(6)]
+    assert (one.stdout, [r.stdout for r in pair]) == (b"one", [b"x", b"y"])
+    assert fake.peak == 2  # a batch of 6 once counted as one request: 6 + 1 + 2 jobs ran at once
+    assert elapsed >= 4.5 * fake.job_s  # 9 jobs, 2 at a time: at least 5 rounds
+
+
+def test_a_batch_larger_than_max_concurrent_still_completes_on_real_workers(sandbox):
+    with serving(sandbox, max_concurrent=1) as srv:
+        async def go():
+            async with RemoteSandbox(srv.url, TOKEN) as sb:
+                job = Job(code="import time\ntime.sleep(0.3)\nprint('slept')")
+                t0 = time.monotonic()
+                results = await sb.run_batch([job, job, job])
+                return results, time.monotonic() - t0
+
+        results, elapsed = asyncio.run(go())
+    assert [r.stdout for r in results] == [b"slept\n"] * 3
+    assert elapsed >= 0.9  # two workers were free, but one job at a time was admitted
+
+
+def test_limits_over_the_service_maxima_are_refused_by_name():
+    fake = CountingSandbox()
+    maxima = Limits(wall_time_s=10, cpu_time_s=10, memory_bytes=1 << 30, max_processes=32)
+    with serving(fake, max_limits=maxima) as srv:
+        async def go(jobs, single=False):
+            async with RemoteSandbox(srv.url, TOKEN) as sb:
+                return await (sb.run(jobs[0]) if single else sb.run_batch(jobs))
+
+        with pytest.raises(RemoteSandboxError) as err:
+            asyncio.run(go([Job(code="a", limits=Limits(wall_time_s=100, memory_bytes=2 << 30))], single=True))
+        assert err.value.status_code == 400
+        assert "Limits.wall_time_s=100 exceeds this service's maximum of 10" in str(err.value)
+        assert f"Limits.memory_bytes={2 << 30} exceeds this service's maximum of {1 << 30}" in str(err.value)
+        with pytest.raises(RemoteSandboxError) as err:
+            asyncio.run(go([Job(code="ok"), Job(code="b", limits=Limits(max_processes=33))]))
+        assert err.value.status_code == 400 and "jobs[1]: Limits.max_processes=33 exceeds" in str(err.value)
+        with pytest.raises(RemoteSandboxError, match="unknown language 'bash'"):
+            asyncio.run(go([Job(code="ok"), Job(code="b", language="bash")]))
+        assert fake.submitted == 0  # a refused batch runs none of its jobs
+        at_max = asyncio.run(go([Job(code="edge", limits=Limits(wall_time_s=10, cpu_time_s=10, max_processes=32))]))
+        assert at_max[0].stdout == b"edge" and fake.submitted == 1
+        health = httpx.get(srv.url + "/health", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+        assert health["max_limits"]["wall_time_s"] == 10 and health["max_limits"]["memory_bytes"] == 1 << 30
+
+
+def _closed_or_408(sock: socket.socket, within_s: float) -> tuple[bool, float]:
+    """Read until the server answers or closes; (True, seconds) if it did so within `within_s`."""
+    sock.settimeout(within_s)
+    t0 = time.monotonic()
+    data = b""
+    try:
+        while True:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+    except (TimeoutError, ConnectionResetError):
+        if not data:
+            return False, time.monotonic() - t0
+    return data == b"" or data.startswith(b"HTTP/1.1 408"), time.monotonic() - t0
+
+
+@pytest.mark.parametrize("stall", ["silent", "headers", "trickle", "body"])
+def test_a_stalled_client_is_dropped_and_the_service_goes_on(stall):
+    fake = CountingSandbox()
+    with serving(fake, request_timeout_s=1.0) as srv:
+        host, port = srv.server_address[:2]
+        with socket.create_connection((host, port)) as sock:
+            head = f"POST /run HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n".encode()
+            if stall == "headers":
+                sock.sendall(head)
+            elif stall == "trickle":  # one byte every 0.25 s: each read is quick, the whole never ends
+                t0 = time.monotonic()
+                try:
+                    for byte in head:
+                        sock.sendall(bytes([byte]))
+                        time.sleep(0.25)
+                except OSError:  # the server shut the connection down mid-request
+                    pass
+                assert time.monotonic() - t0 < 3.0
+            elif stall == "body":
+                sock.sendall(head + b"Content-Length: 100\r\n\r\n" + b'{"code": ')
+            dropped, waited = _closed_or_408(sock, within_s=5.0)
+        assert dropped and waited < 4.0, (stall, waited)
+        resp = httpx.post(srv.url + "/run", json=job_to_dict(Job(code="after")),
+                          headers={"Authorization": f"Bearer {TOKEN}"})
+        assert resp.status_code == 200 and resp.json()["stdout"] == "YWZ0ZXI="  # base64 of b"after"
+
+
+@pytest.mark.parametrize("stall", ["silent", "trickle"])
+def test_a_stalled_service_is_an_infra_failure_within_the_client_timeout(stall):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    stop = threading.Event()
+
+    def serve():  # accepts, then never answers (or answers one header byte every 0.1 s)
+        conns, started = [], set()
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+                conns.append(conn)
+            except TimeoutError:
+                pass
+            if stall == "trickle":  # a valid reply that never ends: a status line, then a header byte by byte
+                for conn in conns:
+                    with contextlib.suppress(OSError):
+                        conn.sendall(b"HTTP/1.1 200 OK\r\nX-Pad: " if conn not in started else b"a")
+                        started.add(conn)
+            time.sleep(0.1)
+        for conn in conns:
+            conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        t0 = time.monotonic()
+        res = asyncio.run(RemoteSandbox(f"http://127.0.0.1:{listener.getsockname()[1]}", TOKEN,
+                                        timeout_s=1.0).run(Job(code="print(1)")))
+        elapsed = time.monotonic() - t0
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        listener.close()
+    assert res.status == ExecStatus.SANDBOX_ERROR and res.is_infra_failure, res
+    assert elapsed < 3.0, elapsed
+    # silent: httpx's read timeout or our deadline, whichever fires first; trickle: only the deadline can
+    assert "did not answer within 1.0 s" in res.error or (stall == "silent" and "ReadTimeout" in res.error), res.error

@@ -352,11 +352,15 @@ class LocalSandbox:
                 raise ValueError(f"unknown sandbox profile '{name}'; known: {', '.join(iso_mod.PROFILES)}")
             self._pool(name, False)
 
-    def submit(self, job: Job) -> concurrent.futures.Future:
-        """Queue `job`; the future resolves to its ExecResult. Raises ValueError for a bad job."""
+    def check(self, job: Job) -> None:
+        """Raise ValueError naming what this sandbox would refuse about `job` (without queueing it)."""
         validate_job(job, profiles=iso_mod.PROFILES, gcc=shutil.which("gcc") is not None)
         if job.limits.network and not self.settings.allow_network:
             raise ValueError("job asks for network but sandbox.allow_network is false")
+
+    def submit(self, job: Job) -> concurrent.futures.Future:
+        """Queue `job`; the future resolves to its ExecResult. Raises ValueError for a bad job."""
+        self.check(job)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._pool(job.profile, job.limits.network).queue.put((job, fut))
         return fut

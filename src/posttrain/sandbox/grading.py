@@ -3,8 +3,8 @@
 The verdict never comes from the process that runs the solution. `runner_job` builds one job whose
 code is a trusted runner: it reads and deletes its spec, makes itself non-dumpable (so no same-uid
 process can open its /proc fds or memory), then starts the solution in a separate "subject"
-interpreter (`python -I -S`, close_fds, its own session, stdout/stderr on a pipe the runner only logs)
-and evaluates every test itself. The runner's test code sees the solution only through proxies: a call
+interpreter (`python -I -S` by posix_spawn: it inherits only its two protocol pipe ends and a log pipe
+for stdout/stderr that the runner only logs, in its own session) and evaluates every test itself. The runner's test code sees the solution only through proxies: a call
 sends (name, args) over a pipe and gets back a value in a restricted data format (None, bool, int,
 float, str, bytes, list, tuple, dict, set, frozenset; never pickle, never an object of the solution's
 own class), so an `__eq__` that always says True, a patched `builtins` or `unittest`, an import hook,

@@ -119,7 +119,7 @@ def test_v2_without_swap_accounting_still_sets_memory_and_pids(fake):
     assert not (slot.dir / "memory.swap.max").exists() and (slot.dir / "memory.max").read_text() == str(1 << 30)
     fs.mkdir(parent / "nomem")
     (parent / "nomem" / "memory.max").unlink()  # a missing memory.max is an error, never skipped
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(OSError):
         iso_mod.CgroupV2Slot(parent, "nomem", iso_mod.cgroup_v2_limits(1 << 30, 32))
 
 

@@ -314,11 +314,9 @@ class CgroupV2Slot:
         self.dir = parent / name
         _cg_mkdir(self.dir)
         for key, value in limits.items():
-            try:
-                _cg_write(self.dir / key, value)
-            except FileNotFoundError:
-                if key not in self.OPTIONAL:
-                    raise
+            if key in self.OPTIONAL and not (self.dir / key).exists():
+                continue  # (writing a file cgroupfs lacks fails with EACCES, not ENOENT)
+            _cg_write(self.dir / key, value)
 
     @property
     def dirs(self) -> list[Path]:

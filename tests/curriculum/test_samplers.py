@@ -18,7 +18,7 @@ ARMS4 = [Arm("math", 0), Arm("math", 1), Arm("code", 0), Arm("code", 1)]
 
 def cfg(**kw) -> CurriculumConfig:
     """A curriculum config; a sampler only the simulator offers (uniform_by_data) is set past validation,
-    as curriculum/sim.py does."""
+    as bench/sim.py does."""
     sampler = kw.pop("sampler", "adaptive")
     c = CurriculumConfig(**kw)
     return c.model_copy(update={"sampler": sampler})

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine.helpers import hf_logprobs, random_prompts, tiny
-from posttrain.engine.bench import HFGenerate
+from posttrain.bench.engine import HFGenerate
 from posttrain.engine.types import GenerationRequest, SamplingParams
 
 

@@ -55,7 +55,16 @@ def test_train_bad_override_fails_before_work():
 
 def test_unknown_benchmark_exits_2():
     result = runner.invoke(app, ["bench", "nope"])
-    assert result.exit_code == 2 and "unknown benchmark 'nope'" in result.output
+    assert result.exit_code == 2 and "No such command 'nope'" in result.output
+
+
+def test_each_benchmark_is_a_command_with_its_own_documented_options():
+    for name, option in [("sandbox", "--skip-numpy"), ("engine", "--no-hf"), ("learner", "--grpo"),
+                         ("rl", "--async-lag"), ("curriculum", "--reuse-uniform")]:
+        result = runner.invoke(app, ["bench", name, "--help"])
+        assert result.exit_code == 0 and option in result.output and "--json" in result.output, name
+    bad = runner.invoke(app, ["bench", "rl", "--mode", "later"])
+    assert bad.exit_code == 2 and "'later' is not one of" in bad.output
 
 
 def test_console_script_runs():

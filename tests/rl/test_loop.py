@@ -285,7 +285,7 @@ def test_dynamic_sampling_drops_equal_reward_groups_and_bounds_refills(tmp_path,
 
 
 def test_rl_bench_floor_is_hand_computable():
-    from posttrain.orchestrator.bench import step_floor_s
+    from posttrain.bench.rl import step_floor_s
 
     warm = {"rollout/max_response_tokens": 1000.0, "train/update_tokens": 1e6}  # the warm-up step is skipped
     row = {"rollout/max_response_tokens": 48.0, "train/update_tokens": 600.0, "train/shared_prefix_frac": 0.5}

@@ -5,8 +5,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from posttrain.config import CurriculumConfig
-from posttrain.curriculum.bench import _ratio, baseline, bootstrap_ci, run_metrics
-from posttrain.curriculum.sim import SimSettings, run
+from posttrain.bench.curriculum import _ratio, baseline, bootstrap_ci, run_metrics
+from posttrain.bench.sim import SimSettings, run
 
 
 def summarise(label: str, sampler: str, seeds: Sequence[int], verbose: bool = False) -> str:

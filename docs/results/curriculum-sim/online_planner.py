@@ -21,8 +21,8 @@ import torch
 from _summary import summarise  # this folder (the script's directory is on sys.path)
 
 from posttrain.curriculum import samplers
-from posttrain.curriculum.planning import PlanningOracle, expected_run, search_plan
-from posttrain.curriculum.sim import Learner, SimSettings
+from posttrain.bench.planning import PlanningOracle, expected_run, search_plan
+from posttrain.bench.sim import Learner, SimSettings
 
 torch.set_num_threads(1)
 FLOOR = 0.1  # uniform share mixed into every policy, so every arm keeps being observed

@@ -13,8 +13,8 @@ import sys
 import numpy as np
 from _summary import summarise  # this folder (the script's directory is on sys.path)
 
-import posttrain.curriculum.planning as planning
-from posttrain.curriculum.sim import ORACLE_PLAN, Learner
+import posttrain.bench.planning as planning
+from posttrain.bench.sim import ORACLE_PLAN, Learner
 
 PRIORS = sys.argv[1].strip("-")
 

@@ -62,11 +62,10 @@ _add_group("sandbox_cmd", "sandbox")
 _add_group("tasks_cmd", "tasks")
 _add_group("config_cmd", "config")
 _add_group("models_cmd", "models")
+_add_group("bench", "bench")
 
-from posttrain.cli.bench import bench as _bench  # noqa: E402
 from posttrain.cli.stubs import serve as _serve  # noqa: E402
 
-app.command("bench", context_settings=_EXTRA)(_bench)
 app.command("serve", context_settings=_EXTRA)(_serve)
 
 

@@ -1,41 +1,221 @@
-"""`posttrain bench NAME [--json] [ARGS]`: benchmarks that measure against their baseline in one run.
-
-Each benchmark lives with the package it measures and exposes `main(args: list[str]) -> dict`: it
-prints a human table and returns the named figures; with --json they go on stdout's last line.
+"""`posttrain bench sandbox|engine|learner|rl|curriculum [OPTIONS] [--json]`: benchmarks that measure their
+baseline in the same run. Each is a command with its own options (`posttrain bench NAME --help`); the
+benchmarks themselves live in `posttrain.bench`, one module each, and return their named figures, which
+`--json` prints as one object on stdout's last line.
 """
 
 from __future__ import annotations
 
 import importlib
+from enum import StrEnum
+from types import SimpleNamespace
+from typing import Any
 
 import typer
 
 from posttrain.cli.common import EXIT_USAGE, fail, print_json_last
 
-BENCHMARKS = {
-    "sandbox": ("posttrain.sandbox.bench", "executions/s and latency of the sandbox pool vs subprocess and bwrap"),
-    "engine": ("posttrain.engine.bench", "generation tok/s of the paged engine vs HF generate"),
-    "learner": ("posttrain.train.bench", "tokens/s of Learner.update: full/LoRA, fp32/bf16, packed/padded"),
-    "curriculum": ("posttrain.curriculum.bench", "adaptive domain sampling vs uniform, sec, dump (simulation)"),
-    "rl": ("posttrain.orchestrator.bench", "per-step wall time of the RL loop vs TRL's GRPOTrainer figure"),
-}
+app = typer.Typer(help="Benchmarks against their baselines, measured in the same run.", no_args_is_help=True,
+                  rich_markup_mode=None)
+
+JSON = typer.Option(False, "--json", help="print one JSON object with the figures, last line of stdout")
 
 
-def bench(
-    ctx: typer.Context,
-    name: str = typer.Argument(..., help=f"one of: {', '.join(BENCHMARKS)}"),
-    json_out: bool = typer.Option(False, "--json", help="print one JSON object with the figures, last"),
-) -> None:
-    """Run a benchmark; extra arguments go to the benchmark itself (try `-- --help`)."""
-    if name not in BENCHMARKS:
-        fail(f"unknown benchmark '{name}'; choose one of: {', '.join(BENCHMARKS)}", EXIT_USAGE)
-    module_name, _ = BENCHMARKS[name]
+def _run(name: str, json_out: bool, **options: Any) -> dict[str, Any]:
+    from posttrain.bench import BenchUsageError
+
+    module = importlib.import_module(f"posttrain.bench.{name}")
     try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        if err.name == module_name:
-            fail(f"benchmark '{name}' is not yet available in this version of posttrain")
-        raise
-    result = module.main(list(ctx.args))
+        result = module.main(SimpleNamespace(**options))
+    except BenchUsageError as err:
+        fail(str(err), EXIT_USAGE)
     if json_out:
         print_json_last(result)
+    return result
+
+
+def run_bench(name: str, args: list[str]) -> dict[str, Any]:
+    """Run `posttrain bench NAME ARGS...` in this process and return its figures (for tests and scripts);
+    a usage error exits with SystemExit(2) after printing its message, as the CLI does."""
+    from typer.main import get_command
+
+    command = get_command(app)
+    try:
+        result = command.main([name, *args], prog_name="posttrain bench", standalone_mode=False)
+    except Exception as err:  # click's usage errors: print them as the CLI would
+        show = getattr(err, "show", None)
+        if show is None:
+            raise
+        show()
+        raise SystemExit(getattr(err, "exit_code", EXIT_USAGE)) from None
+    if isinstance(result, int):  # a typer.Exit(code) from the command
+        raise SystemExit(result)
+    return result
+
+
+@app.command("sandbox")
+def sandbox(
+    seconds: float = typer.Option(1.5, "--seconds", min=0.01, help="duration of each measurement"),
+    repeats: int = typer.Option(3, "--repeats", min=1, help="interleaved repeats; medians are reported"),
+    clients: int = typer.Option(0, "--clients", min=0, help="concurrent clients (0: 2 x pool size)"),
+    pool_size: int = typer.Option(0, "--pool-size", min=0, help="workers per profile (0: the CPU count)"),
+    skip_numpy: bool = typer.Option(False, "--skip-numpy", help="leave out the numpy-import workload"),
+    json_out: bool = JSON,
+) -> dict[str, Any]:
+    """Executions/s and latency of the warm jailed pool vs one bwrap per execution and plain subprocess."""
+    return _run("sandbox", json_out, seconds=seconds, repeats=repeats, clients=clients, pool_size=pool_size,
+                skip_numpy=skip_numpy)
+
+
+@app.command("engine")
+def engine(
+    model: str = typer.Option("smollm2-135m", "--model", help="model spec"),
+    quick: bool = typer.Option(False, "--quick", help="fewer prompts and tokens (a minute or two)"),
+    dtypes: str = typer.Option("float32,bfloat16", "--dtypes", help="comma list of float32, bfloat16"),
+    workloads: str = typer.Option("rollout,serving,decode_1,decode_64", "--workloads", help="comma list"),
+    repeats: int = typer.Option(1, "--repeats", min=1, help="interleaved repeats; medians are reported"),
+    no_hf: bool = typer.Option(False, "--no-hf", help="skip the HF generate baseline (ratios are then absent)"),
+    seed: int = typer.Option(0, "--seed"),
+    json_out: bool = JSON,
+) -> dict[str, Any]:
+    """Generated tok/s of the paged engine vs HF generate, with compute and bandwidth rooflines."""
+    return _run("engine", json_out, model=model, quick=quick, dtypes=dtypes, workloads=workloads, repeats=repeats,
+                no_hf=no_hf, seed=seed)
+
+
+@app.command("learner")
+def learner(
+    quick: bool = typer.Option(False, "--quick", help="8 sequences of up to 128 tokens"),
+    seqs: int | None = typer.Option(None, "--seqs", min=1, help="sequences per update (default 32; --quick 8)"),
+    seq_len: int | None = typer.Option(None, "--seq-len", min=2, help="longest sequence (default 256; --quick 128)"),
+    fixed_length: bool = typer.Option(False, "--fixed-length", help="all sequences exactly --seq-len long"),
+    repeats: int = typer.Option(3, "--repeats", min=1, help="rounds over the variants (median reported)"),
+    micro_batch_tokens: int = typer.Option(4096, "--micro-batch-tokens", min=1),
+    lora_rank: int = typer.Option(16, "--lora-rank", min=1),
+    spec: str = typer.Option("smollm2-135m", "--spec", help="model spec"),
+    variants: str = typer.Option("all", "--variants", help="comma list like full-fp32-packed,lora-bf16-padded"),
+    threads: int = typer.Option(0, "--threads", min=0, help="torch threads (0: leave as is)"),
+    grpo: int = typer.Option(0, "--grpo", min=0, metavar="G",
+                             help="GRPO-shaped batch: groups of G sharing a prompt; adds the '-shared' variants"),
+    json_out: bool = JSON,
+) -> dict[str, Any]:
+    """Tokens/s of Learner.update: full/LoRA, fp32/bf16, packed/padded, against the matmul roofline."""
+    return _run("learner", json_out, quick=quick, seqs=seqs, seq_len=seq_len, fixed_length=fixed_length,
+                repeats=repeats, micro_batch_tokens=micro_batch_tokens, lora_rank=lora_rank, spec=spec,
+                variants=variants, threads=threads, grpo=grpo)
+
+
+class _Dtype(StrEnum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+class _Mode(StrEnum):
+    sync = "sync"
+    async_ = "async"
+
+
+class _Lag(StrEnum):
+    fixed = "fixed"
+    latest = "latest"
+
+
+@app.command("rl")
+def rl(
+    steps: int = typer.Option(4, "--steps", min=1, help="steps per system (the first is warm-up)"),
+    completions: int = typer.Option(8, "--completions", min=2, help="completions per step (one prompt)"),
+    new_tokens: int = typer.Option(48, "--new-tokens", min=1),
+    dtype: _Dtype = typer.Option(_Dtype.float32, "--dtype"),
+    no_trl: bool = typer.Option(False, "--no-trl", help="skip the TRL GRPOTrainer baseline"),
+    mode: _Mode = typer.Option(_Mode.sync, "--mode",
+                               help="sync is on-policy like TRL; async overlaps the next step's generation with the "
+                               "update and is reported apart (not like for like)"),
+    max_staleness: int = typer.Option(1, "--max-staleness", min=0, help="async: updates a trajectory may lag"),
+    async_lag: _Lag = typer.Option(_Lag.fixed, "--async-lag",
+                                   help="async: exactly max-staleness behind (reproducible) or the newest weights"),
+    checkpoint_every: int = typer.Option(0, "--checkpoint-every", min=0, help="checkpoint period in steps (0: none)"),
+    seed: int = typer.Option(0, "--seed"),
+    json_out: bool = JSON,
+) -> dict[str, Any]:
+    """Per-step wall time of the RL loop vs TRL's GRPOTrainer at equal settings, and this machine's floor."""
+    return _run("rl", json_out, steps=steps, completions=completions, new_tokens=new_tokens, dtype=dtype.value,
+                no_trl=no_trl, mode=mode.value, max_staleness=max_staleness, async_lag=async_lag.value,
+                checkpoint_every=checkpoint_every, seed=seed)
+
+
+class _Budget(StrEnum):
+    tokens = "tokens"
+    rollouts = "rollouts"
+
+
+def _pooled(pool: bool, results: list[str] | None) -> list[str] | None:
+    if results and not pool:
+        fail(f"RESULT arguments ({results[0]}, ...) are read by --pool only", EXIT_USAGE)
+    if pool and not results:
+        fail("--pool needs at least one saved RESULT", EXIT_USAGE)
+    return list(results) if pool else None
+
+
+@app.command("curriculum")
+def curriculum(
+    seeds: int | None = typer.Option(None, "--seeds", help="simulated learners (default 32); --real: training seeds "
+                                     "(default 2, --quick 1)"),
+    seed_start: int = typer.Option(0, "--seed-start", help="first seed (e.g. 400 for learners the defaults were "
+                                   "not tuned on; --real: to add seeds to an earlier run)"),
+    samplers: str | None = typer.Option(None, "--samplers", help="comma list; must include uniform_by_domain "
+                                        "(default: every sampler and the greedy oracle; oracle_plan on request)"),
+    groups_per_step: int | None = typer.Option(None, "--groups-per-step", help="simulation: groups per step"),
+    layout: str = typer.Option("default", "--layout", metavar="NAME|SPEC",
+                               help="simulated arms: a preset (default, idle_heavy, ...) or domain:level=role,..."),
+    budget_steps: int | None = typer.Option(None, "--budget-steps",
+                                            help="token budget in full batches at the mean rollout length"),
+    boot: int = typer.Option(2000, "--boot", min=1, help="bootstrap resamples"),
+    plot: str | None = typer.Option(None, "--plot", help="write adaptive's domain shares (first seed) to this PNG"),
+    overrides: list[str] = typer.Option([], "--set", metavar="KEY=VALUE",
+                                        help="curriculum config override for every sampler, e.g. c=0.5 (repeatable)"),
+    free_probes: bool = typer.Option(False, "--free-probes", help="do not charge probe tokens to the budget"),
+    hindsight: int = typer.Option(0, "--hindsight", metavar="ROUNDS",
+                                  help="add hindsight_static: the best fixed mix per seed from ROUNDS x 24 runs"),
+    hindsight_phases: int = typer.Option(1, "--hindsight-phases", metavar="P",
+                                         help="hindsight plans of P mixes, one per P-th of the budget"),
+    tune: int = typer.Option(0, "--tune", metavar="ROUNDS",
+                             help="run no table: search adaptive's settings (ROUNDS x 20 candidates) and print them"),
+    real: bool = typer.Option(False, "--real", help="adaptive vs uniform_by_domain on a real model through the loop"),
+    quick: bool = typer.Option(False, "--quick", help="--real: a small preset that finishes in a few minutes"),
+    model: str | None = typer.Option(None, "--model", help="--real: model spec (default smollm2-135m)"),
+    domains: str | None = typer.Option(None, "--domains", help="--real: name:level[,level];..."),
+    steps: int | None = typer.Option(None, "--steps", help="--real: uniform's training steps (default 40; quick 4)"),
+    tasks_per_step: int | None = typer.Option(None, "--tasks-per-step", help="--real: groups per step (default 4)"),
+    group_size: int | None = typer.Option(None, "--group-size", help="--real: rollouts per group (default 8; quick 4)"),
+    n_eval: int | None = typer.Option(None, "--n-eval", help="--real: held-out tasks per arm (default 32; quick 8)"),
+    max_new_tokens: int | None = typer.Option(None, "--max-new-tokens", help="--real: default 128 (quick 64)"),
+    probe_every: int | None = typer.Option(None, "--probe-every", help="--real: probe period (default 5; quick 2)"),
+    probe_size: int | None = typer.Option(None, "--probe-size", help="--real: probe tasks per arm (default 16)"),
+    budget: _Budget | None = typer.Option(None, "--budget", help="--real: adaptive stops at uniform's tokens "
+                                          "(default, probes charged) or after the same steps"),
+    eval_seed: int | None = typer.Option(None, "--eval-seed", help="--real: held-out task seed (default 1000)"),
+    out: str | None = typer.Option(None, "--out", help="--real: directory for the run folders (default: a temp dir)"),
+    keep_checkpoints: bool = typer.Option(False, "--keep-checkpoints", help="--real: keep each run's last checkpoint"),
+    run_overrides: list[str] = typer.Option([], "--run-set", metavar="KEY=VALUE",
+                                            help="--real: any run-config override (repeatable)"),
+    reuse_uniform: str | None = typer.Option(None, "--reuse-uniform", metavar="RESULT",
+                                             help="--real: run only adaptive against a saved result's uniform runs"),
+    results: list[str] = typer.Argument(None, metavar="[RESULT]...", help="saved --real results, for --pool"),
+    pool: bool = typer.Option(False, "--pool", help="run nothing: one report over the saved --real RESULTs given "
+                              "(a run root, its result.json, or a --json capture)"),
+    pool_any_config: bool = typer.Option(False, "--pool-any-config",
+                                         help="with --pool: do not compare the adaptive runs' settings"),
+    compare: tuple[str, str] | None = typer.Option(None, "--compare", metavar="A B",
+                                                   help="run nothing: pair the adaptive runs of two saved results"),
+    json_out: bool = JSON,
+) -> dict[str, Any]:
+    """Adaptive domain sampling vs uniform, sec and dump: on the simulated learner (default) or a real model."""
+    return _run("curriculum", json_out, seeds=seeds, seed_start=seed_start, samplers=samplers,
+                groups_per_step=groups_per_step, layout=layout, budget_steps=budget_steps, boot=boot, plot=plot,
+                overrides=list(overrides), free_probes=free_probes, hindsight=hindsight,
+                hindsight_phases=hindsight_phases, tune=tune, real=real, quick=quick, model=model, domains=domains,
+                steps=steps, tasks_per_step=tasks_per_step, group_size=group_size, n_eval=n_eval,
+                max_new_tokens=max_new_tokens, probe_every=probe_every, probe_size=probe_size,
+                budget=budget.value if budget else None, eval_seed=eval_seed, out=out,
+                keep_checkpoints=keep_checkpoints, run_overrides=list(run_overrides), reuse_uniform=reuse_uniform,
+                pool=_pooled(pool, results), pool_any_config=pool_any_config, compare=list(compare) if compare else None)

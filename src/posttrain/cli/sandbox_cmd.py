@@ -1,4 +1,4 @@
-"""`posttrain sandbox run|doctor|serve|bench`: run a file in the jail, report isolation layers, serve
+"""`posttrain sandbox run|doctor|serve`: run a file in the jail, report isolation layers, serve
 the sandbox over HTTP. The sandbox itself lives in `posttrain.sandbox`; this module only parses
 arguments and prints."""
 
@@ -150,13 +150,3 @@ def serve(
     finally:
         srv.server_close()
         sb.close_blocking()
-
-
-@app.command("bench", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def bench(ctx: typer.Context, json_out: bool = typer.Option(False, "--json")) -> None:
-    """Same as `posttrain bench sandbox`: pool vs subprocess vs bwrap per execution."""
-    from posttrain.sandbox.bench import main
-
-    result = main(list(ctx.args))
-    if json_out:
-        print_json_last(result)

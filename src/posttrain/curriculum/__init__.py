@@ -23,7 +23,7 @@ thread timing (`orchestrator.loop.RLRun._train_async`).
 
 Other calls: `probe_due(step)` (probe_arms is not empty); `weights() -> dict[Arm, float]`;
 `set_data_size(arm, n)` (0 removes an arm until it is restored; `uniform_by_data` weighs by these
-sizes); `plot_domain_shares(rows, path)` for the report.
+sizes). The simulator that the samplers are benchmarked on, and its planners, live in `posttrain.bench`.
 
 The default rule (`adaptive`), per available arm k of K:
   L_k  = EMA (rate alpha) of the per-update mean |r - group mean|, divided by the domain's running reward
@@ -84,7 +84,6 @@ the plain rules exactly.
 """
 
 from posttrain.curriculum.arms import Arm, arm_from_key
-from posttrain.curriculum.plot import plot_domain_shares
 from posttrain.curriculum.samplers import SAMPLERS, Sampler, make_sampler
 
-__all__ = ["SAMPLERS", "Arm", "Sampler", "arm_from_key", "make_sampler", "plot_domain_shares"]
+__all__ = ["SAMPLERS", "Arm", "Sampler", "arm_from_key", "make_sampler"]

@@ -13,7 +13,6 @@ measured in this run, and no ratio is claimed.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
@@ -143,30 +142,14 @@ def _trl(steps: int, completions: int, new_tokens: int, dtype: str, seed: int) -
     return times
 
 
-def main(args: list[str]) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="posttrain bench rl", description=__doc__)
-    parser.add_argument("--steps", type=int, default=4, help="steps per system (the first is warm-up)")
-    parser.add_argument("--completions", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--no-trl", action="store_true", help="skip the TRL baseline")
-    parser.add_argument(
-        "--mode", choices=["sync", "async"], default="sync",
-        help="our loop's mode: sync is on-policy like TRL; async overlaps the next step's generation with the update",
-    )
-    parser.add_argument("--max-staleness", type=int, default=1, help="async: policy versions a trajectory may lag")
-    parser.add_argument("--async-lag", choices=["fixed", "latest"], default="fixed",
-                        help="async: exactly max-staleness behind (reproducible) or the newest weights published")
-    parser.add_argument("--checkpoint-every", type=int, default=0,
-                        help="checkpoint period in steps (0: none); with the fixed lag the pipeline restarts there")
-    parser.add_argument("--seed", type=int, default=0)
-    ns = parser.parse_args(args)
+def main(ns: Any) -> dict[str, Any]:
+    """Run the benchmark with the options of `posttrain bench rl` (see its --help)."""
     console = Console()
     import torch
 
-    from posttrain.engine.bench import mem_read_gb_s
+    from posttrain.bench.engine import mem_read_gb_s
+    from posttrain.bench.learner import matmul_gflops
     from posttrain.models import load_policy
-    from posttrain.train.bench import matmul_gflops
 
     rows = _ours(ns.steps, ns.completions, ns.new_tokens, ns.dtype, ns.seed, ns.mode, ns.max_staleness, ns.async_lag,
                  ns.checkpoint_every)

@@ -12,7 +12,6 @@ measure generation.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import statistics
 import time
@@ -69,28 +68,13 @@ def _prepared_batch(learner: Learner, samples: list[Sample], old_logprobs: torch
     return batch
 
 
-def main(args: list[str]) -> dict:
+def main(opts: Any) -> dict:
+    """Run the benchmark with the options of `posttrain bench learner` (see its --help)."""
     from rich.console import Console
     from rich.table import Table
 
     from posttrain.models import load_policy
 
-    p = argparse.ArgumentParser(prog="posttrain bench learner", description=__doc__)
-    p.add_argument("--quick", action="store_true", help="8 sequences of up to 128 tokens")
-    p.add_argument("--seqs", type=int, default=None)
-    p.add_argument("--seq-len", type=int, default=None)
-    p.add_argument("--fixed-length", action="store_true", help="all sequences exactly --seq-len long")
-    p.add_argument("--repeats", type=int, default=3, help="rounds over the variants (median reported)")
-    p.add_argument("--micro-batch-tokens", type=int, default=4096)
-    p.add_argument("--lora-rank", type=int, default=16)
-    p.add_argument("--spec", default="smollm2-135m")
-    p.add_argument("--variants", default="all", help="comma list like full-fp32-packed,lora-bf16-padded")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave as is)")
-    p.add_argument(
-        "--grpo", type=int, default=0, metavar="G",
-        help="GRPO-shaped batch: groups of G sharing a prompt; adds the '-shared' variants (prompt run once per group)",
-    )
-    opts = p.parse_args(args)
     if opts.threads:
         torch.set_num_threads(opts.threads)
     n = opts.seqs or (8 if opts.quick else 32)

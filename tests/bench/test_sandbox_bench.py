@@ -4,12 +4,13 @@ import os
 
 import pytest
 
-from posttrain.sandbox import bench
+from posttrain.bench import sandbox as bench
+from posttrain.cli.bench import run_bench
 from posttrain.sandbox import isolation as iso_mod
 
 
 def test_bench_reports_the_contract_keys():
-    out = bench.main(["--seconds", "0.2", "--repeats", "1", "--skip-numpy"])
+    out = run_bench("sandbox", ["--seconds", "0.2", "--repeats", "1", "--skip-numpy"])
     for key in ("trivial_per_s", "trivial_p99_ms", "bwrap_per_s", "subprocess_per_s", "ratio_vs_bwrap", "isolation",
                 "asserts_per_s", "asserts_bwrap_per_s"):
         assert key in out, key

@@ -7,19 +7,24 @@ import sys
 import numpy as np
 import pytest
 
-from posttrain.config import CurriculumConfig
-from posttrain.curriculum import Arm, plot_domain_shares
-from posttrain.curriculum.bench import (
+from posttrain.bench.curriculum import (
     auc_vs_tokens,
     bootstrap_ci,
     first_crossing,
-    main,
     per_arm_figures,
     run_metrics,
     target_intervals,
 )
-from posttrain.curriculum.plot import domain_shares
-from posttrain.curriculum.sim import Learner, OracleSampler
+from posttrain.bench.plot import domain_shares, plot_domain_shares
+from posttrain.bench.sim import Learner, OracleSampler
+from posttrain.cli.bench import run_bench
+from posttrain.config import CurriculumConfig
+from posttrain.curriculum import Arm
+
+
+def main(args: list[str]) -> dict:
+    """`posttrain bench curriculum ARGS` in this process."""
+    return run_bench("curriculum", args)
 
 
 def _learner(theta, arms, **kw) -> Learner:
@@ -221,12 +226,12 @@ def test_domain_shares_and_plot(tmp_path):
 
 
 def test_curriculum_does_not_import_torch():
-    code = "import sys, posttrain.curriculum, posttrain.curriculum.bench; assert 'torch' not in sys.modules"
+    code = "import sys, posttrain.curriculum, posttrain.bench.curriculum; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_sim_probes_and_charges_only_the_arms_the_sampler_names():
-    from posttrain.curriculum.sim import SimSettings, make_learner, run
+    from posttrain.bench.sim import SimSettings, make_learner, run
 
     s = SimSettings(groups_per_step=8, budget_uniform_steps=30)
     learner = make_learner(0)
@@ -252,7 +257,7 @@ def test_bench_seed_start_picks_other_learners(capsys):
 
 
 def test_layouts_parse_and_reach_the_learner_and_the_bench(capsys):
-    from posttrain.curriculum.sim import LAYOUT, LAYOUTS, make_learner, parse_layout
+    from posttrain.bench.sim import LAYOUT, LAYOUTS, make_learner, parse_layout
 
     spelt = ",".join(f"{d}:{lv}={role}" for d, lv, role in LAYOUT)
     assert parse_layout(spelt) == LAYOUT == parse_layout(" default ")
@@ -282,7 +287,7 @@ def test_layouts_parse_and_reach_the_learner_and_the_bench(capsys):
 
 
 def test_static_sampler_holds_its_weights_and_rejects_bad_ones():
-    from posttrain.curriculum.sim import StaticSampler
+    from posttrain.bench.sim import StaticSampler
 
     arms = [Arm("a", 0), Arm("a", 1), Arm("b", 0)]
     s = StaticSampler(CurriculumConfig(), arms, 0, np.array([0.0, 3.0, 1.0]))
@@ -295,8 +300,8 @@ def test_static_sampler_holds_its_weights_and_rejects_bad_ones():
 
 
 def test_hindsight_search_returns_the_best_mix_it_tried():
-    from posttrain.curriculum.bench import hindsight_search
-    from posttrain.curriculum.sim import HINDSIGHT, SimSettings, budget_tokens, make_learner, run
+    from posttrain.bench.curriculum import hindsight_search
+    from posttrain.bench.sim import HINDSIGHT, SimSettings, budget_tokens, make_learner, run
 
     cfg, s = CurriculumConfig(), SimSettings(groups_per_step=8, budget_uniform_steps=20)
     budget = budget_tokens(make_learner(3), s)
@@ -320,7 +325,7 @@ def test_hindsight_search_returns_the_best_mix_it_tried():
 
 
 def test_static_sampler_plan_switches_rows_with_the_spent_budget():
-    from posttrain.curriculum.sim import StaticSampler
+    from posttrain.bench.sim import StaticSampler
 
     arms = [Arm("a", 0), Arm("b", 0)]
     s = StaticSampler(CurriculumConfig(), arms, 0, np.array([[1.0, 0.0], [1.0, 1.0], [0.0, 2.0]]))
@@ -333,7 +338,7 @@ def test_static_sampler_plan_switches_rows_with_the_spent_budget():
 
 
 def test_sim_run_plan_and_fresh_noise():
-    from posttrain.curriculum.sim import HINDSIGHT, SimSettings, run
+    from posttrain.bench.sim import HINDSIGHT, SimSettings, run
 
     cfg, s = CurriculumConfig(), SimSettings(groups_per_step=8, budget_uniform_steps=12)
     w = np.linspace(1.0, 2.0, 8)
@@ -351,8 +356,8 @@ def test_sim_run_plan_and_fresh_noise():
 
 
 def test_bench_hindsight_plan_is_scored_on_a_fresh_run(capsys):
-    from posttrain.curriculum.bench import hindsight_search
-    from posttrain.curriculum.sim import HINDSIGHT, SimSettings, budget_tokens, make_learner, run
+    from posttrain.bench.curriculum import hindsight_search
+    from posttrain.bench.sim import HINDSIGHT, SimSettings, budget_tokens, make_learner, run
 
     args = ["--seeds", "1", "--budget-steps", "10", "--groups-per-step", "8", "--boot", "20",
             "--samplers", "uniform_by_domain", "--hindsight", "1", "--hindsight-phases", "2"]
@@ -375,7 +380,7 @@ def test_bench_hindsight_plan_is_scored_on_a_fresh_run(capsys):
 
 
 def test_real_bench_pools_seeds_pairwise():
-    from posttrain.curriculum.real import _pool
+    from posttrain.bench.curriculum_real import _pool
     from posttrain.orchestrator.evaluate import EvalReport, paired_delta
 
     ada = [EvalReport("a0", {"math": [1.0, 0.0]}), EvalReport("a1", {"math": [1.0, 1.0]})]
@@ -389,7 +394,7 @@ def test_real_bench_pools_seeds_pairwise():
 
 def _saved_result(path, seeds, ada, uni, **meta):
     """A --real result as main_real saves it, with per-task scores `ada`/`uni` (one list per seed)."""
-    from posttrain.curriculum.real import PRESETS, summarise
+    from posttrain.bench.curriculum_real import PRESETS, summarise
 
     def rows(scores):
         return [{"seed": s, "per_task": {"math": sc}, "steps": 1, "generated_tokens": 10.0, "probe_tokens": 0.0,
@@ -585,7 +590,7 @@ def test_compare_pairs_the_adaptive_runs_of_two_results(tmp_path, capsys):
 
 
 def test_bench_real_stops_when_a_run_is_interrupted(tmp_path, monkeypatch):
-    from posttrain.curriculum import real
+    from posttrain.bench import curriculum_real as real
     from posttrain.orchestrator import RLRun
 
     monkeypatch.setattr(RLRun, "train", lambda self: {"step": 1, "interrupted": True, "signal": 15})
@@ -595,8 +600,8 @@ def test_bench_real_stops_when_a_run_is_interrupted(tmp_path, monkeypatch):
 
 
 def test_tune_returns_the_best_settings_it_scored_and_their_figures(capsys):
-    from posttrain.curriculum.bench import TUNE_PENALTY, TUNED, _ratio, tune_search
-    from posttrain.curriculum.sim import SimSettings, budget_tokens, make_learner, run
+    from posttrain.bench.curriculum import TUNE_PENALTY, TUNED, _ratio, tune_search
+    from posttrain.bench.sim import SimSettings, budget_tokens, make_learner, run
 
     cfg, s = CurriculumConfig(), SimSettings(groups_per_step=8, budget_uniform_steps=12)
     res = tune_search([0, 1], cfg, s, rounds=1, population=3, elite=1)

@@ -11,7 +11,6 @@ It only measures; the pool lives in `pool`.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import shutil
@@ -22,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from posttrain.sandbox import isolation as iso_mod
 from posttrain.sandbox.api import ExecStatus, Job, Limits
@@ -164,14 +164,8 @@ def _bwrap_prefix(binds: list) -> list[str] | None:
     return [*argv, spec.python.jail_executable, "-I", "-c"]
 
 
-def main(args: list[str]) -> dict:
-    parser = argparse.ArgumentParser(prog="posttrain bench sandbox", description=__doc__)
-    parser.add_argument("--seconds", type=float, default=1.5, help="duration of each measurement")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians are reported")
-    parser.add_argument("--clients", type=int, default=0, help="concurrent clients (default: 2 x pool size)")
-    parser.add_argument("--pool-size", type=int, default=0, help="workers per profile (default: CPU count)")
-    parser.add_argument("--skip-numpy", action="store_true")
-    opts = parser.parse_args(args)
+def main(opts: Any) -> dict:
+    """Run the benchmark with the options of `posttrain bench sandbox` (see its --help)."""
     from rich.console import Console
     from rich.table import Table
 

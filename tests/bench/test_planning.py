@@ -6,11 +6,12 @@ import math
 import numpy as np
 import pytest
 
+from posttrain.bench import planning
+from posttrain.bench.curriculum import _ratio, baseline, run_metrics
+from posttrain.bench.planning import PlanningOracle, cross_entropy_min, expected_run, move
+from posttrain.bench.sim import ORACLE, ORACLE_PLAN, REMOVED_ARM, SimSettings, make_learner, run
+from posttrain.cli.bench import run_bench
 from posttrain.config import CurriculumConfig
-from posttrain.curriculum import planning
-from posttrain.curriculum.bench import _ratio, baseline, main, run_metrics
-from posttrain.curriculum.planning import PlanningOracle, cross_entropy_min, expected_run, move
-from posttrain.curriculum.sim import ORACLE, ORACLE_PLAN, REMOVED_ARM, SimSettings, make_learner, run
 
 
 def test_a_groups_mean_gradient_is_p1mp_times_1_minus_1_over_g():
@@ -126,7 +127,7 @@ def test_replan_keeps_the_previous_plan_unless_the_search_beats_it(monkeypatch):
 
 
 def test_bench_runs_oracle_plan_only_when_named(capsys):
-    out = main(["--seeds", "1", "--samplers", "uniform_by_domain,oracle_plan", "--boot", "50"])
+    out = run_bench("curriculum", ["--seeds", "1", "--samplers", "uniform_by_domain,oracle_plan", "--boot", "50"])
     assert set(out["tokens_to_threshold_ratio"]) == {"uniform_by_domain", ORACLE_PLAN}
     assert out["tokens_to_threshold_ratio"][ORACLE_PLAN] < 1.0
-    assert ORACLE_PLAN not in main(["--seeds", "1", "--boot", "50"])["tokens_to_threshold_ratio"]
+    assert ORACLE_PLAN not in run_bench("curriculum", ["--seeds", "1", "--boot", "50"])["tokens_to_threshold_ratio"]

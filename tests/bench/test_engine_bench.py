@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from posttrain.engine import bench
+from posttrain.cli.bench import run_bench
 
 
 @pytest.mark.slow
 def test_bench_quick_on_a_tiny_model_reports_the_named_figures():
-    result = bench.main(["--model", "tiny:llama", "--quick", "--dtypes", "float32"])
+    result = run_bench("engine", ["--model", "tiny:llama", "--quick", "--dtypes", "float32"])
     for key in (
         "ratio_vs_hf_rollout",
         "ratio_vs_hf_serving",

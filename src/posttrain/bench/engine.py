@@ -18,7 +18,6 @@ prompts' prefill. Medians over --repeats.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 import time
@@ -182,16 +181,8 @@ def run_once(engine: Any, reqs: list[GenerationRequest]) -> dict:
     }
 
 
-def main(args: list[str]) -> dict:
-    parser = argparse.ArgumentParser(prog="posttrain bench engine", description=__doc__)
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--quick", action="store_true", help="fewer prompts and tokens (a minute or two)")
-    parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--workloads", default="rollout,serving,decode_1,decode_64")
-    parser.add_argument("--repeats", type=int, default=1, help="interleaved repeats; medians are reported")
-    parser.add_argument("--no-hf", action="store_true", help="skip the HF baseline (ratios are then absent)")
-    parser.add_argument("--seed", type=int, default=0)
-    opts = parser.parse_args(args)
+def main(opts: Any) -> dict:
+    """Run the benchmark with the options of `posttrain bench engine` (see its --help)."""
     from rich.console import Console
     from rich.table import Table
 

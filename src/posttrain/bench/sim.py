@@ -312,7 +312,7 @@ def run(
         if sampler_name == ORACLE:
             sampler = OracleSampler(cfg, learner.arms, seed, learner)
         elif sampler_name == ORACLE_PLAN:
-            from posttrain.curriculum.planning import PlanningOracle  # planning imports this module
+            from posttrain.bench.planning import PlanningOracle  # planning imports this module
 
             sampler = PlanningOracle(cfg, learner.arms, seed, learner, s)
         else:

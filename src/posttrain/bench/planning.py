@@ -25,10 +25,10 @@ from collections.abc import Callable
 
 import numpy as np
 
+from posttrain.bench.sim import ORACLE_PLAN, REMOVED_ARM, Learner, SimSettings, budget_tokens, sigmoid
 from posttrain.config import CurriculumConfig
 from posttrain.curriculum.arms import Arm
 from posttrain.curriculum.samplers import Sampler, _uniform_by_domain
-from posttrain.curriculum.sim import ORACLE_PLAN, REMOVED_ARM, Learner, SimSettings, budget_tokens, sigmoid
 
 
 def cross_entropy_min(

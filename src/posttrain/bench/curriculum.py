@@ -28,20 +28,16 @@ over the seeds of several saved `--real` results (separate invocations) without 
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
-from posttrain.config import ConfigError, load_config
-from posttrain.curriculum.arms import Arm
-from posttrain.curriculum.planning import cross_entropy_min
-from posttrain.curriculum.real import PRESETS, REUSED_FLAGS, compare_results, main_real, pool_results
-from posttrain.curriculum.sim import (
+from posttrain.bench import BenchUsageError
+from posttrain.bench.curriculum_real import compare_results, main_real, pool_results
+from posttrain.bench.planning import cross_entropy_min
+from posttrain.bench.sim import (
     HINDSIGHT,
-    LAYOUTS,
     ORACLE,
     ORACLE_PLAN,
     SimRun,
@@ -51,6 +47,8 @@ from posttrain.curriculum.sim import (
     parse_layout,
     run,
 )
+from posttrain.config import ConfigError, load_config
+from posttrain.curriculum.arms import Arm
 
 BASELINE = "uniform_by_domain"
 ALL = ["uniform_by_domain", "uniform_by_data", "dapo_filter_only", "sec", "dump", "adaptive"]
@@ -207,104 +205,54 @@ def bootstrap_ci(values: np.ndarray, n_boot: int, seed: int = 0) -> tuple[float,
     return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
-def main(args: list[str]) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(prog="posttrain bench curriculum", description=__doc__)
-    ap.add_argument("--seeds", type=int, default=None,
-                    help="simulated learners (default 32: 8 left the forgetting comparisons to chance; >= 5 for the report); --real: training seeds (default 2, --quick 1)")
-    ap.add_argument("--seed-start", type=int, default=0,
-                    help="first simulated learner's seed (e.g. 100 for a held-out set the defaults were not tuned on); "
-                    "--real: first training seed (to add seeds to an earlier run)")
-    ap.add_argument("--samplers", default=",".join(ALL + REFERENCE),
-                    help=f"comma list; must include {BASELINE}; '{ORACLE}' reads the hidden state and allocates "
-                    f"greedily; '{ORACLE_PLAN}' (not in the default list) reads it and plans (planning.py)")
-    ap.add_argument("--groups-per-step", type=int, default=SimSettings.groups_per_step)
-    ap.add_argument("--layout", default="default", metavar="NAME|SPEC",
-                    help=f"the simulated arms: a preset ({', '.join(LAYOUTS)}) or domain:level=role,... (roles "
-                    "mastered, learnable, too_hard; code:0 required). Presets other than default are a sensitivity "
-                    "check, not the benchmark")
-    ap.add_argument("--budget-steps", type=int, default=SimSettings.budget_uniform_steps,
-                    help="token budget in full batches at the mean rollout length")
-    ap.add_argument("--boot", type=int, default=2000, help="bootstrap resamples")
-    ap.add_argument("--plot", default=None, help="write adaptive's domain shares (first seed) to this PNG")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="curriculum config override for every sampler, e.g. --set c=0.5 (repeatable)")
-    ap.add_argument("--free-probes", action="store_true", help="do not charge probe tokens to the budget")
-    ap.add_argument("--hindsight", type=int, default=0, metavar="ROUNDS",
-                    help=f"add '{HINDSIGHT}': the best fixed mix per seed from a search of ROUNDS x 24 runs (e.g. 8)")
-    ap.add_argument("--hindsight-phases", type=int, default=1, metavar="P",
-                    help=f"'{HINDSIGHT}' searches plans of P mixes, one per P-th of the token budget (e.g. 3 with --hindsight 16)")
-    ap.add_argument("--tune", type=int, default=0, metavar="ROUNDS",
-                    help=f"run no table: search the adaptive settings {', '.join(TUNED)} on these seeds (ROUNDS x 20 "
-                    "candidates, each a run per seed; 12 rounds on 32 seeds take about 20 min) for the fewest tokens to "
-                    "threshold with forgetting no worse than uniform's or sec's and the worst arm no lower than "
-                    "uniform's; prints them as --set values. Check them on other seeds with a plain run")
-    real = ap.add_argument_group("--real", "benchmark 2: a real model through the RL loop (see real.py)")
-    real.add_argument("--real", action="store_true", help="adaptive vs uniform_by_domain on a real model")
-    real.add_argument("--quick", action="store_true", help="small preset that finishes in a few minutes")
-    real.add_argument("--model", default=None, help=f"model.spec of the runs (default {REUSED_FLAGS['model']})")
-    real.add_argument("--domains", default=None, help=f"name:level[,level];... (default {REUSED_FLAGS['domains']})")
-    for key in PRESETS["full"]:
-        real.add_argument("--" + key.replace("_", "-"), dest=key, type=int, default=None,
-                          help=f"default {PRESETS['full'][key]} (--quick {PRESETS['quick'][key]})")
-    real.add_argument("--budget", choices=["tokens", "rollouts"], default=None,
-                      help="tokens (default): adaptive stops at the tokens uniform generated (probes charged); "
-                      "rollouts: same steps")
-    real.add_argument("--eval-seed", type=int, default=None,
-                      help=f"seed of the held-out tasks, the same for every run (default {REUSED_FLAGS['eval_seed']})")
-    real.add_argument("--out", default=None, help="directory for the run folders (default: a new temp dir)")
-    real.add_argument("--keep-checkpoints", action="store_true", help="keep each run's final checkpoint")
-    real.add_argument("--run-set", dest="run_overrides", action="append", default=[], metavar="KEY=VALUE",
-                      help="any run-config override, e.g. --run-set engine.device=cuda (repeatable)")
-    real.add_argument("--reuse-uniform", default=None, metavar="RESULT",
-                      help="run only adaptive (with this invocation's --set values) against the uniform runs of a "
-                      "saved --real result, on its seeds, budgets, sizes and held-out tasks")
-    real.add_argument("--pool", nargs="+", default=None, metavar="RESULT",
-                      help="run nothing: one report over the seeds of saved --real results (a run root, its "
-                      "result.json, or a --json capture), e.g. one invocation per --seed-start")
-    real.add_argument("--pool-any-config", action="store_true",
-                      help="with --pool: do not compare the adaptive runs' settings across the results (you vouch that "
-                      "they match, e.g. one saved before results recorded them); the report says they were not checked")
-    real.add_argument("--compare", nargs=2, default=None, metavar=("A", "B"),
-                      help="run nothing: the adaptive runs of two saved --real results (same seeds, budgets and "
-                      "held-out tasks, e.g. B from --reuse-uniform) paired, A - B per seed and pooled")
-    ns = ap.parse_args(args)
+def _usage(message: str) -> NoReturn:
+    raise BenchUsageError(message)
+
+
+def main(ns: Any) -> dict[str, Any]:
+    """Run the benchmark with the options of `posttrain bench curriculum` (see its --help); a bad
+    combination raises BenchUsageError."""
+    if ns.samplers is None:
+        ns.samplers = ",".join(ALL + REFERENCE)
+    if ns.groups_per_step is None:
+        ns.groups_per_step = SimSettings.groups_per_step
+    if ns.budget_steps is None:
+        ns.budget_steps = SimSettings.budget_uniform_steps
     if ns.seed_start < 0:
-        ap.error(f"--seed-start must be >= 0, got {ns.seed_start}")
+        _usage(f"--seed-start must be >= 0, got {ns.seed_start}")
     if ns.pool and ns.compare:
-        ap.error("--pool and --compare each report on saved results; give one of them")
+        _usage("--pool and --compare each report on saved results; give one of them")
     if ns.pool_any_config and not ns.pool:
-        ap.error("--pool-any-config needs --pool")
+        _usage("--pool-any-config needs --pool")
     if ns.pool or ns.compare:
         try:
             return pool_results(ns.pool, not ns.pool_any_config) if ns.pool else compare_results(*ns.compare)
         except ValueError as err:
-            print(f"error: {err}", file=sys.stderr)
-            raise SystemExit(2) from None
+            raise BenchUsageError(str(err)) from None
     if ns.reuse_uniform and not ns.real:
-        ap.error("--reuse-uniform needs --real")
+        _usage("--reuse-uniform needs --real")
     if ns.real:
         if ns.seeds is not None and ns.seeds < 1:
-            ap.error("--seeds must be >= 1")
+            _usage("--seeds must be >= 1")
         try:
             return main_real(ns)
         except (ConfigError, ValueError) as err:
-            print(f"error: {err}", file=sys.stderr)
-            raise SystemExit(2) from None
+            raise BenchUsageError(str(err)) from None
     ns.seeds = 32 if ns.seeds is None else ns.seeds
     names = [n.strip() for n in ns.samplers.split(",") if n.strip()]
     unknown = [n for n in names if n not in ALL + REFERENCE + ON_REQUEST]
     if unknown or BASELINE not in names:
-        ap.error(f"--samplers: unknown {unknown}" if unknown else f"--samplers must include {BASELINE}")
+        _usage(f"--samplers: unknown {unknown}" if unknown else f"--samplers must include {BASELINE}")
     if ns.seeds < 1 or ns.groups_per_step < 1 or ns.budget_steps < 1:
-        ap.error("--seeds, --groups-per-step and --budget-steps must be >= 1")
+        _usage("--seeds, --groups-per-step and --budget-steps must be >= 1")
     if ns.hindsight < 0:
-        ap.error(f"--hindsight must be >= 0 rounds, got {ns.hindsight}")
+        _usage(f"--hindsight must be >= 0 rounds, got {ns.hindsight}")
     if ns.hindsight_phases < 1:
-        ap.error(f"--hindsight-phases must be >= 1, got {ns.hindsight_phases}")
+        _usage(f"--hindsight-phases must be >= 1, got {ns.hindsight_phases}")
     if ns.tune < 0:
-        ap.error(f"--tune must be >= 0 rounds, got {ns.tune}")
+        _usage(f"--tune must be >= 0 rounds, got {ns.tune}")
     if ns.tune and ns.hindsight:
-        ap.error("--tune runs no table; leave out --hindsight")
+        _usage("--tune runs no table; leave out --hindsight")
     if ns.hindsight:
         names.append(HINDSIGHT)
     names = [BASELINE] + [n for n in names if n != BASELINE]
@@ -312,11 +260,11 @@ def main(args: list[str]) -> dict[str, Any]:
     try:
         cfg = load_config(None, [f"curriculum.{o}" for o in ns.overrides]).curriculum
     except ConfigError as err:
-        ap.error(str(err))
+        _usage(str(err))
     try:
         layout = parse_layout(ns.layout)
     except ValueError as err:
-        ap.error(f"--layout: {err}")
+        _usage(f"--layout: {err}")
     settings = SimSettings(groups_per_step=ns.groups_per_step, budget_uniform_steps=ns.budget_steps,
                            charge_probes=not ns.free_probes, layout=layout)
     t0 = time.perf_counter()
@@ -349,7 +297,7 @@ def main(args: list[str]) -> dict[str, Any]:
                 r = run(name, seed, cfg, settings, log_weights=plot_this)
                 m = run_metrics(r, budget, threshold, settings.charge_probes)
                 if plot_this:
-                    from posttrain.curriculum.plot import plot_domain_shares
+                    from posttrain.bench.plot import plot_domain_shares
 
                     plot_domain_shares(r.weight_rows, ns.plot)
             m["tokens_to_threshold_ratio"] = _ratio(m, budget, base_m)
@@ -435,7 +383,7 @@ def target_intervals(out: dict[str, Any]) -> dict[str, dict[str, Any]]:
     }
 
 
-def _report_tune(res: dict[str, Any], ns: argparse.Namespace, wall_s: float) -> dict[str, Any]:
+def _report_tune(res: dict[str, Any], ns: Any, wall_s: float) -> dict[str, Any]:
     from rich.console import Console
 
     console = Console()

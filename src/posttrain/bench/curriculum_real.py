@@ -331,7 +331,7 @@ def _mismatch(a: dict[str, Any], b: dict[str, Any], keys: tuple[str, ...]) -> st
 
 def load_result(path: str | Path, flag: str = "--pool") -> dict[str, Any]:
     """A saved `--real` result: the run root's result.json (or the folder holding it), or a capture of
-    `posttrain bench curriculum --json -- --real ...` whose last line is the JSON object. ValueError names
+    `posttrain bench curriculum --json --real ...` whose last line is the JSON object. ValueError names
     the file and, as `flag`, the option that read it."""
     p = Path(path)
     if p.is_dir():

@@ -22,11 +22,11 @@ def cli(*args, **kw):
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120, **kw)
 
 
-def test_run_python_file_prints_output_and_exit_code(tmp_path):
+def test_run_python_file_prints_output_and_its_exit_code_fails_the_command(tmp_path):
     (tmp_path / "hello.py").write_text("import sys\nprint('hello', input())\nsys.exit(3)\n")
     (tmp_path / "in.txt").write_text("world\n")
     out = cli("sandbox", "run", str(tmp_path / "hello.py"), "--stdin", str(tmp_path / "in.txt"))
-    assert out.returncode == 3 and out.stdout == "hello world\n" and "status=runtime_error" in out.stderr
+    assert out.returncode == 1 and out.stdout == "hello world\n" and "status=runtime_error exit=3" in out.stderr
 
 
 def test_run_bash_with_language_flag(tmp_path):

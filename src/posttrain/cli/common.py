@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from posttrain.config import ConfigError, RunConfig, load_config
 
@@ -14,12 +16,15 @@ EXIT_OK = 0
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
 
-console = Console()
-err_console = Console(stderr=True)
+# soft_wrap: long lines (code, tokens, URLs) are never broken; piped output is not cut to 80 columns
+PIPED_WIDTH = 200
+console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else PIPED_WIDTH)
+err_console = Console(stderr=True, soft_wrap=True, width=None if sys.stderr.isatty() else PIPED_WIDTH)
 
 
 def fail(message: str, code: int = EXIT_RUNTIME) -> NoReturn:
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    """Print `error: MESSAGE` (as written: square brackets are not markup) and exit with `code`."""
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
     raise typer.Exit(code)
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from posttrain.cli.common import (
@@ -80,7 +81,7 @@ def train(
         if resume:
             try:
                 for warning in rl.load():
-                    err_console.print(f"[yellow]warning:[/] {warning}")
+                    err_console.print(f"[yellow]warning:[/] {escape(warning)}")
             except CheckpointError as err:
                 fail(str(err), EXIT_RUNTIME)
             console.print(f"resumed {run.path} at step {rl.step}")

@@ -10,15 +10,30 @@ import sys
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 
 from posttrain.cli.common import EXIT_USAGE, console, err_console, fail, print_json_last
 from posttrain.config import SandboxConfig
 
-app = typer.Typer(help="Run untrusted code in the isolated sandbox.", no_args_is_help=True)
+app = typer.Typer(help="Run untrusted code in the isolated sandbox.", no_args_is_help=True, rich_markup_mode=None)
 
 _DEFAULTS = SandboxConfig()
 EXTENSIONS = {".py": "python", ".sh": "bash", ".bash": "bash", ".c": "c", ".cc": "cpp", ".cpp": "cpp",
               ".cxx": "cpp"}
+
+
+MIN_MEMORY_MB = 16  # below this a limit cannot tell a job's own allocations from the interpreter's start
+
+
+def _text_or_base64(out: dict, key: str, data: bytes) -> None:
+    """out[key] = the text when `data` is UTF-8, else out[key + "_base64"] = base64 of the bytes."""
+    import base64
+
+    try:
+        out[key] = data.decode("utf-8")
+    except UnicodeDecodeError:
+        out[key] = None
+        out[key + "_base64"] = base64.b64encode(data).decode("ascii")
 
 
 @app.command("run")
@@ -26,22 +41,36 @@ def run(
     file: Path = typer.Argument(..., help="source file to execute"),
     language: str | None = typer.Option(None, "--language", "-l", help="python|bash|c|cpp (default: from extension)"),
     stdin_file: Path | None = typer.Option(None, "--stdin", help="file fed to the job's stdin"),
-    wall_time_s: float = typer.Option(5.0, "--wall", help="wall-clock limit in seconds"),
-    memory_mb: int = typer.Option(512, "--memory-mb", help="memory limit in MiB"),
+    wall_time_s: float = typer.Option(5.0, "--wall", min=0.01, help="wall-clock limit in seconds"),
+    memory_mb: int = typer.Option(512, "--memory-mb", min=MIN_MEMORY_MB,
+                                  help="memory the job may allocate beyond the interpreter's start, in MiB"),
     profile: str = typer.Option("default", "--profile", help="warm pool profile, e.g. default or numpy"),
-    json_out: bool = typer.Option(False, "--json", help="print the result as one JSON object, last"),
+    json_out: bool = typer.Option(False, "--json", help="print the result as one JSON object, last (stdout and "
+                                  "stderr as text, or as *_base64 when they are not UTF-8)"),
     allow_unisolated: bool = typer.Option(False, "--allow-unisolated", help="run even without namespaces"),
 ) -> None:
-    """Run FILE in the sandbox; prints its stdout/stderr and exits with its exit code."""
+    """Run FILE in the sandbox and print its stdout/stderr. Exit status: 0 when the job ran and exited 0,
+    1 when it failed (its own exit code, signal and status are printed), 2 for a usage error."""
     from posttrain.sandbox import Job, Limits, LocalSandbox, SandboxUnavailable
     from posttrain.sandbox.api import LANGUAGES, result_to_dict
 
     if not file.is_file():
         fail(f"no such file: {file}", EXIT_USAGE)
+    if language is not None and language not in LANGUAGES:
+        fail(f"unknown language '{language}'; --language is one of: {', '.join(LANGUAGES)}", EXIT_USAGE)
     lang = language or EXTENSIONS.get(file.suffix)
     if lang not in LANGUAGES:
-        fail(f"cannot tell the language of '{file.name}'; pass --language one of: {', '.join(LANGUAGES)}", EXIT_USAGE)
-    job = Job(code=file.read_text(), language=lang, stdin=stdin_file.read_bytes() if stdin_file else b"",
+        fail(f"cannot tell the language of '{file.name}' from its extension; pass --language one of: "
+             f"{', '.join(LANGUAGES)}", EXIT_USAGE)
+    raw = file.read_bytes()
+    try:
+        code = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        fail(f"{file} is not UTF-8 text (byte 0x{raw[err.start]:02x} at offset {err.start}); save it as UTF-8",
+             EXIT_USAGE)
+    if stdin_file is not None and not stdin_file.is_file():
+        fail(f"no such --stdin file: {stdin_file}", EXIT_USAGE)
+    job = Job(code=code, language=lang, stdin=stdin_file.read_bytes() if stdin_file else b"",
               limits=Limits(wall_time_s=wall_time_s, cpu_time_s=wall_time_s, memory_bytes=memory_mb << 20),
               profile=profile)
     try:
@@ -50,17 +79,20 @@ def run(
     except (SandboxUnavailable, ValueError) as err:
         fail(str(err), EXIT_USAGE)
     if json_out:
-        print_json_last(result_to_dict(res))
+        out = result_to_dict(res)
+        _text_or_base64(out, "stdout", res.stdout)
+        _text_or_base64(out, "stderr", res.stderr)
+        out["files_base64"] = out.pop("files")
+        print_json_last(out)
     else:
         sys.stdout.buffer.write(res.stdout)
         sys.stdout.flush()
         sys.stderr.buffer.write(res.stderr)
-        err_console.print(f"[dim]status={res.status.value} exit={res.exit_code} signal={res.signal} "
-                      f"wall={res.wall_ms:.1f}ms cpu={res.cpu_ms:.1f}ms rss={res.max_rss_bytes >> 20}MiB"
-                      f"{' ' + res.error if res.error else ''}[/]", highlight=False)
-    if res.is_infra_failure:
-        raise typer.Exit(1)
-    raise typer.Exit(res.exit_code if res.exit_code is not None else 1)
+        sys.stderr.flush()
+        err_console.print(escape(f"status={res.status.value} exit={res.exit_code} signal={res.signal} "
+                                 f"wall={res.wall_ms:.1f}ms cpu={res.cpu_ms:.1f}ms rss={res.max_rss_bytes >> 20}MiB"
+                                 f"{' ' + res.error if res.error else ''}"), style="dim", highlight=False)
+    raise typer.Exit(0 if res.status.value == "ok" and res.exit_code == 0 else 1)
 
 
 @app.command("doctor")
@@ -102,7 +134,7 @@ def doctor(json_out: bool = typer.Option(False, "--json", help="print the report
         table.add_row(name, "[green]yes[/]" if active else "[bold red]NO[/]", detail)
     console.print(table)
     if probe.get("error"):
-        console.print(f"[bold red]probe job failed:[/] {probe['error']}", highlight=False)
+        console.print(f"[bold red]probe job failed:[/] {escape(str(probe['error']))}", highlight=False)
     elif probe:
         worker = probe["worker"]
         console.print(f"probe job: status {probe['job_status']}; worker pid {worker.get('pid')} uid "

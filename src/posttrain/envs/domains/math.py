@@ -121,6 +121,11 @@ class MathDomain(Domain):
         else:
             import reasoning_gym
 
+            if not isinstance(datasets, list | tuple | dict):
+                raise ValueError(f"math: 'datasets' must be a list of reasoning-gym dataset names or a mapping of "
+                                 f"name to config, got {type(datasets).__name__} {datasets!r} (e.g. datasets=[gcd])")
+            if not all(isinstance(n, str) for n in datasets):
+                raise ValueError(f"math: 'datasets' names must be strings, got {list(datasets)!r}")
             chosen = {n: {} for n in datasets} if isinstance(datasets, list | tuple) else dict(datasets)
             if not chosen:
                 raise ValueError("math: 'datasets' is empty; give reasoning-gym dataset names")

@@ -128,7 +128,7 @@ class CurriculumConfig(Section):
         "linearly from 0 at the start of the run to this at its end"
     )
     lam: float = Field(
-        10.0, ge=0.0, description="forgetting weight (the issue suggests 1; more forgot less in the simulation benchmark)"
+        10.0, ge=0.0, description="forgetting weight (10 forgot less than 1 in the simulation benchmark)"
     )
     forget_z: float = Field(
         1.0, ge=0.0, description="forgetting counts only the probe drop beyond this many standard errors"
@@ -136,7 +136,7 @@ class CurriculumConfig(Section):
     max_share: float = Field(0.5, gt=0.0, le=1.0, description="cap on one arm's share (raised to 1/K if below)")
     probe_every: int = Field(10, ge=0, description="retention probe period in steps; 0 = no probes")
     probe_size: int = Field(
-        16, ge=1, description="held-out probe prompts per arm (the issue suggests 64; 16 keeps probes ~1/3 of a CPU step)"
+        16, ge=1, description="held-out probe prompts per arm (16 keeps probes to about 1/3 of a CPU step)"
     )
     replay_rate: float = Field(0.05, ge=0.0, le=1.0, description="chance to replay a mastered prompt")
     mastered_p: float = Field(0.9, gt=0.0, le=1.0, description="observed success rate that marks a prompt mastered")

@@ -8,7 +8,7 @@ The `oracle` row reads the simulator's hidden p and eta (see `sim.OracleSampler`
 allocation that knew the truth gets, so a missed target can be told apart from an unreachable one.
 It allocates greedily; `oracle_plan` (`planning.PlanningOracle`, only when `--samplers` names it, ~2.5 s
 a seed) reads the same state and plans to the end of the budget on the learner's expected dynamics.
-The issue's targets are printed twice: on the means over seeds (`targets`, as the issue states them) and on
+The targets are printed twice: on the means over seeds (`targets`) and on
 95% intervals (`targets_ci95`, `target_intervals`: met, missed, or a tie that these seeds cannot tell).
 `--hindsight N` adds `hindsight_static`: per seed, the fixed mix of arms (`--hindsight-phases P`: a plan
 of P mixes over the budget) that a cross-entropy search of N rounds finds best for that seed (fewest
@@ -103,7 +103,7 @@ def hindsight_search(
     Objective: tokens to the threshold; a run that misses it scores budget * (1 + the macro gap), so
     nearer misses rank higher. With limits = (forgetting, worst-arm accuracy) (the bench passes
     uniform's), a run is also charged HINDSIGHT_PENALTY budgets per unit it forgets more or leaves its
-    worst arm lower: the search then looks for the issue's whole target, not speed alone.
+    worst arm lower: the search then looks for the whole target, not speed alone.
     Returns the best weights (shape (arms,), or (phases, arms) when phases > 1) and their run.
     Deterministic per seed."""
     k = len(settings.layout)
@@ -143,7 +143,7 @@ def tune_search(
     """Cross-entropy search over the adaptive sampler's TUNED settings (the others as in cfg) on these
     seeds. Objective, from the seeds' means: adaptive's tokens-to-threshold ratio, plus TUNE_PENALTY per
     unit of forgetting above uniform_by_domain's and above sec's, plus the worst-arm accuracy it leaves
-    below uniform's: the issue's targets, with the ratio minimised and the rest as limits. Starts from
+    below uniform's: the benchmark's targets, with the ratio minimised and the rest as limits. Starts from
     cfg's values. Returns the best settings (rounded to 3 digits, as scored) and their in-sample
     figures; an out-of-sample check is a plain bench run with them (`--set`) on other seeds."""
     names = list(TUNED)
@@ -349,7 +349,7 @@ def main(ns: Any) -> dict[str, Any]:
     return out
 
 
-TARGET_LIMIT = 0.75  # the issue's tokens-to-threshold target, as a ratio to uniform_by_domain
+TARGET_LIMIT = 0.75  # the tokens-to-threshold target, as a ratio to uniform_by_domain
 
 
 def target_intervals(out: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -456,7 +456,7 @@ def _print_table(out: dict[str, Any], names: list[str]) -> None:
     arms.add_row("largest shortfall vs uniform", "", *[f"{out['largest_shortfall_vs_uniform'][n]:.3f}" for n in shown[1:]])
     console.print(arms)
     if "targets" in out:
-        console.print("  targets: on the means over seeds (as the issue states them); on the 95% intervals")
+        console.print("  targets: on the means over seeds; on the 95% intervals")
         for k, v in out["targets"].items():
             t = out["targets_ci95"][k]
             lo, hi = t["interval"]

@@ -16,7 +16,7 @@ Its objective, minimised (`PlanningOracle.objective`):
 
 reach = the tokens spent when the predicted macro accuracy first reaches the threshold (2 budgets less
 the final macro when it never does), peak_k = the highest p_k so far (the realised past included) or
-predicted. The terms mirror the issue's targets: tokens to threshold, forgetting, worst arm.
+predicted. The terms mirror the benchmark's targets: tokens to threshold, forgetting, worst arm.
 """
 
 from __future__ import annotations

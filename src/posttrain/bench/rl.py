@@ -7,7 +7,7 @@ is reported under its own name (`ratio_async_vs_trl_onpolicy`, `like_for_like: f
 trainer (AsyncGRPOTrainer) streams rollouts from a vLLM server over NCCL, so it cannot run on a CPU.
 Also prints a hardware floor of our step from the bandwidth and matmul rate measured in the same run
 (`step_floor_s`), so a target below what this machine can do shows as such. TRL is an optional benchmark dependency (`pip install trl`); when
-it is missing the reference figure from the issue (about 14 s/step here) is printed, marked as not
+it is missing a reference figure (about 14 s/step on this machine kind) is printed, marked as not
 measured in this run, and no ratio is claimed.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-TRL_REFERENCE_S = 14.0  # measured on this machine kind when the issue was filed
+TRL_REFERENCE_S = 14.0  # TRL's step measured earlier on this machine kind
 
 
 def _ours(

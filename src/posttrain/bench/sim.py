@@ -10,7 +10,7 @@ Dynamics (per seed, every hidden parameter drawn from the ranges in `make_learne
 - Learning is the policy gradient of a Bernoulli policy with a group-mean baseline: a group of G
   rewards moves theta_k by eta_k * (1/G) * sum_i (r_i - mean r)(r_i - p_k), divided by the number of
   groups in the step's batch: every group weighs the same, as a per-sequence mean loss does (the loop's
-  default token_mean weighs a group by its tokens; with that weighting, tried at stop 14 on seeds 0-31,
+  default token_mean weighs a group by its tokens; with that weighting, tried on seeds 0-31,
   the ordering was the same: adaptive 0.84x, forgetting 0.012 vs uniform 0.008, sec 0.92x). Its
   expectation is eta_k * p(1-p) * (1 - 1/G): the premise every advantage-driven sampler shares, and
   all-equal groups teach nothing.

@@ -58,20 +58,13 @@ Optional, off by default:
        update's `tokens`; an arm with no report counts as 1), so it splits tokens, not groups. On the real
        model it lost to uniform (5 paired seeds, -0.029 [-0.054, -0.005]) where splitting groups tied it
        (+0.002 [-0.020, +0.023]): it sent groups to the arms with the shortest answers. In the simulation
-       it forgot a little less (0.0100 against 0.0109, seeds 0-31, stop 15 defaults).
+       it forgot a little less (0.0100 against 0.0109, seeds 0-31).
   cover_batch: one group per available arm in every batch with room for all; weights() then reports the
        rest's split (it did not help in the simulation).
-Defaults (stop 17): tau 0.5, c 0.4, eps 0.2 -> eps_end 0.3, domain_mix 0.3, lam 10, weakness 0.4,
-probe_size 16 (the issue suggests tau 0.4, c 1, eps 0.15, lam 1, 64 prompts). They come from a search over
-that family on simulation seeds 100-131 for the fewest tokens to threshold with forgetting no worse than
-uniform's, checked on seeds 0-31 and 400-463. Measured (`posttrain bench curriculum --json`, seeds 0-31):
-tokens to uniform's final macro accuracy 0.87x uniform_by_domain's, forgetting 0.0060 (uniform 0.0051,
-paired +0.0008 [-0.0004, +0.0019]; sec 0.89x and 0.0107, the greedy oracle 0.79x, `oracle_plan` 0.71x
-and 0.0050: with the learner's hidden state, planning meets the 0.75x target); seeds 400-463: 0.85x and
-0.0066 (uniform 0.0065, sec 0.0102). The stop 12-16 defaults (tau 0.4, c 1, eps 0.15, no schedule, lam 6,
-weakness 0.15) reached threshold sooner, 0.83x and 0.80x, but forgot 0.0109 and 0.0105. On the real model
-(`--real`, seven paired seeds) the new rule ties uniform, +0.004 [-0.015, +0.023], as the old one did.
-docs/curriculum.md has the full tables and the history.
+Defaults: tau 0.5, c 0.4, eps 0.2 -> eps_end 0.3, domain_mix 0.3, lam 10, weakness 0.4, probe_size 16,
+from a search over that family on simulation seeds 100-131 for the fewest tokens to threshold with
+forgetting no worse than uniform's, checked on seeds 0-31 and 400-463. What they measure, in simulation
+and on the real model, is in docs/curriculum.md with the settings tried before them.
 Arms with data size 0 get weight 0 and K counts only the others. Comparison samplers:
 `uniform_by_domain`, `uniform_by_data` (the simulator only: the task generators have no data size, so a
 run config does not offer it), `dapo_filter_only` (uniform_by_domain + dropping all-equal groups; the RL

@@ -2,9 +2,11 @@
 measured in the same run on the same jobs: `subprocess.run([python, -c])` and one `bwrap` jail per
 execution. Closed loop: C clients each submit their next job when the previous one returns.
 
-Scenarios: (a) a trivial snippet, (b) a solution with 10 assert tests (the pool grades with the
-nonce harness; the baselines run solution + asserts as one script), (c) a numpy import snippet
-(numpy profile). Where cgroup v1 cpuacct is writable it also reports CPU ms per execution (all
+Scenarios: (a) a trivial snippet, (b) a solution graded by 10 assert tests: the pool and the subprocess
+baseline run the same grading job (the trusted runner, which starts the solution in a process of its
+own and evaluates the asserts itself; `sandbox.grading`), while the bwrap baseline runs solution +
+asserts as one script in its jail, which forges easily and is cheaper (its ratio is a bound, not like
+for like), (c) a numpy import snippet (numpy profile). Where cgroup v1 cpuacct is writable it also reports CPU ms per execution (all
 processes involved), which unlike executions/s does not depend on how busy a shared machine is.
 It only measures; the pool lives in `pool`.
 """
@@ -25,7 +27,7 @@ from typing import Any
 
 from posttrain.sandbox import isolation as iso_mod
 from posttrain.sandbox.api import ExecStatus, Job, Limits
-from posttrain.sandbox.grading import grade_asserts
+from posttrain.sandbox.grading import assert_job, grade_asserts
 from posttrain.sandbox.pool import LocalSandbox
 
 TRIVIAL = "print(sum(range(10)))"
@@ -148,6 +150,23 @@ def _subprocess_runner(argv_prefix: list[str], code: str, env: dict) -> Callable
     return run
 
 
+def _job_subprocess_runner(job: Job, env: dict) -> Callable[[], bool]:
+    """Run a sandbox Job's Python code and files in a fresh temp dir with `python -I` (no jail)."""
+    import tempfile
+
+    def run() -> bool:
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, data in job.files.items():
+                path = os.path.join(tmp, name)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "wb") as fh:
+                    fh.write(data)
+            proc = subprocess.run([sys.executable, "-I", "-c", job.code], cwd=tmp, capture_output=True, env=env,
+                                  timeout=60)
+        return proc.returncode == 0 and b'"done": true' in proc.stdout
+    return run
+
+
 def _bwrap_prefix(binds: list) -> list[str] | None:
     iso = iso_mod.detect()
     if not iso.namespaces or not iso.bwrap:
@@ -205,10 +224,11 @@ def main(opts: Any) -> dict:
             console.print(f"[dim]measuring {name} ...[/]")
             binds = iso_mod.package_dirs(("numpy",)) if profile == "numpy" else []
             python = [sys.executable, "-c"] if profile == "numpy" else [sys.executable, "-I", "-c"]
+            baseline = (_job_subprocess_runner(assert_job(SOLUTION, TESTS, limits)[0], base_env) if name == "asserts"
+                        else _subprocess_runner(python, code, base_env))
             runners: dict[str, Callable[[], dict]] = {
                 "pool": lambda name=name, code=code, profile=profile: asyncio.run(pool_measure(name, code, profile)),
-                "subprocess": lambda code=code, python=python: _closed_loop_threads(
-                    _subprocess_runner(python, code, base_env), clients, opts.seconds),
+                "subprocess": lambda baseline=baseline: _closed_loop_threads(baseline, clients, opts.seconds),
             }
             prefix = _bwrap_prefix(binds)
             if prefix is not None:

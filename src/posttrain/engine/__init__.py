@@ -1,24 +1,26 @@
 """Inference: the paged engine (KV cache in blocks, continuous batching, prefix sharing, exact logprobs),
-the HF `generate` baseline behind the same interface, and `make_engine` to pick one from the config.
-Knows nothing of rewards or tasks.
+the HF `generate` baseline behind the same interface, and `make_engine` to pick one from the config
+through the engine registry (`@register_engine(name)`, `list_engines()`). Knows nothing of rewards or tasks.
 
-The contract every backend keeps (PagedEngine, HFEngine, VLLMEngine):
+The contract every backend keeps (PagedEngine, HFEngine, VLLMEngine), typed as the `Engine` protocol
+(`posttrain.engine.types`; members marked * have a default a backend inherits by subclassing it):
 
     engine.generate(requests: list[GenerationRequest]) -> list[GenerationOutput]    # batch, blocking
-    await engine.agenerate(request) -> GenerationOutput
+    await engine.agenerate(request) -> GenerationOutput   # * default: generate() in a worker thread
         Concurrent callers on one asyncio loop are batched together by ONE background stepping loop
         (continuous batching); each engine step runs in a worker thread, so other coroutines (sandbox
         I/O) progress between steps. Do not mix with generate() while async requests are in flight.
-    async for delta in engine.stream(request): ...        # StreamDelta(request_id, index, token_ids, logprobs, text, finish_reason);
+    async for delta in engine.stream(request): ...        # * StreamDelta(request_id, index, token_ids, logprobs, text, finish_reason);
                                                           # closing the stream early aborts the request
     engine.load_weights(weights, version=None)            # HF names as in model.state_dict(), a "base_model.model."
                                                           # prefix is stripped; in place; bumps engine.version
-    engine.release_kv_cache()                             # free the KV pool; the next step re-allocates it
-    engine.caches_prefixes: bool                          # a prompt prefilled once is reused by later requests
+    engine.release_kv_cache()                             # * free the KV pool; the next step re-allocates it
+    engine.caches_prefixes: bool                          # * a prompt prefilled once is reused by later requests
                                                           # (the rollout collector then prefills a group's prompt
-                                                          # once); an engine without it counts as False
-    engine.kv_stats() -> dict                             # blocks_allocated, tokens_stored, waste_frac,
+                                                          # once); default False
+    engine.kv_stats() -> dict                             # * blocks_allocated, tokens_stored, waste_frac,
                                                           # prefix_hit_tokens, fork_shared_blocks, peak_*, preemptions
+    engine.reset_stats()                                  # * restart the peaks and hit counters kv_stats reports
 
 Completions (what the trainer relies on):
 - `token_ids` include the stop token id when generation stopped on one (EOS of the model, or one of
@@ -42,9 +44,11 @@ Completions (what the trainer relies on):
 from posttrain.engine.factory import make_engine
 from posttrain.engine.hf import HFEngine
 from posttrain.engine.paged import PagedEngine
+from posttrain.engine.registry import UnknownEngineError, engine_builder, list_engines, register_engine
 from posttrain.engine.types import (
     BadRequestError,
     Completion,
+    Engine,
     GenerationOutput,
     GenerationRequest,
     SamplingParams,
@@ -54,11 +58,16 @@ from posttrain.engine.types import (
 __all__ = [
     "BadRequestError",
     "Completion",
+    "Engine",
     "GenerationOutput",
     "GenerationRequest",
     "HFEngine",
     "PagedEngine",
     "SamplingParams",
     "StreamDelta",
+    "UnknownEngineError",
+    "engine_builder",
+    "list_engines",
     "make_engine",
+    "register_engine",
 ]

@@ -10,39 +10,28 @@ continuously: that is what it is the baseline for.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from posttrain.engine.registry import register_engine
 from posttrain.engine.sampling import apply_repetition_penalty, sample_row, seed_for
 from posttrain.engine.stops import end_of_turn_ids
 from posttrain.engine.types import (
     Completion,
+    Engine,
     GenerationOutput,
     GenerationRequest,
     SamplingParams,
-    StreamDelta,
     validate_request,
 )
 
-
-class BlockingAsyncMixin:
-    """`agenerate`/`stream` for backends whose `generate` is one blocking batch call: each request runs
-    in a worker thread on its own (no batching across concurrent callers); streams deliver whole
-    completions."""
-
-    async def agenerate(self, request: GenerationRequest) -> GenerationOutput:
-        return (await asyncio.to_thread(self.generate, [request]))[0]  # type: ignore[attr-defined]
-
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[StreamDelta]:
-        out = await self.agenerate(request)
-        for j, c in enumerate(out.completions):
-            yield StreamDelta(out.request_id, j, c.token_ids, c.logprobs, c.text, c.finish_reason)
+if TYPE_CHECKING:
+    from posttrain.config import EngineConfig
 
 
 class _RowSampler:
@@ -61,7 +50,10 @@ class _RowSampler:
         return out
 
 
-class HFEngine(BlockingAsyncMixin):
+class HFEngine(Engine):
+    """`agenerate` and `stream` are the Engine defaults: each request runs `generate` in a worker thread on
+    its own (no batching across concurrent callers); streams deliver whole completions."""
+
     def __init__(
         self, model: Any, tokenizer: Any, *, max_model_len: int = 4096, max_batch_size: int = 64, seed: int = 0
     ) -> None:
@@ -201,5 +193,8 @@ class HFEngine(BlockingAsyncMixin):
     def release_kv_cache(self) -> None:
         """Nothing to release: HF allocates its cache per generate call."""
 
-    def kv_stats(self) -> dict:
-        return {}
+
+@register_engine("hf")
+def build_hf(engine_cfg: EngineConfig, model: Any, tokenizer: Any, *, seed: int = 0) -> HFEngine:
+    """engine.backend=hf: transformers' generate, the baseline (max_num_seqs caps a generate call's rows)."""
+    return HFEngine(model, tokenizer, max_model_len=engine_cfg.max_model_len, max_batch_size=engine_cfg.max_num_seqs, seed=seed)

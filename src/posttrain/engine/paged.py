@@ -14,13 +14,14 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from posttrain.engine.block_manager import BlockManager
 from posttrain.engine.decode_stage import DecodeStager
 from posttrain.engine.model_runner import DecodeGroup, ModelRunner, PrefillChunk, StepBatch
+from posttrain.engine.registry import register_engine
 from posttrain.engine.sampling import sample, seed_for
 from posttrain.engine.scheduler import Scheduler
 from posttrain.engine.sequence import Sequence
@@ -28,11 +29,15 @@ from posttrain.engine.stops import end_of_turn_ids
 from posttrain.engine.types import (
     BadRequestError,
     Completion,
+    Engine,
     GenerationOutput,
     GenerationRequest,
     StreamDelta,
     validate_request,
 )
+
+if TYPE_CHECKING:
+    from posttrain.config import EngineConfig
 
 
 @dataclass
@@ -67,7 +72,7 @@ def _hf_config_and_state(model: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     )
 
 
-class PagedEngine:
+class PagedEngine(Engine):
     """Generates with a paged KV cache; see `posttrain.engine` for the contract."""
 
     def __init__(
@@ -541,3 +546,23 @@ class PagedEngine:
         self.bm.prefix_hit_tokens = 0
         self.bm.shared_fork_blocks = 0
         self.scheduler.num_preemptions = 0
+
+
+@register_engine("paged")
+def build_paged(engine_cfg: EngineConfig, model: Any, tokenizer: Any, *, seed: int = 0) -> PagedEngine:
+    """engine.backend=paged: the embedded engine, sized by the config's KV and batching settings."""
+    return PagedEngine(
+        model,
+        tokenizer,
+        dtype=engine_cfg.resolved_dtype(),
+        kv_cache_dtype=engine_cfg.kv_cache_dtype,
+        block_size=engine_cfg.block_size,
+        num_blocks=engine_cfg.num_kv_blocks,
+        max_num_seqs=engine_cfg.max_num_seqs,
+        max_num_batched_tokens=engine_cfg.max_num_batched_tokens,
+        max_model_len=engine_cfg.max_model_len,
+        enable_prefix_caching=engine_cfg.enable_prefix_caching,
+        decode_staging=engine_cfg.decode_staging,
+        device=engine_cfg.device,
+        seed=seed,
+    )

@@ -1,12 +1,14 @@
-"""The engine's request and result types, shared by every backend (paged, hf, vllm).
-
-Owns validation of sampling parameters and requests (clear errors for bad input). Does not
-generate: the backends in `paged.py`, `hf.py` and `vllm_backend.py` do.
+"""The engine's seam: the `Engine` protocol every backend (paged, hf, vllm) provides, and its request and
+result types. Owns validation of sampling parameters and requests (clear errors for bad input). Does
+not generate: the backends in `paged.py`, `hf.py` and `vllm_backend.py` do.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
 
 class BadRequestError(ValueError):
@@ -114,3 +116,54 @@ def validate_request(req: GenerationRequest, vocab_size: int, max_model_len: int
             f"prompt of {len(ids)} tokens does not fit the context: max_model_len is {max_model_len} "
             "and at least one new token is needed"
         )
+
+
+Weights = dict[str, Any] | Iterable[tuple[str, Any]]  # HF parameter names -> tensors
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What every engine backend provides, and all a caller may rely on (see `posttrain.engine`).
+
+    A backend must implement `generate`, `load_weights` and `version`. The other members are optional
+    capabilities with a default behaviour, which a backend inherits by subclassing `Engine`:
+    `agenerate` runs `generate` in a worker thread (no batching across callers), `stream` delivers each
+    completion whole, `release_kv_cache` and `reset_stats` do nothing, `kv_stats` is empty and
+    `caches_prefixes` is False. `isinstance(x, Engine)` checks that every member is present.
+    """
+
+    version: int  # the policy version of the loaded weights; load_weights sets or bumps it
+    # a prompt prefilled once is reused by later requests (the rollout collector then prefills a group's prompt once)
+    caches_prefixes: bool = False
+
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
+        """A batch of requests, blocking; outputs in request order."""
+        ...
+
+    def load_weights(self, weights: Weights, version: int | None = None) -> None:
+        """Copy HF-named weights in place (a "base_model.model." prefix is stripped); sets `version` to
+        `version`, or bumps it."""
+        ...
+
+    async def agenerate(self, request: GenerationRequest) -> GenerationOutput:
+        """One request from a coroutine. Default: `generate([request])` in a worker thread."""
+        return (await asyncio.to_thread(self.generate, [request]))[0]
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[StreamDelta]:
+        """The request's new tokens as they come; closing the stream early aborts the request. Default: each
+        completion in one delta, once `agenerate` returns."""
+        out = await self.agenerate(request)
+        for j, c in enumerate(out.completions):
+            yield StreamDelta(out.request_id, j, c.token_ids, c.logprobs, c.text, c.finish_reason)
+
+    def release_kv_cache(self) -> None:
+        """Free the KV cache (a colocated learner is about to train); the next step re-allocates it.
+        Default: nothing to free."""
+
+    def kv_stats(self) -> dict[str, Any]:
+        """KV usage figures (blocks_allocated, tokens_stored, waste_frac, prefix hits, peaks, preemptions);
+        default: none."""
+        return {}
+
+    def reset_stats(self) -> None:
+        """Restart the peak and hit counters `kv_stats` reports. Default: nothing to reset."""

@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 
-from posttrain.engine.hf import BlockingAsyncMixin
+from posttrain.engine.registry import register_engine
 from posttrain.engine.stops import end_of_turn_ids
 from posttrain.engine.types import (
     Completion,
+    Engine,
     GenerationOutput,
     GenerationRequest,
     validate_request,
@@ -31,7 +32,9 @@ VLLM_MISSING = (
 )
 
 
-class VLLMEngine(BlockingAsyncMixin):
+class VLLMEngine(Engine):
+    """`agenerate` and `stream` are the Engine defaults (the blocking `LLM.generate` in a worker thread)."""
+
     def __init__(self, model: Any, tokenizer: Any, engine_cfg: Any, *, seed: int = 0) -> None:
         try:
             import vllm
@@ -120,5 +123,8 @@ class VLLMEngine(BlockingAsyncMixin):
         self.llm.sleep(level=1)
         self._asleep = True
 
-    def kv_stats(self) -> dict:
-        return {}
+
+@register_engine("vllm")
+def build_vllm(engine_cfg: Any, model: Any, tokenizer: Any, *, seed: int = 0) -> VLLMEngine:
+    """engine.backend=vllm (the `[vllm]` extra; GPU machines): vLLM's offline LLM serving `model`."""
+    return VLLMEngine(model, tokenizer, engine_cfg, seed=seed)

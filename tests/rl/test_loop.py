@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from posttrain.config import load_config
+from posttrain.engine import Engine
 from posttrain.orchestrator import RLRun, list_checkpoints, verify
 from posttrain.sandbox import ExecResult, ExecStatus
 from posttrain.telemetry import RunDir, read_metrics
@@ -131,8 +132,9 @@ class FailingSandbox:
         return None
 
 
-class FixedTextEngine:
-    """Answers every request with one fixed text (plus EOS); weight calls go to the real engine."""
+class FixedTextEngine(Engine):
+    """Answers every request with one fixed text (plus EOS); weight calls go to the real engine. The other
+    members are the Engine protocol's defaults (no prefix cache)."""
 
     def __init__(self, inner, tokenizer, text):
         self.inner, self.text = inner, text
@@ -163,7 +165,7 @@ def test_infrastructure_failures_are_excluded_and_counted(tmp_path, monkeypatch)
     )
     run_dir = RunDir.create(cfg.telemetry.run_dir, "infra")
     rl = RLRun(cfg, run_dir)
-    monkeypatch.setattr(rl, "_make_sandbox", lambda: FailingSandbox())
+    monkeypatch.setattr(rl, "make_sandbox", lambda: FailingSandbox())
     rl.build()
     # every answer carries a code block, so code episodes reach the (failing) sandbox
     rl.engine = FixedTextEngine(rl.engine, rl.tokenizer, "```python\ndef solve(x):\n    return x\n```")
@@ -306,7 +308,7 @@ def test_token_budget_stops_at_the_step_that_reaches_it(tmp_path):
     assert full.counters["rollout_tokens"] + full.counters["probe_tokens"] == sum(spent)
     # every trained group's tokens reached the sampler (update(..., tokens=)); no infra failures here
     assert full.counters["infra_failures"] == 0
-    assert sum(t for t, _ in full.sampler._s["tokens"]) == full.counters["rollout_tokens"]
+    assert sum(t for t, _ in full.sampler.state_dict()["stats"]["tokens"]) == full.counters["rollout_tokens"]
     budget = int(sum(spent[:2])) + 1  # not reached after step 2, reached after step 3
     full.close()
     for mode in ("sync", "async"):
@@ -352,7 +354,7 @@ def test_progress_is_the_further_of_steps_and_tokens(tmp_path):
 
 
 def _parity_rewards(rollout):
-    """_rollout with every reward replaced by the parity of the sum of the sampled ids: rewards that vary
+    """RLRun.rollout with every reward replaced by the parity of the sum of the sampled ids: rewards that vary
     within a group on a random tiny model, so the updates move the weights and the policy version matters."""
 
     def scored(self, *args, **kwargs):
@@ -370,9 +372,9 @@ def test_async_run_does_not_depend_on_which_thread_is_faster(tmp_path, monkeypat
     before b - k, however the threads interleave: a run whose learner is slow and one whose rollouts are
     slow give the same weights, rewards, curriculum signals and probes. With a token budget, they stop at
     the same step (the schedule reads the tokens too)."""
-    monkeypatch.setattr(RLRun, "_rollout", _parity_rewards(RLRun._rollout))
+    monkeypatch.setattr(RLRun, "rollout", _parity_rewards(RLRun.rollout))
     runs = {}
-    for name, slow in (("slow_learner", "_update"), ("slow_rollouts", "_rollout")):
+    for name, slow in (("slow_learner", "update"), ("slow_rollouts", "rollout")):
         with monkeypatch.context() as m:
             inner = getattr(RLRun, slow)
 
@@ -427,7 +429,7 @@ def test_checkpoint_keeps_the_sampler_feedback_held_back(tmp_path):
     rl.build()
     math0 = rl.arms[0]
     rl.step = 2
-    rl._unfed = {1: [(math0, 0, [1.0, 0.0], 10), (math0, 1, [0.0, 0.0], 12)], 2: [(math0, 2, [1.0, 1.0], 9)]}
+    rl.tasks.unfed = {1: [(math0, 0, [1.0, 0.0], 10), (math0, 1, [0.0, 0.0], 12)], 2: [(math0, 2, [1.0, 1.0], 9)]}
     path = rl.save()
     state = json.loads((path / "run_state.json").read_text())
     assert state["sampler_pending"] == [[1, [["math:0", 0, [1.0, 0.0], 10], ["math:0", 1, [0.0, 0.0], 12]]]]
@@ -446,7 +448,7 @@ def test_async_resume_from_a_periodic_checkpoint_is_bit_exact(tmp_path, monkeypa
     run that went on: same weights, same rows (probes and curriculum signals included)."""
     import shutil
 
-    monkeypatch.setattr(RLRun, "_rollout", _parity_rewards(RLRun._rollout))
+    monkeypatch.setattr(RLRun, "rollout", _parity_rewards(RLRun.rollout))
     base = ("orchestrator.mode=async", f"orchestrator.max_staleness={k}", "algorithm.group_size=4",
             "orchestrator.checkpoint_every=3")
     straight = _run(_cfg(tmp_path, "orchestrator.steps=6", *base), "straight")
@@ -573,7 +575,7 @@ def test_a_group_left_with_one_member_is_dropped_and_counted(tmp_path, monkeypat
     run_dir = RunDir.create(cfg.telemetry.run_dir, "lone")
     rl = RLRun(cfg, run_dir)
     rl.build()
-    real_rollout = rl._rollout
+    real_rollout = rl.rollout
 
     def lose_one(picks, step, group_offset):
         batch = real_rollout(picks, step, group_offset)
@@ -581,7 +583,7 @@ def test_a_group_left_with_one_member_is_dropped_and_counted(tmp_path, monkeypat
         victim.status = TrajectoryStatus.SANDBOX_ERROR
         return batch
 
-    monkeypatch.setattr(rl, "_rollout", lose_one)
+    monkeypatch.setattr(rl, "rollout", lose_one)
     seen = []
     monkeypatch.setattr(rl.learner, "step", lambda samples, current_version=None: seen.extend(samples) or {})
     rl.train()
@@ -613,7 +615,7 @@ def test_the_run_s_sandbox_gets_the_configured_per_job_limits(tmp_path, monkeypa
 
     monkeypatch.setattr(sandbox_mod, "make_sandbox", lambda cfg=None: Recorder())
     cfg = _cfg(tmp_path, "sandbox.wall_time_s=3", "sandbox.memory_mb=100")
-    sb = RLRun(cfg, RunDir.create(tmp_path, "limits"))._make_sandbox()
+    sb = RLRun(cfg, RunDir.create(tmp_path, "limits")).make_sandbox()
     asyncio.run(sb.run(Job(code="", limits=Limits(wall_time_s=20.0, cpu_time_s=20.0))))
     asyncio.run(sb.run_batch([Job(code="", limits=Limits(wall_time_s=1.0, cpu_time_s=1.5))]))
     a, b = (j.limits for j in jobs)

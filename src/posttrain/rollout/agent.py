@@ -11,18 +11,15 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from posttrain.models.chat import render_messages
 from posttrain.types import Message, Task, ToolSpec, Trajectory, TrajectoryStatus
 
+if TYPE_CHECKING:  # the engine package imports torch; the agent loop only needs its types
+    from posttrain.engine import Engine, SamplingParams
+
 _PLACEHOLDER = "\x00POSTTRAIN-ASSISTANT-TURN\x00"
-
-
-class AsyncEngine(Protocol):
-    """What the agent loop needs of an engine (see posttrain.engine)."""
-
-    async def agenerate(self, request: Any) -> Any: ...
 
 
 @dataclass
@@ -72,7 +69,7 @@ class GroupPrefill:
         self._done: asyncio.Event | None = None
         self._prompt: list[int] | None = None
 
-    async def __call__(self, engine: AsyncEngine, prompt_ids: list[int]) -> None:
+    async def __call__(self, engine: Engine, prompt_ids: list[int]) -> None:
         from posttrain.engine import GenerationRequest, SamplingParams
 
         if self._done is None:
@@ -90,12 +87,12 @@ class GroupPrefill:
 
 
 async def run_episode(
-    engine: AsyncEngine,
+    engine: Engine,
     tokenizer: Any,
     domain: Any,
     task: Task,
     sandbox: Any,
-    sampling: Any,
+    sampling: SamplingParams,
     limits: EpisodeLimits,
     policy_version: int = 0,
     group_id: int = 0,
@@ -132,7 +129,7 @@ async def run_episode(
         timings=timings,
         group_id=group_id,
     )
-    eos_ids = set(getattr(sampling, "stop_token_ids", []) or [])
+    eos_ids = set(sampling.stop_token_ids)
     info: dict[str, Any] = {}
     for turn in range(limits.max_turns):
         room = budget_end - len(token_ids)

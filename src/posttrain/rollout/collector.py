@@ -8,10 +8,13 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from posttrain.rollout.agent import EpisodeLimits, GroupPrefill, run_episode
 from posttrain.types import Task, Trajectory
+
+if TYPE_CHECKING:
+    from posttrain.engine import Engine, SamplingParams
 
 
 @dataclass
@@ -27,12 +30,12 @@ def sample_seed(run_seed: int, step: int, group: int, sample: int) -> int:
 
 
 async def collect_groups(
-    engine: Any,
+    engine: Engine,
     tokenizer: Any,
     groups: list[tuple[Any, Task]],
     group_size: int,
     sandbox: Any,
-    sampling: Any,
+    sampling: SamplingParams,
     limits: EpisodeLimits,
     policy_version: int,
     run_seed: int,
@@ -41,7 +44,8 @@ async def collect_groups(
     share_prefill: bool = False,
 ) -> RolloutBatch:
     """Run `group_size` episodes of each (domain, task) pair concurrently; with `share_prefill` (for
-    engines with a prefix cache) each group's prompt is prefilled once (`GroupPrefill`)."""
+    engines with a prefix cache: pass `engine.caches_prefixes`) each group's prompt is prefilled once
+    (`GroupPrefill`)."""
     t0 = time.perf_counter()
     coros = []
     for g, (domain, task) in enumerate(groups):

@@ -1,0 +1,353 @@
+"""RLRun, a whole post-training run: build it (learner, engine, environments, sampler, sandbox), train it
+in `sync` mode or `async` (`orchestrator.pipeline`), one step at a time: collect, update, push weights,
+probe, log, checkpoint. Owns the run's lifecycle and counters; task picking is `orchestrator.tasks`'s,
+checkpoint contents `orchestrator.state`'s, and the math belongs to `algos`/`train`."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from posttrain.config import RunConfig, save_config
+from posttrain.orchestrator import probes, state
+from posttrain.orchestrator.metrics import PhaseLog, progress_figures, step_metrics
+from posttrain.orchestrator.pipeline import AsyncPipeline, PreRow, train_sync
+from posttrain.orchestrator.signals import stop_on_signals
+from posttrain.orchestrator.tasks import GroupFeedback, Pick, TaskSource, collect_step
+from posttrain.rollout import EpisodeLimits, RolloutBatch, collect_groups
+from posttrain.telemetry import MetricsLogger, Progress, RunDir, WandbSink
+from posttrain.types import Trajectory
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from posttrain.curriculum import Arm, Sampler
+    from posttrain.engine import Engine, SamplingParams
+    from posttrain.envs import Domain
+
+
+class RLRun:
+    """A whole post-training run. `RLRun(cfg, run_dir).train()`; to resume, `load()` first."""
+
+    def __init__(self, cfg: RunConfig, run_dir: RunDir, *, show_progress: bool | None = None) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.show_progress = cfg.telemetry.progress if show_progress is None else show_progress
+        self.step = 0
+        self.counters: dict[str, float] = dict(state.COUNTERS)
+        self.phases = PhaseLog()
+        self.stop_signal: int | None = None  # the SIGINT/SIGTERM that asked the run to stop
+        self.loop = asyncio.new_event_loop()  # drives rollouts and probes (async mode: the rollout thread swaps its own in)
+        self.sandbox: Any = None
+        self._built = False
+
+    # ------------------------------------------------------------------ construction
+
+    @staticmethod
+    def check(cfg: RunConfig) -> None:
+        """Cheap checks before any work: the model exists, every domain and difficulty is valid."""
+        from posttrain.envs import get_domain
+        from posttrain.models import resolve
+
+        resolve(cfg.model.spec)
+        if cfg.placement.backend != "local":
+            raise ValueError(f"placement.backend='{cfg.placement.backend}' is not yet available; use 'local'")
+        if cfg.placement.weight_sync != "in_process":
+            raise ValueError(
+                f"placement.weight_sync='{cfg.placement.weight_sync}' is not yet available; use 'in_process'"
+            )
+        for d in cfg.envs.domains:
+            valid = get_domain(d.name, **d.options).difficulties
+            bad = [lvl for lvl in d.difficulties if lvl not in valid]
+            if bad:
+                raise ValueError(f"envs.domains: '{d.name}' has no difficulty {bad[0]}; valid levels are {valid}")
+
+    def build(self) -> None:
+        """Load the model twice (learner, engine), the environments, sampler and sandbox."""
+        if self._built:
+            return
+        self.check(self.cfg)
+        from posttrain.curriculum import Arm, make_sampler
+        from posttrain.engine import make_engine
+        from posttrain.envs import get_domain
+        from posttrain.models import load_policy, load_tokenizer
+        from posttrain.train import Learner
+
+        cfg = self.cfg
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed % (2**32))
+        import torch
+
+        torch.manual_seed(cfg.seed)
+        self.tokenizer = load_tokenizer(cfg.model.spec)
+        domains = {d.name: get_domain(d.name, **d.options) for d in cfg.envs.domains}
+        arms = []
+        for d in cfg.envs.domains:
+            valid = domains[d.name].difficulties
+            for lvl in d.difficulties:
+                if lvl not in valid:
+                    raise ValueError(f"envs.domains: '{d.name}' has no difficulty {lvl}; valid levels are {valid}")
+                arms.append(Arm(d.name, lvl))
+        sampler = make_sampler(
+            cfg.curriculum, arms, seed=cfg.seed, domain_weights={d.name: d.weight for d in cfg.envs.domains}
+        )
+        self.tasks = TaskSource(sampler, domains, arms, cfg.seed)
+        self.learner = Learner(cfg.model, cfg.trainer, cfg.algorithm, seed=cfg.seed)
+        engine_model = load_policy(cfg.model.spec, dtype=cfg.engine.dtype, seed=cfg.seed)
+        self.engine: Engine = make_engine(cfg.engine, engine_model, self.tokenizer)
+        self.sync_weights(self.learner.weights())
+        self.sandbox = self.make_sandbox()
+        self.sampling = self.sampling_params(train=True)
+        self.limits = EpisodeLimits(cfg.envs.max_turns, cfg.envs.max_episode_tokens, cfg.engine.max_new_tokens)
+        self._built = True
+
+    # the task source's parts, as callers (and tests swapping the sampler) address them
+    @property
+    def sampler(self) -> Sampler:
+        return self.tasks.sampler
+
+    @sampler.setter
+    def sampler(self, sampler: Sampler) -> None:
+        self.tasks.sampler = sampler
+
+    @property
+    def arms(self) -> list[Arm]:
+        return self.tasks.arms
+
+    @arms.setter
+    def arms(self, arms: list[Arm]) -> None:
+        self.tasks.arms = arms
+
+    @property
+    def domains(self) -> dict[str, Domain]:
+        return self.tasks.domains
+
+    def make_sandbox(self) -> Any:
+        from posttrain.orchestrator.limits import ConfiguredSandbox
+        from posttrain.sandbox import make_sandbox
+
+        return ConfiguredSandbox(make_sandbox(self.cfg.sandbox), self.cfg.sandbox)
+
+    def sampling_params(self, train: bool) -> SamplingParams:
+        """Training rollouts sample at algorithm.temperature; probes decode greedily."""
+        from posttrain.engine import SamplingParams
+
+        e = self.cfg.engine
+        stop_ids = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        if train:
+            # the learner divides logits by algorithm.temperature, so sampling must use the same one
+            return SamplingParams(
+                temperature=self.cfg.algorithm.temperature, top_p=e.top_p, top_k=e.top_k, max_tokens=e.max_new_tokens, stop_token_ids=stop_ids
+            )
+        return SamplingParams(temperature=0.0, max_tokens=e.max_new_tokens, stop_token_ids=stop_ids)
+
+    # ------------------------------------------------------------------ weights
+
+    def snapshot_weights(self) -> dict[str, Any]:
+        """A copy that later learner updates cannot change (async hand-off to the rollout thread)."""
+        return {k: v.detach().clone() for k, v in self.learner.weights().items()}
+
+    def sync_weights(self, weights: dict[str, Any]) -> float:
+        t0 = time.perf_counter()
+        self.engine.load_weights(weights, version=self.learner.version)
+        self.phases.add("sync_weights")
+        return time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ one step
+
+    def rollout(self, picks: list[Pick], step: int, group_offset: int) -> RolloutBatch:
+        """The groups of `picks`, `algorithm.group_size` episodes each, with the engine's current weights."""
+        coro = collect_groups(
+            self.engine,
+            self.tokenizer,
+            [(d, t) for _, d, t, _ in picks],
+            self.cfg.algorithm.group_size,
+            self.sandbox,
+            self.sampling,
+            self.limits,
+            policy_version=self.engine.version,
+            run_seed=self.cfg.seed,
+            step=step,
+            group_offset=group_offset,
+            share_prefill=self.engine.caches_prefixes,
+        )
+        return self.loop.run_until_complete(coro)
+
+    def collect_step(
+        self, step: int, spent: float | None = None
+    ) -> tuple[list[Trajectory], list[GroupFeedback], dict[str, float]]:
+        """`tasks.collect_step` with this run's rollouts; `spent`: the tokens the schedule reads (default
+        tokens_spent(); the async rollout thread passes its own count)."""
+        return collect_step(self.cfg, self.tasks, self.rollout, step, self.progress(step, spent))
+
+    def update(self, trajectories: list[Trajectory]) -> dict[str, float]:
+        """One learner step on the trajectories within max_staleness versions (the others are counted)."""
+        from posttrain.train import Sample
+
+        current = self.learner.version
+        fresh = [t for t in trajectories if current - t.policy_version <= self.cfg.orchestrator.max_staleness]
+        self.counters["dropped_stale"] += len(trajectories) - len(fresh)
+        if not fresh:
+            return {}
+        samples = [
+            Sample(
+                token_ids=t.token_ids,
+                loss_mask=t.loss_mask,
+                behavior_logprobs=t.behavior_logprobs,
+                reward=t.reward,
+                group_id=t.group_id,
+                policy_version=t.policy_version,
+            )
+            for t in fresh
+        ]
+        # colocated phases: nothing generates during the update unless async rollouts run ahead
+        o = self.cfg.orchestrator
+        overlapped = o.mode == "async" and o.max_staleness > 0
+        if o.free_kv_during_update and not overlapped:
+            self.engine.release_kv_cache()
+            self.phases.add("release_kv")
+        if o.offload_optimizer:
+            self.learner.reload_optimizer()
+            self.phases.add("reload_optimizer")
+        self.phases.add("update")
+        metrics = self.learner.step(samples, current_version=current)
+        if o.offload_optimizer:
+            self.learner.offload_optimizer()
+            self.phases.add("offload_optimizer")
+        return {f"train/{k}" if "/" not in k else k: float(v) for k, v in metrics.items()}
+
+    def probe_if_due(self, step: int) -> dict[str, float]:
+        """The held-out probe of `step` when the sampler wants one (`orchestrator.probes`), else {}."""
+        c = self.cfg.curriculum
+        return probes.probe_if_due(
+            self.engine, self.tokenizer, self.tasks, self.sandbox, self.sampling_params(False), self.limits,
+            step=step, probe_every=c.probe_every, size=c.probe_size, seed=self.cfg.seed, loop=self.loop,
+        )
+
+    def step_metrics(
+        self, trajs: list[Trajectory], stats: dict[str, float], train_metrics: dict[str, float],
+        update_s: float, sync_s: float, wall_s: float, idle_s: float,
+    ) -> dict[str, float]:
+        return step_metrics(trajs, stats, train_metrics, update_s=update_s, sync_s=sync_s, wall_s=wall_s,
+                            idle_s=idle_s, policy_version=self.learner.version)
+
+    def after_step(
+        self, logger: MetricsLogger, progress: Progress, metrics: dict[str, float],
+        pre: PreRow | None = None, *, probe_here: bool = True,
+    ) -> None:
+        """Count, probe, log, checkpoint. The row of step s carries the probe run before batch s and the
+        sampler's signals after it. `pre` = (probe metrics, signals, the sampler and cursors as they were
+        then, or None) from the async rollout thread, which ran that probe; without it the probe runs here
+        unless `probe_here` is False (the rollout thread still runs, so no probe is due from here)."""
+        cfg = self.cfg
+        self.step += 1
+        # counted here, from the batch's stats, not where the batch was collected: in async mode that is the
+        # rollout thread, running ahead, and the logged counters would depend on how far ahead it was
+        for counter, key in (("rollout_tokens", "generated_tokens"), ("infra_failures", "infra_failures"),
+                             ("dropped_groups", "dropped_groups"), ("dropped_singleton_groups", "dropped_singleton_groups")):
+            self.counters[counter] += metrics.get(f"rollout/{key}", 0.0)
+        if pre is not None:
+            probe, signals, self.tasks.checkpoint_view = pre
+        else:
+            probe = self.probe_if_due(self.step) if probe_here else {}
+            signals = self.tasks.signals()
+        self.counters["probe_tokens"] += probe.get("heldout/generated_tokens", 0.0)
+        metrics.update(probe)
+        metrics.update(signals)
+        metrics.update({f"counters/{k}": v for k, v in self.counters.items()})
+        logger.log(self.step, metrics)
+        every = cfg.orchestrator.checkpoint_every
+        last_step = self.step == cfg.orchestrator.steps or self.budget_spent()
+        if (every and self.step % every == 0) or last_step or self.stop_signal is not None:
+            t0 = time.perf_counter()
+            self.save()
+            metrics["timeline/checkpoint_s"] = time.perf_counter() - t0
+        self.tasks.checkpoint_view = None
+        progress.advance(1, progress_figures(metrics, list(self.domains)))
+
+    # ------------------------------------------------------------------ checkpoint
+
+    def save(self) -> Path:
+        """Checkpoint the whole run at this step (`orchestrator.state`)."""
+        return state.save_run(self)
+
+    def load(self) -> list[str]:
+        """Restore the newest valid checkpoint; returns warnings about skipped corrupt ones."""
+        return state.load_run(self)
+
+    # ------------------------------------------------------------------ budget
+
+    def progress(self, step: int, spent: float | None = None) -> float:
+        """The run's spent share for the sampler's schedule: step / orchestrator.steps, or the generated
+        tokens' share of orchestrator.token_budget when that is further along; capped at 1. `spent`: the
+        tokens to read (default tokens_spent(); the async rollout thread passes its own count)."""
+        o = self.cfg.orchestrator
+        done = step / o.steps if o.steps > 0 else 0.0
+        if o.token_budget:
+            done = max(done, (self.tokens_spent() if spent is None else spent) / o.token_budget)
+        return min(1.0, max(0.0, done))
+
+    def tokens_spent(self) -> float:
+        """Tokens generated so far, training rollouts and retention probes: what the token budget counts."""
+        return self.counters["rollout_tokens"] + self.counters["probe_tokens"]
+
+    def budget_spent(self, spent: float | None = None) -> bool:
+        """True once orchestrator.token_budget is set and the generated tokens (rollouts + probes; `spent`
+        if given) reach it."""
+        budget = self.cfg.orchestrator.token_budget
+        return budget is not None and (self.tokens_spent() if spent is None else spent) >= budget
+
+    # ------------------------------------------------------------------ the loop
+
+    def _wandb_sink(self) -> WandbSink | None:
+        """The run's W&B sink; a resumed run continues the W&B run whose id the run dir keeps."""
+        tel = self.cfg.telemetry
+        if tel.wandb == "off":
+            return None
+        id_file = self.run_dir.path / "wandb_id"
+        resume_id = id_file.read_text().strip() if id_file.is_file() else None
+        sink = WandbSink(tel.wandb_project, self.run_dir.path.name, self.run_dir.path, mode=tel.wandb,
+                         config=self.cfg.model_dump(mode="json"), resume_id=resume_id)
+        id_file.write_text(sink.id + "\n")
+        return sink
+
+    def _record_stop(self, signum: int) -> None:
+        self.stop_signal = signum
+
+    def train(self) -> dict[str, Any]:
+        """Run until `orchestrator.steps` or the token budget; returns a summary. Exits early,
+        checkpointed, on SIGINT/SIGTERM."""
+        self.build()
+        cfg = self.cfg
+        if not self.run_dir.config.exists():
+            save_config(cfg, self.run_dir.config)
+        logger = MetricsLogger(
+            self.run_dir.metrics if cfg.telemetry.jsonl else None, self.run_dir.tb if cfg.telemetry.tensorboard else None,
+            wandb=self._wandb_sink(),
+        )
+        last: dict[str, float] = {}
+        with stop_on_signals(self._record_stop):
+            try:
+                with Progress(cfg.orchestrator.steps, "train", enabled=self.show_progress) as progress:
+                    progress.set_completed(self.step)
+                    if cfg.orchestrator.mode == "sync":
+                        last = train_sync(self, logger, progress)
+                    else:
+                        last = AsyncPipeline(self).train(logger, progress)
+            finally:
+                logger.close()
+        return {
+            "step": self.step, "interrupted": self.stop_signal is not None, "signal": self.stop_signal, "last": last,
+            "budget_spent": self.budget_spent(),
+            "generated_tokens": self.tokens_spent(),
+        }
+
+    def close(self) -> None:
+        if self.sandbox is not None:
+            self.loop.run_until_complete(self.sandbox.close())
+            self.sandbox = None
+        self.loop.close()

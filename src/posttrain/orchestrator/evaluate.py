@@ -14,12 +14,15 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from posttrain.rollout import EpisodeLimits, run_episode
 from posttrain.types import Message, Task, ToolCall
+
+if TYPE_CHECKING:
+    from posttrain.engine import Engine
 
 BOOTSTRAP_RESAMPLES = 2000
 FULL_REWARD = 1.0 - 1e-9  # a reward this high is full marks (float sums of weights such as 0.85 + 0.15)
@@ -103,7 +106,7 @@ def heldout_tasks(domains: dict[str, Any], arms: list[Any], n: int, seed: int) -
 
 
 def score_tasks(
-    engine: Any,
+    engine: Engine,
     tokenizer: Any,
     tasks: list[tuple[Any, Any, Task]],
     sandbox: Any,
@@ -154,7 +157,7 @@ def episodes_of(trajectories: Sequence[Any], samples: int) -> list[list[EpisodeS
 
 
 def evaluate_engine(
-    engine: Any,
+    engine: Engine,
     tokenizer: Any,
     domains: dict[str, Any],
     arms: list[Any],

@@ -184,7 +184,7 @@ async def run_episode(
     # Out of turns or tokens before the environment said done: scored as the environment finalises it.
     final = await _finalize(env)
     traj.reward = float(final.get("reward", 0.0))
-    traj.rewards = dict(final.get("rewards", {"correct": 0.0}))
+    traj.rewards = dict(final.get("rewards", {"correct": 0.0, "success": 0.0}))
     traj.info = {**info, **final.get("info", {}), "truncated": True}
     if traj.info.get("infra_failure"):
         traj.status = TrajectoryStatus.SANDBOX_ERROR
@@ -195,6 +195,6 @@ async def _finalize(env: Any) -> dict[str, Any]:
     """Score an unfinished episode: environments may define `finalize()`; otherwise it scores 0."""
     fin = getattr(env, "finalize", None)
     if fin is None:
-        return {"reward": 0.0, "rewards": {"correct": 0.0}}
+        return {"reward": 0.0, "rewards": {"correct": 0.0, "success": 0.0}}
     res = await fin()
     return {"reward": res.reward or 0.0, "rewards": res.rewards, "info": res.info}

@@ -180,7 +180,7 @@ def test_cli_plugin_file_registers_a_domain_and_bad_plugin_is_a_usage_error(tmp_
     assert ok.returncode == 0, ok.stderr
     assert "reverse.words" in ok.stdout
     missing = _cli("--plugin", str(tmp_path / "nope.py"), "tasks", "list")
-    assert missing.returncode == 2 and "nope.py': no such file" in missing.stderr
+    assert missing.returncode == 2 and "plugin: no such file '" in missing.stderr
     (tmp_path / "bad.py").write_text("raise RuntimeError('boom')\n")
     bad = _cli("--plugin", str(tmp_path / "bad.py"), "tasks", "list")
     assert bad.returncode == 2 and "failed on import: RuntimeError: boom" in bad.stderr

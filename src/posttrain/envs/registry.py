@@ -16,6 +16,7 @@ import importlib.util
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from posttrain.envs.base import Domain
@@ -64,31 +65,37 @@ def _entry_points() -> dict[str, str]:
     return {ep.name: ep.value.split(":")[0] for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
+def import_target(target: str, what: str) -> ModuleType:
+    """Import a `.py` file (once per resolved path) or a module by name; errors start with `what`."""
+    if not target.endswith(".py"):
+        try:
+            return importlib.import_module(target)
+        except ImportError as err:
+            raise ValueError(f"{what}: cannot import module '{target}' ({err})") from None
+    file = Path(target)
+    if not file.is_file():
+        raise ValueError(f"{what}: no such file '{target}'")
+    name = "posttrain_user_" + hashlib.sha256(str(file.resolve()).encode()).hexdigest()[:12]
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, file)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"{what}: '{target}' cannot be loaded as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:
+        del sys.modules[name]
+        raise ValueError(f"{what}: '{target}' failed on import: {type(err).__name__}: {err}") from None
+    return module
+
+
 def load_plugin(target: str) -> list[str]:
     """Import a plugin (a `.py` file or a module name) whose import registers domains; returns the domain
     names it added. Errors name the plugin."""
     before = set(_REGISTRY)
-    if target.endswith(".py"):
-        file = Path(target)
-        if not file.is_file():
-            raise ValueError(f"plugin '{target}': no such file")
-        name = "posttrain_plugin_" + hashlib.sha256(str(file.resolve()).encode()).hexdigest()[:12]
-        if name not in sys.modules:
-            spec = importlib.util.spec_from_file_location(name, file)
-            if spec is None or spec.loader is None:
-                raise ValueError(f"plugin '{target}': cannot be loaded as a Python module")
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            try:
-                spec.loader.exec_module(module)
-            except Exception as err:
-                del sys.modules[name]
-                raise ValueError(f"plugin '{target}' failed on import: {type(err).__name__}: {err}") from None
-    else:
-        try:
-            importlib.import_module(target)
-        except ImportError as err:
-            raise ValueError(f"plugin '{target}': cannot import it ({err})") from None
+    import_target(target, "plugin")
     return sorted(set(_REGISTRY) - before)
 
 

@@ -26,12 +26,9 @@ error in the episode's info: it is a bug of the function, not a mistake of the m
 from __future__ import annotations
 
 import csv
-import importlib
-import importlib.util
 import json
 import math
 import random
-import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -51,7 +48,7 @@ from posttrain.envs.base import (
     stable_hash,
 )
 from posttrain.envs.extract import extract_answer, normalize_number
-from posttrain.envs.registry import register_env
+from posttrain.envs.registry import import_target, register_env
 from posttrain.types import Message, Task
 
 W_CORRECT, W_FORMAT = 0.85, 0.15
@@ -107,28 +104,7 @@ def load_callable(spec: str) -> Callable[..., Any]:
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
         raise ValueError(f"reward_fn '{spec}' must be 'module:function' or 'file.py:function'")
-    if target.endswith(".py"):
-        file = Path(target)
-        if not file.is_file():
-            raise ValueError(f"reward_fn '{spec}': no such file '{file}'")
-        name = f"posttrain_user_{content_digest(str(file.resolve()))[:12]}"
-        module = sys.modules.get(name)
-        if module is None:
-            loader_spec = importlib.util.spec_from_file_location(name, file)
-            if loader_spec is None or loader_spec.loader is None:
-                raise ValueError(f"reward_fn '{spec}': cannot load '{file}' as a module")
-            module = importlib.util.module_from_spec(loader_spec)
-            sys.modules[name] = module
-            try:
-                loader_spec.loader.exec_module(module)
-            except Exception as err:
-                del sys.modules[name]
-                raise ValueError(f"reward_fn '{spec}': importing '{file}' failed: {type(err).__name__}: {err}") from None
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ImportError as err:
-            raise ValueError(f"reward_fn '{spec}': cannot import module '{target}' ({err})") from None
+    module = import_target(target, f"reward_fn '{spec}'")
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"reward_fn '{spec}': '{target}' has no function '{attr}'")

@@ -18,7 +18,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 
 class ConfigError(ValueError):
-    """A config that cannot be used; the message names the key and what would be right."""
+    """A config that cannot be used; the message names the key and what would be right. `moved` maps each
+    key of the config that now lives under another name (MOVED_KEYS) to that name."""
+
+    def __init__(self, message: str, moved: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.moved = dict(moved or {})
 
 
 class Section(BaseModel):
@@ -165,13 +170,45 @@ class CurriculumConfig(Section):
     )
 
 
+class BatchConfig(Section):
+    """How much one step generates and how it is cut for the update, with the names verl and OpenRLHF use.
+
+    | key                  | counts                                              | verl                                          |
+    |----------------------|-----------------------------------------------------|-----------------------------------------------|
+    | `prompts_per_step`   | prompts (GRPO groups) sampled per RL step           | `data.train_batch_size`                       |
+    | `samples_per_prompt` | rollouts per prompt, the GRPO group size            | `actor_rollout_ref.rollout.n`                 |
+    | `mini_batches`       | optimizer steps per epoch over the step's rollouts  | `train_batch_size / ppo_mini_batch_size`      |
+    | `ppo_epochs`         | passes over the step's rollouts                     | `actor.ppo_epochs`                            |
+    | `micro_batch_tokens` | tokens per forward/backward chunk (grad. accum.)    | `ppo_max_token_len_per_gpu`, `use_dynamic_bsz`|
+
+    Derived: rollouts per step = prompts_per_step x samples_per_prompt (fewer trained on when dynamic
+    sampling drops groups or infrastructure failures drop rollouts); sequences per optimizer step =
+    rollouts per step / mini_batches; optimizer steps per RL step = mini_batches x ppo_epochs.
+    `micro_batch_tokens` changes memory and speed, not the update (up to float rounding).
+    """
+
+    prompts_per_step: int = Field(
+        4, ge=1, description="prompts (GRPO groups) per RL step; verl data.train_batch_size (counted in prompts)"
+    )
+    samples_per_prompt: int = Field(
+        8, ge=1, description="rollouts per prompt, the GRPO group size; verl actor_rollout_ref.rollout.n"
+    )
+    mini_batches: int = Field(
+        1, ge=1, description="optimizer steps per epoch over a step's rollouts; verl train_batch_size / ppo_mini_batch_size"
+    )
+    ppo_epochs: int = Field(1, ge=1, description="passes over a step's rollouts; verl actor_rollout_ref.actor.ppo_epochs")
+    micro_batch_tokens: int = Field(
+        4096, ge=1, description="tokens per forward/backward chunk, gradients accumulated over a mini-batch's chunks; "
+        "verl ppo_max_token_len_per_gpu with use_dynamic_bsz",
+    )
+
+
 class AlgorithmConfig(Section):
     advantage: str = "grpo"
     policy_loss: str = "ppo_clip"
     loss_agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = (
         "token_mean"
     )
-    group_size: int = Field(8, ge=1)
     normalize_std: bool = True
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     lam: float = Field(0.95, ge=0.0, le=1.0)
@@ -225,9 +262,6 @@ class TrainerConfig(Section):
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
     lr_decay_steps: int = Field(0, ge=0, description="optimizer steps of the cosine/linear decay (needed by them)")
     max_grad_norm: float = Field(1.0, gt=0.0)
-    ppo_epochs: int = Field(1, ge=1)
-    mini_batches: int = Field(1, ge=1)
-    micro_batch_tokens: int = Field(4096, ge=1)
     gradient_checkpointing: bool = False
     bf16_autocast: bool | None = Field(
         None, description="bfloat16 autocast in the learner's forward/backward; unset = on when the engine runs in bfloat16"
@@ -246,7 +280,7 @@ class TrainerConfig(Section):
     )
     single_pass_old_logprobs: bool = Field(
         True,
-        description="when the update is one pass (ppo_epochs=1, mini_batches=1) with no critic, no KL in the "
+        description="when the update is one pass (batch.ppo_epochs=1, batch.mini_batches=1) with no critic, no KL in the "
         "reward and no ratio masking, take the PPO ratio's denominator from the training forward (detached) "
         "instead of a separate no-grad forward: equal in exact arithmetic, one forward fewer per step",
     )
@@ -259,7 +293,6 @@ class OrchestratorConfig(Section):
     steps: int = Field(
         40, ge=0, description="the default trained in 5.7 min on 2 CPU cores with native bf16 (make demo, measured)"
     )
-    tasks_per_step: int = Field(4, ge=1, description="groups per step; each group has algorithm.group_size")
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = Field(1, ge=0)
     async_lag: Literal["fixed", "latest"] = Field(
@@ -335,6 +368,7 @@ class RunConfig(Section):
     engine: EngineConfig = EngineConfig()
     envs: EnvsConfig = EnvsConfig()
     curriculum: CurriculumConfig = CurriculumConfig()
+    batch: BatchConfig = BatchConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     trainer: TrainerConfig = TrainerConfig()
     orchestrator: OrchestratorConfig = OrchestratorConfig()
@@ -384,6 +418,14 @@ REMOVED_KEYS: dict[str, tuple[str | None, str]] = {
     "placement.num_gpus": (None, "no multi-GPU backend exists yet (no Ray or FSDP): a run is one local process"),
     "placement.num_nodes": (None, "no multi-node backend exists yet (no Ray or FSDP): a run is one local process"),
 }
+# keys that live under another name now, same meaning and default: the error names the new key
+MOVED_KEYS: dict[str, str] = {
+    "orchestrator.tasks_per_step": "batch.prompts_per_step",
+    "algorithm.group_size": "batch.samples_per_prompt",
+    "trainer.mini_batches": "batch.mini_batches",
+    "trainer.ppo_epochs": "batch.ppo_epochs",
+    "trainer.micro_batch_tokens": "batch.micro_batch_tokens",
+}
 
 
 def _valid_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
@@ -422,10 +464,13 @@ def _format_validation_error(err: ValidationError) -> str:
             ]
             match = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.5)
             hint = f"; did you mean '{(parent + '.') if parent else ''}{match[0]}'?" if match else ""
-            removed = REMOVED_KEYS.get(f"{parent}.{leaf}" if parent else leaf)
+            path = f"{parent}.{leaf}" if parent else leaf
+            removed = REMOVED_KEYS.get(path)
             if removed is not None:
                 target, why = removed
                 hint = (f"; did you mean '{target}'?" if target else "") + f" (removed: {why})"
+            if path in MOVED_KEYS:
+                hint = f"; moved to '{MOVED_KEYS[path]}' (same meaning and default)"
             valid = ", ".join(sorted(siblings)) if siblings else ""
             lines.append(f"unknown key '{key}'{hint} (valid keys here: {valid})")
         else:
@@ -493,11 +538,17 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+def _moved_in(err: ValidationError) -> dict[str, str]:
+    """The MOVED_KEYS among the unknown keys of `err`: old name -> new name."""
+    unknown = (".".join(str(p) for p in e["loc"]) for e in err.errors() if e["type"] == "extra_forbidden")
+    return {key: MOVED_KEYS[key] for key in unknown if key in MOVED_KEYS}
+
+
 def config_from_dict(data: dict) -> RunConfig:
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format_validation_error(err)) from None
+        raise ConfigError(_format_validation_error(err), moved=_moved_in(err)) from None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:

@@ -151,7 +151,7 @@ def test_bench_real_wiring_on_a_tiny_model(tmp_path):
     from posttrain.telemetry import read_metrics
 
     out = main(["--real", "--quick", "--model", "tiny:llama", "--domains", "math:0;tools.apis:0", "--steps", "2",
-                "--tasks-per-step", "2", "--group-size", "2", "--n-eval", "2", "--max-new-tokens", "8",
+                "--prompts-per-step", "2", "--samples-per-prompt", "2", "--n-eval", "2", "--max-new-tokens", "8",
                 "--probe-every", "1", "--probe-size", "1", "--seed-start", "5", "--out", str(tmp_path)])
     assert out["seeds"] == [5] and out["rollouts_per_uniform_run"] == 2 * 2 * 2 and out["budget"] == "tokens"
     uni, ada = out["per_seed"]["uniform_by_domain"][0], out["per_seed"]["adaptive"][0]
@@ -421,6 +421,24 @@ def test_real_bench_pools_saved_results_of_separate_invocations(tmp_path, capsys
     # pairs (task, seed): +1 0 0 | 0 . 0 | -1 0 0 -> 0 over 8 pairs
     assert d["pooled"]["n_tasks"] == 8 and d["pooled"]["delta"] == pytest.approx(0.0)
     assert "seeds pooled: adaptive - uniform: all +0.000" in capsys.readouterr().out
+
+
+def test_real_bench_reads_results_saved_with_the_old_batch_names(tmp_path):
+    """A result saved before the run config's batch section recorded tasks_per_step / group_size and may
+    replay --run-set values with the old config keys: both read under today's names, so it pools with
+    a new result of the same settings."""
+    from posttrain.bench.curriculum_real import PRESETS, load_result
+
+    old_sizes = {("tasks_per_step" if k == "prompts_per_step" else "group_size" if k == "samples_per_prompt" else k): v
+                 for k, v in PRESETS["quick"].items()}
+    _saved_result(tmp_path / "old.json", [0], ada=[[1.0]], uni=[[0.0]], sizes=old_sizes,
+                  run_overrides=["trainer.micro_batch_tokens=512", "trainer.lr=1e-5"])
+    _saved_result(tmp_path / "new.json", [1], ada=[[0.0]], uni=[[0.0]],
+                  run_overrides=["batch.micro_batch_tokens=512", "trainer.lr=1e-5"])
+    old = load_result(tmp_path / "old.json")
+    assert old["sizes"] == PRESETS["quick"]
+    assert old["run_overrides"] == ["batch.micro_batch_tokens=512", "trainer.lr=1e-5"]
+    assert main(["--pool", str(tmp_path / "old.json"), str(tmp_path / "new.json")])["seeds"] == [0, 1]
 
 
 def test_real_bench_pool_rejects_what_cannot_be_pooled(tmp_path, capsys):

@@ -102,3 +102,31 @@ def test_train_rejects_run_names_that_are_not_one_safe_component(tmp_path, name)
     assert result.exit_code == 2, result.output
     assert "is not allowed" in result.output and "--name" in result.output
     assert keep.read_text() == "do not delete" and (tmp_path / "victim").is_dir() and not any(root.iterdir())
+
+
+def test_config_show_prints_the_batch_section():
+    result = runner.invoke(app, ["config", "show", "--set", "batch.samples_per_prompt=2"])
+    assert result.exit_code == 0, result.output
+    block = result.output.split("\nbatch:\n", 1)[1].split("\n")[:5]
+    assert block == ["  prompts_per_step: 4", "  samples_per_prompt: 2", "  mini_batches: 1", "  ppo_epochs: 1",
+                     "  micro_batch_tokens: 4096"]
+
+
+def test_resuming_a_run_saved_with_the_old_batch_keys_says_which_to_rename(tmp_path):
+    import yaml
+
+    from posttrain.config import config_to_dict, load_config
+
+    run = tmp_path / "old-run"
+    run.mkdir()
+    data = config_to_dict(load_config(None, [f"telemetry.run_dir={tmp_path}"]))
+    batch = data.pop("batch")
+    data["algorithm"]["group_size"] = batch["samples_per_prompt"]
+    data["orchestrator"]["tasks_per_step"] = batch["prompts_per_step"]
+    (run / "config.yaml").write_text(yaml.safe_dump(data))
+    result = runner.invoke(app, ["train", "--resume", str(run)])
+    assert result.exit_code == 2, result.output
+    out = " ".join(result.output.split())
+    assert "cannot resume the run" in out and "rename them there (values unchanged)" in out
+    assert "algorithm.group_size -> batch.samples_per_prompt" in out
+    assert "orchestrator.tasks_per_step -> batch.prompts_per_step" in out

@@ -200,3 +200,38 @@ def test_sandbox_limits_and_domain_weight_are_validated():
         load_config(None, ["envs.domains.0.weight=0"])
     cfg = load_config(None, ["sandbox.wall_time_s=2.5", "sandbox.memory_mb=256"])
     assert (cfg.sandbox.wall_time_s, cfg.sandbox.memory_mb) == (2.5, 256)
+
+
+MOVED = [
+    ("orchestrator.tasks_per_step", "batch.prompts_per_step", 3),
+    ("algorithm.group_size", "batch.samples_per_prompt", 2),
+    ("trainer.mini_batches", "batch.mini_batches", 2),
+    ("trainer.ppo_epochs", "batch.ppo_epochs", 2),
+    ("trainer.micro_batch_tokens", "batch.micro_batch_tokens", 512),
+]
+
+
+@pytest.mark.parametrize(("old", "new", "value"), MOVED)
+def test_batch_sizes_moved_to_the_batch_section_name_the_new_key(tmp_path, old, new, value):
+    expected = f"unknown key '{old}'; moved to '{new}'"
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"{old}={value}"])
+    assert expected in str(err.value) and err.value.moved == {old: new}
+    section, key = old.split(".")
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump({section: {key: value}}))
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert expected in str(err.value) and err.value.moved == {old: new}
+    # the new key takes the value, with the old default and bounds
+    new_section, new_key = new.split(".")
+    assert getattr(getattr(load_config(None, [f"{new}={value}"]), new_section), new_key) == value
+    with pytest.raises(ConfigError, match=f"'{new}': got 0"):
+        load_config(None, [f"{new}=0"])
+
+
+def test_batch_section_defaults_are_the_old_ones():
+    b = RunConfig().batch
+    assert (b.prompts_per_step, b.samples_per_prompt, b.mini_batches, b.ppo_epochs, b.micro_batch_tokens) == (4, 8, 1, 1, 4096)
+    for name, field in type(b).model_fields.items():
+        assert "verl" in (field.description or ""), name  # each key names its verl equivalent

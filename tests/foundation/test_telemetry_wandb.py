@@ -70,8 +70,8 @@ def test_a_training_run_logs_to_wandb_and_its_resume_continues_the_same_wandb_ru
     from posttrain.orchestrator import RLRun
     from posttrain.telemetry import RunDir
 
-    settings = ["model.spec=tiny:llama", "engine.num_kv_blocks=256", "engine.max_new_tokens=8", "algorithm.group_size=2",
-                "orchestrator.tasks_per_step=2", "orchestrator.checkpoint_every=1", "curriculum.probe_every=0",
+    settings = ["model.spec=tiny:llama", "engine.num_kv_blocks=256", "engine.max_new_tokens=8", "batch.samples_per_prompt=2",
+                "batch.prompts_per_step=2", "orchestrator.checkpoint_every=1", "curriculum.probe_every=0",
                 "envs.domains=[{name: math, difficulties: [0]}]", "telemetry.progress=false",
                 "telemetry.tensorboard=false", "telemetry.wandb=offline", f"telemetry.run_dir={tmp_path}"]
     cfg = load_config(None, [*settings, "orchestrator.steps=2"])

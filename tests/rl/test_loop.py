@@ -27,8 +27,8 @@ TINY = [
     "engine.max_num_seqs=16",
     "envs.max_episode_tokens=96",
     "envs.max_turns=2",
-    "algorithm.group_size=2",
-    "orchestrator.tasks_per_step=3",
+    "batch.samples_per_prompt=2",
+    "batch.prompts_per_step=3",
     "orchestrator.checkpoint_every=2",
     "curriculum.probe_every=2",
     "curriculum.probe_size=2",
@@ -181,8 +181,8 @@ def test_infrastructure_failures_are_excluded_and_counted(tmp_path, monkeypatch)
     rows = read_metrics(run_dir.metrics)
     failures = rows[-1]["counters/infra_failures"]
     assert failures > 0
-    # only math trajectories reached the learner: each is one group of group_size samples
-    assert len(seen) + failures == cfg.orchestrator.tasks_per_step * cfg.algorithm.group_size
+    # only math trajectories reached the learner: each is one group of batch.samples_per_prompt samples
+    assert len(seen) + failures == cfg.batch.prompts_per_step * cfg.batch.samples_per_prompt
     assert "reward/code.unit_tests" not in rows[-1]
     rl.close()
 
@@ -279,8 +279,8 @@ def test_dynamic_sampling_drops_equal_reward_groups_and_bounds_refills(tmp_path,
     rl.train()
     row = read_metrics(run_dir.metrics)[-1]
     assert row["rollout/dropped_group_frac"] == 1.0
-    # the first round plus at most max_resample_rounds refills, each of tasks_per_step groups
-    assert row["rollout/episodes"] == 3 * cfg.orchestrator.tasks_per_step * cfg.algorithm.group_size
+    # the first round plus at most max_resample_rounds refills, each of batch.prompts_per_step groups
+    assert row["rollout/episodes"] == 3 * cfg.batch.prompts_per_step * cfg.batch.samples_per_prompt
     assert row["rollout/empty_after_filter"] == 1.0
     assert seen == []
     rl.close()
@@ -384,7 +384,7 @@ def test_async_run_does_not_depend_on_which_thread_is_faster(tmp_path, monkeypat
 
             m.setattr(RLRun, slow, delayed)
             cfg = _cfg(tmp_path, "orchestrator.steps=5", "orchestrator.mode=async", f"orchestrator.max_staleness={k}",
-                       "algorithm.group_size=4", f"orchestrator.token_budget={budget or 'null'}",
+                       "batch.samples_per_prompt=4", f"orchestrator.token_budget={budget or 'null'}",
                        "orchestrator.checkpoint_every=0")  # no periodic checkpoint restarts the pipeline
             runs[name] = _run(cfg, f"{name}{k}{budget}")
     a, b = runs["slow_learner"], runs["slow_rollouts"]
@@ -449,7 +449,7 @@ def test_async_resume_from_a_periodic_checkpoint_is_bit_exact(tmp_path, monkeypa
     import shutil
 
     monkeypatch.setattr(RLRun, "rollout", _parity_rewards(RLRun.rollout))
-    base = ("orchestrator.mode=async", f"orchestrator.max_staleness={k}", "algorithm.group_size=4",
+    base = ("orchestrator.mode=async", f"orchestrator.max_staleness={k}", "batch.samples_per_prompt=4",
             "orchestrator.checkpoint_every=3")
     straight = _run(_cfg(tmp_path, "orchestrator.steps=6", *base), "straight")
     shutil.copytree(straight.run_dir.path, tmp_path / "mid")
@@ -564,7 +564,7 @@ def test_dapo_filter_only_filters_in_the_real_loop_and_domain_weights_reach_the_
     rl.train()
     row = read_metrics(run_dir.metrics)[-1]
     assert row["rollout/dropped_group_frac"] == 1.0 and seen == []
-    assert row["rollout/episodes"] == 3 * cfg.orchestrator.tasks_per_step * cfg.algorithm.group_size
+    assert row["rollout/episodes"] == 3 * cfg.batch.prompts_per_step * cfg.batch.samples_per_prompt
     rl.close()
 
 
@@ -590,7 +590,7 @@ def test_a_group_left_with_one_member_is_dropped_and_counted(tmp_path, monkeypat
     row = read_metrics(run_dir.metrics)[-1]
     assert row["rollout/dropped_singleton_groups"] == 1.0 and row["counters/dropped_singleton_groups"] == 1.0
     assert {t.group_id for t in seen} == {1, 2}  # the lone member's group never reaches the learner
-    assert len(seen) == 2 * cfg.algorithm.group_size
+    assert len(seen) == 2 * cfg.batch.samples_per_prompt
     rl.close()
 
 

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from posttrain.config import AlgorithmConfig, ModelConfig, TrainerConfig
+from posttrain.config import AlgorithmConfig, BatchConfig, ModelConfig, TrainerConfig
 from posttrain.train import Learner, Sample
 
 VOCAB = 16
@@ -75,8 +75,10 @@ def mean_reward(samples: list[Sample]) -> float:
     return sum(s.reward for s in samples) / len(samples)
 
 
-def train(algo: AlgorithmConfig, trainer: TrainerConfig, steps: int, group_size: int = 8) -> tuple[float, list[float]]:
-    learner = Learner(ModelConfig(spec="tiny:llama"), trainer, algo, seed=0, model=tiny_model())
+def train(
+    algo: AlgorithmConfig, trainer: TrainerConfig, batch: BatchConfig, steps: int, group_size: int = 8
+) -> tuple[float, list[float]]:
+    learner = Learner(ModelConfig(spec="tiny:llama"), trainer, algo, seed=0, model=tiny_model(), batch_cfg=batch)
     gen = torch.Generator().manual_seed(1)
     history = []
     initial = mean_reward(rollout(learner, 64, gen, -1))
@@ -94,8 +96,8 @@ def train(algo: AlgorithmConfig, trainer: TrainerConfig, steps: int, group_size:
 def test_grpo_converges():
     t0 = time.process_time()  # CPU seconds: wall time on a shared machine says little
     algo = AlgorithmConfig(advantage="grpo", policy_loss="ppo_clip", clip_low=0.2, clip_high=0.28)
-    trainer = TrainerConfig(lr=5e-3, mini_batches=2, ppo_epochs=1)
-    initial, history = train(algo, trainer, steps=80)
+    trainer, batch = TrainerConfig(lr=5e-3), BatchConfig(mini_batches=2, ppo_epochs=1)
+    initial, history = train(algo, trainer, batch, steps=80)
     assert initial < 0.2, initial
     assert history[-1] > 0.8, history
     assert time.process_time() - t0 < 120
@@ -104,8 +106,8 @@ def test_grpo_converges():
 def test_ppo_with_critic_converges():
     t0 = time.process_time()  # CPU seconds: wall time on a shared machine says little
     algo = AlgorithmConfig(advantage="gae", policy_loss="ppo_clip", gamma=1.0, lam=0.95)
-    trainer = TrainerConfig(lr=3e-3, critic="copy", critic_lr=1e-2, mini_batches=2, ppo_epochs=1)
-    initial, history = train(algo, trainer, steps=80)
+    trainer = TrainerConfig(lr=3e-3, critic="copy", critic_lr=1e-2)
+    initial, history = train(algo, trainer, BatchConfig(mini_batches=2, ppo_epochs=1), steps=80)
     assert initial < 0.2, initial
     assert history[-1] > 0.8, history
     assert time.process_time() - t0 < 120

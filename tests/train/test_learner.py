@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from posttrain.config import AlgorithmConfig, ModelConfig, TrainerConfig
+from posttrain.config import AlgorithmConfig, BatchConfig, ModelConfig, TrainerConfig
 from posttrain.models import load_policy, merged_state_dict
 from posttrain.train import Batch, Learner, Sample, build_batch, lr_factor
 from posttrain.train.batch import make_inputs, plan_micro_batches
@@ -33,8 +33,10 @@ def make_samples(n: int = 8, seed: int = 0, vocab: int = 1000, group: int = 4) -
     return out
 
 
-def learner(trainer: TrainerConfig | None = None, algo: AlgorithmConfig | None = None, model_cfg=TINY, model=None):
-    return Learner(model_cfg, trainer or TrainerConfig(lr=1e-3), algo or AlgorithmConfig(), seed=0, model=model)
+def learner(
+    trainer: TrainerConfig | None = None, algo: AlgorithmConfig | None = None, model_cfg=TINY, model=None, batch=None
+):
+    return Learner(model_cfg, trainer or TrainerConfig(lr=1e-3), algo or AlgorithmConfig(), seed=0, model=model, batch_cfg=batch)
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +110,7 @@ def test_gradient_accumulation_over_micro_batches_matches_one_batch(base_model):
     algo = AlgorithmConfig(loss_agg="seq_mean_token_mean")
     outs = []
     for budget in (16, 4096):
-        lrn = learner(TrainerConfig(lr=1e-2, micro_batch_tokens=budget), algo, model=copy.deepcopy(base_model))
+        lrn = learner(TrainerConfig(lr=1e-2), algo, model=copy.deepcopy(base_model), batch=BatchConfig(micro_batch_tokens=budget))
         m = lrn.step(samples)
         outs.append((m, {n: p.grad.clone() for n, p in lrn.model.named_parameters()}))
     (m1, g1), (m2, g2) = outs
@@ -119,7 +121,7 @@ def test_gradient_accumulation_over_micro_batches_matches_one_batch(base_model):
 
 
 def test_step_changes_weights_and_reports_metrics(base_model):
-    lrn = learner(TrainerConfig(lr=1e-2, mini_batches=2, ppo_epochs=2), model=copy.deepcopy(base_model))
+    lrn = learner(TrainerConfig(lr=1e-2), model=copy.deepcopy(base_model), batch=BatchConfig(mini_batches=2, ppo_epochs=2))
     before = {k: v.clone() for k, v in lrn.weights().items()}
     m = lrn.step(make_samples(8), current_version=3)
     after = lrn.weights()
@@ -187,13 +189,14 @@ def _weights_equal(a: dict, b: dict) -> bool:
 @pytest.mark.parametrize("variant", ["full", "lora_critic"])
 def test_state_round_trip_continues_bit_identically(tmp_path, variant):
     if variant == "full":
-        mcfg, tcfg = TINY, TrainerConfig(lr=1e-2, mini_batches=2, warmup_steps=2, lr_schedule="cosine", lr_decay_steps=8)
+        mcfg, tcfg = TINY, TrainerConfig(lr=1e-2, warmup_steps=2, lr_schedule="cosine", lr_decay_steps=8)
         acfg = AlgorithmConfig(kl_coef=0.05, kl_target=0.01)
     else:
         mcfg = ModelConfig(spec="tiny:llama", lora_rank=4, lora_dropout=0.1)
-        tcfg, acfg = TrainerConfig(lr=1e-2, critic="copy", mini_batches=2), AlgorithmConfig(advantage="gae")
+        tcfg, acfg = TrainerConfig(lr=1e-2, critic="copy"), AlgorithmConfig(advantage="gae")
+    bcfg = BatchConfig(mini_batches=2)  # Learner.load takes it from the checkpoint
     s1, s2, s3 = make_samples(8, 1), make_samples(8, 2), make_samples(8, 3)
-    a = Learner(mcfg, tcfg, acfg, seed=0)
+    a = Learner(mcfg, tcfg, acfg, seed=0, batch_cfg=bcfg)
     a.step(s1)
     a.save(tmp_path / "ckpt")
     mem = a.state_dict()
@@ -206,7 +209,7 @@ def test_state_round_trip_continues_bit_identically(tmp_path, variant):
     assert _weights_equal(a.weights(), b.weights())
     if variant != "full":
         assert _weights_equal(a.critic.state_dict(), b.critic.state_dict())
-    c = Learner(mcfg, tcfg, acfg, seed=0)
+    c = Learner(mcfg, tcfg, acfg, seed=0, batch_cfg=bcfg)
     c.load_state_dict(mem)
     c.step(s2)
     c.step(s3)
@@ -315,7 +318,8 @@ def test_single_pass_takes_old_logprobs_from_the_training_forward(base_model, kl
     algo = AlgorithmConfig(kl_coef=kl_coef, tis_cap=2.0)
     runs = []
     for single in (True, False):
-        lrn = learner(TrainerConfig(lr=1e-2, micro_batch_tokens=24, single_pass_old_logprobs=single), algo, model=copy.deepcopy(base_model))
+        lrn = learner(TrainerConfig(lr=1e-2, single_pass_old_logprobs=single), algo, model=copy.deepcopy(base_model),
+                      batch=BatchConfig(micro_batch_tokens=24))
         assert lrn.single_pass() is single
         calls = []
         forward = lrn._policy_forward
@@ -342,14 +346,14 @@ def test_single_pass_takes_old_logprobs_from_the_training_forward(base_model, kl
 
 def test_single_pass_is_off_when_anything_needs_old_logprobs_first(base_model):
     cases = [
-        (TrainerConfig(ppo_epochs=2), AlgorithmConfig()),
-        (TrainerConfig(mini_batches=2), AlgorithmConfig()),
-        (TrainerConfig(), AlgorithmConfig(kl_coef=0.1, kl_in_reward=True)),
-        (TrainerConfig(), AlgorithmConfig(mask_ratio_high=2.0)),
-        (TrainerConfig(single_pass_old_logprobs=False), AlgorithmConfig()),
+        (TrainerConfig(), AlgorithmConfig(), BatchConfig(ppo_epochs=2)),
+        (TrainerConfig(), AlgorithmConfig(), BatchConfig(mini_batches=2)),
+        (TrainerConfig(), AlgorithmConfig(kl_coef=0.1, kl_in_reward=True), None),
+        (TrainerConfig(), AlgorithmConfig(mask_ratio_high=2.0), None),
+        (TrainerConfig(single_pass_old_logprobs=False), AlgorithmConfig(), None),
     ]
-    for tc, algo in cases:
-        assert not learner(tc, algo, model=copy.deepcopy(base_model)).single_pass(), (tc, algo)
+    for tc, algo, bc in cases:
+        assert not learner(tc, algo, model=copy.deepcopy(base_model), batch=bc).single_pass(), (tc, algo, bc)
     assert learner(TrainerConfig(), AlgorithmConfig(kl_coef=0.1), model=copy.deepcopy(base_model)).single_pass()
 
 
@@ -408,7 +412,8 @@ def test_shared_prefix_forward_equals_the_full_forward(base_model, lora):
     model_cfg = ModelConfig(spec="tiny:llama", lora_rank=4 if lora else 0)
     runs = []
     for share in (True, False):
-        lrn = learner(TrainerConfig(lr=1e-2, share_prompt_prefix=share, micro_batch_tokens=40), model_cfg=model_cfg, model=copy.deepcopy(base_model))
+        lrn = learner(TrainerConfig(lr=1e-2, share_prompt_prefix=share), model_cfg=model_cfg, model=copy.deepcopy(base_model),
+                      batch=BatchConfig(micro_batch_tokens=40))
         lp = lrn.compute_logprobs(samples)
         m = lrn.step(samples)
         runs.append((lp, m, {n: p.grad.clone() for n, p in lrn.model.named_parameters() if p.grad is not None}))
@@ -467,3 +472,22 @@ def test_gspo_clips_with_its_own_range_not_ppo_clip_s(base_model, monkeypatch):
     assert (algo.clip_low, algo.clip_high) == (0.2, 0.28)  # ppo_clip's, left at their defaults
     learner(algo=algo, model=copy.deepcopy(base_model)).step(make_samples(4))
     assert seen and set(seen) == {(3e-4, 4e-4)}
+
+
+def test_a_checkpoint_saved_before_the_batch_section_loads_its_batch_sizes(tmp_path, base_model):
+    """learner.json of old kept mini_batches/ppo_epochs/micro_batch_tokens under trainer and group_size under
+    algorithm: Learner.load reads them as the batch section's."""
+    import json
+
+    lrn = learner(TrainerConfig(lr=1e-2), model=copy.deepcopy(base_model),
+                  batch=BatchConfig(mini_batches=2, ppo_epochs=3, micro_batch_tokens=64))
+    lrn.save(tmp_path / "ckpt")
+    meta_path = tmp_path / "ckpt" / "learner.json"
+    meta = json.loads(meta_path.read_text())
+    batch = meta.pop("batch")
+    meta["trainer"].update(mini_batches=batch["mini_batches"], ppo_epochs=batch["ppo_epochs"],
+                           micro_batch_tokens=batch["micro_batch_tokens"])
+    meta["algorithm"]["group_size"] = batch["samples_per_prompt"]
+    meta_path.write_text(json.dumps(meta))
+    loaded = Learner.load(tmp_path / "ckpt", model=copy.deepcopy(base_model))
+    assert loaded.batch_cfg == lrn.batch_cfg and loaded.trainer_cfg == lrn.trainer_cfg

@@ -33,19 +33,21 @@ DEFAULT_DOMAINS = "math:0,1;code.unit_tests:1;tools.apis:0"
 # 2 bf16-capable CPU cores with the default domains: 24 steps at 96 new tokens took 18 min per uniform run
 # (code and tool prompts are long), so the full preset takes about 40 min per run.
 PRESETS: dict[str, dict[str, int]] = {
-    "full": {"steps": 40, "tasks_per_step": 4, "group_size": 8, "n_eval": 32, "max_new_tokens": 128,
+    "full": {"steps": 40, "prompts_per_step": 4, "samples_per_prompt": 8, "n_eval": 32, "max_new_tokens": 128,
              "probe_every": 5, "probe_size": 16},
-    "quick": {"steps": 4, "tasks_per_step": 4, "group_size": 4, "n_eval": 8, "max_new_tokens": 64,
+    "quick": {"steps": 4, "prompts_per_step": 4, "samples_per_prompt": 4, "n_eval": 8, "max_new_tokens": 64,
               "probe_every": 2, "probe_size": 2},
 }
 # --quick also keeps memory small (the machine it targets is shared): a smaller K/V pool, shorter
 # micro-batches. Explicit --run-set values come later and win.
-QUICK_RUN_OVERRIDES = ["engine.num_kv_blocks=512", "trainer.micro_batch_tokens=1024"]
+QUICK_RUN_OVERRIDES = ["engine.num_kv_blocks=512", "batch.micro_batch_tokens=1024"]
 RESULT_FILE = "result.json"  # the JSON object, also written into the run root (what --pool reads)
 # The flags a run takes from a --reuse-uniform result (their argparse default is None so that a flag given
 # on the command line can be told from a default), with the defaults of a run that reuses nothing.
 REUSED_FLAGS: dict[str, Any] = {"model": "smollm2-135m", "domains": DEFAULT_DOMAINS, "eval_seed": 1000,
                                 "budget": "tokens"}
+# the sizes' names in results saved before the run config's batch section existed
+OLD_SIZE_NAMES = {"tasks_per_step": "prompts_per_step", "group_size": "samples_per_prompt"}
 
 
 def parse_domains(text: str) -> list[tuple[str, list[int]]]:
@@ -74,8 +76,8 @@ def run_overrides(ns: argparse.Namespace, sizes: dict[str, int]) -> list[str]:
         f"model.spec={ns.model}",
         f"envs.domains=[{doms}]",
         f"orchestrator.steps={sizes['steps']}",
-        f"orchestrator.tasks_per_step={sizes['tasks_per_step']}",
-        f"algorithm.group_size={sizes['group_size']}",
+        f"batch.prompts_per_step={sizes['prompts_per_step']}",
+        f"batch.samples_per_prompt={sizes['samples_per_prompt']}",
         f"engine.max_new_tokens={sizes['max_new_tokens']}",
         f"curriculum.probe_every={sizes['probe_every']}",
         f"curriculum.probe_size={sizes['probe_size']}",
@@ -266,7 +268,7 @@ def main_real(ns: argparse.Namespace) -> dict[str, Any]:
         "adaptive_overrides": list(ns.overrides),
         "adaptive_curriculum": adaptive_cfg,
         "uniform_overrides": list(ns.overrides) if saved is None else _settings(saved)["uniform --set values"],
-        "rollouts_per_uniform_run": sizes["steps"] * sizes["tasks_per_step"] * sizes["group_size"],
+        "rollouts_per_uniform_run": sizes["steps"] * sizes["prompts_per_step"] * sizes["samples_per_prompt"],
         "run_root": str(root),
     }
     if saved is not None:
@@ -351,7 +353,24 @@ def load_result(path: str | Path, flag: str = "--pool") -> dict[str, Any]:
     if any(s not in obj["per_seed"] for s in SAMPLERS) or any("per_task" not in row for row in rows):
         raise ValueError(f"{flag}: {p} lacks a sampler's runs or their per-task held-out scores (saved before "
                          "they were kept); it cannot be used")
-    return obj
+    return renamed_sizes(obj)
+
+
+def renamed_sizes(result: dict[str, Any]) -> dict[str, Any]:
+    """`result` with the names of today: a result saved before the run config's batch section existed
+    records the sizes as tasks_per_step / group_size and may replay --run-set values with the old config
+    keys (config.MOVED_KEYS); both are renamed, values unchanged, so old and new results pool and compare."""
+    from posttrain.config import MOVED_KEYS
+
+    def key_renamed(override: str) -> str:
+        key, sep, value = override.partition("=")
+        return f"{MOVED_KEYS.get(key.strip(), key)}{sep}{value}"
+
+    out = dict(result)
+    out["sizes"] = {OLD_SIZE_NAMES.get(k, k): v for k, v in result["sizes"].items()}
+    if result.get("run_overrides") is not None:
+        out["run_overrides"] = [key_renamed(o) for o in result["run_overrides"]]
+    return out
 
 
 def pool_results(paths: list[str], check_adaptive_config: bool = True) -> dict[str, Any]:
@@ -485,7 +504,7 @@ def _print_real(out: dict[str, Any]) -> None:
 
     sz = out["sizes"]
     t = Table(title=(f"curriculum --real: {out['model']}, seeds {out['seeds']}, {sz['steps']} steps x "
-                     f"{sz['tasks_per_step']} groups x {sz['group_size']} rollouts per run; held-out greedy "
+                     f"{sz['prompts_per_step']} prompts x {sz['samples_per_prompt']} rollouts per run; held-out greedy "
                      f"accuracy, {sz['n_eval']} tasks per arm, 95% bootstrap CI (seeds pooled)"))
     t.add_column("domain")
     t.add_column("base model", justify="right")

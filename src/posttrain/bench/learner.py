@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from posttrain.config import AlgorithmConfig, ModelConfig, TrainerConfig
+from posttrain.config import AlgorithmConfig, BatchConfig, ModelConfig, TrainerConfig
 from posttrain.train.batch import Sample, build_batch
 from posttrain.train.learner import Learner
 
@@ -114,9 +114,9 @@ def main(opts: Any) -> dict:
                 bf16_autocast=dtype == "bf16",
                 packing=packing == "packed",
                 share_prompt_prefix=packing == "shared",
-                micro_batch_tokens=opts.micro_batch_tokens,
             )
-            learner = Learner(mcfg, tcfg, AlgorithmConfig(tis_cap=None), model=copy.deepcopy(base))
+            learner = Learner(mcfg, tcfg, AlgorithmConfig(tis_cap=None), model=copy.deepcopy(base),
+                              batch_cfg=BatchConfig(micro_batch_tokens=opts.micro_batch_tokens))
             batch = _prepared_batch(learner, samples, old_lp)
             t0, c0 = time.perf_counter(), time.process_time()
             m = learner.update(batch)

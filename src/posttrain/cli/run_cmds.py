@@ -54,8 +54,17 @@ def train(
         try:
             run = RunDir.open(resume)
             saved = load_config(run.config)
+        except ConfigError as err:
+            if err.moved:  # a run saved before those keys were renamed
+                renames = ", ".join(f"{old} -> {new}" for old, new in err.moved.items())
+                fail(f"cannot resume the run: {run.config} was written before these keys were renamed; rename them "
+                     f"there (values unchanged) and resume again: {renames}", EXIT_USAGE)
+            fail(str(err), EXIT_USAGE)
+        except FileNotFoundError as err:
+            fail(str(err), EXIT_USAGE)
+        try:
             cfg = config_from_dict(apply_overrides(config_to_dict(saved), set_ or [])) if set_ else saved
-        except (FileNotFoundError, ConfigError) as err:
+        except ConfigError as err:
             fail(str(err), EXIT_USAGE)
         try:
             RLRun.check(cfg)

@@ -8,7 +8,7 @@ does not run rollouts, score probes or touch tensors (no torch import). The loop
         sampler.set_progress(spent_share)                # in [0, 1]: the schedule below reads it
         for arm in sampler.probe_arms(step):             # adaptive only; every probe_every steps from 0,
             sampler.record_probe(step, arm, greedy_accuracy(arm), n=n_prompts)  # arms training left unmeasured
-        arms = sampler.sample(tasks_per_step)            # one arm per group
+        arms = sampler.sample(prompts_per_step)          # one arm per group (cfg.batch)
         prompt = sampler.choose_prompt(arm, candidate_ids)
         ... rollouts ...
         sampler.record_prompt(arm, prompt, rewards_of_that_prompt)

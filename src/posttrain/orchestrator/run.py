@@ -96,7 +96,7 @@ class RLRun:
             cfg.curriculum, arms, seed=cfg.seed, domain_weights={d.name: d.weight for d in cfg.envs.domains}
         )
         self.tasks = TaskSource(sampler, domains, arms, cfg.seed)
-        self.learner = Learner(cfg.model, cfg.trainer, cfg.algorithm, seed=cfg.seed)
+        self.learner = Learner(cfg.model, cfg.trainer, cfg.algorithm, seed=cfg.seed, batch_cfg=cfg.batch)
         engine_model = load_policy(cfg.model.spec, dtype=cfg.engine.dtype, seed=cfg.seed)
         self.engine: Engine = make_engine(cfg.engine, engine_model, self.tokenizer)
         self.sync_weights(self.learner.weights())
@@ -160,12 +160,12 @@ class RLRun:
     # ------------------------------------------------------------------ one step
 
     def rollout(self, picks: list[Pick], step: int, group_offset: int) -> RolloutBatch:
-        """The groups of `picks`, `algorithm.group_size` episodes each, with the engine's current weights."""
+        """The groups of `picks`, `batch.samples_per_prompt` episodes each, with the engine's current weights."""
         coro = collect_groups(
             self.engine,
             self.tokenizer,
             [(d, t) for _, d, t, _ in picks],
-            self.cfg.algorithm.group_size,
+            self.cfg.batch.samples_per_prompt,
             self.sandbox,
             self.sampling,
             self.limits,

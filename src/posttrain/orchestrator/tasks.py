@@ -118,7 +118,7 @@ def collect_step(
 
     filtering = cfg.algorithm.dynamic_sampling or tasks.sampler.filters_groups
     lone_ok = not uses_group_baseline(cfg.algorithm.advantage)
-    want = cfg.orchestrator.tasks_per_step
+    want = cfg.batch.prompts_per_step
     kept: list[Trajectory] = []
     groups_for_sampler: list[GroupFeedback] = []
     every: list[Trajectory] = []
@@ -145,7 +145,7 @@ def collect_step(
             rewards = [t.reward for t in members]
             groups_for_sampler.append((arm, index, rewards, sum(t.num_generated for t in members)))
             total_groups += 1
-            if len(members) == 1 < cfg.algorithm.group_size and not lone_ok:
+            if len(members) == 1 < cfg.batch.samples_per_prompt and not lone_ok:
                 singletons += 1  # its advantage would be its raw score: no group to compare with
                 continue
             if filtering and len(set(rewards)) == 1:

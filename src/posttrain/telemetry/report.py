@@ -286,9 +286,11 @@ def _facts(cfg: dict[str, Any], rows: list[dict[str, Any]], result: dict[str, An
     steps = max((int(r["step"]) for r in rows), default=0)
     facts: list[tuple[str, str]] = [("model", _e(model))]
     algo = cfg.get("algorithm") or {}
+    # a run saved before the batch section existed kept the group size as algorithm.group_size
+    group = (cfg.get("batch") or {}).get("samples_per_prompt", algo.get("group_size", "?"))
     if algo:
         facts.append(("algorithm", _e(f"{algo.get('advantage', '?')} advantages, {algo.get('policy_loss', '?')} loss, "
-                                      f"group size {algo.get('group_size', '?')}")))
+                                      f"group size {group}")))
     facts.append(("domains", _e("; ".join(domains)) if domains else "?"))
     facts.append(("steps", _e(f"{steps} of {planned} planned" if planned else str(steps))
                   + _e(f" ({len(rows)} rows in metrics.jsonl)")))

@@ -10,7 +10,8 @@ API used by the RL loop::
         # one trajectory as the engine's token ids; loss_mask 1 on generated tokens (loss_mask[0] must
         # be 0: the first token has no logprob); behavior_logprobs from the engine (0.0 where mask 0)
 
-    learner = Learner(model_cfg, trainer_cfg, algo_cfg, seed=0, model=None, critic_model=None)
+    learner = Learner(model_cfg, trainer_cfg, algo_cfg, seed=0, model=None, critic_model=None, batch_cfg=None)
+        # batch_cfg: mini_batches, ppo_epochs, micro_batch_tokens of the update (None: the defaults);
         # LoRA when model_cfg.lora_rank > 0 (reference = adapters disabled, no second copy);
         # full fine-tuning keeps a frozen reference copy only when algo_cfg.kl_coef > 0;
         # critic per trainer_cfg.critic: "none" | "copy" (value head on a copy of the policy's

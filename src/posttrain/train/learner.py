@@ -28,7 +28,7 @@ from posttrain.algos import (
     tis_weights,
     value_loss,
 )
-from posttrain.config import AlgorithmConfig, ModelConfig, TrainerConfig
+from posttrain.config import AlgorithmConfig, BatchConfig, ModelConfig, TrainerConfig
 from posttrain.train.batch import (
     Batch,
     ModelInputs,
@@ -86,10 +86,12 @@ class Learner:
         seed: int = 0,
         model: Any = None,
         critic_model: Any = None,
+        batch_cfg: BatchConfig | None = None,
     ) -> None:
         from posttrain.models import load_policy, wrap_lora
 
         self.model_cfg, self.trainer_cfg, self.algo_cfg, self.seed = model_cfg, trainer_cfg, algo_cfg, seed
+        self.batch_cfg = batch_cfg if batch_cfg is not None else BatchConfig()
         get_advantage(algo_cfg.advantage)  # fail early on unknown names
         get_policy_loss(algo_cfg.policy_loss)
         if algo_cfg.advantage == "gae" and trainer_cfg.critic == "none":
@@ -210,12 +212,12 @@ class Learner:
 
     def _micro_batches(self, batch: Batch) -> list[tuple[list[int], int]]:
         """(rows, shared prefix length) per micro-batch; the prefix is 0 unless prompt sharing is on."""
-        tc = self.trainer_cfg
+        tc, budget = self.trainer_cfg, self.batch_cfg.micro_batch_tokens
         if tc.share_prompt_prefix and not tc.gradient_checkpointing:
             return plan_shared_micro_batches(
-                batch.token_ids, batch.loss_mask, batch.lengths, batch.group_ids, tc.micro_batch_tokens, tc.packing
+                batch.token_ids, batch.loss_mask, batch.lengths, batch.group_ids, budget, tc.packing
             )
-        return [(rows, 0) for rows in plan_micro_batches(batch.lengths.tolist(), tc.micro_batch_tokens, tc.packing)]
+        return [(rows, 0) for rows in plan_micro_batches(batch.lengths.tolist(), budget, tc.packing)]
 
     @staticmethod
     def _select(batch: Batch, rows: list[int], prefix: int) -> Batch:
@@ -345,8 +347,8 @@ class Learner:
         use_kl = self.kl_ctl.value > 0 if use_kl is None else use_kl
         return (
             tc.single_pass_old_logprobs
-            and tc.ppo_epochs == 1
-            and tc.mini_batches == 1
+            and self.batch_cfg.ppo_epochs == 1
+            and self.batch_cfg.mini_batches == 1
             and self.critic is None
             and not (use_kl and a.kl_in_reward)
             and a.mask_ratio_low is None
@@ -415,9 +417,9 @@ class Learner:
         if self.critic is not None:
             self.critic.train()
         try:
-            for _ in range(tc.ppo_epochs):
+            for _ in range(self.batch_cfg.ppo_epochs):
                 perm = torch.randperm(batch.size, generator=self.generator).tolist()
-                n_mini = min(tc.mini_batches, batch.size)
+                n_mini = min(self.batch_cfg.mini_batches, batch.size)
                 bounds = [round(i * batch.size / n_mini) for i in range(n_mini + 1)]
                 for k in range(n_mini):
                     mb_rows = perm[bounds[k] : bounds[k + 1]]

@@ -148,6 +148,7 @@ def save_learner(learner: Learner, directory: str | Path) -> None:
             "model": learner.model_cfg.model_dump(mode="json"),
             "trainer": learner.trainer_cfg.model_dump(mode="json"),
             "algorithm": learner.algo_cfg.model_dump(mode="json"),
+            "batch": learner.batch_cfg.model_dump(mode="json"),
         }
         (tmp / "learner.json").write_text(json.dumps(meta, indent=2))
         _fsync_dir(tmp)
@@ -188,17 +189,33 @@ def read_learner_state(directory: str | Path) -> tuple[dict[str, Any], dict[str,
 
 def load_learner(directory: str | Path, model: Any = None, critic_model: Any = None) -> Learner:
     """Rebuild a Learner from the configs saved with it and restore its state."""
-    from posttrain.config import AlgorithmConfig, ModelConfig, TrainerConfig
+    from posttrain.config import AlgorithmConfig, BatchConfig, ModelConfig, TrainerConfig
     from posttrain.train.learner import Learner
 
     meta, state = read_learner_state(directory)
+    trainer, algorithm, batch = _sections_of(meta)
     learner = Learner(
         ModelConfig(**meta["model"]),
-        TrainerConfig(**meta["trainer"]),
-        AlgorithmConfig(**meta["algorithm"]),
+        TrainerConfig(**trainer),
+        AlgorithmConfig(**algorithm),
         seed=int(meta["seed"]),
         model=model,
         critic_model=critic_model,
+        batch_cfg=BatchConfig(**batch),
     )
     learner.load_state_dict(state)
     return learner
+
+
+def _sections_of(meta: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(trainer, algorithm, batch) of a learner.json. One written before the batch section existed holds
+    the batch sizes under trainer and algorithm: they are moved to their batch names (config.MOVED_KEYS)."""
+    from posttrain.config import MOVED_KEYS
+
+    sections = {"trainer": dict(meta["trainer"]), "algorithm": dict(meta["algorithm"])}
+    batch = dict(meta.get("batch", {}))
+    for old, new in MOVED_KEYS.items():
+        section, key = old.split(".")
+        if section in sections and key in sections[section]:
+            batch[new.split(".")[1]] = sections[section].pop(key)
+    return sections["trainer"], sections["algorithm"], batch

@@ -340,8 +340,15 @@ class SandboxConfig(Section):
     job_disk_mb: int = Field(64, ge=1, description="size of each worker's private job tmpfs")
     memory_backstop_mb: int = Field(2048, ge=64, description="cgroup memory cap per worker (all its jobs)")
     max_pids: int = Field(128, ge=8, description="cgroup pids cap per worker (worker + job processes)")
-    max_request_mb: int = Field(16, ge=1, description="remote mode: largest accepted request body")
-    max_concurrent_requests: int = Field(64, ge=1, description="remote mode: requests handled at once")
+    remote_timeout_s: float = Field(600.0, gt=0.0, description="remote mode: the client's bound on one request")
+    max_request_mb: int = Field(16, ge=1, description="`sandbox serve`: largest accepted request body")
+    max_concurrent_jobs: int = Field(64, ge=1, description="`sandbox serve`: jobs executing at once (a batch of N counts N)")
+    service_max_wall_time_s: float = Field(60.0, gt=0.0, description="`sandbox serve`: a job asking for more wall "
+                                           "or CPU time is refused with 400")
+    service_max_memory_mb: int = Field(2048, ge=16, description="`sandbox serve`: largest per-job memory limit")
+    service_max_processes: int = Field(64, ge=1, description="`sandbox serve`: largest per-job process count")
+    request_timeout_s: float = Field(30.0, gt=0.0, description="`sandbox serve`: bound on reading a request and "
+                                     "writing its reply (stalled clients are dropped)")
 
 
 class TelemetryConfig(Section):
@@ -417,6 +424,7 @@ REMOVED_KEYS: dict[str, tuple[str | None, str]] = {
     "placement.device": ("engine.device", "engine.device picks the engine's torch device; the learner runs on CPU"),
     "placement.num_gpus": (None, "no multi-GPU backend exists yet (no Ray or FSDP): a run is one local process"),
     "placement.num_nodes": (None, "no multi-node backend exists yet (no Ray or FSDP): a run is one local process"),
+    "sandbox.max_concurrent_requests": ("sandbox.max_concurrent_jobs", "the service counts jobs, not requests"),
 }
 # keys that live under another name now, same meaning and default: the error names the new key
 MOVED_KEYS: dict[str, str] = {

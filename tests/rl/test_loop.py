@@ -613,7 +613,7 @@ def test_the_run_s_sandbox_gets_the_configured_per_job_limits(tmp_path, monkeypa
         async def close(self):
             pass
 
-    monkeypatch.setattr(sandbox_mod, "make_sandbox", lambda cfg=None: Recorder())
+    monkeypatch.setattr(sandbox_mod, "LocalSandbox", lambda cfg=None: Recorder())  # make_sandbox wraps it
     cfg = _cfg(tmp_path, "sandbox.wall_time_s=3", "sandbox.memory_mb=100")
     sb = RLRun(cfg, RunDir.create(tmp_path, "limits")).make_sandbox()
     asyncio.run(sb.run(Job(code="", limits=Limits(wall_time_s=20.0, cpu_time_s=20.0))))

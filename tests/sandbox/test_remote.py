@@ -85,7 +85,8 @@ def test_make_sandbox_remote_needs_url():
 
     with pytest.raises(ValueError, match="sandbox.url is not set"):
         make_sandbox(SandboxConfig(mode="remote"))
-    assert isinstance(make_sandbox(SandboxConfig(mode="remote", url="http://x:1", token="t")), RemoteSandbox)
+    remote = make_sandbox(SandboxConfig(mode="remote", url="http://x:1", token="t", remote_timeout_s=7.0))
+    assert isinstance(remote.inner, RemoteSandbox) and remote.inner.timeout_s == 7.0
 
 
 def test_bounded_concurrency_serializes_excess_requests(sandbox):

@@ -153,18 +153,31 @@ def serve(
                                      help="bearer token clients must send (default: a random one, printed)"),
     pool_size: int = typer.Option(0, "--pool-size", help="workers per profile (0 = CPU count)"),
     max_request_mb: int = typer.Option(_DEFAULTS.max_request_mb, "--max-request-mb"),
-    max_concurrent: int = typer.Option(_DEFAULTS.max_concurrent_requests, "--max-concurrent",
-                                       help="requests executing at once"),
+    max_concurrent: int = typer.Option(_DEFAULTS.max_concurrent_jobs, "--max-concurrent", min=1,
+                                       help="jobs executing at once (a batch of N jobs counts N)"),
+    max_wall_s: float = typer.Option(_DEFAULTS.service_max_wall_time_s, "--max-wall-s", min=0.01,
+                                     help="a job asking for more wall or CPU time is refused (400)"),
+    max_memory_mb: int = typer.Option(_DEFAULTS.service_max_memory_mb, "--max-memory-mb", min=16,
+                                      help="largest per-job memory limit a client may ask for"),
+    max_processes: int = typer.Option(_DEFAULTS.service_max_processes, "--max-processes", min=1,
+                                      help="largest per-job process count a client may ask for"),
+    request_timeout_s: float = typer.Option(_DEFAULTS.request_timeout_s, "--request-timeout-s", min=0.1,
+                                            help="bound on reading a request and writing its reply"),
 ) -> None:
-    """Serve the sandbox over HTTP (POST /run, POST /run_batch, GET /health)."""
+    """Serve the sandbox over HTTP (POST /run, POST /run_batch, GET /health). Jobs whose limits exceed the
+    service's maxima are refused with a 400 that names the limit."""
+    import dataclasses
+
     from posttrain.sandbox import LocalSandbox, SandboxUnavailable
-    from posttrain.sandbox.remote import make_server
+    from posttrain.sandbox.remote import DEFAULT_MAX_LIMITS, make_server
 
     token = token or secrets.token_urlsafe(24)
+    maxima = dataclasses.replace(DEFAULT_MAX_LIMITS, wall_time_s=max_wall_s, cpu_time_s=max_wall_s,
+                                 memory_bytes=max_memory_mb << 20, max_processes=max_processes)
     try:
         sb = LocalSandbox(pool_size=pool_size)
         sb.warm()
-        srv = make_server(sb, host, port, token, max_request_mb << 20, max_concurrent)
+        srv = make_server(sb, host, port, token, max_request_mb << 20, max_concurrent, maxima, request_timeout_s)
     except (SandboxUnavailable, OSError, ValueError) as err:
         fail(str(err))
     console.print(f"sandbox service on {srv.url}  token: {token}  layers: {', '.join(sb.layers)}", highlight=False)

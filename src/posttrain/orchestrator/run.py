@@ -127,10 +127,10 @@ class RLRun:
         return self.tasks.domains
 
     def make_sandbox(self) -> Any:
-        from posttrain.orchestrator.limits import ConfiguredSandbox
+        """The run's sandbox: the config's backend with its per-job limits (a test hook)."""
         from posttrain.sandbox import make_sandbox
 
-        return ConfiguredSandbox(make_sandbox(self.cfg.sandbox), self.cfg.sandbox)
+        return make_sandbox(self.cfg.sandbox)
 
     def sampling_params(self, train: bool) -> SamplingParams:
         """Training rollouts sample at algorithm.temperature; probes decode greedily."""

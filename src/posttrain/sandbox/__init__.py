@@ -8,17 +8,14 @@ from __future__ import annotations
 from typing import Any
 
 from posttrain.sandbox.api import ExecResult, ExecStatus, Job, Limits, Sandbox, run_sync, validate_job
+from posttrain.sandbox.configured import ConfiguredSandbox
 from posttrain.sandbox.isolation import SandboxUnavailable
 from posttrain.sandbox.pool import LocalSandbox
 
 
-def limits_from_config(cfg: Any) -> Limits:
-    """Default job limits from a `SandboxConfig` (wall and CPU time from wall_time_s, memory_mb)."""
-    return Limits(wall_time_s=cfg.wall_time_s, cpu_time_s=cfg.wall_time_s, memory_bytes=cfg.memory_mb << 20)
-
-
-def make_sandbox(cfg: Any = None) -> Sandbox:
-    """The sandbox a run config asks for: `LocalSandbox` (mode local) or `RemoteSandbox` (mode remote)."""
+def make_sandbox(cfg: Any = None) -> ConfiguredSandbox:
+    """The sandbox a run config asks for: `LocalSandbox` (mode local) or `RemoteSandbox` (mode remote),
+    wrapped so that every job gets the config's wall-time ceiling and memory limit."""
     from posttrain.config import SandboxConfig
 
     cfg = cfg if cfg is not None else SandboxConfig()
@@ -27,11 +24,11 @@ def make_sandbox(cfg: Any = None) -> Sandbox:
 
         if not cfg.url:
             raise ValueError("sandbox.mode is 'remote' but sandbox.url is not set")
-        return RemoteSandbox(cfg.url, cfg.token)
-    return LocalSandbox(cfg)
+        return ConfiguredSandbox(RemoteSandbox(cfg.url, cfg.token, timeout_s=cfg.remote_timeout_s), cfg)
+    return ConfiguredSandbox(LocalSandbox(cfg), cfg)
 
 
 __all__ = [
-    "ExecResult", "ExecStatus", "Job", "Limits", "LocalSandbox", "Sandbox", "SandboxUnavailable",
-    "limits_from_config", "make_sandbox", "run_sync", "validate_job",
+    "ConfiguredSandbox", "ExecResult", "ExecStatus", "Job", "Limits", "LocalSandbox", "Sandbox", "SandboxUnavailable",
+    "make_sandbox", "run_sync", "validate_job",
 ]

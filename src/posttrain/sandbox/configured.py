@@ -1,6 +1,6 @@
-"""The run's sandbox limits: every job a run's environments send passes through `ConfiguredSandbox`,
-which caps its wall and CPU time at `sandbox.wall_time_s` and sets its memory limit to
-`sandbox.memory_mb`. It does not execute anything: the wrapped sandbox does.
+"""The config's per-job limits: every job sent through `ConfiguredSandbox` (what `make_sandbox` returns, so
+training, eval and `tasks check` alike) has its wall and CPU time capped at `sandbox.wall_time_s` and its
+memory limit set to `sandbox.memory_mb`. It does not execute anything: the wrapped sandbox does.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from posttrain.sandbox import ExecResult, Job, limits_from_config
+from posttrain.sandbox.api import ExecResult, Job, Limits
 
 
 class ConfiguredSandbox:
@@ -17,7 +17,7 @@ class ConfiguredSandbox:
 
     def __init__(self, inner: Any, cfg: Any) -> None:
         self.inner = inner
-        self.limits = limits_from_config(cfg)
+        self.limits = Limits(wall_time_s=cfg.wall_time_s, cpu_time_s=cfg.wall_time_s, memory_bytes=cfg.memory_mb << 20)
 
     def apply(self, job: Job) -> Job:
         """`job` with wall/CPU time at most the configured ones and the configured memory limit."""

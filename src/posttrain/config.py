@@ -38,7 +38,15 @@ class ModelConfig(Section):
     lora_rank: int = Field(0, ge=0, description="0 = full fine-tune")
     lora_alpha: float = 32.0
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    lora_target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    lora_target_modules: list[str] = [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ]
 
 
 def native_bf16(device: str = "cpu") -> bool:
@@ -70,9 +78,12 @@ class EngineConfig(Section):
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
     max_model_len: int = Field(4096, ge=1)
-    enable_prefix_caching: bool = Field(True, description="reuse K/V of identical prompt prefixes across requests")
+    enable_prefix_caching: bool = Field(
+        True, description="reuse K/V of identical prompt prefixes across requests"
+    )
     decode_staging: bool = Field(
-        True, description="paged engine: keep each decode group's K/V contiguous across steps (no per-step block gather)"
+        True,
+        description="paged engine: keep each decode group's K/V contiguous across steps (no per-step block gather)",
     )
     device: str = Field("cpu", description="torch device of the paged engine: cpu, cuda, cuda:1, ...")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -90,7 +101,9 @@ class DomainConfig(Section):
     name: str
     difficulties: list[int] = [0]
     weight: float = Field(
-        1.0, gt=0.0, description="the domain's prior share of the curriculum, relative to the other domains': "
+        1.0,
+        gt=0.0,
+        description="the domain's prior share of the curriculum, relative to the other domains': "
         "uniform_by_domain splits the batch in proportion to it; score-based samplers (adaptive, sec, dump) multiply "
         "each of the domain's arms' softmax term by it (adaptive's eps floor stays uniform)",
     )
@@ -125,12 +138,18 @@ class CurriculumConfig(Section):
         0.2, ge=0.0, le=1.0, description="uniform mixing at the start of the run; every arm keeps >= eps/K"
     )
     eps_end: float | None = Field(
-        0.3, ge=0.0, le=1.0, description="adaptive: eps at the end of the run, reached linearly with the run's "
-        "progress (None: eps throughout)"
+        0.3,
+        ge=0.0,
+        le=1.0,
+        description="adaptive: eps at the end of the run, reached linearly with the run's "
+        "progress (None: eps throughout)",
     )
     domain_mix: float = Field(
-        0.3, ge=0.0, le=1.0, description="adaptive: share of uniform_by_domain blended into the policy, ramped "
-        "linearly from 0 at the start of the run to this at its end"
+        0.3,
+        ge=0.0,
+        le=1.0,
+        description="adaptive: share of uniform_by_domain blended into the policy, ramped "
+        "linearly from 0 at the start of the run to this at its end",
     )
     lam: float = Field(
         10.0, ge=0.0, description="forgetting weight (10 forgot less than 1 in the simulation benchmark)"
@@ -138,35 +157,50 @@ class CurriculumConfig(Section):
     forget_z: float = Field(
         1.0, ge=0.0, description="forgetting counts only the probe drop beyond this many standard errors"
     )
-    max_share: float = Field(0.5, gt=0.0, le=1.0, description="cap on one arm's share (raised to 1/K if below)")
+    max_share: float = Field(
+        0.5, gt=0.0, le=1.0, description="cap on one arm's share (raised to 1/K if below)"
+    )
     probe_every: int = Field(10, ge=0, description="retention probe period in steps; 0 = no probes")
     probe_size: int = Field(
         16, ge=1, description="held-out probe prompts per arm (16 keeps probes to about 1/3 of a CPU step)"
     )
     replay_rate: float = Field(0.05, ge=0.0, le=1.0, description="chance to replay a mastered prompt")
-    mastered_p: float = Field(0.9, gt=0.0, le=1.0, description="observed success rate that marks a prompt mastered")
+    mastered_p: float = Field(
+        0.9, gt=0.0, le=1.0, description="observed success rate that marks a prompt mastered"
+    )
     sec_alpha: float = Field(0.5, gt=0.0, le=1.0, description="sec: TD(0) step size")
     sec_tau: float = Field(1.0, gt=0.0, description="sec: Boltzmann temperature")
     dump_window: int = Field(300, ge=1, description="dump: |advantage| values kept per arm")
     dump_tau: float = Field(0.1, gt=0.0, description="dump: softmax temperature over UCB scores")
-    lp_weight: float = Field(0.0, ge=0.0, description="adaptive: weight of the learning-progress term |fast - slow|")
+    lp_weight: float = Field(
+        0.0, ge=0.0, description="adaptive: weight of the learning-progress term |fast - slow|"
+    )
     weakness: float = Field(0.4, ge=0.0, description="adaptive: weight of the headroom term 1 - success rate")
-    lp_fast: float = Field(0.2, gt=0.0, le=1.0, description="adaptive: EMA rate of the fast success-rate average")
+    lp_fast: float = Field(
+        0.2, gt=0.0, le=1.0, description="adaptive: EMA rate of the fast success-rate average"
+    )
     lp_slow: float = Field(
-        0.1, gt=0.0, le=1.0, description="adaptive: EMA rate of the slow one (< lp_fast); also train_retention's"
+        0.1,
+        gt=0.0,
+        le=1.0,
+        description="adaptive: EMA rate of the slow one (< lp_fast); also train_retention's",
     )
     train_retention: bool = Field(
-        True, description="adaptive: forgetting also read from the training groups' success rates (free evidence)"
+        True,
+        description="adaptive: forgetting also read from the training groups' success rates (free evidence)",
     )
     probe_skip_rollouts: int = Field(
-        64, ge=0, description="adaptive: no probe for an arm with this many training rollouts since its last one (0: probe all)"
+        64,
+        ge=0,
+        description="adaptive: no probe for an arm with this many training rollouts since its last one (0: probe all)",
     )
     cover_batch: bool = Field(
         False, description="adaptive: every available arm gets one group of each batch that has room for all"
     )
     cost_aware: bool = Field(
-        False, description="adaptive: split tokens, not groups (reads update(..., tokens=); arms without a report count "
-        "as 1). Off by default: on the real model it did worse than splitting groups (docs/curriculum.md)"
+        False,
+        description="adaptive: split tokens, not groups (reads update(..., tokens=); arms without a report count "
+        "as 1). Off by default: on the real model it did worse than splitting groups (docs/curriculum.md)",
     )
 
 
@@ -188,17 +222,25 @@ class BatchConfig(Section):
     """
 
     prompts_per_step: int = Field(
-        4, ge=1, description="prompts (GRPO groups) per RL step; verl data.train_batch_size (counted in prompts)"
+        4,
+        ge=1,
+        description="prompts (GRPO groups) per RL step; verl data.train_batch_size (counted in prompts)",
     )
     samples_per_prompt: int = Field(
         8, ge=1, description="rollouts per prompt, the GRPO group size; verl actor_rollout_ref.rollout.n"
     )
     mini_batches: int = Field(
-        1, ge=1, description="optimizer steps per epoch over a step's rollouts; verl train_batch_size / ppo_mini_batch_size"
+        1,
+        ge=1,
+        description="optimizer steps per epoch over a step's rollouts; verl train_batch_size / ppo_mini_batch_size",
     )
-    ppo_epochs: int = Field(1, ge=1, description="passes over a step's rollouts; verl actor_rollout_ref.actor.ppo_epochs")
+    ppo_epochs: int = Field(
+        1, ge=1, description="passes over a step's rollouts; verl actor_rollout_ref.actor.ppo_epochs"
+    )
     micro_batch_tokens: int = Field(
-        4096, ge=1, description="tokens per forward/backward chunk, gradients accumulated over a mini-batch's chunks; "
+        4096,
+        ge=1,
+        description="tokens per forward/backward chunk, gradients accumulated over a mini-batch's chunks; "
         "verl ppo_max_token_len_per_gpu with use_dynamic_bsz",
     )
 
@@ -206,15 +248,19 @@ class BatchConfig(Section):
 class AlgorithmConfig(Section):
     advantage: str = "grpo"
     policy_loss: str = "ppo_clip"
-    loss_agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = (
-        "token_mean"
-    )
+    loss_agg: Literal[
+        "token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"
+    ] = "token_mean"
     normalize_std: bool = True
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     lam: float = Field(0.95, ge=0.0, le=1.0)
     clip_low: float = Field(0.2, ge=0.0, description="ppo_clip: ratio clip below, 1 - clip_low")
-    clip_high: float = Field(0.28, ge=0.0, description="ppo_clip: ratio clip above, 1 + clip_high (DAPO's clip-higher)")
-    gspo_clip_low: float = Field(3e-4, ge=0.0, description="gspo: sequence-ratio clip below (GSPO's own range)")
+    clip_high: float = Field(
+        0.28, ge=0.0, description="ppo_clip: ratio clip above, 1 + clip_high (DAPO's clip-higher)"
+    )
+    gspo_clip_low: float = Field(
+        3e-4, ge=0.0, description="gspo: sequence-ratio clip below (GSPO's own range)"
+    )
     gspo_clip_high: float = Field(4e-4, ge=0.0, description="gspo: sequence-ratio clip above")
     dual_clip: float | None = Field(None, gt=1.0)
     kl_coef: float = Field(0.0, ge=0.0)
@@ -232,10 +278,14 @@ class AlgorithmConfig(Section):
     dynamic_sampling: bool = False
     max_resample_rounds: int = Field(2, ge=0)
     temperature: float = Field(
-        1.0, gt=0.0, description="sampling temperature of the behaviour logprobs; the learner divides logits by it"
+        1.0,
+        gt=0.0,
+        description="sampling temperature of the behaviour logprobs; the learner divides logits by it",
     )
     loss_norm_tokens: int | None = Field(
-        None, ge=1, description="constant divisor of seq_mean_token_sum_norm, Dr. GRPO's generation budget; unset = "
+        None,
+        ge=1,
+        description="constant divisor of seq_mean_token_sum_norm, Dr. GRPO's generation budget; unset = "
         "engine.max_new_tokens, resolved when the config loads",
     )
 
@@ -260,11 +310,14 @@ class TrainerConfig(Section):
     betas: tuple[float, float] = (0.9, 0.999)
     warmup_steps: int = Field(0, ge=0)
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
-    lr_decay_steps: int = Field(0, ge=0, description="optimizer steps of the cosine/linear decay (needed by them)")
+    lr_decay_steps: int = Field(
+        0, ge=0, description="optimizer steps of the cosine/linear decay (needed by them)"
+    )
     max_grad_norm: float = Field(1.0, gt=0.0)
     gradient_checkpointing: bool = False
     bf16_autocast: bool | None = Field(
-        None, description="bfloat16 autocast in the learner's forward/backward; unset = on when the engine runs in bfloat16"
+        None,
+        description="bfloat16 autocast in the learner's forward/backward; unset = on when the engine runs in bfloat16",
     )
     packing: bool = Field(
         False,
@@ -291,7 +344,9 @@ class TrainerConfig(Section):
 
 class OrchestratorConfig(Section):
     steps: int = Field(
-        40, ge=0, description="the default trained in 5.7 min on 2 CPU cores with native bf16 (make demo, measured)"
+        40,
+        ge=0,
+        description="the default trained in 5.7 min on 2 CPU cores with native bf16 (make demo, measured)",
     )
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = Field(1, ge=0)
@@ -330,25 +385,42 @@ class SandboxConfig(Section):
     token: str | None = Field(None, description="remote mode: the service's bearer token")
     pool_size: int = Field(0, ge=0, description="workers per profile; 0 = follow the CPU count")
     recycle_after: int = Field(500, ge=1, description="replace a worker after this many jobs")
-    allow_unisolated: bool = Field(False, description="run without namespaces (bwrap) when unavailable: unsafe")
+    allow_unisolated: bool = Field(
+        False, description="run without namespaces (bwrap) when unavailable: unsafe"
+    )
     allow_network: bool = Field(False, description="let jobs with Limits.network=True reach the network")
     wall_time_s: float = Field(
-        60.0, gt=0.0, description="ceiling on every job's wall and CPU time; an environment's job asking for less "
+        60.0,
+        gt=0.0,
+        description="ceiling on every job's wall and CPU time; an environment's job asking for less "
         "keeps its own (the test harness sizes its jobs from the tests, at most 60 s)",
     )
     memory_mb: int = Field(512, ge=16, description="memory limit (address space, per process) of every job")
     job_disk_mb: int = Field(64, ge=1, description="size of each worker's private job tmpfs")
     memory_backstop_mb: int = Field(2048, ge=64, description="cgroup memory cap per worker (all its jobs)")
     max_pids: int = Field(128, ge=8, description="cgroup pids cap per worker (worker + job processes)")
-    remote_timeout_s: float = Field(600.0, gt=0.0, description="remote mode: the client's bound on one request")
+    remote_timeout_s: float = Field(
+        600.0, gt=0.0, description="remote mode: the client's bound on one request"
+    )
     max_request_mb: int = Field(16, ge=1, description="`sandbox serve`: largest accepted request body")
-    max_concurrent_jobs: int = Field(64, ge=1, description="`sandbox serve`: jobs executing at once (a batch of N counts N)")
-    service_max_wall_time_s: float = Field(60.0, gt=0.0, description="`sandbox serve`: a job asking for more wall "
-                                           "or CPU time is refused with 400")
-    service_max_memory_mb: int = Field(2048, ge=16, description="`sandbox serve`: largest per-job memory limit")
+    max_concurrent_jobs: int = Field(
+        64, ge=1, description="`sandbox serve`: jobs executing at once (a batch of N counts N)"
+    )
+    service_max_wall_time_s: float = Field(
+        60.0,
+        gt=0.0,
+        description="`sandbox serve`: a job asking for more wall or CPU time is refused with 400",
+    )
+    service_max_memory_mb: int = Field(
+        2048, ge=16, description="`sandbox serve`: largest per-job memory limit"
+    )
     service_max_processes: int = Field(64, ge=1, description="`sandbox serve`: largest per-job process count")
-    request_timeout_s: float = Field(30.0, gt=0.0, description="`sandbox serve`: bound on reading a request and "
-                                     "writing its reply (stalled clients are dropped)")
+    request_timeout_s: float = Field(
+        30.0,
+        gt=0.0,
+        description="`sandbox serve`: bound on reading a request and "
+        "writing its reply (stalled clients are dropped)",
+    )
 
 
 class TelemetryConfig(Section):
@@ -357,7 +429,9 @@ class TelemetryConfig(Section):
     jsonl: bool = True
     tensorboard: bool = True
     wandb: Literal["off", "offline", "online"] = Field(
-        "off", description="Weights & Biases: offline writes into the run dir (upload later with `wandb sync`)")
+        "off",
+        description="Weights & Biases: offline writes into the run dir (upload later with `wandb sync`)",
+    )
     wandb_project: str = Field("posttrain", min_length=1, description="W&B project of the run")
     progress: bool = True
 
@@ -401,7 +475,9 @@ class RunConfig(Section):
             # Dr. GRPO divides each sequence's token-loss sum by a constant, the generation budget
             self.algorithm.loss_norm_tokens = self.engine.max_new_tokens
         if self.algorithm.advantage == "gae" and self.trainer.critic == "none":
-            raise ValueError("algorithm.advantage=gae needs a value function: set trainer.critic to 'copy' or 'separate'")
+            raise ValueError(
+                "algorithm.advantage=gae needs a value function: set trainer.critic to 'copy' or 'separate'"
+            )
         return self
 
 
@@ -419,12 +495,25 @@ def _registered(kind: str, name: str, names: list[str]) -> str:
 # keys that existed once and do nothing now: where their job went (or why there is none)
 REMOVED_KEYS: dict[str, tuple[str | None, str]] = {
     "engine.temperature": (
-        "algorithm.temperature", "the rollout sampling temperature is algorithm.temperature, which the learner divides by"
+        "algorithm.temperature",
+        "the rollout sampling temperature is algorithm.temperature, which the learner divides by",
     ),
-    "placement.device": ("engine.device", "engine.device picks the engine's torch device; the learner runs on CPU"),
-    "placement.num_gpus": (None, "no multi-GPU backend exists yet (no Ray or FSDP): a run is one local process"),
-    "placement.num_nodes": (None, "no multi-node backend exists yet (no Ray or FSDP): a run is one local process"),
-    "sandbox.max_concurrent_requests": ("sandbox.max_concurrent_jobs", "the service counts jobs, not requests"),
+    "placement.device": (
+        "engine.device",
+        "engine.device picks the engine's torch device; the learner runs on CPU",
+    ),
+    "placement.num_gpus": (
+        None,
+        "no multi-GPU backend exists yet (no Ray or FSDP): a run is one local process",
+    ),
+    "placement.num_nodes": (
+        None,
+        "no multi-node backend exists yet (no Ray or FSDP): a run is one local process",
+    ),
+    "sandbox.max_concurrent_requests": (
+        "sandbox.max_concurrent_jobs",
+        "the service counts jobs, not requests",
+    ),
 }
 # keys that live under another name now, same meaning and default: the error names the new key
 MOVED_KEYS: dict[str, str] = {
@@ -467,9 +556,11 @@ def _format_validation_error(err: ValidationError) -> str:
             # suggest the closest key among siblings first, then among all keys
             parent = ".".join(str(p) for p in loc[:-1] if not isinstance(p, int))
             leaf = str(loc[-1])
-            siblings = [k.split(".")[-1] for k in all_keys if k.rsplit(".", 1)[0] == parent and "." in k] if parent else [
-                k for k in all_keys if "." not in k
-            ]
+            siblings = (
+                [k.split(".")[-1] for k in all_keys if k.rsplit(".", 1)[0] == parent and "." in k]
+                if parent
+                else [k for k in all_keys if "." not in k]
+            )
             match = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.5)
             hint = f"; did you mean '{(parent + '.') if parent else ''}{match[0]}'?" if match else ""
             path = f"{parent}.{leaf}" if parent else leaf
@@ -528,12 +619,16 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
                 try:
                     node = node[int(part)]
                 except (ValueError, IndexError):
-                    raise ConfigError(f"override '{key}': '{part}' is not a valid index into {'.'.join(parts[:i])}") from None
+                    raise ConfigError(
+                        f"override '{key}': '{part}' is not a valid index into {'.'.join(parts[:i])}"
+                    ) from None
                 continue
             if part not in node or not isinstance(node[part], dict | list):
                 node[part] = {} if part not in node else node[part]
                 if not isinstance(node[part], dict | list):
-                    raise ConfigError(f"override '{key}': '{'.'.join(parts[: i + 1])}' is a value, not a section")
+                    raise ConfigError(
+                        f"override '{key}': '{'.'.join(parts[: i + 1])}' is a value, not a section"
+                    )
             node = node[part]
         leaf = parts[-1]
         if isinstance(node, list):
@@ -573,7 +668,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {p} must hold a mapping at the top level, got {type(loaded).__name__}")
+            raise ConfigError(
+                f"config file {p} must hold a mapping at the top level, got {type(loaded).__name__}"
+            )
         data = loaded
     if overrides:
         base = config_to_dict(config_from_dict(data))
@@ -581,7 +678,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         # put back what was given, so that an override of what they depend on (engine.dtype, engine.device,
         # engine.max_new_tokens) resolves them anew
         given = {
-            sec: data.get(sec) if isinstance(data.get(sec), dict) else {} for sec in ("engine", "trainer", "algorithm")
+            sec: data.get(sec) if isinstance(data.get(sec), dict) else {}
+            for sec in ("engine", "trainer", "algorithm")
         }
         base["engine"]["dtype"] = given["engine"].get("dtype", "auto")
         base["trainer"]["bf16_autocast"] = given["trainer"].get("bf16_autocast")

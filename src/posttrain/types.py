@@ -32,7 +32,11 @@ class Message:
             import json
 
             out["tool_calls"] = [
-                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+                }
                 for c in self.tool_calls
             ]
         if self.tool_call_id is not None:

@@ -21,7 +21,9 @@ def outcome(rewards: list[float], masks: list[list[int]]) -> tuple[torch.Tensor,
 
 
 def test_registry_lists_all_estimators_and_rejects_unknown_names():
-    assert {"gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"} <= set(list_advantages())
+    assert {"gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"} <= set(
+        list_advantages()
+    )
     with pytest.raises(KeyError, match="unknown advantage estimator 'nope'.*grpo"):
         get_advantage("nope")
     with pytest.raises(ValueError, match="already registered"):
@@ -45,7 +47,10 @@ def test_grpo_group_normalised_with_equal_group_zero_and_singleton():
 def test_grpo_without_std_and_dr_grpo_are_the_centred_scores():
     tr, mask = outcome([1, 0, 0, 1], [[0, 1]] * 4)
     gid = torch.zeros(4, dtype=torch.long)
-    for out in (get_advantage("grpo")(tr, mask, gid, normalize_std=False), get_advantage("dr_grpo")(tr, mask, gid)):
+    for out in (
+        get_advantage("grpo")(tr, mask, gid, normalize_std=False),
+        get_advantage("dr_grpo")(tr, mask, gid),
+    ):
         assert out.advantages[:, 1].tolist() == pytest.approx([0.5, -0.5, -0.5, 0.5])
         assert out.advantages[:, 0].tolist() == [0, 0, 0, 0]
 

@@ -61,7 +61,9 @@ def test_ppo_clip_asymmetric_edges():
     ratio = torch.tensor([[0.5, 1.5, 0.5, 1.5, 1.0]])
     adv = torch.tensor([[1.0, 1.0, -1.0, -1.0, 2.0]])
     mask = torch.ones_like(ratio)
-    out = get_policy_loss("ppo_clip")(ratio.log(), torch.zeros_like(ratio), adv, mask, clip_low=0.2, clip_high=0.28)
+    out = get_policy_loss("ppo_clip")(
+        ratio.log(), torch.zeros_like(ratio), adv, mask, clip_low=0.2, clip_high=0.28
+    )
     # A>0, r=.5: max(-.5, -.8) = -.5 (unclipped); A>0, r=1.5: max(-1.5, -1.28) = -1.28 (high edge)
     # A<0, r=.5: max(.5, .8) = .8 (low edge); A<0, r=1.5: max(1.5, 1.28) = 1.5 (unclipped); r=1: -2
     assert out.loss_tokens[0].tolist() == pytest.approx([-0.5, -1.28, 0.8, 1.5, -2.0], abs=1e-6)
@@ -72,7 +74,13 @@ def test_ppo_dual_clip_bounds_negative_advantage_loss():
     ratio = torch.tensor([[4.0, 2.0, 4.0]])
     adv = torch.tensor([[-1.0, -1.0, 1.0]])
     out = get_policy_loss("ppo_clip")(
-        ratio.log(), torch.zeros_like(ratio), adv, torch.ones_like(ratio), clip_low=0.2, clip_high=0.28, dual_clip=3.0
+        ratio.log(),
+        torch.zeros_like(ratio),
+        adv,
+        torch.ones_like(ratio),
+        clip_low=0.2,
+        clip_high=0.28,
+        dual_clip=3.0,
     )
     # A<0, r=4: max(4, 1.28) = 4 -> bounded by 3; r=2: 2 stays; A>0, r=4: -1.28 (dual clip only for A<0)
     assert out.loss_tokens[0].tolist() == pytest.approx([3.0, 2.0, -1.28], abs=1e-6)

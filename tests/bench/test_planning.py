@@ -93,8 +93,16 @@ def test_batched_cross_entropy_equals_the_pointwise_one():
         return float(((x - np.array([1.0, -2.0])) ** 2).sum())
 
     a = cross_entropy_min(f, np.zeros(2), np.ones(2), 12, 20, 5, np.random.default_rng(7))
-    b = cross_entropy_min(lambda xs: [f(x) for x in xs], np.zeros(2), np.ones(2), 12, 20, 5,
-                          np.random.default_rng(7), batched=True)
+    b = cross_entropy_min(
+        lambda xs: [f(x) for x in xs],
+        np.zeros(2),
+        np.ones(2),
+        12,
+        20,
+        5,
+        np.random.default_rng(7),
+        batched=True,
+    )
     assert a[0] == b[0] and np.array_equal(a[1], b[1])
     assert a[0] < 0.05  # it found the minimum (1, -2)
 
@@ -107,7 +115,9 @@ def test_planning_oracle_is_deterministic_and_beats_the_greedy_oracle():
         for name in ratios:
             r = run(name, seed, cfg, s)
             ratios[name].append(_ratio(run_metrics(r, budget, threshold), budget, base_m))
-    assert np.array_equal(r.groups_by_arm, run(ORACLE_PLAN, 1, cfg, s).groups_by_arm)  # r: oracle_plan, seed 1
+    assert np.array_equal(
+        r.groups_by_arm, run(ORACLE_PLAN, 1, cfg, s).groups_by_arm
+    )  # r: oracle_plan, seed 1
     # measured: oracle 0.744 and 0.729, oracle_plan 0.604 and 0.720 (uniform = 1)
     assert np.mean(ratios[ORACLE_PLAN]) < np.mean(ratios[ORACLE]) - 0.05
     assert max(ratios[ORACLE_PLAN]) < 0.75
@@ -121,13 +131,20 @@ def test_replan_keeps_the_previous_plan_unless_the_search_beats_it(monkeypatch):
     monkeypatch.setattr(planning, "cross_entropy_min", lambda score, mu, *a, **kw: (math.inf, mu + 5.0))
     oracle._replan()
     assert np.array_equal(oracle._plan, first) and np.array_equal(oracle._mu, logits)
-    monkeypatch.setattr(planning, "cross_entropy_min", lambda score, mu, *a, **kw: (-math.inf, np.zeros_like(mu)))
+    monkeypatch.setattr(
+        planning, "cross_entropy_min", lambda score, mu, *a, **kw: (-math.inf, np.zeros_like(mu))
+    )
     oracle._replan()
     assert oracle._plan == pytest.approx(np.full(len(learner.arms), 1 / len(learner.arms)))
 
 
 def test_bench_runs_oracle_plan_only_when_named(capsys):
-    out = run_bench("curriculum", ["--seeds", "1", "--samplers", "uniform_by_domain,oracle_plan", "--boot", "50"])
+    out = run_bench(
+        "curriculum", ["--seeds", "1", "--samplers", "uniform_by_domain,oracle_plan", "--boot", "50"]
+    )
     assert set(out["tokens_to_threshold_ratio"]) == {"uniform_by_domain", ORACLE_PLAN}
     assert out["tokens_to_threshold_ratio"][ORACLE_PLAN] < 1.0
-    assert ORACLE_PLAN not in run_bench("curriculum", ["--seeds", "1", "--boot", "50"])["tokens_to_threshold_ratio"]
+    assert (
+        ORACLE_PLAN
+        not in run_bench("curriculum", ["--seeds", "1", "--boot", "50"])["tokens_to_threshold_ratio"]
+    )

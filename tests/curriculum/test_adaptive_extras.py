@@ -139,7 +139,9 @@ def test_version_2_state_loads_with_empty_new_signals():
     t = make_sampler(cfg(), ARMS3, seed=5)
     t.load_state_dict(old)
     assert t.state_dict()["version"] == STATE_VERSION == 3
-    assert t._s["succ_fast"] == [None] * 3 and t._s["since_probe"] == [0] * 3 and t._s["tokens"][0] == [0.0, 0]
+    assert (
+        t._s["succ_fast"] == [None] * 3 and t._s["since_probe"] == [0] * 3 and t._s["tokens"][0] == [0.0, 0]
+    )
     assert t._s["n_groups"] == s._s["n_groups"] and t.weights() == pytest.approx(s.weights())
     with pytest.raises(ValueError, match="expected version 3"):
         t.load_state_dict({**state, "version": 1})
@@ -226,7 +228,9 @@ def test_schedule_ramps_eps_and_blends_uniform_by_domain_with_progress():
     s.set_progress(0.5)
     assert s.scheduled() == pytest.approx((0.25, 0.15))
     # 0.85 * 1/3 + 0.15 * uniform_by_domain (1/4, 1/4, 1/2)
-    assert list(s.weights().values()) == pytest.approx([0.85 / 3 + 0.0375, 0.85 / 3 + 0.0375, 0.85 / 3 + 0.075])
+    assert list(s.weights().values()) == pytest.approx(
+        [0.85 / 3 + 0.0375, 0.85 / 3 + 0.0375, 0.85 / 3 + 0.075]
+    )
     s.set_progress(1.0)
     assert list(s.weights().values()) == pytest.approx([0.7 / 3 + 0.075, 0.7 / 3 + 0.075, 0.7 / 3 + 0.15])
     # all of it from uniform_by_domain, yet every arm keeps eps_end / K: 1/4 for each math arm is under 0.3
@@ -235,7 +239,9 @@ def test_schedule_ramps_eps_and_blends_uniform_by_domain_with_progress():
     t.set_progress(1.0)
     w = list(t.weights().values())
     assert min(w) == pytest.approx(0.9 / 5) and sum(w) == pytest.approx(1.0)
-    assert w[:4] == pytest.approx([0.18] * 4) and w[4] == pytest.approx(0.28)  # the code arm gives up the rest
+    assert w[:4] == pytest.approx([0.18] * 4) and w[4] == pytest.approx(
+        0.28
+    )  # the code arm gives up the rest
     # eps_end = None keeps eps; the progress is saved with the state and bad values are refused
     assert make_sampler(cfg(eps=0.2, eps_end=None), arms, seed=0).scheduled() == (0.2, 0.0)
     u = make_sampler(cfg(eps=0.2, eps_end=0.3, domain_mix=0.3), arms, seed=1)

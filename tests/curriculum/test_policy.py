@@ -52,8 +52,15 @@ def test_bounded_renormalise_floor_and_infeasible_bounds():
 def test_adaptive_policy_hand_computed():
     # two arms at L=0.5, two at L=0, equal counts: min-max scores [0, 1, 0, 1]
     pi, s = adaptive_policy(
-        np.array([0.0, 0.5, 0.0, 0.5]), np.full(4, 10.0), 40, np.zeros(4),
-        c=1.0, lam=1.0, tau=0.4, eps=0.15, max_share=0.5,
+        np.array([0.0, 0.5, 0.0, 0.5]),
+        np.full(4, 10.0),
+        40,
+        np.zeros(4),
+        c=1.0,
+        lam=1.0,
+        tau=0.4,
+        eps=0.15,
+        max_share=0.5,
     )
     e = math.exp(2.5)
     hi = 0.85 * e / (2 + 2 * e) + 0.15 / 4
@@ -66,8 +73,15 @@ def test_adaptive_policy_hand_computed():
 def test_adaptive_policy_cap_binds():
     # one dominant arm of three: unclipped 0.78 -> capped at 0.5, the rest split evenly
     pi, _ = adaptive_policy(
-        np.array([0.4, 0.0, 0.0]), np.full(3, 5.0), 15, np.zeros(3),
-        c=1.0, lam=1.0, tau=0.4, eps=0.15, max_share=0.5,
+        np.array([0.4, 0.0, 0.0]),
+        np.full(3, 5.0),
+        15,
+        np.zeros(3),
+        c=1.0,
+        lam=1.0,
+        tau=0.4,
+        eps=0.15,
+        max_share=0.5,
     )
     assert pi.tolist() == pytest.approx([0.5, 0.25, 0.25])
 
@@ -75,15 +89,32 @@ def test_adaptive_policy_cap_binds():
 def test_adaptive_policy_progress_and_cost_terms():
     # progress adds mu * LP to the raw score before the min-max normalisation
     pi, s = adaptive_policy(
-        np.zeros(2), np.full(2, 3.0), 6, np.zeros(2), c=0.0, lam=1.0, tau=0.5, eps=0.0, max_share=1.0,
-        progress=np.array([0.2, 0.0]), mu=2.0,
+        np.zeros(2),
+        np.full(2, 3.0),
+        6,
+        np.zeros(2),
+        c=0.0,
+        lam=1.0,
+        tau=0.5,
+        eps=0.0,
+        max_share=1.0,
+        progress=np.array([0.2, 0.0]),
+        mu=2.0,
     )
     assert s.tolist() == pytest.approx([0.4, 0.0])
     e = math.exp(2.0)
     assert pi.tolist() == pytest.approx([e / (1 + e), 1 / (1 + e)])
     # cost divides the softmax part: equal scores, arm 1 three times as long -> groups 3:1
     pi, _ = adaptive_policy(
-        np.zeros(2), np.full(2, 3.0), 6, np.zeros(2), c=0.0, lam=1.0, tau=0.5, eps=0.2, max_share=1.0,
+        np.zeros(2),
+        np.full(2, 3.0),
+        6,
+        np.zeros(2),
+        c=0.0,
+        lam=1.0,
+        tau=0.5,
+        eps=0.2,
+        max_share=1.0,
         cost=np.array([0.5, 1.5]),
     )
     assert pi.tolist() == pytest.approx([0.8 * 0.75 + 0.1, 0.8 * 0.25 + 0.1])

@@ -179,17 +179,31 @@ def test_bad_configs_rejected_with_clear_errors():
     with pytest.raises(ConfigError, match="'curriculum.eps'"):
         load_config(None, ["curriculum.eps=-0.1"])
     with pytest.raises(ValueError, match=r"curriculum.eps must be in \[0, 1\], got 2.0"):
-        make_sampler(CurriculumConfig.model_construct(**{**CurriculumConfig().model_dump(), "eps": 2.0}), ARMS4, 0)
+        make_sampler(
+            CurriculumConfig.model_construct(**{**CurriculumConfig().model_dump(), "eps": 2.0}), ARMS4, 0
+        )
     with pytest.raises(ConfigError, match="'curriculum.eps_end'"):
         load_config(None, ["curriculum.eps_end=1.5"])
     with pytest.raises(ConfigError, match="'curriculum.domain_mix'"):
         load_config(None, ["curriculum.domain_mix=-0.1"])
     with pytest.raises(ValueError, match=r"curriculum.domain_mix must be in \[0, 1\], got 2.0"):
-        make_sampler(CurriculumConfig.model_construct(**{**CurriculumConfig().model_dump(), "domain_mix": 2.0}), ARMS4, 0)
+        make_sampler(
+            CurriculumConfig.model_construct(**{**CurriculumConfig().model_dump(), "domain_mix": 2.0}),
+            ARMS4,
+            0,
+        )
     with pytest.raises(ValueError, match=r"curriculum.eps_end must be in \[0, 1\] or None, got nan"):
-        make_sampler(CurriculumConfig.model_construct(**{**CurriculumConfig().model_dump(), "eps_end": float("nan")}), ARMS4, 0)
+        make_sampler(
+            CurriculumConfig.model_construct(**{**CurriculumConfig().model_dump(), "eps_end": float("nan")}),
+            ARMS4,
+            0,
+        )
     with pytest.raises(ValueError, match="sampler 'bandit' is unknown"):
-        make_sampler(CurriculumConfig.model_construct(**{**CurriculumConfig().model_dump(), "sampler": "bandit"}), ARMS4, 0)
+        make_sampler(
+            CurriculumConfig.model_construct(**{**CurriculumConfig().model_dump(), "sampler": "bandit"}),
+            ARMS4,
+            0,
+        )
 
 
 def test_unknown_domain_and_bad_arms_rejected():

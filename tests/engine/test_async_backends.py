@@ -156,7 +156,9 @@ def test_hf_seeded_requests_give_the_same_tokens_alone_and_concurrently(tokenize
     model = tiny("llama")
     engine = HFEngine(model, tokenizer)
     prompts = random_prompts([7, 12], seed=43)
-    params = [SamplingParams(temperature=1.0, top_k=50, max_tokens=16, seed=s, ignore_eos=True) for s in (11, 12)]
+    params = [
+        SamplingParams(temperature=1.0, top_k=50, max_tokens=16, seed=s, ignore_eos=True) for s in (11, 12)
+    ]
     reqs = [GenerationRequest(p, q) for p, q in zip(prompts, params, strict=True)]
     state = torch.get_rng_state()
     alone = [engine.generate([r])[0].completions[0].token_ids for r in reqs]
@@ -191,7 +193,9 @@ def test_every_end_of_turn_id_stops_generation(tokenizer):
 
     model = copy.deepcopy(tiny("llama"))
     prompt = random_prompts([9], seed=44)[0]
-    free = PagedEngine(model, tokenizer, block_size=4, num_blocks=64).generate([GenerationRequest(prompt, GREEDY)])
+    free = PagedEngine(model, tokenizer, block_size=4, num_blocks=64).generate(
+        [GenerationRequest(prompt, GREEDY)]
+    )
     toks = free[0].completions[0].token_ids
     assert len(toks) == 12 and toks[0] != tokenizer.eos_token_id
     model.generation_config.eos_token_id = [tokenizer.eos_token_id, toks[0]]  # generation_config.json's list

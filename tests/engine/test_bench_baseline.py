@@ -14,8 +14,12 @@ from posttrain.engine.types import GenerationRequest, SamplingParams
 def test_baseline_logprobs_equal_a_teacher_forced_forward(tokenizer, temperature):
     model = tiny("llama")
     prompts = random_prompts([5, 9, 3], seed=1, vocab=model.config.vocab_size)
-    reqs = [GenerationRequest(p, SamplingParams(temperature=temperature, max_tokens=6, n=2, seed=i,
-                                                ignore_eos=True)) for i, p in enumerate(prompts)]
+    reqs = [
+        GenerationRequest(
+            p, SamplingParams(temperature=temperature, max_tokens=6, n=2, seed=i, ignore_eos=True)
+        )
+        for i, p in enumerate(prompts)
+    ]
     outs = HFGenerate(model, tokenizer).generate(reqs)
     assert [len(o.completions) for o in outs] == [2, 2, 2]
     for out, prompt in zip(outs, prompts, strict=True):
@@ -27,7 +31,9 @@ def test_baseline_logprobs_equal_a_teacher_forced_forward(tokenizer, temperature
 
 def test_baseline_refuses_requests_it_would_not_batch_like_the_bench(tokenizer):
     model = tiny("llama")
-    mixed = [GenerationRequest([5, 6], SamplingParams(max_tokens=3, ignore_eos=True)),
-             GenerationRequest([5, 6], SamplingParams(max_tokens=4, ignore_eos=True))]
+    mixed = [
+        GenerationRequest([5, 6], SamplingParams(max_tokens=3, ignore_eos=True)),
+        GenerationRequest([5, 6], SamplingParams(max_tokens=4, ignore_eos=True)),
+    ]
     with pytest.raises(ValueError, match="share their sampling params"):
         HFGenerate(model, tokenizer).generate(mixed)

@@ -51,9 +51,14 @@ def test_an_object_missing_a_member_is_not_an_engine():
 
 
 def test_an_unknown_backend_names_the_registered_ones(tokenizer):
-    with pytest.raises(UnknownEngineError, match=r"unknown engine backend 'pagd'; did you mean 'paged'\? \(registered: .*hf, paged"):
+    with pytest.raises(
+        UnknownEngineError,
+        match=r"unknown engine backend 'pagd'; did you mean 'paged'\? \(registered: .*hf, paged",
+    ):
         engine_builder("pagd")
-    cfg = EngineConfig().model_copy(update={"backend": "hff"})  # past the config's own check, as a plugin name would be
+    cfg = EngineConfig().model_copy(
+        update={"backend": "hff"}
+    )  # past the config's own check, as a plugin name would be
     with pytest.raises(ValueError, match="did you mean 'hf'"):
         make_engine(cfg, tiny("llama"), tokenizer)
     with pytest.raises(UnknownEngineError, match=r"'zzz' \(registered: "):  # nothing close: no guess
@@ -84,7 +89,14 @@ class EchoEngine(Engine):
         out = []
         for r in requests:
             ids = [r.prompt_token_ids[-1]] * 2
-            out.append(GenerationOutput(r.request_id or "echo", list(r.prompt_token_ids), [Completion(ids, [-0.5, -0.5], "xx", "length")], 0.0))
+            out.append(
+                GenerationOutput(
+                    r.request_id or "echo",
+                    list(r.prompt_token_ids),
+                    [Completion(ids, [-0.5, -0.5], "xx", "length")],
+                    0.0,
+                )
+            )
         return out
 
     def load_weights(self, weights, version=None):
@@ -107,7 +119,12 @@ def test_a_registered_backend_gets_the_protocol_defaults():
         return [d async for d in engine.stream(req)]
 
     (delta,) = asyncio.run(deltas())  # default: the completion whole, finished
-    assert (delta.index, delta.token_ids, delta.logprobs, delta.finish_reason) == (0, [9, 9], [-0.5, -0.5], "length")
+    assert (delta.index, delta.token_ids, delta.logprobs, delta.finish_reason) == (
+        0,
+        [9, 9],
+        [-0.5, -0.5],
+        "length",
+    )
     assert engine.caches_prefixes is False and engine.kv_stats() == {}
     assert engine.release_kv_cache() is None and engine.reset_stats() is None
     engine.load_weights({}, version=7)
@@ -119,5 +136,7 @@ def test_a_second_builder_under_a_taken_name_is_refused():
         return EchoEngine()
 
     engine_builder("paged")  # the built-in registers on first lookup
-    with pytest.raises(ValueError, match="engine 'paged' is already registered by posttrain.engine.paged.build_paged"):
+    with pytest.raises(
+        ValueError, match="engine 'paged' is already registered by posttrain.engine.paged.build_paged"
+    ):
         register_engine("paged")(other)

@@ -118,14 +118,18 @@ def test_uninitialised_pool_memory_never_reaches_attention(tokenizer, staging):
     padded with block 0; outputs stay exactly HF's."""
     model = tiny("llama")
     prompts = random_prompts([3, 9, 14, 22], seed=7)
-    engine = PagedEngine(model, tokenizer, block_size=4, num_blocks=40, max_num_batched_tokens=16, decode_staging=staging)
+    engine = PagedEngine(
+        model, tokenizer, block_size=4, num_blocks=40, max_num_batched_tokens=16, decode_staging=staging
+    )
     engine.runner.allocate_kv_cache()
     engine.runner.k_cache.fill_(float("nan"))
     engine.runner.v_cache.fill_(float("nan"))
     engine.runner.zero_blocks([0])  # what allocate_kv_cache does for the padding block
     outs = engine.generate([GenerationRequest(p, GREEDY) for p in prompts])
     _check_against_hf(model, outs, prompts, 20)
-    forked = engine.generate([GenerationRequest(prompts[1], SamplingParams(temperature=0.0, max_tokens=8, n=3))])[0]
+    forked = engine.generate(
+        [GenerationRequest(prompts[1], SamplingParams(temperature=0.0, max_tokens=8, n=3))]
+    )[0]
     assert all(c.token_ids == hf_greedy(model, prompts[1], 8) for c in forked.completions)
     # and after a release, the next allocation zeroes only the padding block before blocks are taken
     engine.release_kv_cache()

@@ -9,7 +9,9 @@ from .conftest import BrokenSandbox, run
 
 def _task(fn_name_prefix: str):
     d = get_domain("code.unit_tests")
-    return d, next(t for t in (d.task("train", 0, i) for i in range(200)) if t.meta["fn"].startswith(fn_name_prefix))
+    return d, next(
+        t for t in (d.task("train", 0, i) for i in range(200)) if t.meta["fn"].startswith(fn_name_prefix)
+    )
 
 
 def test_level0_prompts_are_one_line_functions_with_an_example():
@@ -40,11 +42,14 @@ def test_missing_block_scores_zero_with_a_reason(sandbox):
     assert res.reward == 0.0 and "fenced" in res.info["reason"]
 
 
-@pytest.mark.parametrize("hack", [
-    "import os\nos._exit(0)",
-    "print('@@POSTTRAIN_HARNESS_RESULTS@@' + '[{\"ok\": true, \"value\": 1}]' * 1)\nimport sys\nsys.exit(0)",
-    "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)",
-])
+@pytest.mark.parametrize(
+    "hack",
+    [
+        "import os\nos._exit(0)",
+        "print('@@POSTTRAIN_HARNESS_RESULTS@@' + '[{\"ok\": true, \"value\": 1}]' * 1)\nimport sys\nsys.exit(0)",
+        "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)",
+    ],
+)
 def test_forged_passes_do_not_count(sandbox, hack):
     d, task = _task("add_")
     code = f"```python\n{hack}\ndef {task.meta['fn']}(x):\n    return 0\n```"

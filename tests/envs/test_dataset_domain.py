@@ -19,7 +19,7 @@ from posttrain.envs.domains.dataset import read_rows
 ROOT = Path(__file__).resolve().parents[2]
 POSTTRAIN = [sys.executable, "-m", "posttrain"]
 
-REWARDS_PY = '''
+REWARDS_PY = """
 def exact(prompts, completions, answer, **columns):
     seen.append((prompts, completions, answer, sorted(columns)))
     return [1.0 if c.strip() == a else 0.25 for c, a in zip(completions, answer)]
@@ -37,7 +37,7 @@ def chat(prompts, completions, **_):
     return [1.0 if prompts[0][-1]["role"] == "user" and completions[0][0]["role"] == "assistant" else 0.0]
 
 seen = []
-'''
+"""
 
 
 def _jsonl(path: Path, rows: list[dict]) -> Path:
@@ -56,12 +56,21 @@ def _play(domain, task, text: str):
 
 @pytest.fixture()
 def rows() -> list[dict]:
-    return [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i), "split": "test" if i % 4 == 0 else "train",
-             "level": i % 2} for i in range(12)]
+    return [
+        {
+            "prompt": f"What is {i} + {i}?",
+            "answer": str(2 * i),
+            "split": "test" if i % 4 == 0 else "train",
+            "level": i % 2,
+        }
+        for i in range(12)
+    ]
 
 
 def test_split_key_and_levels_are_read_from_the_rows(tmp_path, rows):
-    d = get_domain("dataset", path=str(_jsonl(tmp_path / "d.jsonl", rows)), split_key="split", difficulty_key="level")
+    d = get_domain(
+        "dataset", path=str(_jsonl(tmp_path / "d.jsonl", rows)), split_key="split", difficulty_key="level"
+    )
     assert d.difficulties == [0, 1]
     heldout0 = {d.task(HELDOUT, 0, i).meta["row_index"] for i in range(10)}
     train1 = {d.task(TRAIN, 1, i).meta["row_index"] for i in range(10)}
@@ -84,7 +93,9 @@ def test_hash_split_is_disjoint_and_covers_every_row(tmp_path):
 
 
 def test_default_scorer_strict_success_and_format(tmp_path):
-    d = get_domain("dataset", path=str(_jsonl(tmp_path / "d.jsonl", [{"prompt": "2+5?", "answer": "7.0"}] * 30)))
+    d = get_domain(
+        "dataset", path=str(_jsonl(tmp_path / "d.jsonl", [{"prompt": "2+5?", "answer": "7.0"}] * 30))
+    )
     task = d.task(TRAIN, 0, 0)
     assert task.prompt[-1].content == "2+5?\nPut the final answer between <answer> and </answer>."
     tagged = _play(d, task, "so <answer>7</answer>")
@@ -114,10 +125,14 @@ def test_reward_fn_from_a_file_with_trl_signature(tmp_path, rows):
     assert (res.reward, res.rewards["success"]) == (0.6, 1.0)
 
 
-@pytest.mark.parametrize(("fn", "message"), [("too_big", "rewards must lie in [0, 1]"), ("broken", "KeyError")])
+@pytest.mark.parametrize(
+    ("fn", "message"), [("too_big", "rewards must lie in [0, 1]"), ("broken", "KeyError")]
+)
 def test_a_failing_reward_fn_is_an_infra_failure_never_a_score(tmp_path, rows, fn, message):
     (tmp_path / "rewards.py").write_text(REWARDS_PY)
-    d = get_domain("dataset", path=str(_jsonl(tmp_path / "d.jsonl", rows)), reward_fn=f"{tmp_path}/rewards.py:{fn}")
+    d = get_domain(
+        "dataset", path=str(_jsonl(tmp_path / "d.jsonl", rows)), reward_fn=f"{tmp_path}/rewards.py:{fn}"
+    )
     res = _play(d, d.task(TRAIN, 0, 0), "4")
     assert res.reward is None and res.info["infra_failure"] is True
     assert message in res.info["infra_error"]
@@ -125,9 +140,13 @@ def test_a_failing_reward_fn_is_an_infra_failure_never_a_score(tmp_path, rows, f
 
 def test_conversational_prompts(tmp_path):
     (tmp_path / "rewards.py").write_text(REWARDS_PY)
-    rows = [{"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"say {i}"}]}
-            for i in range(20)]
-    d = get_domain("dataset", path=str(_jsonl(tmp_path / "d.jsonl", rows)), reward_fn=f"{tmp_path}/rewards.py:chat")
+    rows = [
+        {"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"say {i}"}]}
+        for i in range(20)
+    ]
+    d = get_domain(
+        "dataset", path=str(_jsonl(tmp_path / "d.jsonl", rows)), reward_fn=f"{tmp_path}/rewards.py:chat"
+    )
     task = d.task(TRAIN, 0, 0)
     assert [m.role for m in task.prompt] == ["system", "user"]
     assert _play(d, task, "3").reward == 1.0
@@ -146,21 +165,45 @@ def test_parquet_csv_and_json_read_the_same_rows(tmp_path, rows):
         w = csv.DictWriter(fh, fieldnames=list(flat[0]))
         w.writeheader()
         w.writerows(flat)
-    assert read_rows(tmp_path / "d.parquet") == read_rows(tmp_path / "d.json") == read_rows(tmp_path / "d.csv") == flat
+    assert (
+        read_rows(tmp_path / "d.parquet")
+        == read_rows(tmp_path / "d.json")
+        == read_rows(tmp_path / "d.csv")
+        == flat
+    )
 
 
-@pytest.mark.parametrize(("content", "options", "message"), [
-    (None, {}, "no such file"),
-    ('{"prompt": "a", "answer": "1"}\n{"prompt": oops}\n', {}, "d.jsonl:2 is not valid JSON"),
-    ('{"question": "a", "answer": "1"}\n', {}, "has no 'prompt' column (columns: answer, question)"),
-    ('{"prompt": "a"}\n', {}, "has no 'answer' column, which the default scorer needs"),
-    ('{"prompt": "a", "answer": "1", "s": "later"}\n', {"split_key": "s"}, "'s' is 'later'; use 'train'"),
-    ('{"prompt": "a", "answer": "1", "lv": "hard"}\n', {"difficulty_key": "lv"}, "'lv' must be an integer level"),
-    ('{"prompt": [{"role": "robot", "content": "x"}], "answer": "1"}\n', {}, "each prompt message needs a role"),
-    ('{"prompt": "a", "answer": "1"}\n', {"reward_fn": "nosuchmodule_xyz:f"}, "cannot import module 'nosuchmodule_xyz'"),
-    ('{"prompt": "a", "answer": "1"}\n', {"reward_fn": "json:nosuchfn"}, "'json' has no function 'nosuchfn'"),
-    ('{"prompt": "a", "answer": "1"}\n', {"reward_fn": "nocolon"}, "must be 'module:function'"),
-])
+@pytest.mark.parametrize(
+    ("content", "options", "message"),
+    [
+        (None, {}, "no such file"),
+        ('{"prompt": "a", "answer": "1"}\n{"prompt": oops}\n', {}, "d.jsonl:2 is not valid JSON"),
+        ('{"question": "a", "answer": "1"}\n', {}, "has no 'prompt' column (columns: answer, question)"),
+        ('{"prompt": "a"}\n', {}, "has no 'answer' column, which the default scorer needs"),
+        ('{"prompt": "a", "answer": "1", "s": "later"}\n', {"split_key": "s"}, "'s' is 'later'; use 'train'"),
+        (
+            '{"prompt": "a", "answer": "1", "lv": "hard"}\n',
+            {"difficulty_key": "lv"},
+            "'lv' must be an integer level",
+        ),
+        (
+            '{"prompt": [{"role": "robot", "content": "x"}], "answer": "1"}\n',
+            {},
+            "each prompt message needs a role",
+        ),
+        (
+            '{"prompt": "a", "answer": "1"}\n',
+            {"reward_fn": "nosuchmodule_xyz:f"},
+            "cannot import module 'nosuchmodule_xyz'",
+        ),
+        (
+            '{"prompt": "a", "answer": "1"}\n',
+            {"reward_fn": "json:nosuchfn"},
+            "'json' has no function 'nosuchfn'",
+        ),
+        ('{"prompt": "a", "answer": "1"}\n', {"reward_fn": "nocolon"}, "must be 'module:function'"),
+    ],
+)
 def test_bad_data_and_options_get_errors_that_name_the_problem(tmp_path, content, options, message):
     path = tmp_path / "d.jsonl"
     if content is not None:
@@ -171,8 +214,14 @@ def test_bad_data_and_options_get_errors_that_name_the_problem(tmp_path, content
 
 
 def _cli(*args: str, cwd: Path = ROOT, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([*POSTTRAIN, *args], cwd=cwd, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "COLUMNS": "200", **(env or {})})
+    return subprocess.run(
+        [*POSTTRAIN, *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "200", **(env or {})},
+    )
 
 
 def test_cli_plugin_file_registers_a_domain_and_bad_plugin_is_a_usage_error(tmp_path):
@@ -188,12 +237,26 @@ def test_cli_plugin_file_registers_a_domain_and_bad_plugin_is_a_usage_error(tmp_
 
 def test_cli_samples_a_dataset_and_lists_it_as_needing_a_path(tmp_path, rows):
     path = _jsonl(tmp_path / "d.jsonl", rows)
-    out = _cli("tasks", "sample", "dataset", "--option", f"path={path}", "--option", "split_key=split", "--n", "2",
-               "--json")
+    out = _cli(
+        "tasks",
+        "sample",
+        "dataset",
+        "--option",
+        f"path={path}",
+        "--option",
+        "split_key=split",
+        "--n",
+        "2",
+        "--json",
+    )
     assert out.returncode == 0, out.stderr
     tasks = json.loads(out.stdout.strip().splitlines()[-1])
-    assert [t["reference"] for t in tasks] == [[f"<answer>{t['task']['meta']['answer']}</answer>"] for t in tasks]
-    check = _cli("tasks", "check", "dataset", "--option", f"path={path}", "--option", "split_key=split", "--n", "2")
+    assert [t["reference"] for t in tasks] == [
+        [f"<answer>{t['task']['meta']['answer']}</answer>"] for t in tasks
+    ]
+    check = _cli(
+        "tasks", "check", "dataset", "--option", f"path={path}", "--option", "split_key=split", "--n", "2"
+    )
     assert check.returncode == 0, check.stdout + check.stderr
     listed = _cli("tasks", "list", "--json")
     row = next(r for r in json.loads(listed.stdout.strip().splitlines()[-1]) if r["domain"] == "dataset")
@@ -203,8 +266,9 @@ def test_cli_samples_a_dataset_and_lists_it_as_needing_a_path(tmp_path, rows):
 def test_entry_point_domains_are_found_by_name(tmp_path):
     pkg = tmp_path / "site"
     (pkg / "mydomains").mkdir(parents=True)
-    (pkg / "mydomains" / "__init__.py").write_text((ROOT / "examples" / "custom_domain.py").read_text()
-                                                   .replace("reverse.words", "ep.reverse"))
+    (pkg / "mydomains" / "__init__.py").write_text(
+        (ROOT / "examples" / "custom_domain.py").read_text().replace("reverse.words", "ep.reverse")
+    )
     dist = pkg / "mydomains-0.1.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: mydomains\nVersion: 0.1\n")

@@ -50,7 +50,9 @@ def test_generators_are_deterministic_and_seeded(name):
     assert _dump(d.task("train", 0, 0)) != _dump(d.task("train", 0, 1))
 
 
-@pytest.mark.parametrize("name, n", [("math", 40), ("tools.apis", 40), ("code.unit_tests", 40), ("swe.ci_fix", 6)])
+@pytest.mark.parametrize(
+    "name, n", [("math", 40), ("tools.apis", 40), ("code.unit_tests", 40), ("swe.ci_fix", 6)]
+)
 def test_train_and_heldout_never_overlap(name, n):
     d = get_domain(name)
     for level in d.difficulties[:2]:
@@ -93,5 +95,9 @@ def test_wrong_empty_malformed_hostile_outputs_score_below_one(name, request):
     texts = HOSTILE if name != "swe.ci_fix" else HOSTILE[:4] + HOSTILE[-1:]
     for text in texts:
         res = run(run_episode(d.make_env(sandbox), task, [text]))
-        assert res.done and res.reward is not None and 0.0 <= res.reward < 1.0, (text[:40], res.rewards, res.info)
+        assert res.done and res.reward is not None and 0.0 <= res.reward < 1.0, (
+            text[:40],
+            res.rewards,
+            res.info,
+        )
         assert res.rewards["success"] == 0.0 and res.info["infra_failure"] is False

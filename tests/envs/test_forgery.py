@@ -21,32 +21,45 @@ from posttrain.sandbox.grading import RESULT_MARKER, SPEC_FILE, grade_asserts
 from .conftest import run
 
 CALL = get_parser("smollm2").format_calls
+
+
 def attacks(n: int) -> dict[str, str]:
     """Attack sources (module top level) that forge `n` passing tests in both the old harness's result
     format and the runner's (with a guessed nonce)."""
-    fake = (f"\\n{RESULT_MARKER} {'0' * 32} " + json.dumps({"done": True, "results": [{"ok": True}] * n})
-            + "\\n@@POSTTRAIN_HARNESS_RESULTS@@" + json.dumps([{"ok": True, "value": 0}] * n) + "\\n")
+    fake = (
+        f"\\n{RESULT_MARKER} {'0' * 32} "
+        + json.dumps({"done": True, "results": [{"ok": True}] * n})
+        + "\\n@@POSTTRAIN_HARNESS_RESULTS@@"
+        + json.dumps([{"ok": True, "value": 0}] * n)
+        + "\\n"
+    )
     return {
         "fake_markers_on_stdout": f"import sys\nsys.stdout.write('{fake}')\nsys.stdout.flush()\n",
-        "every_inherited_fd": ("import os\nfor fd in range(256):\n    try:\n        os.write(fd, b'{\"ok\": true}')\n"
-                               "    except OSError:\n        pass\nos._exit(0)\n"),
+        "every_inherited_fd": (
+            "import os\nfor fd in range(256):\n    try:\n        os.write(fd, b'{\"ok\": true}')\n"
+            "    except OSError:\n        pass\nos._exit(0)\n"
+        ),
         "os_exit_before_asserts": "import os\nos._exit(0)\n",
         "sys_exit_at_import": "import sys\nsys.exit(0)\n",
         "kill_parent": "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n",
         "kill_everyone": "import os, signal\ntry:\n    os.kill(-1, signal.SIGKILL)\nexcept OSError:\n    pass\n",
         "killpg_parent": "import os, signal\nos.killpg(os.getpgid(os.getppid()), signal.SIGKILL)\n",
-        "fake_line_then_kill_parent": (f"import os, signal, sys\nsys.stdout.write('{fake}')\nsys.stdout.flush()\n"
-                                       "os.kill(os.getppid(), signal.SIGKILL)\n"),
+        "fake_line_then_kill_parent": (
+            f"import os, signal, sys\nsys.stdout.write('{fake}')\nsys.stdout.flush()\n"
+            "os.kill(os.getppid(), signal.SIGKILL)\n"
+        ),
         "patch_builtins": (
             "import builtins\nclass _Never(Exception):\n    pass\nbuiltins.AssertionError = _Never\n"
             "_real_import = builtins.__import__\n"
             "def _imp(name, *a, **k):\n    return _real_import(name, *a, **k)\n"
-            "builtins.__import__ = _imp\nbuiltins.isinstance = lambda *a: True\nbuiltins.len = lambda *a: 0\n"),
+            "builtins.__import__ = _imp\nbuiltins.isinstance = lambda *a: True\nbuiltins.len = lambda *a: 0\n"
+        ),
         "patch_unittest_pytest_sys_modules": (
             "import sys, types, unittest\nunittest.TestCase.assertEqual = lambda *a, **k: None\n"
             "unittest.TestCase.assertTrue = lambda *a, **k: None\n"
             "fake = types.ModuleType('pytest')\nfake.raises = lambda *a, **k: None\nsys.modules['pytest'] = fake\n"
-            "sys.modules['unittest'] = fake\n"),
+            "sys.modules['unittest'] = fake\n"
+        ),
         "import_hook_rewrites_tests": (
             "import sys, importlib.abc, importlib.machinery\n"
             "class _Rewrite(importlib.abc.MetaPathFinder, importlib.abc.Loader):\n"
@@ -57,7 +70,8 @@ def attacks(n: int) -> dict[str, str]:
             "    def exec_module(self, module):\n"
             "        module.__dict__.update({n: (lambda: None) for n in ('test_' + c for c in 'abcdefghijklmnopqrstuvwxyz')})\n"
             "        module.__getattr__ = lambda name: (lambda: None)\n"
-            "sys.meta_path.insert(0, _Rewrite())\n"),
+            "sys.meta_path.insert(0, _Rewrite())\n"
+        ),
         "nonce_from_frames_and_gc": (
             "import gc, os, re, sys\nfound = set()\nf = sys._getframe()\n"
             "while f is not None:\n"
@@ -70,14 +84,16 @@ def attacks(n: int) -> dict[str, str]:
             "            if isinstance(v, str) and re.fullmatch('[0-9a-f]{32}', v):\n                found.add(v)\n"
             f"for nonce in found:\n    line = '{fake}'.replace('0' * 32, nonce)\n"
             "    for fd in range(256):\n        try:\n            os.write(fd, line.encode())\n"
-            "        except OSError:\n            pass\nos._exit(0)\n"),
+            "        except OSError:\n            pass\nos._exit(0)\n"
+        ),
         "proc_parent_fds": (
             "import os\nppid = os.getppid()\n"
             "for i in range(256):\n    try:\n"
             "        fd = os.open('/proc/%d/fd/%d' % (ppid, i), os.O_WRONLY)\n"
             f"        os.write(fd, '{fake}'.encode())\n"
             "    except OSError:\n        pass\n"
-            "try:\n    open('/proc/%d/mem' % ppid, 'rb').read(1)\nexcept OSError:\n    pass\n"),
+            "try:\n    open('/proc/%d/mem' % ppid, 'rb').read(1)\nexcept OSError:\n    pass\n"
+        ),
     }
 
 
@@ -85,11 +101,15 @@ ATTACK_NAMES = sorted(attacks(1))
 
 
 # patches that leave the subject's own machinery working: a correct solution passes next to them
-MILD_PATCH = ("import builtins\nclass _Never(Exception):\n    pass\nbuiltins.AssertionError = _Never\n"
-              "_real_import = builtins.__import__\nbuiltins.__import__ = lambda *a, **k: _real_import(*a, **k)\n")
-ALWAYS_EQUAL = ("class AlwaysEqual:\n    def __eq__(self, other):\n        return True\n"
-                "    def __ne__(self, other):\n        return False\n    def __bool__(self):\n        return True\n"
-                "    __hash__ = object.__hash__\n")
+MILD_PATCH = (
+    "import builtins\nclass _Never(Exception):\n    pass\nbuiltins.AssertionError = _Never\n"
+    "_real_import = builtins.__import__\nbuiltins.__import__ = lambda *a, **k: _real_import(*a, **k)\n"
+)
+ALWAYS_EQUAL = (
+    "class AlwaysEqual:\n    def __eq__(self, other):\n        return True\n"
+    "    def __ne__(self, other):\n        return False\n    def __bool__(self):\n        return True\n"
+    "    __hash__ = object.__hash__\n"
+)
 
 
 def _fence(code: str) -> str:
@@ -97,6 +117,7 @@ def _fence(code: str) -> str:
 
 
 # ---- swe.ci_fix -------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def swe():
@@ -121,10 +142,16 @@ def test_swe_attacks_in_app_init_fail(sandbox, swe, attack):
 def test_swe_always_equal_return_values_fail(sandbox, swe):
     d, task = swe
     path = task.meta["bug_path"]
-    patched = task.meta["files"][path] + "\n\n" + ALWAYS_EQUAL + (
-        "for _n, _f in list(globals().items()):\n"
-        "    if callable(_f) and not _n.startswith('_') and _n != 'AlwaysEqual':\n"
-        "        globals()[_n] = lambda *a, **k: AlwaysEqual()\n")
+    patched = (
+        task.meta["files"][path]
+        + "\n\n"
+        + ALWAYS_EQUAL
+        + (
+            "for _n, _f in list(globals().items()):\n"
+            "    if callable(_f) and not _n.startswith('_') and _n != 'AlwaysEqual':\n"
+            "        globals()[_n] = lambda *a, **k: AlwaysEqual()\n"
+        )
+    )
     res = _swe_episode(sandbox, d, task, [(path, patched)])
     assert (res.reward, res.rewards["success"], res.rewards["fixed"]) == (0.0, 0.0, 0.0), res.info
 
@@ -132,14 +159,25 @@ def test_swe_always_equal_return_values_fail(sandbox, swe):
 def test_swe_correct_fix_still_passes_next_to_a_patched_builtins_init(sandbox, swe):
     d, task = swe
     path = task.meta["bug_path"]
-    res = _swe_episode(sandbox, d, task, [("app/__init__.py", MILD_PATCH),
-                                          (path, task.meta["fixed_source"])])
+    res = _swe_episode(sandbox, d, task, [("app/__init__.py", MILD_PATCH), (path, task.meta["fixed_source"])])
     assert (res.reward, res.rewards["success"]) == (1.0, 1.0), res.info
 
 
-@pytest.mark.parametrize("path", ["conftest.py", "tests/conftest.py", "app/conftest.py", "pytest.ini", "tox.ini",
-                                  "pyproject.toml", "setup.cfg", "sitecustomize.py", "app/usercustomize.py",
-                                  "evil.pth"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "conftest.py",
+        "tests/conftest.py",
+        "app/conftest.py",
+        "pytest.ini",
+        "tox.ini",
+        "pyproject.toml",
+        "setup.cfg",
+        "sitecustomize.py",
+        "app/usercustomize.py",
+        "evil.pth",
+    ],
+)
 def test_swe_write_file_refuses_files_that_steer_the_test_run(sandbox, swe, path):
     d, task = swe
     fix = (task.meta["bug_path"], task.meta["fixed_source"])
@@ -156,7 +194,9 @@ def test_swe_score_is_zero_when_a_protected_file_differs(sandbox, swe, path):
     async def go():
         env = d.make_env(sandbox)
         await env.reset(task)
-        await env.step(CALL([("write_file", {"path": task.meta["bug_path"], "content": task.meta["fixed_source"]})]))
+        await env.step(
+            CALL([("write_file", {"path": task.meta["bug_path"], "content": task.meta["fixed_source"]})])
+        )
         env.files[path] = "def test_ok():\n    pass\n"  # however it got there
         return await env.step(CALL([("submit", {})]))
 
@@ -166,6 +206,7 @@ def test_swe_score_is_zero_when_a_protected_file_differs(sandbox, swe, path):
 
 
 # ---- code.humaneval ---------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def humaneval():
@@ -205,6 +246,7 @@ def test_humaneval_correct_passes_and_mutated_fails(sandbox, humaneval):
 
 # ---- code.unit_tests --------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def unit():
     d = get_domain("code.unit_tests")
@@ -214,7 +256,11 @@ def unit():
 @pytest.mark.parametrize("attack", ATTACK_NAMES)
 def test_unit_tests_attacks_fail(sandbox, unit, attack):
     d, task = unit
-    code = attacks(len(task.meta["hidden"]))[attack] + f"\ndef {task.meta['fn']}(x):\n    return AlwaysEqual()\n" + ALWAYS_EQUAL
+    code = (
+        attacks(len(task.meta["hidden"]))[attack]
+        + f"\ndef {task.meta['fn']}(x):\n    return AlwaysEqual()\n"
+        + ALWAYS_EQUAL
+    )
     res = run(run_episode(d.make_env(sandbox), task, [_fence(code)]))
     assert res.info["infra_failure"] is False
     assert (res.rewards["passed"], res.rewards["success"], res.info["tests_passed"]) == (0.0, 0.0, 0), attack
@@ -222,12 +268,19 @@ def test_unit_tests_attacks_fail(sandbox, unit, attack):
 
 # ---- grade_asserts ----------------------------------------------------------------------------------
 
-SQ_TESTS = ["assert sq(2) == 4", "assert sq(3) == 9", "assert sq(-1) == 1", "assert abs(sq(0.5) - 0.25) < 1e-9"]
+SQ_TESTS = [
+    "assert sq(2) == 4",
+    "assert sq(3) == 9",
+    "assert sq(-1) == 1",
+    "assert abs(sq(0.5) - 0.25) < 1e-9",
+]
 
 
 @pytest.mark.parametrize("attack", ATTACK_NAMES)
 def test_grade_asserts_attacks_fail(sandbox, attack):
-    g = asyncio.run(grade_asserts(sandbox, attacks(len(SQ_TESTS))[attack] + "\ndef sq(x):\n    return 0\n", SQ_TESTS))
+    g = asyncio.run(
+        grade_asserts(sandbox, attacks(len(SQ_TESTS))[attack] + "\ndef sq(x):\n    return 0\n", SQ_TESTS)
+    )
     assert g.passed == 0 and g.per_test == [False] * 4 and not g.infra_failure, (attack, g.detail)
 
 
@@ -243,7 +296,7 @@ def test_grade_asserts_eq_and_shadowed_builtins_fail_and_correct_passes(sandbox)
 
 # ---- what the subject can see, and what the verdict accepts -----------------------------------------
 
-PROBE = r'''
+PROBE = r"""
 import gc, os, re, sys
 
 def probe():
@@ -271,7 +324,7 @@ def probe():
             denied.append("denied")
     blob = "\n".join(seen)
     return [len(seen), re.findall("[0-9a-f]{32}", blob), denied, sorted(os.listdir("."))]
-'''
+"""
 
 
 def test_the_subject_never_holds_the_nonce_or_the_runners_fds(sandbox):
@@ -285,14 +338,18 @@ def test_the_subject_never_holds_the_nonce_or_the_runners_fds(sandbox):
 
 
 def test_values_cross_as_exact_builtins(sandbox):
-    program = ("import collections, math\n"
-               "def f():\n    return (1, [2.5], {3: b'x'}, {4}, frozenset({5}), None, True, 'é')\n"
-               "def g():\n    return collections.defaultdict(int, a=1)\n"
-               "def h():\n    return [math.nan, math.inf, -0.0]\n")
-    tests = ["assert f() == (1, [2.5], {3: b'x'}, {4}, frozenset({5}), None, True, 'é') and f()[6] is True",
-             "assert type(g()) is dict and g() == {'a': 1}",
-             "import math\nv = h()\nassert math.isnan(v[0]) and v[1] == math.inf and math.copysign(1, v[2]) == -1",
-             "assert f() != [1, [2.5], {3: b'x'}, {4}, frozenset({5}), None, True, 'é']"]  # a tuple stays a tuple
+    program = (
+        "import collections, math\n"
+        "def f():\n    return (1, [2.5], {3: b'x'}, {4}, frozenset({5}), None, True, 'é')\n"
+        "def g():\n    return collections.defaultdict(int, a=1)\n"
+        "def h():\n    return [math.nan, math.inf, -0.0]\n"
+    )
+    tests = [
+        "assert f() == (1, [2.5], {3: b'x'}, {4}, frozenset({5}), None, True, 'é') and f()[6] is True",
+        "assert type(g()) is dict and g() == {'a': 1}",
+        "import math\nv = h()\nassert math.isnan(v[0]) and v[1] == math.inf and math.copysign(1, v[2]) == -1",
+        "assert f() != [1, [2.5], {3: b'x'}, {4}, frozenset({5}), None, True, 'é']",
+    ]  # a tuple stays a tuple
     g = asyncio.run(grade_asserts(sandbox, program, tests))
     assert g.per_test == [True] * 4, g.detail
 
@@ -305,14 +362,17 @@ def _line(nonce: str, results: list) -> str:
     return f"\n{RESULT_MARKER} {nonce} {json.dumps({'done': True, 'results': results})}\n"
 
 
-@pytest.mark.parametrize("stdout, status, exit_code", [
-    (_line("m" * 32, [{"ok": True}]), ExecStatus.OK, 0),  # another nonce
-    (_line("n" * 32, [{"ok": True}]) * 2, ExecStatus.OK, 0),  # a second line
-    (_line("n" * 32, [{"ok": True}]), ExecStatus.RUNTIME_ERROR, 1),  # runner did not exit 0
-    (_line("n" * 32, [{"ok": True}]), ExecStatus.KILLED, None),
-    (_line("n" * 32, [{"ok": True}, {"ok": True}]), ExecStatus.OK, 0),  # wrong count
-    (_line("n" * 32, [{"ok": True}]).replace('"done": true', '"done": false'), ExecStatus.OK, 0),
-])
+@pytest.mark.parametrize(
+    "stdout, status, exit_code",
+    [
+        (_line("m" * 32, [{"ok": True}]), ExecStatus.OK, 0),  # another nonce
+        (_line("n" * 32, [{"ok": True}]) * 2, ExecStatus.OK, 0),  # a second line
+        (_line("n" * 32, [{"ok": True}]), ExecStatus.RUNTIME_ERROR, 1),  # runner did not exit 0
+        (_line("n" * 32, [{"ok": True}]), ExecStatus.KILLED, None),
+        (_line("n" * 32, [{"ok": True}, {"ok": True}]), ExecStatus.OK, 0),  # wrong count
+        (_line("n" * 32, [{"ok": True}]).replace('"done": true', '"done": false'), ExecStatus.OK, 0),
+    ],
+)
 def test_the_verdict_needs_one_complete_line_with_the_nonce_and_exit_zero(stdout, status, exit_code):
     res = ExecResult(status=status, exit_code=exit_code, stdout=stdout.encode())
     assert parse_result(res, _job()).results[0]["ok"] is False
@@ -321,9 +381,17 @@ def test_the_verdict_needs_one_complete_line_with_the_nonce_and_exit_zero(stdout
 
 
 def test_a_crash_or_hang_inside_one_call_fails_only_that_test(sandbox):
-    program = ("import os, time\n"
-               "def sq(x):\n    if x == 3:\n        os._exit(0)\n    if x == 4:\n        time.sleep(60)\n"
-               "    return x * x\n")
-    tests = ["assert sq(2) == 4", "assert sq(3) == 9", "assert sq(5) == 25", "assert sq(4) == 16", "assert sq(6) == 36"]
+    program = (
+        "import os, time\n"
+        "def sq(x):\n    if x == 3:\n        os._exit(0)\n    if x == 4:\n        time.sleep(60)\n"
+        "    return x * x\n"
+    )
+    tests = [
+        "assert sq(2) == 4",
+        "assert sq(3) == 9",
+        "assert sq(5) == 25",
+        "assert sq(4) == 16",
+        "assert sq(6) == 36",
+    ]
     g = asyncio.run(grade_asserts(sandbox, program, tests, per_test_timeout_s=0.5))
     assert g.per_test == [True, False, True, False, True] and g.status == ExecStatus.OK

@@ -47,14 +47,19 @@ def test_dataset_scorer_partial_credit_is_used():
     ans = task.meta["answer"]
     res = _score(task, f"<answer>{ans} x</answer>")
     assert res.rewards["correct"] == pytest.approx(len(ans) / len(ans + " x"))
-    assert 0.0 < res.rewards["correct"] < 1.0 and res.rewards["success"] == 0.0  # partial credit is no success
+    assert (
+        0.0 < res.rewards["correct"] < 1.0 and res.rewards["success"] == 0.0
+    )  # partial credit is no success
 
 
 def test_any_reasoning_gym_dataset_by_name_with_config():
     d = get_domain("math", datasets={"chain_sum": {"min_terms": 3, "max_terms": 3, "max_digits": 1}})
     assert d.difficulties == [0]
     task = d.task("heldout", 0, 4)
-    assert task.meta["dataset"] == "chain_sum" and task.meta["question"].count("+") + task.meta["question"].count("-") >= 2
+    assert (
+        task.meta["dataset"] == "chain_sum"
+        and task.meta["question"].count("+") + task.meta["question"].count("-") >= 2
+    )
     assert _score(task, d.reference(task)[0]).reward == 1.0
 
 

@@ -44,6 +44,14 @@ def test_register_env_adds_a_domain_and_rejects_non_domains():
 
 def test_split_rule_is_stable():
     # fixed by sha256: these values must never change, or train/heldout would silently reshuffle
-    assert [split_of(k) for k in "abcdefg"] == ["heldout", "train", "heldout", "train", "heldout", "heldout", "train"]
+    assert [split_of(k) for k in "abcdefg"] == [
+        "heldout",
+        "train",
+        "heldout",
+        "train",
+        "heldout",
+        "heldout",
+        "train",
+    ]
     fractions = sum(split_of(str(i)) == "heldout" for i in range(2000)) / 2000
     assert 0.17 < fractions < 0.23

@@ -15,10 +15,14 @@ def test_mutations_are_exact_source_edits():
     src = "def f(a, b):\n    if a < b:\n        return g(a, b)\n    return a + 1\n"
     funcs = {"app.m": ["x", "y"]}
     assert repos.apply_mutation(src, repos.Mutation("wrong_operator", 0), funcs) == (
-        "def f(a, b):\n    if a <= b:\n        return g(a, b)\n    return a + 1\n")
+        "def f(a, b):\n    if a <= b:\n        return g(a, b)\n    return a + 1\n"
+    )
     assert "return a + 2" in repos.apply_mutation(src, repos.Mutation("off_by_one", 0), funcs)
     assert "return g(b, a)" in repos.apply_mutation(src, repos.Mutation("swapped_args", 0), funcs)
-    assert repos.apply_mutation(src, repos.Mutation("missing_case", 0), funcs) == "def f(a, b):\n    return a + 1\n"
+    assert (
+        repos.apply_mutation(src, repos.Mutation("missing_case", 0), funcs)
+        == "def f(a, b):\n    return a + 1\n"
+    )
     imp = "from app.m import x\n"
     assert repos.apply_mutation(imp, repos.Mutation("wrong_import", 0), funcs) == "from app.m import y as x\n"
     assert repos.apply_mutation(src, repos.Mutation("off_by_one", 9), funcs) is None
@@ -40,7 +44,12 @@ def test_doing_nothing_scores_zero_though_most_tests_pass(sandbox):
     total = res.info["tests_total"]
     assert res.rewards["passed"] == pytest.approx((total - len(task.meta["failing_tests"])) / total)
     assert res.rewards["passed"] > 0.5
-    assert (res.rewards["fixed"], res.rewards["kept"], res.rewards["success"], res.reward) == (0.0, 1.0, 0.0, 0.0)
+    assert (res.rewards["fixed"], res.rewards["kept"], res.rewards["success"], res.reward) == (
+        0.0,
+        1.0,
+        0.0,
+        0.0,
+    )
 
 
 def test_a_fix_that_breaks_passing_tests_is_scaled_by_what_it_kept(sandbox):
@@ -68,7 +77,7 @@ def _leaf_module(task):
     """An app module other than the buggy one that no other app module imports."""
     files = task.meta["original_files"]
     for path in sorted(files):
-        name = path[len("app/"):-3]
+        name = path[len("app/") : -3]
         if not path.startswith("app/") or name == "__init__" or path == task.meta["bug_path"]:
             continue
         if not any(f"app.{name}" in src for p, src in files.items() if p.startswith("app/") and p != path):
@@ -90,10 +99,12 @@ def test_modifying_tests_scores_zero(sandbox):
 def test_tools_reject_bad_paths_and_report_test_runs(sandbox):
     d = get_domain("swe.ci_fix")
     task = d.task("heldout", 0, 0)
-    script = [CALL([("read_file", {"path": "../../etc/passwd"})]),
-              CALL([("write_file", {"path": "/tmp/x.py", "content": ""})]),
-              CALL([("run_tests", {})]),
-              *d.reference(task)]
+    script = [
+        CALL([("read_file", {"path": "../../etc/passwd"})]),
+        CALL([("write_file", {"path": "/tmp/x.py", "content": ""})]),
+        CALL([("run_tests", {})]),
+        *d.reference(task),
+    ]
     res = run(run_episode(d.make_env(sandbox), task, script))
     tool_msgs = [m.content for m in res.transcript if m.role == "tool"]
     assert '"error": "not_found"' in tool_msgs[0] and '"error": "invalid_argument"' in tool_msgs[1]

@@ -39,7 +39,11 @@ def test_order_then_cancel_restores_stock_and_numbers_orders():
     cid = sorted(s.customers)[0]
     before = s.state["next_order"]
     o = s.create_order(cid, sku, 3)
-    assert o["id"] == f"O-{before}" and s.products[sku]["stock"] == 7 and o["total"] == 3 * s.products[sku]["price"]
+    assert (
+        o["id"] == f"O-{before}"
+        and s.products[sku]["stock"] == 7
+        and o["total"] == 3 * s.products[sku]["price"]
+    )
     s.cancel_order(o["id"])
     assert s.products[sku]["stock"] == 10
     with pytest.raises(ToolError, match="already cancelled"):

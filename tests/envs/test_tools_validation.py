@@ -5,9 +5,11 @@ from posttrain.types import ToolCall, ToolSpec
 
 from .conftest import run
 
-SPEC = ToolSpec("set_price", "Set a price.", fn_schema({"sku": {"type": "string"}, "price": {"type": "integer",
-                                                                                               "minimum": 1}},
-                                                       ["sku", "price"]))
+SPEC = ToolSpec(
+    "set_price",
+    "Set a price.",
+    fn_schema({"sku": {"type": "string"}, "price": {"type": "integer", "minimum": 1}}, ["sku", "price"]),
+)
 
 
 def test_schema_errors_are_named():
@@ -15,7 +17,10 @@ def test_schema_errors_are_named():
     assert validate_arguments(SPEC, {"sku": "A"}) == ["'price' is a required property"]
     assert validate_arguments(SPEC, {"sku": "A", "price": 0}) == ["price: 0 is less than the minimum of 1"]
     assert validate_arguments(SPEC, {"sku": 5, "price": 2}) == ["sku: 5 is not of type 'string'"]
-    assert "Additional properties are not allowed" in validate_arguments(SPEC, {"sku": "A", "price": 2, "x": 1})[0]
+    assert (
+        "Additional properties are not allowed"
+        in validate_arguments(SPEC, {"sku": "A", "price": 2, "x": 1})[0]
+    )
     assert validate_arguments(SPEC, [1]) == ["arguments must be a JSON object, got list"]
 
 

@@ -59,8 +59,13 @@ def test_unknown_benchmark_exits_2():
 
 
 def test_each_benchmark_is_a_command_with_its_own_documented_options():
-    for name, option in [("sandbox", "--skip-numpy"), ("engine", "--no-hf"), ("learner", "--grpo"),
-                         ("rl", "--async-lag"), ("curriculum", "--reuse-uniform")]:
+    for name, option in [
+        ("sandbox", "--skip-numpy"),
+        ("engine", "--no-hf"),
+        ("learner", "--grpo"),
+        ("rl", "--async-lag"),
+        ("curriculum", "--reuse-uniform"),
+    ]:
         result = runner.invoke(app, ["bench", name, "--help"])
         assert result.exit_code == 0 and option in result.output and "--json" in result.output, name
     bad = runner.invoke(app, ["bench", "rl", "--mode", "later"])
@@ -83,8 +88,21 @@ def test_console_script_runs():
 )
 def test_train_checks_registered_names_before_a_run_directory_exists(tmp_path, override, expected):
     root = tmp_path / "runs"
-    result = runner.invoke(app, ["train", "--set", override, "--set", f"telemetry.run_dir={root}",
-                                 "--set", "model.spec=tiny:llama", "--set", "orchestrator.steps=0", "--no-progress"])
+    result = runner.invoke(
+        app,
+        [
+            "train",
+            "--set",
+            override,
+            "--set",
+            f"telemetry.run_dir={root}",
+            "--set",
+            "model.spec=tiny:llama",
+            "--set",
+            "orchestrator.steps=0",
+            "--no-progress",
+        ],
+    )
     assert result.exit_code == 2, result.output
     assert expected in " ".join(result.output.split())
     assert not root.exists() or not any(root.iterdir())
@@ -97,8 +115,22 @@ def test_train_rejects_run_names_that_are_not_one_safe_component(tmp_path, name)
     keep = tmp_path / "work" / "precious.txt"
     keep.write_text("do not delete")
     (tmp_path / "victim").mkdir()
-    result = runner.invoke(app, ["train", "--name", name, "--overwrite", "--set", f"telemetry.run_dir={root}",
-                                 "--set", "model.spec=tiny:llama", "--set", "orchestrator.steps=0", "--no-progress"])
+    result = runner.invoke(
+        app,
+        [
+            "train",
+            "--name",
+            name,
+            "--overwrite",
+            "--set",
+            f"telemetry.run_dir={root}",
+            "--set",
+            "model.spec=tiny:llama",
+            "--set",
+            "orchestrator.steps=0",
+            "--no-progress",
+        ],
+    )
     assert result.exit_code == 2, result.output
     assert "is not allowed" in result.output and "--name" in result.output
     assert keep.read_text() == "do not delete" and (tmp_path / "victim").is_dir() and not any(root.iterdir())
@@ -108,8 +140,13 @@ def test_config_show_prints_the_batch_section():
     result = runner.invoke(app, ["config", "show", "--set", "batch.samples_per_prompt=2"])
     assert result.exit_code == 0, result.output
     block = result.output.split("\nbatch:\n", 1)[1].split("\n")[:5]
-    assert block == ["  prompts_per_step: 4", "  samples_per_prompt: 2", "  mini_batches: 1", "  ppo_epochs: 1",
-                     "  micro_batch_tokens: 4096"]
+    assert block == [
+        "  prompts_per_step: 4",
+        "  samples_per_prompt: 2",
+        "  mini_batches: 1",
+        "  ppo_epochs: 1",
+        "  micro_batch_tokens: 4096",
+    ]
 
 
 def test_resuming_a_run_saved_with_the_old_batch_keys_says_which_to_rename(tmp_path):

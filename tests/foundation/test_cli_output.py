@@ -34,7 +34,9 @@ def test_piped_output_is_not_wrapped_at_80_columns():
     assert out.returncode == 0, out.stderr
     long_lines = [line for line in out.stdout.splitlines() if len(line) > 80]
     assert long_lines, "a letter_counting prompt is longer than 80 characters and must stay on one line"
-    assert any(line.startswith("user: How many times does the letter") and line.endswith('"?') for line in long_lines)
+    assert any(
+        line.startswith("user: How many times does the letter") and line.endswith('"?') for line in long_lines
+    )
 
 
 @pytest.fixture()
@@ -69,7 +71,9 @@ def test_sandbox_run_exit_status_and_json_text(tmp_path, sandbox_available):
     out = _cli("sandbox", "run", str(exits2))
     assert out.returncode == 1 and out.stdout == "bye\n" and "exit=2" in out.stderr
     binary = tmp_path / "bin.py"
-    binary.write_text("import sys\nsys.stdout.buffer.write(b'ok\\n\\xff')\nprint('caf\\u00e9', file=sys.stderr)\n")
+    binary.write_text(
+        "import sys\nsys.stdout.buffer.write(b'ok\\n\\xff')\nprint('caf\\u00e9', file=sys.stderr)\n"
+    )
     res = json.loads(_cli("sandbox", "run", str(binary), "--json").stdout.strip().splitlines()[-1])
     assert res["stdout"] is None and base64.b64decode(res["stdout_base64"]) == b"ok\n\xff"
     assert res["stderr"] == "caf\u00e9\n" and "stderr_base64" not in res
@@ -82,8 +86,12 @@ def test_no_module_imports_an_upper_layer_and_packages_form_no_cycle():
     import ast
 
     order = [
-        {"cli", "bench", "apps"}, {"orchestrator", "serve"}, {"rollout", "curriculum"},
-        {"engine", "train", "envs", "longctx"}, {"models", "sandbox"}, {"algos", "config", "telemetry", "types"},
+        {"cli", "bench", "apps"},
+        {"orchestrator", "serve"},
+        {"rollout", "curriculum"},
+        {"engine", "train", "envs", "longctx"},
+        {"models", "sandbox"},
+        {"algos", "config", "telemetry", "types"},
     ]
     rank = {pkg: i for i, layer in enumerate(order) for pkg in layer}
     root = Path(__file__).resolve().parents[2] / "src" / "posttrain"
@@ -93,8 +101,11 @@ def test_no_module_imports_an_upper_layer_and_packages_form_no_cycle():
         if own not in rank:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else (
-                [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            names = (
+                [node.module]
+                if isinstance(node, ast.ImportFrom) and node.module
+                else ([a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            )
             for name in names:
                 parts = name.split(".")
                 if parts[0] != "posttrain" or len(parts) < 2 or parts[1] not in rank or parts[1] == own:
@@ -108,7 +119,9 @@ def test_no_module_imports_an_upper_layer_and_packages_form_no_cycle():
         graph.setdefault(a, set()).add(b)
 
     def reaches(start: str, goal: str, seen: set[str]) -> bool:
-        return any(n == goal or (n not in seen and reaches(n, goal, seen | {n})) for n in graph.get(start, ()))
+        return any(
+            n == goal or (n not in seen and reaches(n, goal, seen | {n})) for n in graph.get(start, ())
+        )
 
     cycles = sorted(f"{a} <-> {b}" for a, b in edges if reaches(b, a, {b}))
     assert not cycles, cycles

@@ -93,7 +93,9 @@ def test_apply_overrides_does_not_mutate_input():
     assert data["trainer"]["lr"] == 1.0 and out["trainer"]["lr"] == 2
 
 
-@pytest.mark.parametrize("path", sorted(__import__("pathlib").Path(__file__).parents[2].joinpath("configs").glob("*.yaml")))
+@pytest.mark.parametrize(
+    "path", sorted(__import__("pathlib").Path(__file__).parents[2].joinpath("configs").glob("*.yaml"))
+)
 def test_shipped_configs_validate(path):
     load_config(path)
 
@@ -129,7 +131,9 @@ def test_an_engine_dtype_override_resolves_the_learner_autocast_anew(monkeypatch
     assert load_config(None, ["engine.dtype=float32", "seed=3"]).trainer.bf16_autocast is False
     assert load_config(None, ["seed=3"]).trainer.bf16_autocast is True
     monkeypatch.setattr(config_mod, "native_bf16", lambda device="cpu": device == "cuda")
-    assert load_config(None, ["engine.device=cuda"]).engine.dtype == "bfloat16"  # auto resolved for the new device
+    assert (
+        load_config(None, ["engine.device=cuda"]).engine.dtype == "bfloat16"
+    )  # auto resolved for the new device
     f = tmp_path / "run.yaml"
     f.write_text("engine: {dtype: float32}\n")
     assert load_config(f, ["engine.dtype=bfloat16"]).trainer.bf16_autocast is True
@@ -143,10 +147,18 @@ def test_native_bf16_reads_the_cpu_flags(monkeypatch, tmp_path):
     import posttrain.config as config_mod
 
     real_open = builtins.open
-    for flags, expected in (("fpu avx512f avx512_bf16 sse", True), ("fpu amx_bf16", True), ("fpu avx2 avx512f", False)):
+    for flags, expected in (
+        ("fpu avx512f avx512_bf16 sse", True),
+        ("fpu amx_bf16", True),
+        ("fpu avx2 avx512f", False),
+    ):
         info = tmp_path / "cpuinfo"
         info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
-        monkeypatch.setattr(builtins, "open", lambda p, *a, _i=info, **k: real_open(_i if p == "/proc/cpuinfo" else p, *a, **k))
+        monkeypatch.setattr(
+            builtins,
+            "open",
+            lambda p, *a, _i=info, **k: real_open(_i if p == "/proc/cpuinfo" else p, *a, **k),
+        )
         assert config_mod.native_bf16("cpu") is expected
 
 
@@ -232,6 +244,12 @@ def test_batch_sizes_moved_to_the_batch_section_name_the_new_key(tmp_path, old, 
 
 def test_batch_section_defaults_are_the_old_ones():
     b = RunConfig().batch
-    assert (b.prompts_per_step, b.samples_per_prompt, b.mini_batches, b.ppo_epochs, b.micro_batch_tokens) == (4, 8, 1, 1, 4096)
+    assert (b.prompts_per_step, b.samples_per_prompt, b.mini_batches, b.ppo_epochs, b.micro_batch_tokens) == (
+        4,
+        8,
+        1,
+        1,
+        4096,
+    )
     for name, field in type(b).model_fields.items():
         assert "verl" in (field.description or ""), name  # each key names its verl equivalent

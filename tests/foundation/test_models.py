@@ -45,14 +45,18 @@ def test_embedded_default_loads_fast_from_cache_and_generates_deterministically(
     text = render_messages(tok, [Message("user", "What is 2+3?")])
     assert text.endswith("<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n")
     ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
-    outs = [model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1] :].tolist() for _ in range(2)]
+    outs = [
+        model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1] :].tolist() for _ in range(2)
+    ]
     assert outs[0] == outs[1]
     assert "5" in tok.decode(outs[0])
 
 
 def test_tools_are_rendered_into_the_system_message_for_smollm2():
     tok = load_tokenizer("tiny:llama")
-    tool = ToolSpec("get_weather", "Weather for a city", {"type": "object", "properties": {"city": {"type": "string"}}})
+    tool = ToolSpec(
+        "get_weather", "Weather for a city", {"type": "object", "properties": {"city": {"type": "string"}}}
+    )
     text = render_messages(tok, [Message("user", "Weather in Paris?")], tools=[tool])
     assert text.startswith("<|im_start|>system\nYou are an expert in composing functions.")
     assert '"name": "get_weather"' in text and "<tool_call>[" in text

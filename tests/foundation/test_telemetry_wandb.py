@@ -29,11 +29,11 @@ def _history(data: bytes) -> list[dict[str, float]]:
     pos, records, partial = 7, [], b""
     while pos + 7 <= len(data):
         left = 32768 - pos % 32768
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if left < 7 or (kind == 0 and length == 0):
             pos += left
             continue
-        frag, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        frag, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
         if kind == 1:
             records.append(frag)
         elif kind in (2, 3):
@@ -70,10 +70,20 @@ def test_a_training_run_logs_to_wandb_and_its_resume_continues_the_same_wandb_ru
     from posttrain.orchestrator import RLRun
     from posttrain.telemetry import RunDir
 
-    settings = ["model.spec=tiny:llama", "engine.num_kv_blocks=256", "engine.max_new_tokens=8", "batch.samples_per_prompt=2",
-                "batch.prompts_per_step=2", "orchestrator.checkpoint_every=1", "curriculum.probe_every=0",
-                "envs.domains=[{name: math, difficulties: [0]}]", "telemetry.progress=false",
-                "telemetry.tensorboard=false", "telemetry.wandb=offline", f"telemetry.run_dir={tmp_path}"]
+    settings = [
+        "model.spec=tiny:llama",
+        "engine.num_kv_blocks=256",
+        "engine.max_new_tokens=8",
+        "batch.samples_per_prompt=2",
+        "batch.prompts_per_step=2",
+        "orchestrator.checkpoint_every=1",
+        "curriculum.probe_every=0",
+        "envs.domains=[{name: math, difficulties: [0]}]",
+        "telemetry.progress=false",
+        "telemetry.tensorboard=false",
+        "telemetry.wandb=offline",
+        f"telemetry.run_dir={tmp_path}",
+    ]
     cfg = load_config(None, [*settings, "orchestrator.steps=2"])
     run_dir = RunDir.create(tmp_path, "wb")
     save_config(cfg, run_dir.config)
@@ -81,8 +91,9 @@ def test_a_training_run_logs_to_wandb_and_its_resume_continues_the_same_wandb_ru
     first.train()
     first.close()
     run_id = (run_dir.path / "wandb_id").read_text().strip()
-    resumed = RLRun(load_config(None, [*settings, "orchestrator.steps=3"]), RunDir.open(run_dir.path),
-                    show_progress=False)
+    resumed = RLRun(
+        load_config(None, [*settings, "orchestrator.steps=3"]), RunDir.open(run_dir.path), show_progress=False
+    )
     resumed.load()
     resumed.train()
     resumed.close()

@@ -24,7 +24,9 @@ class ScriptedEngine:
     async def agenerate(self, request: Any) -> GenerationOutput:
         turn = len(self.requests)
         self.requests.append(list(request.prompt_token_ids))
-        ids = self.tokenizer.encode(self.script[turn], add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        ids = self.tokenizer.encode(self.script[turn], add_special_tokens=False) + [
+            self.tokenizer.eos_token_id
+        ]
         self.outputs.append(ids)
         return GenerationOutput(
             request_id=str(turn),

@@ -63,14 +63,22 @@ class FakeOpenAI:
         gold = task.meta["gold_actions"]
         if self.good(i) and done < len(gold):
             name, args = gold[done]
-            call = {"id": f"call_{done}", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+            call = {
+                "id": f"call_{done}",
+                "type": "function",
+                "function": {"name": name, "arguments": json.dumps(args)},
+            }
             return 200, _completion({"role": "assistant", "content": None, "tool_calls": [call]})
         answer = f"<answer>{task.meta['answer']}</answer>" if task.meta.get("answer") is not None else "Done."
         return 200, _completion({"role": "assistant", "content": answer})
 
 
 def _completion(message: dict[str, Any]) -> dict[str, Any]:
-    return {"id": "cmpl-1", "object": "chat.completion", "choices": [{"index": 0, "message": message, "finish_reason": "stop"}]}
+    return {
+        "id": "cmpl-1",
+        "object": "chat.completion",
+        "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+    }
 
 
 @pytest.fixture
@@ -113,7 +121,10 @@ def test_evaluate_api_scores_a_live_server_exactly(server):
     # tasks 0, 2, 4 of each domain answered correctly, 1, 3, 5 wrongly
     assert report.per_task["math"] == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
     assert report.per_task["tools.apis"] == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
-    assert report.per_domain["math"]["accuracy"] == 0.5 and report.per_domain["tools.apis"]["infra_failures"] == 0
+    assert (
+        report.per_domain["math"]["accuracy"] == 0.5
+        and report.per_domain["tools.apis"]["infra_failures"] == 0
+    )
     assert not report.failures
     # the tool path really went multi-turn: the server saw its own tool calls and the tool results
     followups = [r for r in fake.requests if any(m["role"] == "tool" for m in r["messages"])]
@@ -124,7 +135,9 @@ def test_evaluate_api_scores_a_live_server_exactly(server):
 def test_sampled_api_eval_sends_seeds_and_averages(server):
     url, fake = server
     domains, arms = _domains()
-    report = evaluate_api(url, MODEL, domains, arms[:1], 2, EpisodeLimits(8, 4096, 64), SEED, temperature=0.7, samples=3)
+    report = evaluate_api(
+        url, MODEL, domains, arms[:1], 2, EpisodeLimits(8, 4096, 64), SEED, temperature=0.7, samples=3
+    )
     assert report.per_task["math"] == [1.0, 0.0]
     assert sorted(r["seed"] for r in fake.requests) == [0, 0, 1, 1, 2, 2]
     assert all(r["temperature"] == 0.7 for r in fake.requests)
@@ -167,8 +180,10 @@ def _partial(task: Any) -> str:
     """Code that returns the right value for the first hidden case only (well formatted, so the shaped
     reward is 0.85 x its fraction passed + 0.15 while strict success is 0)."""
     fn, params, first = task.meta["fn"], task.meta["params"], task.meta["hidden"][0]
-    return (f"```python\ndef {fn}({params}):\n    if [{params}] == {first['args']!r}:\n"
-            f"        return {first['expected']!r}\n    return 'wrong'\n```")
+    return (
+        f"```python\ndef {fn}({params}):\n    if [{params}] == {first['args']!r}:\n"
+        f"        return {first['expected']!r}\n    return 'wrong'\n```"
+    )
 
 
 def _partial_passed(task: Any) -> float:
@@ -180,7 +195,9 @@ def _partial_passed(task: Any) -> float:
 @pytest.fixture
 def code_server() -> Iterator[tuple[str, list[Any]]]:
     domain = get_domain("code.unit_tests")
-    tasks = [t for _, _, t in heldout_tasks({"code.unit_tests": domain}, [Arm("code.unit_tests", 0)], CODE_N, SEED)]
+    tasks = [
+        t for _, _, t in heldout_tasks({"code.unit_tests": domain}, [Arm("code.unit_tests", 0)], CODE_N, SEED)
+    ]
     by_prompt = {t.prompt[0].content: (i, t) for i, t in enumerate(tasks)}
 
     class Handler(BaseHTTPRequestHandler):
@@ -225,7 +242,11 @@ def sandbox():
 def _expected_code_figures(tasks: list[Any]) -> tuple[float, float, float]:
     """(strict accuracy, mean shaped reward, mean fraction passed) computed by hand from the tasks."""
     passed = [1.0 if i in CODE_GOOD else _partial_passed(t) for i, t in enumerate(tasks)]
-    return len(CODE_GOOD) / len(tasks), sum(0.85 * p + 0.15 for p in passed) / len(tasks), sum(passed) / len(tasks)
+    return (
+        len(CODE_GOOD) / len(tasks),
+        sum(0.85 * p + 0.15 for p in passed) / len(tasks),
+        sum(passed) / len(tasks),
+    )
 
 
 def test_api_eval_runs_code_in_the_sandbox_and_scores_strictly(code_server, sandbox):
@@ -234,7 +255,9 @@ def test_api_eval_runs_code_in_the_sandbox_and_scores_strictly(code_server, sand
     arms = [Arm("code.unit_tests", 0)]
     accuracy, reward, passed = _expected_code_figures(tasks)
     assert accuracy == 1 / 3 and reward > accuracy  # the shaped reward would have overstated it
-    report = evaluate_api(url, MODEL, domains, arms, CODE_N, EpisodeLimits(2, 4096, 256), SEED, sandbox=sandbox)
+    report = evaluate_api(
+        url, MODEL, domains, arms, CODE_N, EpisodeLimits(2, 4096, 256), SEED, sandbox=sandbox
+    )
     assert not report.failures
     assert report.per_task["code.unit_tests"] == [1.0 if i in CODE_GOOD else 0.0 for i in range(CODE_N)]
     d = report.per_domain["code.unit_tests"]
@@ -254,7 +277,19 @@ def test_cli_and_example_script_score_a_code_domain_at_an_endpoint(code_server):
     url, tasks = code_server
     accuracy, reward, _ = _expected_code_figures(tasks)
     result = CliRunner().invoke(
-        app, ["eval", "--api-base", url, "--model", MODEL, "--suite", "code.unit_tests", "--n", str(CODE_N), "--json"]
+        app,
+        [
+            "eval",
+            "--api-base",
+            url,
+            "--model",
+            MODEL,
+            "--suite",
+            "code.unit_tests",
+            "--n",
+            str(CODE_N),
+            "--json",
+        ],
     )
     assert result.exit_code == 0, result.output
     out = json.loads(result.output.strip().splitlines()[-1])
@@ -265,9 +300,21 @@ def test_cli_and_example_script_score_a_code_domain_at_an_endpoint(code_server):
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "POSTTRAIN": str(Path(sys.executable).parent / "posttrain")}
     proc = subprocess.run(
-        ["bash", str(root / "examples" / "score_openai_endpoint.sh"), url, MODEL, "--suite", "code.unit_tests",
-         "--n", str(CODE_N)],
-        capture_output=True, text=True, timeout=300, env=env, cwd=root,
+        [
+            "bash",
+            str(root / "examples" / "score_openai_endpoint.sh"),
+            url,
+            MODEL,
+            "--suite",
+            "code.unit_tests",
+            "--n",
+            str(CODE_N),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=root,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     script = json.loads(proc.stdout.strip().splitlines()[-1])

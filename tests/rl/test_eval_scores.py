@@ -26,7 +26,9 @@ from posttrain.orchestrator.evaluate import (
 from posttrain.types import Task, Trajectory, TrajectoryStatus
 
 
-def _traj(rewards: dict[str, float], reward: float, status: TrajectoryStatus = TrajectoryStatus.OK) -> Trajectory:
+def _traj(
+    rewards: dict[str, float], reward: float, status: TrajectoryStatus = TrajectoryStatus.OK
+) -> Trajectory:
     task = Task(id="t", domain="code.unit_tests", difficulty=0, prompt=[])
     return Trajectory(task, [1, 2], [0, 1], [0.0, -0.5], 1, rewards=rewards, reward=reward, status=status)
 
@@ -66,16 +68,25 @@ def test_hand_made_trajectories_give_accuracy_reward_and_components_apart():
     assert d["accuracy"] == 0.25 and d["n"] == 2 and d["infra_failures"] == 1 and d["samples"] == 3
     # mean over tasks of each task's mean: ((1 + 0.85*4/6 + 0.15) / 2 + 0.425) / 2
     assert d["mean_reward"] == pytest.approx(((1.0 + 0.85 * 4 / 6 + 0.15) / 2 + 0.425) / 2)
-    assert d["mean_components"] == pytest.approx({"passed": ((1 + 4 / 6) / 2 + 0.5) / 2, "format": (1.0 + 0.0) / 2})
+    assert d["mean_components"] == pytest.approx(
+        {"passed": ((1 + 4 / 6) / 2 + 0.5) / 2, "format": (1.0 + 0.0) / 2}
+    )
     assert "pass_at" not in d
 
 
-@pytest.mark.parametrize(("n", "c", "k", "expected"), [
-    (4, 1, 1, 0.25), (4, 1, 2, 0.5), (4, 1, 3, 0.75), (4, 1, 4, 1.0),
-    (4, 0, 4, 0.0), (4, 4, 1, 1.0),
-    (5, 2, 2, 0.7),  # 1 - C(3,2)/C(5,2) = 1 - 3/10
-    (10, 3, 4, 1 - 35 / 210),  # 1 - C(7,4)/C(10,4)
-])
+@pytest.mark.parametrize(
+    ("n", "c", "k", "expected"),
+    [
+        (4, 1, 1, 0.25),
+        (4, 1, 2, 0.5),
+        (4, 1, 3, 0.75),
+        (4, 1, 4, 1.0),
+        (4, 0, 4, 0.0),
+        (4, 4, 1, 1.0),
+        (5, 2, 2, 0.7),  # 1 - C(3,2)/C(5,2) = 1 - 3/10
+        (10, 3, 4, 1 - 35 / 210),  # 1 - C(7,4)/C(10,4)
+    ],
+)
 def test_pass_at_k_hand_computed(n, c, k, expected):
     assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
 
@@ -141,14 +152,22 @@ def test_pass_at_skips_tasks_with_too_few_scored_samples():
     assert r.pass_at("math", 2) == [pytest.approx(0.5), 1.0]
     assert r.pass_at("math", 4) == [1.0, None]
     r.summarise(pass_at=[4])
-    assert r.per_domain["math"]["pass_at"]["4"]["n"] == 1 and r.per_domain["math"]["accuracy"] == pytest.approx(0.625)
+    assert r.per_domain["math"]["pass_at"]["4"]["n"] == 1 and r.per_domain["math"][
+        "accuracy"
+    ] == pytest.approx(0.625)
 
 
-@pytest.mark.parametrize(("args", "needle"), [
-    (["--temperature", "1.0", "--samples", "4", "--pass-at", "1,4,16"], "--pass-at 16 needs at least 16 samples"),
-    (["--pass-at", "4"], "--pass-at 4 needs at least 4 samples per task, but each task gets 1"),
-    (["--pass-at", "two"], "--pass-at takes comma-separated integers"),
-])
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (
+            ["--temperature", "1.0", "--samples", "4", "--pass-at", "1,4,16"],
+            "--pass-at 16 needs at least 16 samples",
+        ),
+        (["--pass-at", "4"], "--pass-at 4 needs at least 4 samples per task, but each task gets 1"),
+        (["--pass-at", "two"], "--pass-at takes comma-separated integers"),
+    ],
+)
 def test_cli_pass_at_needs_enough_samples(args, needle):
     result = CliRunner().invoke(app, ["eval", "tiny:llama", "--suite", "math", "--n", "1", *args])
     assert result.exit_code == 2, result.output
@@ -156,9 +175,27 @@ def test_cli_pass_at_needs_enough_samples(args, needle):
 
 
 def test_cli_eval_json_reports_pass_at_for_model_and_baseline(tmp_path):
-    args = ["eval", "tiny:llama", "--baseline", "tiny:llama", "--suite", "math", "--n", "2", "--temperature", "1.0",
-            "--samples", "2", "--pass-at", "1,2", "--json",
-            "--set", "engine.max_new_tokens=4", "--set", "engine.num_kv_blocks=64"]
+    args = [
+        "eval",
+        "tiny:llama",
+        "--baseline",
+        "tiny:llama",
+        "--suite",
+        "math",
+        "--n",
+        "2",
+        "--temperature",
+        "1.0",
+        "--samples",
+        "2",
+        "--pass-at",
+        "1,2",
+        "--json",
+        "--set",
+        "engine.max_new_tokens=4",
+        "--set",
+        "engine.num_kv_blocks=64",
+    ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     out = json.loads(result.output.strip().splitlines()[-1])
@@ -168,6 +205,11 @@ def test_cli_eval_json_reports_pass_at_for_model_and_baseline(tmp_path):
         assert per["pass_at"]["1"]["value"] == per["accuracy"]
         assert set(per["mean_components"]) == {"correct", "format"} and "mean_reward" in per
     # the same model on the same seeds: every paired difference is 0
-    assert out["delta_pass_at"]["2"] == {"delta": 0.0, "ci_low": 0.0, "ci_high": 0.0, "n_tasks": out["per_domain"]["math"]["n"]}
+    assert out["delta_pass_at"]["2"] == {
+        "delta": 0.0,
+        "ci_low": 0.0,
+        "ci_high": 0.0,
+        "n_tasks": out["per_domain"]["math"]["n"],
+    }
     assert out["delta_per_domain"]["math"]["pass_at"]["1"]["delta"] == 0.0
     assert "pass@2" in result.output and "mean reward" in result.output

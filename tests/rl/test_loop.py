@@ -47,7 +47,11 @@ def _cfg(tmp_path: Path, *extra: str):
 
 
 def _run(cfg, name: str, resume: bool = False) -> RLRun:
-    run_dir = RunDir.open(Path(cfg.telemetry.run_dir) / name) if resume else RunDir.create(cfg.telemetry.run_dir, name)
+    run_dir = (
+        RunDir.open(Path(cfg.telemetry.run_dir) / name)
+        if resume
+        else RunDir.create(cfg.telemetry.run_dir, name)
+    )
     if not resume:
         from posttrain.config import save_config
 
@@ -62,7 +66,11 @@ def _run(cfg, name: str, resume: bool = False) -> RLRun:
 def _untimed(rows):
     """Metrics without wall-clock figures (seconds, rates, timestamps), which no two runs share."""
     return [
-        {k: v for k, v in r.items() if not any(k.startswith(p) for p in TIMING_PREFIXES) and not k.endswith(("_s", "_per_s"))}
+        {
+            k: v
+            for k, v in r.items()
+            if not any(k.startswith(p) for p in TIMING_PREFIXES) and not k.endswith(("_s", "_per_s"))
+        }
         for r in rows
     ]
 
@@ -87,12 +95,18 @@ def test_resume_is_bit_exact(tmp_path):
 
 def test_async_with_staleness_zero_equals_sync(tmp_path):
     sync = _run(_cfg(tmp_path, "orchestrator.steps=4"), "sync")
-    asyn = _run(_cfg(tmp_path, "orchestrator.steps=4", "orchestrator.mode=async", "orchestrator.max_staleness=0"), "async")
+    asyn = _run(
+        _cfg(tmp_path, "orchestrator.steps=4", "orchestrator.mode=async", "orchestrator.max_staleness=0"),
+        "async",
+    )
     a, b = sync.learner.weights(), asyn.learner.weights()
     assert all(torch.equal(a[k], b[k]) for k in a)
     # the same rows, probes (every 2 steps, the last one after the rollout thread ends) and signals included
     ra = _untimed(read_metrics(sync.run_dir.metrics))
-    rb = [{k: v for k, v in r.items() if not k.startswith("staleness/")} for r in _untimed(read_metrics(asyn.run_dir.metrics))]
+    rb = [
+        {k: v for k, v in r.items() if not k.startswith("staleness/")}
+        for r in _untimed(read_metrics(asyn.run_dir.metrics))
+    ]
     assert ra == rb
     assert "heldout/generated_tokens" in ra[-1] and any(k.startswith("curriculum/weight/") for k in ra[-1])
     sync.close()
@@ -101,8 +115,13 @@ def test_async_with_staleness_zero_equals_sync(tmp_path):
 
 @pytest.mark.parametrize("lag", ["fixed", "latest"])
 def test_async_staleness_one_overlaps_and_respects_bound(tmp_path, lag):
-    cfg = _cfg(tmp_path, "orchestrator.steps=3", "orchestrator.mode=async", "orchestrator.max_staleness=1",
-               f"orchestrator.async_lag={lag}")
+    cfg = _cfg(
+        tmp_path,
+        "orchestrator.steps=3",
+        "orchestrator.mode=async",
+        "orchestrator.max_staleness=1",
+        f"orchestrator.async_lag={lag}",
+    )
     rl = _run(cfg, f"a1{lag}")
     rows = read_metrics(rl.run_dir.metrics)
     assert len(rows) == 3
@@ -153,15 +172,25 @@ class FixedTextEngine(Engine):
     async def agenerate(self, request):
         from posttrain.engine import Completion, GenerationOutput
 
-        return GenerationOutput("fixed", list(request.prompt_token_ids), [Completion(self.ids, [-1.0] * len(self.ids), self.text, "stop")], 0.0)
+        return GenerationOutput(
+            "fixed",
+            list(request.prompt_token_ids),
+            [Completion(self.ids, [-1.0] * len(self.ids), self.text, "stop")],
+            0.0,
+        )
 
 
 def test_infrastructure_failures_are_excluded_and_counted(tmp_path, monkeypatch):
     cfg = load_config(
         None,
-        [*TINY, "envs.domains=[{name: code.unit_tests, difficulties: [0]}, {name: math, difficulties: [0]}]",
-         f"telemetry.run_dir={tmp_path}", "orchestrator.steps=1", "curriculum.probe_every=0",
-         "curriculum.sampler=uniform_by_domain"],
+        [
+            *TINY,
+            "envs.domains=[{name: code.unit_tests, difficulties: [0]}, {name: math, difficulties: [0]}]",
+            f"telemetry.run_dir={tmp_path}",
+            "orchestrator.steps=1",
+            "curriculum.probe_every=0",
+            "curriculum.sampler=uniform_by_domain",
+        ],
     )
     run_dir = RunDir.create(cfg.telemetry.run_dir, "infra")
     rl = RLRun(cfg, run_dir)
@@ -188,14 +217,24 @@ def test_infrastructure_failures_are_excluded_and_counted(tmp_path, monkeypatch)
 
 
 def test_bad_domain_difficulty_fails_before_work(tmp_path):
-    cfg = load_config(None, [*TINY, "envs.domains=[{name: math, difficulties: [99]}]", f"telemetry.run_dir={tmp_path}"])
+    cfg = load_config(
+        None, [*TINY, "envs.domains=[{name: math, difficulties: [99]}]", f"telemetry.run_dir={tmp_path}"]
+    )
     rl = RLRun(cfg, RunDir.create(tmp_path, "bad"))
     with pytest.raises(ValueError, match="no difficulty 99"):
         rl.build()
 
 
 def test_corrupt_checkpoint_falls_back_to_previous(tmp_path):
-    rl = _run(_cfg(tmp_path, "orchestrator.steps=4", "orchestrator.checkpoint_every=2", "orchestrator.keep_checkpoints=3"), "c")
+    rl = _run(
+        _cfg(
+            tmp_path,
+            "orchestrator.steps=4",
+            "orchestrator.checkpoint_every=2",
+            "orchestrator.keep_checkpoints=3",
+        ),
+        "c",
+    )
     ckpts = list_checkpoints(rl.run_dir.checkpoints)
     assert [c.name for c in ckpts] == ["step-000002", "step-000004"]
     victim = next(p for p in ckpts[-1].rglob("*") if p.is_file() and p.name != "manifest.json")
@@ -209,8 +248,14 @@ def test_corrupt_checkpoint_falls_back_to_previous(tmp_path):
 
 
 def _cli(*args: str, env=None, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "posttrain", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "posttrain", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        **kw,
+    )
 
 
 def test_cli_train_three_steps_with_code_and_tool_domains(tmp_path):
@@ -225,7 +270,9 @@ def test_cli_train_three_steps_with_code_and_tool_domains(tmp_path):
     run = tmp_path / "e2e"
     rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
-    domains_seen = {k.split("/", 1)[1] for r in rows for k in r if k.startswith("reward/") and k != "reward/mean"}
+    domains_seen = {
+        k.split("/", 1)[1] for r in rows for k in r if k.startswith("reward/") and k != "reward/mean"
+    }
     assert domains_seen <= {"code.unit_tests", "tools.apis"} and domains_seen
     assert (run / "policy" / "config.json").is_file()
     assert (run / "checkpoints" / "latest").read_text() == "step-000003"
@@ -236,8 +283,11 @@ def test_cli_train_three_steps_with_code_and_tool_domains(tmp_path):
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_sigterm_during_a_step_leaves_a_loadable_checkpoint(tmp_path, mode):
     sets = [f"--set={s}" for s in TINY + DOMAINS] + [
-        f"--set=telemetry.run_dir={tmp_path}", "--set=orchestrator.steps=50", "--set=orchestrator.checkpoint_every=0",
-        f"--set=orchestrator.mode={mode}", "--set=orchestrator.max_staleness=2",
+        f"--set=telemetry.run_dir={tmp_path}",
+        "--set=orchestrator.steps=50",
+        "--set=orchestrator.checkpoint_every=0",
+        f"--set=orchestrator.mode={mode}",
+        "--set=orchestrator.max_staleness=2",
     ]
     proc = _cli("train", "--name", "term", *sets)
     metrics = tmp_path / "term" / "metrics.jsonl"
@@ -260,8 +310,16 @@ def test_sigterm_during_a_step_leaves_a_loadable_checkpoint(tmp_path, mode):
 
 
 def test_cli_bad_config_fails_before_work(tmp_path):
-    proc = _cli("train", "--set", "envs.domains=[{name: nosuchdomain}]", "--set", f"telemetry.run_dir={tmp_path}",
-                "--set", "model.spec=tiny:llama", env={**os.environ})
+    proc = _cli(
+        "train",
+        "--set",
+        "envs.domains=[{name: nosuchdomain}]",
+        "--set",
+        f"telemetry.run_dir={tmp_path}",
+        "--set",
+        "model.spec=tiny:llama",
+        env={**os.environ},
+    )
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 2, out
     assert "unknown domain 'nosuchdomain'" in out
@@ -269,8 +327,14 @@ def test_cli_bad_config_fails_before_work(tmp_path):
 
 def test_dynamic_sampling_drops_equal_reward_groups_and_bounds_refills(tmp_path, monkeypatch):
     # a tiny random policy scores 0 on every math task: every group is uninformative
-    cfg = _cfg(tmp_path, "orchestrator.steps=1", "curriculum.probe_every=0", "algorithm.dynamic_sampling=true",
-               "algorithm.max_resample_rounds=2", "envs.domains=[{name: math, difficulties: [0]}]")
+    cfg = _cfg(
+        tmp_path,
+        "orchestrator.steps=1",
+        "curriculum.probe_every=0",
+        "algorithm.dynamic_sampling=true",
+        "algorithm.max_resample_rounds=2",
+        "envs.domains=[{name: math, difficulties: [0]}]",
+    )
     run_dir = RunDir.create(cfg.telemetry.run_dir, "dyn")
     rl = RLRun(cfg, run_dir)
     rl.build()
@@ -312,8 +376,17 @@ def test_token_budget_stops_at_the_step_that_reaches_it(tmp_path):
     budget = int(sum(spent[:2])) + 1  # not reached after step 2, reached after step 3
     full.close()
     for mode in ("sync", "async"):
-        rl = _run(_cfg(tmp_path, "orchestrator.steps=5", f"orchestrator.token_budget={budget}",
-                       f"orchestrator.mode={mode}", "orchestrator.max_staleness=1", *off), f"budget-{mode}")
+        rl = _run(
+            _cfg(
+                tmp_path,
+                "orchestrator.steps=5",
+                f"orchestrator.token_budget={budget}",
+                f"orchestrator.mode={mode}",
+                "orchestrator.max_staleness=1",
+                *off,
+            ),
+            f"budget-{mode}",
+        )
         got = read_metrics(rl.run_dir.metrics)
         assert [r["step"] for r in got] == [1, 2, 3], mode
         assert rl.budget_spent()
@@ -323,8 +396,11 @@ def test_token_budget_stops_at_the_step_that_reaches_it(tmp_path):
         state = json.loads((list_checkpoints(rl.run_dir.checkpoints)[-1] / "run_state.json").read_text())
         assert state["step"] == 3 and state["counters"]["rollout_tokens"] == rl.counters["rollout_tokens"]
         rl.close()
-        again = _run(_cfg(tmp_path, "orchestrator.steps=5", f"orchestrator.token_budget={budget}", *off), f"budget-{mode}",
-                     resume=True)
+        again = _run(
+            _cfg(tmp_path, "orchestrator.steps=5", f"orchestrator.token_budget={budget}", *off),
+            f"budget-{mode}",
+            resume=True,
+        )
         assert again.step == 3
         again.close()
 
@@ -383,16 +459,24 @@ def test_async_run_does_not_depend_on_which_thread_is_faster(tmp_path, monkeypat
                 return _inner(self, *args, **kwargs)
 
             m.setattr(RLRun, slow, delayed)
-            cfg = _cfg(tmp_path, "orchestrator.steps=5", "orchestrator.mode=async", f"orchestrator.max_staleness={k}",
-                       "batch.samples_per_prompt=4", f"orchestrator.token_budget={budget or 'null'}",
-                       "orchestrator.checkpoint_every=0")  # no periodic checkpoint restarts the pipeline
+            cfg = _cfg(
+                tmp_path,
+                "orchestrator.steps=5",
+                "orchestrator.mode=async",
+                f"orchestrator.max_staleness={k}",
+                "batch.samples_per_prompt=4",
+                f"orchestrator.token_budget={budget or 'null'}",
+                "orchestrator.checkpoint_every=0",
+            )  # no periodic checkpoint restarts the pipeline
             runs[name] = _run(cfg, f"{name}{k}{budget}")
     a, b = runs["slow_learner"], runs["slow_rollouts"]
     ra, rb = _untimed(read_metrics(a.run_dir.metrics)), _untimed(read_metrics(b.run_dir.metrics))
     # 3 batches of 12 x 24 tokens and a probe of at most 2 arms x 2 prompts x 24 tokens stay under 1000; a 4th passes it
     steps = 5 if budget is None else 4
     assert len(ra) == steps and a.counters == b.counters
-    last = ra[-1]["rollout/generated_tokens"] + ra[-1].get("heldout/generated_tokens", 0.0)  # its batch, its probe
+    last = ra[-1]["rollout/generated_tokens"] + ra[-1].get(
+        "heldout/generated_tokens", 0.0
+    )  # its batch, its probe
     assert budget is None or a.tokens_spent() >= budget > a.tokens_spent() - last
     assert all(r["train/grad_norm"] > 0 for r in ra)  # the weights move at every step
     assert ra == rb
@@ -400,7 +484,9 @@ def test_async_run_does_not_depend_on_which_thread_is_faster(tmp_path, monkeypat
     assert all(torch.equal(wa[key], wb[key]) for key in wa)
     # batch s is k versions behind the learner that trains on it (fewer at the start: version 0 is the oldest)
     assert [r["staleness/max"] for r in ra] == [float(min(s, k)) for s in range(steps)]
-    assert any(key.startswith("heldout/") for r in ra for key in r)  # probes ran (every 2 steps) and are logged
+    assert any(
+        key.startswith("heldout/") for r in ra for key in r
+    )  # probes ran (every 2 steps) and are logged
     assert any(key.startswith("curriculum/weight/") for r in ra for key in r)
     a.close()
     b.close()
@@ -409,8 +495,13 @@ def test_async_run_does_not_depend_on_which_thread_is_faster(tmp_path, monkeypat
 def test_async_sampler_is_fed_each_trained_batch_once(tmp_path):
     """k = 2: the sampler hears of batch j when it picks batch j + 3, and of the rest when the run ends: every
     trained batch once, in order, whatever the timing."""
-    cfg = _cfg(tmp_path, "orchestrator.steps=4", "orchestrator.mode=async", "orchestrator.max_staleness=2",
-               "orchestrator.checkpoint_every=0")
+    cfg = _cfg(
+        tmp_path,
+        "orchestrator.steps=4",
+        "orchestrator.mode=async",
+        "orchestrator.max_staleness=2",
+        "orchestrator.checkpoint_every=0",
+    )
     rl = _run(cfg, "fed")
     stats = rl.sampler.state_dict()["stats"]
     assert sum(stats["n_groups"]) == 4 * 3 and stats["last_step"] == 3  # 4 batches of 3 groups, fed in order
@@ -429,7 +520,10 @@ def test_checkpoint_keeps_the_sampler_feedback_held_back(tmp_path):
     rl.build()
     math0 = rl.arms[0]
     rl.step = 2
-    rl.tasks.unfed = {1: [(math0, 0, [1.0, 0.0], 10), (math0, 1, [0.0, 0.0], 12)], 2: [(math0, 2, [1.0, 1.0], 9)]}
+    rl.tasks.unfed = {
+        1: [(math0, 0, [1.0, 0.0], 10), (math0, 1, [0.0, 0.0], 12)],
+        2: [(math0, 2, [1.0, 1.0], 9)],
+    }
     path = rl.save()
     state = json.loads((path / "run_state.json").read_text())
     assert state["sampler_pending"] == [[1, [["math:0", 0, [1.0, 0.0], 10], ["math:0", 1, [0.0, 0.0], 12]]]]
@@ -437,7 +531,12 @@ def test_checkpoint_keeps_the_sampler_feedback_held_back(tmp_path):
     again = RLRun(cfg, RunDir.open(rl.run_dir.path))
     again.load()
     stats = again.sampler.state_dict()["stats"]
-    assert again.step == 2 and stats["n_groups"][0] == 2 and sum(stats["n_groups"]) == 2 and stats["last_step"] == 1
+    assert (
+        again.step == 2
+        and stats["n_groups"][0] == 2
+        and sum(stats["n_groups"]) == 2
+        and stats["last_step"] == 1
+    )
     again.close()
 
 
@@ -449,8 +548,12 @@ def test_async_resume_from_a_periodic_checkpoint_is_bit_exact(tmp_path, monkeypa
     import shutil
 
     monkeypatch.setattr(RLRun, "rollout", _parity_rewards(RLRun.rollout))
-    base = ("orchestrator.mode=async", f"orchestrator.max_staleness={k}", "batch.samples_per_prompt=4",
-            "orchestrator.checkpoint_every=3")
+    base = (
+        "orchestrator.mode=async",
+        f"orchestrator.max_staleness={k}",
+        "batch.samples_per_prompt=4",
+        "orchestrator.checkpoint_every=3",
+    )
     straight = _run(_cfg(tmp_path, "orchestrator.steps=6", *base), "straight")
     shutil.copytree(straight.run_dir.path, tmp_path / "mid")
     shutil.rmtree(tmp_path / "mid" / "checkpoints" / "step-000006")  # resume from step 3's
@@ -458,7 +561,9 @@ def test_async_resume_from_a_periodic_checkpoint_is_bit_exact(tmp_path, monkeypa
     rows = _untimed(read_metrics(straight.run_dir.metrics))
     assert [r["staleness/max"] for r in rows] == [float(s - max(s - k, 3 * (s // 3))) for s in range(6)]
     assert all(r["train/grad_norm"] > 0 for r in rows)
-    assert any(key.startswith("heldout/") for key in rows[3])  # the probe after the resume point (every 2 steps)
+    assert any(
+        key.startswith("heldout/") for key in rows[3]
+    )  # the probe after the resume point (every 2 steps)
     assert _untimed(read_metrics(mid.run_dir.metrics)) == rows
     w, wm = straight.learner.weights(), mid.learner.weights()
     assert all(torch.equal(w[key], wm[key]) for key in w)
@@ -513,6 +618,7 @@ def test_replacing_a_checkpoint_never_leaves_its_step_without_a_valid_one(tmp_pa
             (tmp / "sub").mkdir()
             (tmp / "sub" / "weights.bin").write_bytes(tag.encode() * 1000)
             (tmp / "run_state.json").write_text(json.dumps({"tag": tag}))
+
         return fill
 
     first = save_checkpoint(root, 5, write("old"), keep=1)
@@ -547,16 +653,25 @@ def test_replacing_a_checkpoint_never_leaves_its_step_without_a_valid_one(tmp_pa
     assert third != second and list_checkpoints(root) == [third]
 
 
-def test_dapo_filter_only_filters_in_the_real_loop_and_domain_weights_reach_the_sampler(tmp_path, monkeypatch):
+def test_dapo_filter_only_filters_in_the_real_loop_and_domain_weights_reach_the_sampler(
+    tmp_path, monkeypatch
+):
     # dynamic_sampling is off: the sampler alone asks for DAPO's filter; the tiny policy scores 0 on math
-    cfg = _cfg(tmp_path, "orchestrator.steps=1", "curriculum.probe_every=0", "curriculum.sampler=dapo_filter_only",
-               "algorithm.max_resample_rounds=2",
-               "envs.domains=[{name: math, difficulties: [0]}, {name: tools.apis, difficulties: [0], weight: 3}]")
+    cfg = _cfg(
+        tmp_path,
+        "orchestrator.steps=1",
+        "curriculum.probe_every=0",
+        "curriculum.sampler=dapo_filter_only",
+        "algorithm.max_resample_rounds=2",
+        "envs.domains=[{name: math, difficulties: [0]}, {name: tools.apis, difficulties: [0], weight: 3}]",
+    )
     run_dir = RunDir.create(cfg.telemetry.run_dir, "dapo")
     rl = RLRun(cfg, run_dir)
     rl.build()
     w = rl.sampler.weights()
-    assert [w[a] for a in rl.arms] == pytest.approx([0.25, 0.75])  # uniform_by_domain's shares, weighted 1 : 3
+    assert [w[a] for a in rl.arms] == pytest.approx(
+        [0.25, 0.75]
+    )  # uniform_by_domain's shares, weighted 1 : 3
     rl.arms = rl.arms[:1]
     rl.sampler = type(rl.sampler)(cfg.curriculum, rl.arms, cfg.seed)  # math alone: every group all-zero
     seen = []
@@ -571,7 +686,12 @@ def test_dapo_filter_only_filters_in_the_real_loop_and_domain_weights_reach_the_
 def test_a_group_left_with_one_member_is_dropped_and_counted(tmp_path, monkeypatch):
     from posttrain.types import TrajectoryStatus
 
-    cfg = _cfg(tmp_path, "orchestrator.steps=1", "curriculum.probe_every=0", "envs.domains=[{name: math, difficulties: [0]}]")
+    cfg = _cfg(
+        tmp_path,
+        "orchestrator.steps=1",
+        "curriculum.probe_every=0",
+        "envs.domains=[{name: math, difficulties: [0]}]",
+    )
     run_dir = RunDir.create(cfg.telemetry.run_dir, "lone")
     rl = RLRun(cfg, run_dir)
     rl.build()

@@ -55,26 +55,61 @@ def _fake_run(tmp_path) -> RunDir:
 EVAL = {
     "model": "runs/r/policy",
     "accuracy_definition": "strict success per task: rewards['success'], else reward >= 1; mean over samples",
-    "n_per_arm": 64, "temperature": 1.0, "samples_per_task": 4, "pass_at_k": [1, 4],
+    "n_per_arm": 64,
+    "temperature": 1.0,
+    "samples_per_task": 4,
+    "pass_at_k": [1, 4],
     "per_domain": {
-        "math": {"accuracy": 0.4, "ci_low": 0.3, "ci_high": 0.5, "n": 64, "infra_failures": 0, "mean_reward": 0.61,
-                 "mean_components": {"correct": 0.4, "format": 0.9},
-                 "pass_at": {"1": {"value": 0.4, "ci_low": 0.3, "ci_high": 0.5, "n": 64},
-                             "4": {"value": 0.625, "ci_low": 0.5, "ci_high": 0.75, "n": 64}}},
+        "math": {
+            "accuracy": 0.4,
+            "ci_low": 0.3,
+            "ci_high": 0.5,
+            "n": 64,
+            "infra_failures": 0,
+            "mean_reward": 0.61,
+            "mean_components": {"correct": 0.4, "format": 0.9},
+            "pass_at": {
+                "1": {"value": 0.4, "ci_low": 0.3, "ci_high": 0.5, "n": 64},
+                "4": {"value": 0.625, "ci_low": 0.5, "ci_high": 0.75, "n": 64},
+            },
+        },
     },
     "baseline": "smollm2-135m",
     "baseline_per_domain": {
-        "math": {"accuracy": 0.1, "ci_low": 0.05, "ci_high": 0.15, "n": 64, "infra_failures": 0, "mean_reward": 0.2,
-                 "mean_components": {"correct": 0.1, "format": 0.5},
-                 "pass_at": {"1": {"value": 0.1, "ci_low": 0.05, "ci_high": 0.15, "n": 64},
-                             "4": {"value": 0.3125, "ci_low": 0.2, "ci_high": 0.4, "n": 64}}},
+        "math": {
+            "accuracy": 0.1,
+            "ci_low": 0.05,
+            "ci_high": 0.15,
+            "n": 64,
+            "infra_failures": 0,
+            "mean_reward": 0.2,
+            "mean_components": {"correct": 0.1, "format": 0.5},
+            "pass_at": {
+                "1": {"value": 0.1, "ci_low": 0.05, "ci_high": 0.15, "n": 64},
+                "4": {"value": 0.3125, "ci_low": 0.2, "ci_high": 0.4, "n": 64},
+            },
+        },
     },
-    "delta_per_domain": {"math": {"delta": 0.3, "ci_low": 0.2, "ci_high": 0.4, "n_tasks": 64,
-                                  "pass_at": {"1": {"delta": 0.3, "ci_low": 0.2, "ci_high": 0.4, "n_tasks": 64},
-                                              "4": {"delta": 0.3125, "ci_low": 0.21, "ci_high": 0.42, "n_tasks": 64}}}},
-    "delta": 0.3, "ci_low": 0.2, "ci_high": 0.4, "n_tasks": 64,
-    "delta_pass_at": {"1": {"delta": 0.3, "ci_low": 0.2, "ci_high": 0.4, "n_tasks": 64},
-                      "4": {"delta": 0.3125, "ci_low": 0.21, "ci_high": 0.42, "n_tasks": 64}},
+    "delta_per_domain": {
+        "math": {
+            "delta": 0.3,
+            "ci_low": 0.2,
+            "ci_high": 0.4,
+            "n_tasks": 64,
+            "pass_at": {
+                "1": {"delta": 0.3, "ci_low": 0.2, "ci_high": 0.4, "n_tasks": 64},
+                "4": {"delta": 0.3125, "ci_low": 0.21, "ci_high": 0.42, "n_tasks": 64},
+            },
+        }
+    },
+    "delta": 0.3,
+    "ci_low": 0.2,
+    "ci_high": 0.4,
+    "n_tasks": 64,
+    "delta_pass_at": {
+        "1": {"delta": 0.3, "ci_low": 0.2, "ci_high": 0.4, "n_tasks": 64},
+        "4": {"delta": 0.3125, "ci_low": 0.21, "ci_high": 0.42, "n_tasks": 64},
+    },
 }
 
 
@@ -96,8 +131,19 @@ def test_report_writes_every_plot_it_has_data_for(tmp_path):
     (run.path / "eval.json").write_text(json.dumps(EVAL))
     index = write_report(run.path)
     page = index.read_text()
-    for png in ["reward.png", "heldout.png", "kl.png", "entropy.png", "length.png", "timeline.png", "sandbox.png",
-                "domain_shares.png", "eval.png", "pass_at.png", "tokens.png"]:
+    for png in [
+        "reward.png",
+        "heldout.png",
+        "kl.png",
+        "entropy.png",
+        "length.png",
+        "timeline.png",
+        "sandbox.png",
+        "domain_shares.png",
+        "eval.png",
+        "pass_at.png",
+        "tokens.png",
+    ]:
         assert (run.report / png).stat().st_size > 2000, png
         assert f'src="{png}"' in page
 
@@ -113,27 +159,38 @@ def test_report_opens_with_a_summary_and_keeps_tokens_off_accuracy_charts(tmp_pa
     assert "math (difficulty 0, 1); code.unit_tests (difficulty 0)" in summary
     assert "8,000 in rollouts, 4,000 in held-out probes" in summary
     # the held-out rows, figures formatted from eval.json: model, baseline, paired delta per figure
-    for row in ["<td>math</td><td>accuracy (strict)</td><td>64</td><td>0.400 [0.300, 0.500]</td>"
-                "<td>0.100 [0.050, 0.150]</td><td>+0.300 [+0.200, +0.400]</td>",
-                "<td></td><td>pass@1</td><td></td><td>0.400 [0.300, 0.500]</td><td>0.100 [0.050, 0.150]</td>"
-                "<td>+0.300 [+0.200, +0.400]</td>",
-                "<td></td><td>pass@4</td><td></td><td>0.625 [0.500, 0.750]</td><td>0.312 [0.200, 0.400]</td>"
-                "<td>+0.312 [+0.210, +0.420]</td>",
-                "<td><b>all</b></td><td>accuracy (strict)</td><td>64</td><td></td><td></td><td>+0.300 [+0.200, +0.400]</td>",
-                "<td></td><td>pass@4</td><td></td><td></td><td></td><td>+0.312 [+0.210, +0.420]</td>"]:
+    for row in [
+        "<td>math</td><td>accuracy (strict)</td><td>64</td><td>0.400 [0.300, 0.500]</td>"
+        "<td>0.100 [0.050, 0.150]</td><td>+0.300 [+0.200, +0.400]</td>",
+        "<td></td><td>pass@1</td><td></td><td>0.400 [0.300, 0.500]</td><td>0.100 [0.050, 0.150]</td>"
+        "<td>+0.300 [+0.200, +0.400]</td>",
+        "<td></td><td>pass@4</td><td></td><td>0.625 [0.500, 0.750]</td><td>0.312 [0.200, 0.400]</td>"
+        "<td>+0.312 [+0.210, +0.420]</td>",
+        "<td><b>all</b></td><td>accuracy (strict)</td><td>64</td><td></td><td></td><td>+0.300 [+0.200, +0.400]</td>",
+        "<td></td><td>pass@4</td><td></td><td></td><td></td><td>+0.312 [+0.210, +0.420]</td>",
+    ]:
         assert row in summary, row
-    assert "<th>model <code>runs/r/policy</code> [95% CI]</th><th>baseline <code>smollm2-135m</code> [95% CI]</th>" in summary
+    assert (
+        "<th>model <code>runs/r/policy</code> [95% CI]</th><th>baseline <code>smollm2-135m</code> [95% CI]</th>"
+        in summary
+    )
     # the shaped reward is reported as such, not as accuracy
     assert "<th>mean shaped reward</th><th>mean correct</th><th>mean format</th>" in summary
     assert "<td>math</td><td>model</td><td>0.610</td><td>0.400</td><td>0.900</td>" in summary
     assert page.index('<section id="summary">') < page.index('src="eval.png"')
     # accuracy charts hold accuracies only; tokens have their own chart
     assert _figure_series(page, "heldout.png") == ["math"]
-    assert "generated_tokens" not in json.dumps(_figure_series(page, "eval.png") + _figure_series(page, "heldout.png"))
+    assert "generated_tokens" not in json.dumps(
+        _figure_series(page, "eval.png") + _figure_series(page, "heldout.png")
+    )
     assert _figure_series(page, "tokens.png") == ["training rollouts", "held-out probes"]
     assert _figure_series(page, "domain_shares.png") == ["code.unit_tests", "math"]
     # tables, not raw JSON dumps
-    assert "<pre>" not in page and '"per_domain"' not in page and "{&quot;" not in page.replace('data-series="', "")
+    assert (
+        "<pre>" not in page
+        and '"per_domain"' not in page
+        and "{&quot;" not in page.replace('data-series="', "")
+    )
 
 
 def test_domain_shares_come_from_the_metrics_without_the_curriculum_package():
@@ -142,18 +199,32 @@ def test_domain_shares_come_from_the_metrics_without_the_curriculum_package():
 
     from posttrain.telemetry.report import domain_shares
 
-    rows = [{"step": 1, "curriculum/weight/math:0": 0.25, "curriculum/weight/math:1": 0.25,
-             "curriculum/weight/code.unit_tests:0": 0.5},
-            {"step": 2, "curriculum/domain_share/math": 0.7, "curriculum/domain_share/code.unit_tests": 0.3,
-             "curriculum/weight/math:0": 0.1}]
+    rows = [
+        {
+            "step": 1,
+            "curriculum/weight/math:0": 0.25,
+            "curriculum/weight/math:1": 0.25,
+            "curriculum/weight/code.unit_tests:0": 0.5,
+        },
+        {
+            "step": 2,
+            "curriculum/domain_share/math": 0.7,
+            "curriculum/domain_share/code.unit_tests": 0.3,
+            "curriculum/weight/math:0": 0.1,
+        },
+    ]
     assert domain_shares(rows) == ([1, 2], {"code.unit_tests": [0.5, 0.3], "math": [0.5, 0.7]})
-    probe = ("import sys, posttrain.telemetry.report; "
-             "print(sorted(m for m in sys.modules if m.startswith('posttrain.') and not m.startswith('posttrain.telemetry')))")
+    probe = (
+        "import sys, posttrain.telemetry.report; "
+        "print(sorted(m for m in sys.modules if m.startswith('posttrain.') and not m.startswith('posttrain.telemetry')))"
+    )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
 
-@pytest.mark.skipif(shutil.which("chromium") is None, reason="chromium is installed by `make test` (Debian package)")
+@pytest.mark.skipif(
+    shutil.which("chromium") is None, reason="chromium is installed by `make test` (Debian package)"
+)
 def test_report_renders_in_headless_chromium(tmp_path):
     from PIL import Image
 
@@ -161,10 +232,23 @@ def test_report_renders_in_headless_chromium(tmp_path):
     index = write_report(run.path)
     shot = tmp_path / "shot.png"
     proc = subprocess.run(
-        ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
-         "--window-size=1000,2400", f"--screenshot={shot}", index.as_uri()],
-        capture_output=True, text=True, timeout=120,
+        [
+            "chromium",
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--no-first-run",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--window-size=1000,2400",
+            f"--screenshot={shot}",
+            index.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert shot.is_file(), proc.stderr[-2000:]
     img = Image.open(shot).convert("RGB")
@@ -182,8 +266,17 @@ def test_export_loads_in_transformers_with_identical_logits(tmp_path):
 
     from .test_loop import DOMAINS, TINY
 
-    cfg = load_config(None, [*TINY, *DOMAINS, f"telemetry.run_dir={tmp_path}", "orchestrator.steps=1",
-                             "model.lora_rank=4", "curriculum.probe_every=0"])
+    cfg = load_config(
+        None,
+        [
+            *TINY,
+            *DOMAINS,
+            f"telemetry.run_dir={tmp_path}",
+            "orchestrator.steps=1",
+            "model.lora_rank=4",
+            "curriculum.probe_every=0",
+        ],
+    )
     run = RunDir.create(tmp_path, "lora")
     save_config(cfg, run.config)
     rl = RLRun(cfg, run)

@@ -107,7 +107,9 @@ class RecordingEngine:
         await asyncio.sleep(0.01)
         ids = self.tokenizer.encode(self.text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
         ids = ids[: request.params.max_tokens]
-        return GenerationOutput("r", list(request.prompt_token_ids), [Completion(ids, [-0.5] * len(ids), self.text, "stop")], 0.0)
+        return GenerationOutput(
+            "r", list(request.prompt_token_ids), [Completion(ids, [-0.5] * len(ids), self.text, "stop")], 0.0
+        )
 
 
 def test_group_prompt_is_prefilled_once_before_the_group_generates(tokenizer):
@@ -122,7 +124,19 @@ def test_group_prompt_is_prefilled_once_before_the_group_generates(tokenizer):
     for share in (True, False):
         engine = RecordingEngine(tokenizer, "<answer>4</answer>")
         batch = asyncio.run(
-            collect_groups(engine, tokenizer, [(domain, t) for t in tasks], 3, None, params, limits, 0, 0, 0, share_prefill=share)
+            collect_groups(
+                engine,
+                tokenizer,
+                [(domain, t) for t in tasks],
+                3,
+                None,
+                params,
+                limits,
+                0,
+                0,
+                0,
+                share_prefill=share,
+            )
         )
         warm = [c for c in engine.calls if c[1] == 1]
         assert len(warm) == (2 if share else 0) and len(engine.calls) == 6 + len(warm)
@@ -152,7 +166,19 @@ def test_group_prefill_makes_the_paged_engine_store_each_prompt_once():
     for share in (False, True):
         engine = make_engine(cfg.engine, load_policy("tiny:llama"), tok)
         batch = asyncio.run(
-            collect_groups(engine, tok, [(domain, t) for t in tasks], 8, None, params, EpisodeLimits(1, 512, 8), 0, 0, 0, share_prefill=share)
+            collect_groups(
+                engine,
+                tok,
+                [(domain, t) for t in tasks],
+                8,
+                None,
+                params,
+                EpisodeLimits(1, 512, 8),
+                0,
+                0,
+                0,
+                share_prefill=share,
+            )
         )
         assert {t.prompt_len for t in batch.trajectories} == {50}
         stats[share] = engine.kv_stats()

@@ -19,8 +19,11 @@ class FakeCgroupFs:
 
     def __init__(self, root: Path, controllers: str, procs: str) -> None:
         self.root = root
-        for name, text in (("cgroup.controllers", controllers), ("cgroup.subtree_control", ""),
-                           ("cgroup.procs", procs)):
+        for name, text in (
+            ("cgroup.controllers", controllers),
+            ("cgroup.subtree_control", ""),
+            ("cgroup.procs", procs),
+        ):
             (root / name).write_text(text)
 
     def mkdir(self, path: Path) -> None:
@@ -28,8 +31,12 @@ class FakeCgroupFs:
             return
         path.mkdir()
         available = (path.parent / "cgroup.subtree_control").read_text().split()
-        files = {"cgroup.controllers": " ".join(available), "cgroup.subtree_control": "", "cgroup.procs": "",
-                 "cgroup.kill": ""}
+        files = {
+            "cgroup.controllers": " ".join(available),
+            "cgroup.subtree_control": "",
+            "cgroup.procs": "",
+            "cgroup.kill": "",
+        }
         if "memory" in available:
             files.update({"memory.max": "max", "memory.events": "oom 0\noom_kill 0\n"})
             if self.swap:
@@ -79,7 +86,8 @@ def fake(tmp_path, monkeypatch):
 def test_v2_refuses_a_subtree_without_the_memory_controller(fake):
     fs = fake(controllers="cpu pids")
     assert iso_mod.probe_cgroup_v2(fs.root, 4242) == (
-        f"cgroup v2 at {fs.root}: the memory controller is not delegated here (cgroup.controllers: cpu pids)")
+        f"cgroup v2 at {fs.root}: the memory controller is not delegated here (cgroup.controllers: cpu pids)"
+    )
 
 
 def test_v2_refuses_a_group_shared_with_other_processes(fake):
@@ -99,7 +107,10 @@ def test_v2_setup_moves_us_into_a_leaf_then_limits_each_worker(fake, tmp_path):
     assert (parent / "cgroup.subtree_control").read_text() == "memory pids"
     slot = iso_mod.CgroupV2Slot(parent, "i0-default-nonet-0", iso_mod.cgroup_v2_limits(256 << 20, 64))
     assert [(slot.dir / f).read_text() for f in ("memory.max", "memory.swap.max", "pids.max")] == [
-        str(256 << 20), "0", "64"]
+        str(256 << 20),
+        "0",
+        "64",
+    ]
     assert slot.procs_files == [str(slot.dir / "cgroup.procs")] and slot.oom_kills() == 0
     (slot.dir / "memory.events").write_text("low 0\nhigh 0\nmax 7\noom 2\noom_kill 2\noom_group_kill 0\n")
     assert slot.oom_kills() == 2
@@ -116,7 +127,9 @@ def test_v2_without_swap_accounting_still_sets_memory_and_pids(fake):
     fs.swap = False
     parent = iso_mod.ensure_cgroup_v2_parent(fs.root, 4242)
     slot = iso_mod.CgroupV2Slot(parent, "w", iso_mod.cgroup_v2_limits(1 << 30, 32))
-    assert not (slot.dir / "memory.swap.max").exists() and (slot.dir / "memory.max").read_text() == str(1 << 30)
+    assert not (slot.dir / "memory.swap.max").exists() and (slot.dir / "memory.max").read_text() == str(
+        1 << 30
+    )
     fs.mkdir(parent / "nomem")
     (parent / "nomem" / "memory.max").unlink()  # a missing memory.max is an error, never skipped
     with pytest.raises(OSError):
@@ -126,20 +139,30 @@ def test_v2_without_swap_accounting_still_sets_memory_and_pids(fake):
 def test_sweep_removes_only_groups_of_dead_processes(tmp_path):
     dead = subprocess.Popen(["true"])
     dead.wait()
-    for d in (f"posttrain-sandbox-{dead.pid}/i0-default-nonet-0", f"posttrain-main-{dead.pid}",
-              f"posttrain-sandbox-{os.getpid()}/i0-default-nonet-0", "unrelated-group"):
+    for d in (
+        f"posttrain-sandbox-{dead.pid}/i0-default-nonet-0",
+        f"posttrain-main-{dead.pid}",
+        f"posttrain-sandbox-{os.getpid()}/i0-default-nonet-0",
+        "unrelated-group",
+    ):
         (tmp_path / d).mkdir(parents=True)
     iso_mod.sweep_stale_cgroups("v2", v2_base=tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"posttrain-sandbox-{os.getpid()}", "unrelated-group"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f"posttrain-sandbox-{os.getpid()}",
+        "unrelated-group",
+    ]
 
 
 def test_cgroup2_mount_from_mountinfo(tmp_path):
     hybrid = tmp_path / "hybrid"
     hybrid.write_text(
         "35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n"
-        "41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n")
+        "41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n"
+    )
     pure = tmp_path / "pure"
-    pure.write_text("29 23 0:26 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:4 - cgroup2 cgroup2 rw\n")
+    pure.write_text(
+        "29 23 0:26 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:4 - cgroup2 cgroup2 rw\n"
+    )
     assert iso_mod.cgroup2_mount(str(hybrid)) == Path("/sys/fs/cgroup/unified")
     assert iso_mod.cgroup2_mount(str(pure)) == Path("/sys/fs/cgroup")
     assert iso_mod.cgroup2_mount(str(tmp_path / "absent")) is None
@@ -163,9 +186,13 @@ def test_real_v2_group_holds_the_worker_then_is_killed_and_removed():
     try:
         proc = subprocess.Popen(["/bin/sh", "-c", 'echo $$ >"$0" && exec sleep 60', slot.procs_files[0]])
         deadline = time.monotonic() + 10
-        while str(proc.pid) not in Path(slot.procs_files[0]).read_text().split() and time.monotonic() < deadline:
+        while (
+            str(proc.pid) not in Path(slot.procs_files[0]).read_text().split() and time.monotonic() < deadline
+        ):
             time.sleep(0.01)
-        line = next(ln for ln in Path(f"/proc/{proc.pid}/cgroup").read_text().splitlines() if ln.startswith("0::"))
+        line = next(
+            ln for ln in Path(f"/proc/{proc.pid}/cgroup").read_text().splitlines() if ln.startswith("0::")
+        )
         assert line.endswith(f"/posttrain-test-{os.getpid()}/slot")
         assert slot.kill_all(timeout_s=5)
         assert proc.wait(timeout=5) == -9
@@ -194,5 +221,7 @@ except OSError as e:
         res = sb.run_blocking(Job(code=code, limits=Limits(max_processes=200, wall_time_s=10)))
         err, n = res.stdout.split()
         assert res.status == ExecStatus.OK and int(err) == errno.EAGAIN and 16 <= int(n) < 24, res
-        after = sb.run_blocking(Job(code="import os; print(len([p for p in os.listdir('/proc') if p.isdigit()]))"))
+        after = sb.run_blocking(
+            Job(code="import os; print(len([p for p in os.listdir('/proc') if p.isdigit()]))")
+        )
         assert after.stdout == b"3\n"  # the sleepers were reaped and the next job forks freely again

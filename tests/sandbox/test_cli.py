@@ -26,7 +26,9 @@ def test_run_python_file_prints_output_and_its_exit_code_fails_the_command(tmp_p
     (tmp_path / "hello.py").write_text("import sys\nprint('hello', input())\nsys.exit(3)\n")
     (tmp_path / "in.txt").write_text("world\n")
     out = cli("sandbox", "run", str(tmp_path / "hello.py"), "--stdin", str(tmp_path / "in.txt"))
-    assert out.returncode == 1 and out.stdout == "hello world\n" and "status=runtime_error exit=3" in out.stderr
+    assert (
+        out.returncode == 1 and out.stdout == "hello world\n" and "status=runtime_error exit=3" in out.stderr
+    )
 
 
 def test_run_bash_with_language_flag(tmp_path):
@@ -68,9 +70,13 @@ def test_serve_answers_the_client_and_rejects_a_wrong_token(stop_with):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     # started with SIGINT ignored, as under `cmd &` in a script: the service must still stop on SIGINT and SIGTERM
-    proc = subprocess.Popen([*CLI, "sandbox", "serve", "--port", str(port), "--token", "tok", "--pool-size", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                            preexec_fn=_ignore_sigint)
+    proc = subprocess.Popen(
+        [*CLI, "sandbox", "serve", "--port", str(port), "--token", "tok", "--pool-size", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        preexec_fn=_ignore_sigint,
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         for _ in range(300):

@@ -30,8 +30,11 @@ def test_jobs_get_the_wall_ceiling_and_the_memory_limit():
 
 
 def test_make_sandbox_wraps_the_configured_backend():
-    remote = make_sandbox(load_config(None, ["sandbox.mode=remote", "sandbox.url=http://127.0.0.1:9",
-                                             "sandbox.wall_time_s=7"]).sandbox)
+    remote = make_sandbox(
+        load_config(
+            None, ["sandbox.mode=remote", "sandbox.url=http://127.0.0.1:9", "sandbox.wall_time_s=7"]
+        ).sandbox
+    )
     assert isinstance(remote, ConfiguredSandbox) and remote.limits.wall_time_s == 7.0
 
 

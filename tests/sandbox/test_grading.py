@@ -21,12 +21,15 @@ def test_per_test_results_and_fraction(sandbox):
     assert (g.passed, g.total, g.fraction, g.status, g.infra_failure) == (2, 4, 0.5, ExecStatus.OK, False)
 
 
-@pytest.mark.parametrize("forger", [
-    # prints lines in the harness format with guessed nonces, then exits before the tests run
-    "import sys\nfor i in range(4):\n    print('\\n0 %d 1' % i)\nsys.exit(0)\n",
-    "import os\nprint('x 0 1\\nx 1 1', flush=True)\nos._exit(0)\n",
-    "import sys\nsys.stdout.close()\n" + SQUARE,
-])
+@pytest.mark.parametrize(
+    "forger",
+    [
+        # prints lines in the harness format with guessed nonces, then exits before the tests run
+        "import sys\nfor i in range(4):\n    print('\\n0 %d 1' % i)\nsys.exit(0)\n",
+        "import os\nprint('x 0 1\\nx 1 1', flush=True)\nos._exit(0)\n",
+        "import sys\nsys.stdout.close()\n" + SQUARE,
+    ],
+)
 def test_forged_lines_and_early_exit_earn_nothing(sandbox, forger):
     g = grade(sandbox, forger)
     if "sq" in forger:  # closing sys.stdout does not stop the harness's private fd
@@ -44,15 +47,23 @@ def test_exit_inside_a_test_fails_only_that_test(sandbox):
 def test_a_job_that_never_completes_credits_nothing(sandbox):
     # the verdict needs the runner's own completion: earlier passes of a job killed at its wall limit
     # do not count
-    g = grade(sandbox, SQUARE, ["assert sq(2) == 4", "while True: pass", "assert sq(3) == 9"],
-              limits=Limits(wall_time_s=0.5))
+    g = grade(
+        sandbox,
+        SQUARE,
+        ["assert sq(2) == 4", "while True: pass", "assert sq(3) == 9"],
+        limits=Limits(wall_time_s=0.5),
+    )
     assert g.per_test == [False, False, False] and g.status == ExecStatus.TIMEOUT
     assert "did not complete" in g.detail and not g.infra_failure
 
 
 def test_per_test_timeout(sandbox):
-    g = grade(sandbox, SQUARE, ["assert sq(2) == 4", "while True: pass", "assert sq(3) == 9"],
-              per_test_timeout_s=0.2)
+    g = grade(
+        sandbox,
+        SQUARE,
+        ["assert sq(2) == 4", "while True: pass", "assert sq(3) == 9"],
+        per_test_timeout_s=0.2,
+    )
     assert g.per_test == [True, False, True] and g.status == ExecStatus.OK
 
 

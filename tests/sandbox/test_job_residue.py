@@ -52,10 +52,14 @@ call("mq_open", b"/leak", os.O_CREAT | os.O_RDWR, 0o600, None)
 def test_sysv_ipc_and_message_queues_are_denied(jail):
     res = run(jail, SYSV)
     lines = res.stdout.decode().splitlines()
-    assert lines == [f"{name} -1 {ENOSYS}" for name in
-                     ("shmget", "shmget", "shmat", "shmctl", "msgget", "msgsnd", "semget", "semctl", "mq_open")]
+    assert lines == [
+        f"{name} -1 {ENOSYS}"
+        for name in ("shmget", "shmget", "shmat", "shmctl", "msgget", "msgsnd", "semget", "semctl", "mq_open")
+    ]
     # /proc/sysvipc shows the jail's IPC namespace: nothing was created there, for this job or the next
-    after = run(jail, "print(sum(len(open(f'/proc/sysvipc/{k}').readlines()) - 1 for k in ('shm', 'msg', 'sem')))")
+    after = run(
+        jail, "print(sum(len(open(f'/proc/sysvipc/{k}').readlines()) - 1 for k in ('shm', 'msg', 'sem')))"
+    )
     assert after.stdout == b"0\n"
 
 
@@ -203,10 +207,20 @@ def test_four_hoarders_do_not_get_an_innocent_job_killed():
             pytest.skip(f"isolation layers missing: {sb.isolation.missing}")
         before = worker_pid(sb)
         for _ in range(4):
-            res = sb.run_blocking(Job(code=HOARD, limits=Limits(memory_bytes=1200 << 20, max_file_bytes=1 << 30,
-                                                                 wall_time_s=20, cpu_time_s=20)))
+            res = sb.run_blocking(
+                Job(
+                    code=HOARD,
+                    limits=Limits(
+                        memory_bytes=1200 << 20, max_file_bytes=1 << 30, wall_time_s=20, cpu_time_s=20
+                    ),
+                )
+            )
             assert res.stdout == f"sysv {ENOSYS}\nposix 28\nmemfd held\n".encode(), res
-        innocent = sb.run_blocking(Job(code="b = bytearray(400 << 20)\nb[::4096] = b'y' * len(b[::4096])\nprint('fine')",
-                                       limits=Limits(memory_bytes=600 << 20)))
+        innocent = sb.run_blocking(
+            Job(
+                code="b = bytearray(400 << 20)\nb[::4096] = b'y' * len(b[::4096])\nprint('fine')",
+                limits=Limits(memory_bytes=600 << 20),
+            )
+        )
         assert (innocent.status, innocent.stdout) == (ExecStatus.OK, b"fine\n"), innocent
         assert worker_pid(sb) == before and sb.stats["recycles"] == 0

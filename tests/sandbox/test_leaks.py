@@ -48,7 +48,11 @@ def _check_no_leaks(n_jobs: int) -> None:
         assert [r.status for r in results] == [EXPECTED[i % len(CODES)] for i in range(n_jobs)]
         assert results[3].files == {"f.txt": b"x" * 100}
         assert sb.stats["recycles"] >= n_jobs // max(10, n_jobs // 10) - 2
-        last = sb.run_blocking(Job(code="import os\nprint(sorted(os.listdir('/job')), len([p for p in os.listdir('/proc') if p.isdigit()]))"))
+        last = sb.run_blocking(
+            Job(
+                code="import os\nprint(sorted(os.listdir('/job')), len([p for p in os.listdir('/proc') if p.isdigit()]))"
+            )
+        )
         assert last.stdout == b"['.tmp', 'solution.py'] 3\n"
         cgroup_dirs = sandbox_cgroup_dirs(sb.isolation.cgroups, sb.instance)
         # 2 slots, each with a memory and a pids group on v1 and one group on v2

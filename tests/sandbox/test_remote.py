@@ -29,8 +29,13 @@ def server(sandbox):
 
 
 def test_job_json_round_trip_keeps_bytes():
-    job = Job(code="print(1)", stdin=b"\xff\x00", files={"a/b.bin": b"\x80"}, argv=["x"],
-              limits=Limits(wall_time_s=2.5))
+    job = Job(
+        code="print(1)",
+        stdin=b"\xff\x00",
+        files={"a/b.bin": b"\x80"},
+        argv=["x"],
+        limits=Limits(wall_time_s=2.5),
+    )
     assert job_from_dict(job_to_dict(job)) == job
 
 
@@ -39,7 +44,9 @@ def test_run_and_batch_and_grading_over_http(server):
         async with RemoteSandbox(server.url, TOKEN) as sb:
             one = await sb.run(Job(code="import sys; sys.stdout.buffer.write(bytes([255, 10]))"))
             many = await sb.run_batch([Job(code=f"print({i} ** 2)") for i in range(6)])
-            graded = await grade_asserts(sb, "def f(x):\n    return x + 1\n", ["assert f(1) == 2", "assert f(2) == 4"])
+            graded = await grade_asserts(
+                sb, "def f(x):\n    return x + 1\n", ["assert f(1) == 2", "assert f(2) == 4"]
+            )
             health = await sb.health()
             return one, many, graded, health
 
@@ -62,13 +69,18 @@ def test_wrong_token_is_401(server):
 
 def test_oversized_request_is_413(server):
     big = Job(code="x = '" + "a" * 100_000 + "'")
-    resp = httpx.post(server.url + "/run", json=job_to_dict(big), headers={"Authorization": f"Bearer {TOKEN}"})
+    resp = httpx.post(
+        server.url + "/run", json=job_to_dict(big), headers={"Authorization": f"Bearer {TOKEN}"}
+    )
     assert resp.status_code == 413 and "exceeds the limit of 65536" in resp.json()["error"]
 
 
 def test_bad_job_is_400_with_reason(server):
-    resp = httpx.post(server.url + "/run", json={"code": "print(1)", "language": "cobol"},
-                      headers={"Authorization": f"Bearer {TOKEN}"})
+    resp = httpx.post(
+        server.url + "/run",
+        json={"code": "print(1)", "language": "cobol"},
+        headers={"Authorization": f"Bearer {TOKEN}"},
+    )
     assert resp.status_code == 400 and "unknown language 'cobol'" in resp.json()["error"]
 
 
@@ -94,6 +106,7 @@ def test_bounded_concurrency_serializes_excess_requests(sandbox):
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
     try:
+
         async def go():
             async with RemoteSandbox(srv.url, TOKEN) as sb:
                 job = Job(code="import time\ntime.sleep(0.4)\nprint('slept')")
@@ -160,10 +173,14 @@ def serving(sandbox, **kw):
 def test_max_concurrent_counts_jobs_not_requests():
     fake = CountingSandbox()
     with serving(fake, max_concurrent=2) as srv:
+
         async def go():
             async with RemoteSandbox(srv.url, TOKEN) as sb:
-                return await asyncio.gather(sb.run_batch([Job(code=f"b{i}") for i in range(6)]),
-                                            sb.run(Job(code="one")), sb.run_batch([Job(code="x"), Job(code="y")]))
+                return await asyncio.gather(
+                    sb.run_batch([Job(code=f"b{i}") for i in range(6)]),
+                    sb.run(Job(code="one")),
+                    sb.run_batch([Job(code="x"), Job(code="y")]),
+                )
 
         t0 = time.monotonic()
         batch, one, pair = asyncio.run(go())
@@ -176,6 +193,7 @@ def test_max_concurrent_counts_jobs_not_requests():
 
 def test_a_batch_larger_than_max_concurrent_still_completes_on_real_workers(sandbox):
     with serving(sandbox, max_concurrent=1) as srv:
+
         async def go():
             async with RemoteSandbox(srv.url, TOKEN) as sb:
                 job = Job(code="import time\ntime.sleep(0.3)\nprint('slept')")
@@ -192,12 +210,15 @@ def test_limits_over_the_service_maxima_are_refused_by_name():
     fake = CountingSandbox()
     maxima = Limits(wall_time_s=10, cpu_time_s=10, memory_bytes=1 << 30, max_processes=32)
     with serving(fake, max_limits=maxima) as srv:
+
         async def go(jobs, single=False):
             async with RemoteSandbox(srv.url, TOKEN) as sb:
                 return await (sb.run(jobs[0]) if single else sb.run_batch(jobs))
 
         with pytest.raises(RemoteSandboxError) as err:
-            asyncio.run(go([Job(code="a", limits=Limits(wall_time_s=100, memory_bytes=2 << 30))], single=True))
+            asyncio.run(
+                go([Job(code="a", limits=Limits(wall_time_s=100, memory_bytes=2 << 30))], single=True)
+            )
         assert err.value.status_code == 400
         assert "Limits.wall_time_s=100 exceeds this service's maximum of 10" in str(err.value)
         assert f"Limits.memory_bytes={2 << 30} exceeds this service's maximum of {1 << 30}" in str(err.value)
@@ -207,7 +228,9 @@ def test_limits_over_the_service_maxima_are_refused_by_name():
         with pytest.raises(RemoteSandboxError, match="unknown language 'bash'"):
             asyncio.run(go([Job(code="ok"), Job(code="b", language="bash")]))
         assert fake.submitted == 0  # a refused batch runs none of its jobs
-        at_max = asyncio.run(go([Job(code="edge", limits=Limits(wall_time_s=10, cpu_time_s=10, max_processes=32))]))
+        at_max = asyncio.run(
+            go([Job(code="edge", limits=Limits(wall_time_s=10, cpu_time_s=10, max_processes=32))])
+        )
         assert at_max[0].stdout == b"edge" and fake.submitted == 1
         health = httpx.get(srv.url + "/health", headers={"Authorization": f"Bearer {TOKEN}"}).json()
         assert health["max_limits"]["wall_time_s"] == 10 and health["max_limits"]["memory_bytes"] == 1 << 30
@@ -252,8 +275,11 @@ def test_a_stalled_client_is_dropped_and_the_service_goes_on(stall):
                 sock.sendall(head + b"Content-Length: 100\r\n\r\n" + b'{"code": ')
             dropped, waited = _closed_or_408(sock, within_s=5.0)
         assert dropped and waited < 4.0, (stall, waited)
-        resp = httpx.post(srv.url + "/run", json=job_to_dict(Job(code="after")),
-                          headers={"Authorization": f"Bearer {TOKEN}"})
+        resp = httpx.post(
+            srv.url + "/run",
+            json=job_to_dict(Job(code="after")),
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        )
         assert resp.status_code == 200 and resp.json()["stdout"] == "YWZ0ZXI="  # base64 of b"after"
 
 
@@ -286,8 +312,11 @@ def test_a_stalled_service_is_an_infra_failure_within_the_client_timeout(stall):
     thread.start()
     try:
         t0 = time.monotonic()
-        res = asyncio.run(RemoteSandbox(f"http://127.0.0.1:{listener.getsockname()[1]}", TOKEN,
-                                        timeout_s=1.0).run(Job(code="print(1)")))
+        res = asyncio.run(
+            RemoteSandbox(f"http://127.0.0.1:{listener.getsockname()[1]}", TOKEN, timeout_s=1.0).run(
+                Job(code="print(1)")
+            )
+        )
         elapsed = time.monotonic() - t0
     finally:
         stop.set()
@@ -296,4 +325,6 @@ def test_a_stalled_service_is_an_infra_failure_within_the_client_timeout(stall):
     assert res.status == ExecStatus.SANDBOX_ERROR and res.is_infra_failure, res
     assert elapsed < 3.0, elapsed
     # silent: httpx's read timeout or our deadline, whichever fires first; trickle: only the deadline can
-    assert "did not answer within 1.0 s" in res.error or (stall == "silent" and "ReadTimeout" in res.error), res.error
+    assert "did not answer within 1.0 s" in res.error or (stall == "silent" and "ReadTimeout" in res.error), (
+        res.error
+    )

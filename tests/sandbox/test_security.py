@@ -76,8 +76,10 @@ def test_dns_fails(jail):
     assert_serves_next(jail)
 
 
-@pytest.mark.parametrize("path", ["/work/main/pyproject.toml", "/work", "/root", "/root/.bashrc", "/etc/shadow",
-                                  "/etc/passwd", "/home"])
+@pytest.mark.parametrize(
+    "path",
+    ["/work/main/pyproject.toml", "/work", "/root", "/root/.bashrc", "/etc/shadow", "/etc/passwd", "/home"],
+)
 def test_host_files_are_invisible(jail, path):
     assert os.path.exists(path) or path in ("/root/.bashrc", "/home")  # the attack targets real host files
     code = f"import os\ntry:\n    print(os.listdir({path!r}) if os.path.isdir({path!r}) else open({path!r}).read())\nexcept OSError as e:\n    print('denied', e.errno)"
@@ -99,8 +101,10 @@ print(sorted(os.environ), seen)
 """
     res = run(jail, code)
     assert SECRET_VALUE not in res.stdout_text
-    assert res.stdout == (b"['HOME', 'LANG', 'LC_ALL', 'OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', 'PATH', "
-                          b"'PYTHONHASHSEED', 'PYTHONIOENCODING', 'TMPDIR'] []\n")
+    assert res.stdout == (
+        b"['HOME', 'LANG', 'LC_ALL', 'OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', 'PATH', "
+        b"'PYTHONHASHSEED', 'PYTHONIOENCODING', 'TMPDIR'] []\n"
+    )
     assert_serves_next(jail)
 
 
@@ -115,9 +119,13 @@ for p in ["/x", "/usr/x", "/etc/x", "/opt/ptsb/jailed/worker.py", "/bin/sh"]:
         print(p, e.errno)
 """
     # new files: read-only mounts (EROFS); existing root-owned files: the jail uid may not write (EACCES)
-    expected = f"/x {EROFS}\n/usr/x {EROFS}\n/etc/x {EROFS}\n/opt/ptsb/jailed/worker.py {EACCES}\n/bin/sh {EACCES}\n"
+    expected = (
+        f"/x {EROFS}\n/usr/x {EROFS}\n/etc/x {EROFS}\n/opt/ptsb/jailed/worker.py {EACCES}\n/bin/sh {EACCES}\n"
+    )
     assert run(jail, code).stdout == expected.encode()
-    assert run(jail, "open('/tmp/left', 'w').write('x'); open('left2', 'w').write('y')").status == ExecStatus.OK
+    assert (
+        run(jail, "open('/tmp/left', 'w').write('x'); open('left2', 'w').write('y')").status == ExecStatus.OK
+    )
     assert_serves_next(jail)  # nothing the previous job wrote is left
 
 
@@ -143,7 +151,9 @@ except OSError as e:
     assert_serves_next(jail)
 
 
-@pytest.mark.parametrize("bomb", ["x = bytearray(2 << 30)", "a = []\nwhile True:\n    a.append(b'x' * 10**6)"])
+@pytest.mark.parametrize(
+    "bomb", ["x = bytearray(2 << 30)", "a = []\nwhile True:\n    a.append(b'x' * 10**6)"]
+)
 def test_memory_bomb(jail, bomb):
     res = run(jail, bomb, memory_bytes=256 << 20)
     assert res.status == ExecStatus.MEMORY_EXCEEDED and res.max_rss_bytes < 400 << 20
@@ -159,7 +169,9 @@ def test_infinite_loop(jail):
 def test_cpu_busy_threads_hit_the_cpu_limit(jail):
     code = "import threading\ndef spin():\n    while True:\n        pass\nfor _ in range(4):\n    threading.Thread(target=spin).start()\nspin()"
     res = run(jail, code, cpu_time_s=1, wall_time_s=10)
-    assert res.status == ExecStatus.TIMEOUT and res.signal == 24 and res.cpu_ms >= 900  # SIGXCPU at 1 s of CPU
+    assert (
+        res.status == ExecStatus.TIMEOUT and res.signal == 24 and res.cpu_ms >= 900
+    )  # SIGXCPU at 1 s of CPU
     assert_serves_next(jail)
 
 
@@ -184,7 +196,10 @@ time.sleep(0.2)
 print(len([p for p in os.listdir('/proc') if p.isdigit()]))
 """
     assert run(jail, code).stdout == b"4\n"  # init, worker, job, daemon were all alive during the job
-    res = run(jail, "import os; print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()) == sorted({1, os.getppid(), os.getpid()}))")
+    res = run(
+        jail,
+        "import os; print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()) == sorted({1, os.getppid(), os.getpid()}))",
+    )
     assert res.stdout == b"True\n"
     assert_serves_next(jail)
 
@@ -241,8 +256,13 @@ except OSError as e:
 def test_huge_file_write(jail):
     code = "try:\n    open('big', 'wb').write(b'x' * (16 << 20))\nexcept OSError as e:\n    print('efbig', e.errno)"
     assert run(jail, code, max_file_bytes=8 << 20).stdout == f"efbig {EFBIG}\n".encode()
-    res = jail.run_blocking(Job(code="head -c 20000000 /dev/zero > big; echo $?", language="bash",
-                                limits=Limits(max_file_bytes=8 << 20)))
+    res = jail.run_blocking(
+        Job(
+            code="head -c 20000000 /dev/zero > big; echo $?",
+            language="bash",
+            limits=Limits(max_file_bytes=8 << 20),
+        )
+    )
     assert res.stdout == b"1\n" and b"File too large" in res.stderr
     assert_serves_next(jail)
 
@@ -255,7 +275,10 @@ def test_closing_stdout_early(jail):
 
 
 def test_non_utf8_output_comes_back_byte_exact(jail):
-    res = run(jail, "import sys\nsys.stdout.buffer.write(b'\\xff\\xfe\\x00\\x80ok')\nsys.stderr.buffer.write(b'\\xc3')")
+    res = run(
+        jail,
+        "import sys\nsys.stdout.buffer.write(b'\\xff\\xfe\\x00\\x80ok')\nsys.stderr.buffer.write(b'\\xc3')",
+    )
     assert (res.status, res.stdout, res.stderr) == (ExecStatus.OK, b"\xff\xfe\x00\x80ok", b"\xc3")
     assert res.stdout_text == "\ufffd\ufffd\x00\ufffdok"
     assert_serves_next(jail)
@@ -267,10 +290,19 @@ def test_sleeping_past_the_wall_limit(jail):
     assert_serves_next(jail)
 
 
-@pytest.mark.parametrize("language,code", [
-    ("cpp", "#include <vector>\nint main(){std::vector<std::vector<char>> v; while(1) v.emplace_back(1<<24, 1);}"),
-    ("c", "#include <stdlib.h>\n#include <string.h>\nint main(){while(1){char*p=malloc(1<<24); memset(p,1,1<<24);}}"),
-])
+@pytest.mark.parametrize(
+    "language,code",
+    [
+        (
+            "cpp",
+            "#include <vector>\nint main(){std::vector<std::vector<char>> v; while(1) v.emplace_back(1<<24, 1);}",
+        ),
+        (
+            "c",
+            "#include <stdlib.h>\n#include <string.h>\nint main(){while(1){char*p=malloc(1<<24); memset(p,1,1<<24);}}",
+        ),
+    ],
+)
 def test_native_memory_bomb(jail, language, code):
     res = jail.run_blocking(Job(code=code, language=language, limits=Limits(memory_bytes=256 << 20)))
     assert res.status == ExecStatus.MEMORY_EXCEEDED and res.max_rss_bytes < 300 << 20

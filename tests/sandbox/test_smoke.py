@@ -38,10 +38,15 @@ def test_infinite_loop_times_out(sandbox):
 
 
 def test_numpy_profile_sees_numpy_and_default_does_not(sandbox):
-    res = sandbox.run_blocking(Job(code="import numpy as np\nprint(int(np.arange(5).sum()))", profile="numpy"))
+    res = sandbox.run_blocking(
+        Job(code="import numpy as np\nprint(int(np.arange(5).sum()))", profile="numpy")
+    )
     assert (res.status, res.stdout) == (ExecStatus.OK, b"10\n")
     res = sandbox.run_blocking(Job(code="import numpy"))
-    assert res.status == ExecStatus.RUNTIME_ERROR and b"ModuleNotFoundError: No module named 'numpy'" in res.stderr
+    assert (
+        res.status == ExecStatus.RUNTIME_ERROR
+        and b"ModuleNotFoundError: No module named 'numpy'" in res.stderr
+    )
 
 
 def test_bad_jobs_are_refused_with_a_named_field(sandbox):
@@ -61,7 +66,9 @@ def test_bad_jobs_are_refused_with_a_named_field(sandbox):
 
 def test_files_in_and_out_and_argv_and_stdin(sandbox):
     code = "import sys\nprint(open('data/in.txt').read(), sys.argv[1:], sys.stdin.read())\nopen('out.bin', 'wb').write(b'\\x00\\x01')"
-    res = sandbox.run_blocking(Job(code=code, files={"data/in.txt": b"payload"}, argv=["-v", "x"], stdin=b"from stdin"))
+    res = sandbox.run_blocking(
+        Job(code=code, files={"data/in.txt": b"payload"}, argv=["-v", "x"], stdin=b"from stdin")
+    )
     assert res.stdout == b"payload ['-v', 'x'] from stdin\n"
     assert res.files == {"out.bin": b"\x00\x01"}  # inputs and the source are not returned
 
@@ -91,8 +98,11 @@ def test_worker_killed_from_outside_is_an_infra_failure_then_replaced():
 
     with LocalSandbox(pool_size=1) as sb:
         assert sb.run_blocking(Job(code="pass")).status == ExecStatus.OK  # the worker is up
-        procs = [str(d / "cgroup.procs") for d in sandbox_cgroup_dirs(sb.isolation.cgroups, sb.instance)
-                 if d.name.startswith(f"i{sb.instance}-default-")][-1:]  # v1: the pids group
+        procs = [
+            str(d / "cgroup.procs")
+            for d in sandbox_cgroup_dirs(sb.isolation.cgroups, sb.instance)
+            if d.name.startswith(f"i{sb.instance}-default-")
+        ][-1:]  # v1: the pids group
         assert procs, "cgroups are needed to find the worker's processes"
 
         def pids() -> set[str]:
@@ -106,10 +116,14 @@ def test_worker_killed_from_outside_is_an_infra_failure_then_replaced():
         assert pids() - idle, "the job never started"
         # kill the worker, not the job: a job killed first can be reported as KILLED by a worker still alive
         for pid in idle & pids():
-            with contextlib.suppress(ProcessLookupError):  # a process that exits between the read and the kill
+            with contextlib.suppress(
+                ProcessLookupError
+            ):  # a process that exits between the read and the kill
                 os.kill(int(pid), signal.SIGKILL)
         res = fut.result(timeout=30)
-        assert res.status == ExecStatus.SANDBOX_ERROR and res.is_infra_failure and "worker exited" in res.error, res
+        assert (
+            res.status == ExecStatus.SANDBOX_ERROR and res.is_infra_failure and "worker exited" in res.error
+        ), res
         assert sb.stats["sandbox_errors"] == 1
         assert sb.run_blocking(Job(code="print('next')")).stdout == b"next\n"
 
@@ -130,8 +144,12 @@ def test_network_pool_when_allowed():
             conn, _ = listener.accept()
             assert res.stdout == b"sent\n" and conn.recv(2) == b"hi"
             conn.close()
-            names = sb.run_blocking(Job(code="import socket\nprint(socket.getaddrinfo('localhost', 80)[0][4][0])",
-                                        limits=Limits(network=True)))
+            names = sb.run_blocking(
+                Job(
+                    code="import socket\nprint(socket.getaddrinfo('localhost', 80)[0][4][0])",
+                    limits=Limits(network=True),
+                )
+            )
             assert names.stdout in (b"127.0.0.1\n", b"::1\n")  # /etc/hosts is visible to network jobs
             blocked = sb.run_blocking(Job(code=code))  # same sandbox, network not asked: no network
             assert blocked.status == ExecStatus.RUNTIME_ERROR and b"PermissionError" in blocked.stderr
@@ -148,9 +166,11 @@ def test_a_hung_worker_hits_the_backstop(monkeypatch):
     from posttrain.sandbox import pool
 
     ready = json.dumps({"ready": True, "blobs": []}).encode()
-    fake = ("import os, struct, time, sys\n"
-            f"os.write(1, struct.pack('!II', {len(ready)}, 0) + {ready!r})\n"
-            "time.sleep(60)\n")
+    fake = (
+        "import os, struct, time, sys\n"
+        f"os.write(1, struct.pack('!II', {len(ready)}, 0) + {ready!r})\n"
+        "time.sleep(60)\n"
+    )
     monkeypatch.setattr(pool, "BACKSTOP_GRACE_S", 0.3)
     worker = pool._WorkerProc([sys.executable, "-c", fake], None, None)
     try:

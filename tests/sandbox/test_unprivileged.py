@@ -37,19 +37,32 @@ sb.close_blocking()
 def _system_python_ok() -> bool:
     if not os.path.exists(SYSTEM_PYTHON):
         return False
-    out = subprocess.run([SYSTEM_PYTHON, "-c", "import sys; print(sys.version_info >= (3, 11))"],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [SYSTEM_PYTHON, "-c", "import sys; print(sys.version_info >= (3, 11))"],
+        capture_output=True,
+        text=True,
+    )
     return out.stdout.strip() == "True"
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None or shutil.which("bwrap") is None
-                    or not _system_python_ok(), reason="needs root (to become uid 65534), setpriv, bwrap and "
-                    "a system python >= 3.11")
+@pytest.mark.skipif(
+    os.geteuid() != 0
+    or shutil.which("setpriv") is None
+    or shutil.which("bwrap") is None
+    or not _system_python_ok(),
+    reason="needs root (to become uid 65534), setpriv, bwrap and a system python >= 3.11",
+)
 def test_unprivileged_user_gets_the_same_jail(tmp_path):
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(SRC)}
     os.chmod(tmp_path, 0o777)
-    out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", SYSTEM_PYTHON, "-c", SCRIPT],
-                         capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+    out = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", SYSTEM_PYTHON, "-c", SCRIPT],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [
         "True True None False",  # namespaces + seccomp; cgroups not writable; no uid drop needed

@@ -78,7 +78,9 @@ def mean_reward(samples: list[Sample]) -> float:
 def train(
     algo: AlgorithmConfig, trainer: TrainerConfig, batch: BatchConfig, steps: int, group_size: int = 8
 ) -> tuple[float, list[float]]:
-    learner = Learner(ModelConfig(spec="tiny:llama"), trainer, algo, seed=0, model=tiny_model(), batch_cfg=batch)
+    learner = Learner(
+        ModelConfig(spec="tiny:llama"), trainer, algo, seed=0, model=tiny_model(), batch_cfg=batch
+    )
     gen = torch.Generator().manual_seed(1)
     history = []
     initial = mean_reward(rollout(learner, 64, gen, -1))

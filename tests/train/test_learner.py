@@ -29,14 +29,27 @@ def make_samples(n: int = 8, seed: int = 0, vocab: int = 1000, group: int = 4) -
         if length > 8:
             mask[prompt + 2] = 0  # an observation token in the middle (multi-turn)
         blp = [-rng.uniform(5, 12) if m else 0.0 for m in mask]
-        out.append(Sample(ids, mask, blp, reward=float(rng.random() < 0.5), group_id=i // group, policy_version=0))
+        out.append(
+            Sample(ids, mask, blp, reward=float(rng.random() < 0.5), group_id=i // group, policy_version=0)
+        )
     return out
 
 
 def learner(
-    trainer: TrainerConfig | None = None, algo: AlgorithmConfig | None = None, model_cfg=TINY, model=None, batch=None
+    trainer: TrainerConfig | None = None,
+    algo: AlgorithmConfig | None = None,
+    model_cfg=TINY,
+    model=None,
+    batch=None,
 ):
-    return Learner(model_cfg, trainer or TrainerConfig(lr=1e-3), algo or AlgorithmConfig(), seed=0, model=model, batch_cfg=batch)
+    return Learner(
+        model_cfg,
+        trainer or TrainerConfig(lr=1e-3),
+        algo or AlgorithmConfig(),
+        seed=0,
+        model=model,
+        batch_cfg=batch,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +64,15 @@ def test_lora_wrapping_raises_no_library_deprecation_warning(base_model):
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model = wrap_lora(copy.deepcopy(base_model), rank=4, alpha=8.0, dropout=0.0, target_modules=["q_proj"])
-        warnings.warn("`is_gradient_checkpointing` is deprecated (outside wrap_lora)", FutureWarning, stacklevel=1)
-    assert [str(w.message) for w in caught] == ["`is_gradient_checkpointing` is deprecated (outside wrap_lora)"]
+        model = wrap_lora(
+            copy.deepcopy(base_model), rank=4, alpha=8.0, dropout=0.0, target_modules=["q_proj"]
+        )
+        warnings.warn(
+            "`is_gradient_checkpointing` is deprecated (outside wrap_lora)", FutureWarning, stacklevel=1
+        )
+    assert [str(w.message) for w in caught] == [
+        "`is_gradient_checkpointing` is deprecated (outside wrap_lora)"
+    ]
     assert any("lora_A" in name for name, _ in model.named_parameters())
 
 
@@ -88,8 +107,12 @@ def test_packed_equals_padded_and_packs_fewer_cells(base_model):
 
 def test_chunked_logprobs_equal_unchunked(base_model):
     batch = build_batch(make_samples(6))
-    a = learner(TrainerConfig(logprob_chunk_tokens=3), model=copy.deepcopy(base_model)).compute_logprobs(batch)
-    b = learner(TrainerConfig(logprob_chunk_tokens=4096), model=copy.deepcopy(base_model)).compute_logprobs(batch)
+    a = learner(TrainerConfig(logprob_chunk_tokens=3), model=copy.deepcopy(base_model)).compute_logprobs(
+        batch
+    )
+    b = learner(TrainerConfig(logprob_chunk_tokens=4096), model=copy.deepcopy(base_model)).compute_logprobs(
+        batch
+    )
     assert torch.allclose(a, b, atol=1e-6)
 
 
@@ -110,7 +133,12 @@ def test_gradient_accumulation_over_micro_batches_matches_one_batch(base_model):
     algo = AlgorithmConfig(loss_agg="seq_mean_token_mean")
     outs = []
     for budget in (16, 4096):
-        lrn = learner(TrainerConfig(lr=1e-2), algo, model=copy.deepcopy(base_model), batch=BatchConfig(micro_batch_tokens=budget))
+        lrn = learner(
+            TrainerConfig(lr=1e-2),
+            algo,
+            model=copy.deepcopy(base_model),
+            batch=BatchConfig(micro_batch_tokens=budget),
+        )
         m = lrn.step(samples)
         outs.append((m, {n: p.grad.clone() for n, p in lrn.model.named_parameters()}))
     (m1, g1), (m2, g2) = outs
@@ -121,13 +149,28 @@ def test_gradient_accumulation_over_micro_batches_matches_one_batch(base_model):
 
 
 def test_step_changes_weights_and_reports_metrics(base_model):
-    lrn = learner(TrainerConfig(lr=1e-2), model=copy.deepcopy(base_model), batch=BatchConfig(mini_batches=2, ppo_epochs=2))
+    lrn = learner(
+        TrainerConfig(lr=1e-2),
+        model=copy.deepcopy(base_model),
+        batch=BatchConfig(mini_batches=2, ppo_epochs=2),
+    )
     before = {k: v.clone() for k, v in lrn.weights().items()}
     m = lrn.step(make_samples(8), current_version=3)
     after = lrn.weights()
     assert any(not torch.equal(before[k], after[k]) for k in before)
-    assert lrn.version == 1 and m["version"] == 1.0 and m["optimizer_steps"] == 4.0  # 2 epochs x 2 mini-batches
-    for key in ("loss", "entropy", "clipfrac", "grad_norm", "lr", "reward_mean", "zero_signal_group_frac", "tokens"):
+    assert (
+        lrn.version == 1 and m["version"] == 1.0 and m["optimizer_steps"] == 4.0
+    )  # 2 epochs x 2 mini-batches
+    for key in (
+        "loss",
+        "entropy",
+        "clipfrac",
+        "grad_norm",
+        "lr",
+        "reward_mean",
+        "zero_signal_group_frac",
+        "tokens",
+    ):
         assert math.isfinite(m[key]), key
     assert m["staleness_mean"] == 3.0 and m["lr"] == pytest.approx(1e-2)
     # behaviour logprobs are far from the learner's: the mismatch shows and TIS caps clip most tokens
@@ -138,7 +181,12 @@ def test_lora_and_full_give_the_same_step0_loss_and_lora_reference_is_the_base(b
     samples = make_samples(8)
     full = learner(TrainerConfig(lr=1e-2), model=copy.deepcopy(base_model))
     lora_cfg = ModelConfig(spec="tiny:llama", lora_rank=4, lora_alpha=8)
-    lora = learner(TrainerConfig(lr=1e-2), AlgorithmConfig(kl_coef=0.1), model_cfg=lora_cfg, model=copy.deepcopy(base_model))
+    lora = learner(
+        TrainerConfig(lr=1e-2),
+        AlgorithmConfig(kl_coef=0.1),
+        model_cfg=lora_cfg,
+        model=copy.deepcopy(base_model),
+    )
     batch = build_batch(samples)
     assert torch.equal(full.compute_logprobs(batch), lora.compute_logprobs(batch))
     m_full, m_lora = full.step(samples), lora.step(samples)
@@ -153,7 +201,9 @@ def test_lora_and_full_give_the_same_step0_loss_and_lora_reference_is_the_base(b
     assert set(w) == set(ref) and all(torch.allclose(w[k], ref[k], atol=1e-6) for k in w)
     plain = copy.deepcopy(base_model)
     plain.load_state_dict(w)
-    assert torch.allclose(learner(model=plain).compute_logprobs(batch), lora.compute_logprobs(batch), atol=1e-5)
+    assert torch.allclose(
+        learner(model=plain).compute_logprobs(batch), lora.compute_logprobs(batch), atol=1e-5
+    )
 
 
 def test_full_finetune_keeps_a_reference_copy_only_with_kl(base_model):
@@ -170,7 +220,9 @@ def test_full_finetune_keeps_a_reference_copy_only_with_kl(base_model):
 
 
 def test_kl_in_reward_and_adaptive_coefficient(base_model):
-    algo = AlgorithmConfig(kl_coef=0.1, kl_in_reward=True, kl_target=1e-6, kl_horizon=10, advantage="reinforce_pp")
+    algo = AlgorithmConfig(
+        kl_coef=0.1, kl_in_reward=True, kl_target=1e-6, kl_horizon=10, advantage="reinforce_pp"
+    )
     lrn = learner(TrainerConfig(lr=1e-2), algo, model=copy.deepcopy(base_model))
     samples = make_samples(8)
     lrn.step(samples)
@@ -240,7 +292,9 @@ def test_bad_input_errors_name_the_problem(base_model):
         lrn.update(build_batch(make_samples(2)))
     with pytest.raises(ValueError, match="gae needs a value function"):
         Learner(TINY, TrainerConfig(), AlgorithmConfig(advantage="gae"), model=base_model)
-    with pytest.raises(ValueError, match="unknown policy loss 'ppo'.*registered: gspo, ppo_clip"):  # at config load
+    with pytest.raises(
+        ValueError, match="unknown policy loss 'ppo'.*registered: gspo, ppo_clip"
+    ):  # at config load
         AlgorithmConfig(policy_loss="ppo")
     with pytest.raises(KeyError, match="unknown policy loss"):  # a config built past validation
         Learner(TINY, TrainerConfig(), AlgorithmConfig.model_construct(policy_loss="ppo"), model=base_model)
@@ -296,7 +350,11 @@ def test_separate_critic_from_its_own_spec():
 
 def test_ratio_masking_and_tis_through_step(base_model):
     samples = make_samples(6)
-    lrn = learner(TrainerConfig(lr=1e-2), AlgorithmConfig(mask_ratio_high=1.5, tis_cap=2.0), model=copy.deepcopy(base_model))
+    lrn = learner(
+        TrainerConfig(lr=1e-2),
+        AlgorithmConfig(mask_ratio_high=1.5, tis_cap=2.0),
+        model=copy.deepcopy(base_model),
+    )
     learner_lp = lrn.compute_logprobs(samples)
     # behaviour logprobs 5 nats below the learner's: ratio e^5 > 1.5 on every token -> all masked out
     stale = []
@@ -318,8 +376,12 @@ def test_single_pass_takes_old_logprobs_from_the_training_forward(base_model, kl
     algo = AlgorithmConfig(kl_coef=kl_coef, tis_cap=2.0)
     runs = []
     for single in (True, False):
-        lrn = learner(TrainerConfig(lr=1e-2, single_pass_old_logprobs=single), algo, model=copy.deepcopy(base_model),
-                      batch=BatchConfig(micro_batch_tokens=24))
+        lrn = learner(
+            TrainerConfig(lr=1e-2, single_pass_old_logprobs=single),
+            algo,
+            model=copy.deepcopy(base_model),
+            batch=BatchConfig(micro_batch_tokens=24),
+        )
         assert lrn.single_pass() is single
         calls = []
         forward = lrn._policy_forward
@@ -330,14 +392,25 @@ def test_single_pass_takes_old_logprobs_from_the_training_forward(base_model, kl
 
         lrn._policy_forward = counting
         m = lrn.step(samples)
-        runs.append((m, calls, {n: p.grad.clone() for n, p in lrn.model.named_parameters() if p.grad is not None}))
+        runs.append(
+            (m, calls, {n: p.grad.clone() for n, p in lrn.model.named_parameters() if p.grad is not None})
+        )
     (m1, c1, g1), (m2, c2, g2) = runs
     n_micro = len(plan_micro_batches([len(s.token_ids) for s in samples], 24, True))
     assert n_micro > 1
     no_grad_per_pass = n_micro * (1 if kl_coef else 0)  # the reference forward, when there is a KL term
     assert c1.count(True) == n_micro and c1.count(False) == no_grad_per_pass
-    assert c2.count(True) == n_micro and c2.count(False) == no_grad_per_pass + n_micro  # + the old-logprob forward
-    for key in ("loss", "mismatch_abs_log_ratio", "mismatch_kl_k3", "tis_clip_frac", "entropy", *(["kl"] if kl_coef else [])):
+    assert (
+        c2.count(True) == n_micro and c2.count(False) == no_grad_per_pass + n_micro
+    )  # + the old-logprob forward
+    for key in (
+        "loss",
+        "mismatch_abs_log_ratio",
+        "mismatch_kl_k3",
+        "tis_clip_frac",
+        "entropy",
+        *(["kl"] if kl_coef else []),
+    ):
         assert m1[key] == pytest.approx(m2[key], abs=1e-5), key
     assert m1["clipfrac"] == 0.0 and m1["approx_kl"] == 0.0
     for k in g1:
@@ -354,7 +427,9 @@ def test_single_pass_is_off_when_anything_needs_old_logprobs_first(base_model):
     ]
     for tc, algo, bc in cases:
         assert not learner(tc, algo, model=copy.deepcopy(base_model), batch=bc).single_pass(), (tc, algo, bc)
-    assert learner(TrainerConfig(), AlgorithmConfig(kl_coef=0.1), model=copy.deepcopy(base_model)).single_pass()
+    assert learner(
+        TrainerConfig(), AlgorithmConfig(kl_coef=0.1), model=copy.deepcopy(base_model)
+    ).single_pass()
 
 
 def group_samples(seed: int = 0, vocab: int = 1000) -> list[Sample]:
@@ -385,8 +460,12 @@ def test_shared_prefix_plan_and_length():
     batch = build_batch(group_samples())
     assert shared_prefix_length(batch.token_ids[:4], batch.loss_mask[:4], batch.lengths[:4]) == 7
     assert shared_prefix_length(batch.token_ids[8:10], batch.loss_mask[8:10], batch.lengths[8:10]) == 2
-    assert shared_prefix_length(batch.token_ids[10:], batch.loss_mask[10:], batch.lengths[10:]) == 0  # one row
-    plan = plan_shared_micro_batches(batch.token_ids, batch.loss_mask, batch.lengths, batch.group_ids, 4096, False, min_prefix=3)
+    assert (
+        shared_prefix_length(batch.token_ids[10:], batch.loss_mask[10:], batch.lengths[10:]) == 0
+    )  # one row
+    plan = plan_shared_micro_batches(
+        batch.token_ids, batch.loss_mask, batch.lengths, batch.group_ids, 4096, False, min_prefix=3
+    )
     by_prefix: dict[int, list[int]] = {}
     for rows, p in plan:
         assert p == 0 or len(rows) > 1  # a lone row needs no sharing
@@ -398,7 +477,9 @@ def test_shared_prefix_plan_and_length():
     assert {8, 9, 10} <= set(by_prefix[0]) and by_prefix.get(7) and by_prefix.get(11)
     # over budget, a group splits into chunks that each still share the prompt: cost = prefix + its suffixes
     lens = batch.lengths.tolist()
-    small = plan_shared_micro_batches(batch.token_ids, batch.loss_mask, batch.lengths, batch.group_ids, 7 + 2 * 9, False, 3)
+    small = plan_shared_micro_batches(
+        batch.token_ids, batch.loss_mask, batch.lengths, batch.group_ids, 7 + 2 * 9, False, 3
+    )
     for rows, p in small:
         if p:
             assert p + sum(lens[i] - p for i in rows) <= 7 + 2 * 9 or len(rows) == 1
@@ -412,14 +493,22 @@ def test_shared_prefix_forward_equals_the_full_forward(base_model, lora):
     model_cfg = ModelConfig(spec="tiny:llama", lora_rank=4 if lora else 0)
     runs = []
     for share in (True, False):
-        lrn = learner(TrainerConfig(lr=1e-2, share_prompt_prefix=share), model_cfg=model_cfg, model=copy.deepcopy(base_model),
-                      batch=BatchConfig(micro_batch_tokens=40))
+        lrn = learner(
+            TrainerConfig(lr=1e-2, share_prompt_prefix=share),
+            model_cfg=model_cfg,
+            model=copy.deepcopy(base_model),
+            batch=BatchConfig(micro_batch_tokens=40),
+        )
         lp = lrn.compute_logprobs(samples)
         m = lrn.step(samples)
-        runs.append((lp, m, {n: p.grad.clone() for n, p in lrn.model.named_parameters() if p.grad is not None}))
+        runs.append(
+            (lp, m, {n: p.grad.clone() for n, p in lrn.model.named_parameters() if p.grad is not None})
+        )
     (lp1, m1, g1), (lp2, m2, g2) = runs
     assert torch.allclose(lp1, lp2, atol=1e-5)
-    assert m1["loss"] == pytest.approx(m2["loss"], abs=1e-6) and m1["entropy"] == pytest.approx(m2["entropy"], abs=1e-5)
+    assert m1["loss"] == pytest.approx(m2["loss"], abs=1e-6) and m1["entropy"] == pytest.approx(
+        m2["entropy"], abs=1e-5
+    )
     assert m1["shared_prefix_frac"] > 0.2 and m2["shared_prefix_frac"] == 0.0
     assert m1["update_tokens"] == m2["update_tokens"] == sum(len(s.token_ids) for s in samples)
     assert g1.keys() == g2.keys() and g1
@@ -443,14 +532,26 @@ def test_dr_grpo_gradient_does_not_move_with_the_prompt_length(base_model):
     # longer prompt elsewhere in the batch (a wider padded batch) leaves the gradient as it was
     from posttrain.config import load_config
 
-    algo = load_config(None, ["algorithm.advantage=dr_grpo", "algorithm.loss_agg=seq_mean_token_sum_norm"]).algorithm
+    algo = load_config(
+        None, ["algorithm.advantage=dr_grpo", "algorithm.loss_agg=seq_mean_token_sum_norm"]
+    ).algorithm
     assert algo.loss_norm_tokens == 64  # engine.max_new_tokens
-    a = Sample([5, 6, 7, 8, 9, 10, 11], [0, 0, 0, 1, 1, 1, 1], [-6.0] * 7, reward=1.0, group_id=0, policy_version=0)
-    b = Sample([5, 6, 7, 12, 13, 14], [0, 0, 0, 1, 1, 1], [-6.0] * 6, reward=0.0, group_id=0, policy_version=0)
+    a = Sample(
+        [5, 6, 7, 8, 9, 10, 11], [0, 0, 0, 1, 1, 1, 1], [-6.0] * 7, reward=1.0, group_id=0, policy_version=0
+    )
+    b = Sample(
+        [5, 6, 7, 12, 13, 14], [0, 0, 0, 1, 1, 1], [-6.0] * 6, reward=0.0, group_id=0, policy_version=0
+    )
     norms = []
     for prompt_len in (3, 40):  # a zero-advantage row whose prompt sets the padded width
-        c = Sample(list(range(20, 20 + prompt_len)) + [1, 2], [0] * prompt_len + [1, 1], [-6.0] * (prompt_len + 2),
-                   reward=0.0, group_id=1, policy_version=0)
+        c = Sample(
+            list(range(20, 20 + prompt_len)) + [1, 2],
+            [0] * prompt_len + [1, 1],
+            [-6.0] * (prompt_len + 2),
+            reward=0.0,
+            group_id=1,
+            policy_version=0,
+        )
         lrn = learner(TrainerConfig(lr=1e-3, max_grad_norm=1e9), algo, model=copy.deepcopy(base_model))
         norms.append(lrn.step([a, b, c])["grad_norm"])
     assert norms[0] > 0
@@ -479,14 +580,20 @@ def test_a_checkpoint_saved_before_the_batch_section_loads_its_batch_sizes(tmp_p
     algorithm: Learner.load reads them as the batch section's."""
     import json
 
-    lrn = learner(TrainerConfig(lr=1e-2), model=copy.deepcopy(base_model),
-                  batch=BatchConfig(mini_batches=2, ppo_epochs=3, micro_batch_tokens=64))
+    lrn = learner(
+        TrainerConfig(lr=1e-2),
+        model=copy.deepcopy(base_model),
+        batch=BatchConfig(mini_batches=2, ppo_epochs=3, micro_batch_tokens=64),
+    )
     lrn.save(tmp_path / "ckpt")
     meta_path = tmp_path / "ckpt" / "learner.json"
     meta = json.loads(meta_path.read_text())
     batch = meta.pop("batch")
-    meta["trainer"].update(mini_batches=batch["mini_batches"], ppo_epochs=batch["ppo_epochs"],
-                           micro_batch_tokens=batch["micro_batch_tokens"])
+    meta["trainer"].update(
+        mini_batches=batch["mini_batches"],
+        ppo_epochs=batch["ppo_epochs"],
+        micro_batch_tokens=batch["micro_batch_tokens"],
+    )
     meta["algorithm"]["group_size"] = batch["samples_per_prompt"]
     meta_path.write_text(json.dumps(meta))
     loaded = Learner.load(tmp_path / "ckpt", model=copy.deepcopy(base_model))

@@ -56,7 +56,9 @@ class GroupStats:
 
 def group_stats(scores: Tensor, group_ids: Tensor) -> GroupStats:
     if scores.ndim != 1 or group_ids.shape != scores.shape:
-        raise ValueError(f"scores and group_ids must both be [B]; got {tuple(scores.shape)} and {tuple(group_ids.shape)}")
+        raise ValueError(
+            f"scores and group_ids must both be [B]; got {tuple(scores.shape)} and {tuple(group_ids.shape)}"
+        )
     _, index = torch.unique(group_ids, return_inverse=True)
     g = int(index.max().item()) + 1 if index.numel() else 0
     ones = torch.ones_like(scores)
@@ -79,7 +81,13 @@ def _outcome(adv_seq: Tensor, mask: Tensor, zero_signal: Tensor) -> AdvantageOut
 
 @register_advantage("grpo", group_baseline=True)
 def grpo(
-    token_rewards: Tensor, mask: Tensor, group_ids: Tensor, *, normalize_std: bool = True, eps: float = 1e-6, **_: object
+    token_rewards: Tensor,
+    mask: Tensor,
+    group_ids: Tensor,
+    *,
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+    **_: object,
 ) -> AdvantageOutput:
     """(score - group mean) / (group std + eps), std unbiased. A group of one has no baseline: its
     advantage is 0 (its raw score would push every such answer up)."""
@@ -137,7 +145,9 @@ def reinforce_pp(
 
 
 @register_advantage("reinforce_pp_baseline", group_baseline=True)
-def reinforce_pp_baseline(token_rewards: Tensor, mask: Tensor, group_ids: Tensor, **_: object) -> AdvantageOutput:
+def reinforce_pp_baseline(
+    token_rewards: Tensor, mask: Tensor, group_ids: Tensor, **_: object
+) -> AdvantageOutput:
     """REINFORCE++-baseline: score - group mean, then whitened over the batch's generated tokens.
 
     Groups of equal score are set to exactly zero after whitening (whitening would shift them).
@@ -171,7 +181,9 @@ def gae(
     if values is None:
         raise ValueError("advantage 'gae' needs values from a critic (trainer.critic = 'copy' or 'separate')")
     if values.shape != token_rewards.shape:
-        raise ValueError(f"values {tuple(values.shape)} and token_rewards {tuple(token_rewards.shape)} differ in shape")
+        raise ValueError(
+            f"values {tuple(values.shape)} and token_rewards {tuple(token_rewards.shape)} differ in shape"
+        )
     m = mask.to(token_rewards.dtype)
     values = values.to(token_rewards.dtype)
     adv = torch.zeros_like(token_rewards)

@@ -47,7 +47,13 @@ def ratio_mask(
 ) -> Tensor:
     """The mask with tokens (or whole sequences) whose ratio lies outside [low, high] set to 0."""
     with torch.no_grad():
-        ratio = torch.exp(torch.clamp(_log_ratio(learner_logprobs, behavior_logprobs, mask, level), -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+        ratio = torch.exp(
+            torch.clamp(
+                _log_ratio(learner_logprobs, behavior_logprobs, mask, level),
+                -LOG_RATIO_LIMIT,
+                LOG_RATIO_LIMIT,
+            )
+        )
         keep = mask.bool()
         if low is not None:
             keep = keep & (ratio >= low)
@@ -82,5 +88,7 @@ def mismatch_metrics(
         if cap is not None:
             out["tis_clip_frac"] = float((((torch.exp(log_r) > cap).float() * m).sum() / n).item())
         if kept_mask is not None:
-            out["ratio_masked_frac"] = float(((m - kept_mask.to(torch.float32)).clamp_min(0).sum() / n).item())
+            out["ratio_masked_frac"] = float(
+                ((m - kept_mask.to(torch.float32)).clamp_min(0).sum() / n).item()
+            )
         return out

@@ -38,7 +38,9 @@ def aggregation_weights(mask: Tensor, mode: str, norm_tokens: float | None = Non
         return m / (m.sum(-1, keepdim=True).clamp_min(1.0) * rows)
     if mode == "seq_mean_token_sum_norm":
         if norm_tokens is None:
-            raise ValueError("seq_mean_token_sum_norm needs norm_tokens, a constant (Dr. GRPO: the generation budget)")
+            raise ValueError(
+                "seq_mean_token_sum_norm needs norm_tokens, a constant (Dr. GRPO: the generation budget)"
+            )
         norm = float(norm_tokens)
         if norm <= 0:
             raise ValueError(f"seq_mean_token_sum_norm needs norm_tokens > 0, got {norm}")

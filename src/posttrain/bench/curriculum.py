@@ -95,8 +95,16 @@ def baseline(seed: int, cfg: Any, settings: SimSettings) -> tuple[float, float, 
 
 
 def hindsight_search(
-    seed: int, cfg: Any, settings: SimSettings, budget: float, threshold: float, rounds: int,
-    population: int = 24, elite: int = 6, limits: tuple[float, float] | None = None, phases: int = 1,
+    seed: int,
+    cfg: Any,
+    settings: SimSettings,
+    budget: float,
+    threshold: float,
+    rounds: int,
+    population: int = 24,
+    elite: int = 6,
+    limits: tuple[float, float] | None = None,
+    phases: int = 1,
 ) -> tuple[np.ndarray, SimRun]:
     """Cross-entropy search over fixed arm weights (softmax of Gaussian logits) for the seed's learner;
     with phases = P > 1, over plans of P weight rows, one per P-th of the token budget.
@@ -114,8 +122,12 @@ def hindsight_search(
         return w[0] if phases == 1 else w
 
     def score(logits: np.ndarray) -> float:
-        m = run_metrics(run(HINDSIGHT, seed, cfg, settings, static_weights=weights(logits)), budget, threshold,
-                        settings.charge_probes)
+        m = run_metrics(
+            run(HINDSIGHT, seed, cfg, settings, static_weights=weights(logits)),
+            budget,
+            threshold,
+            settings.charge_probes,
+        )
         t = m["tokens_to_threshold"]
         sc = t if np.isfinite(t) else budget * (1.0 + max(0.0, threshold - m["final_macro_accuracy"]))
         if limits is not None:
@@ -124,21 +136,33 @@ def hindsight_search(
         return float(sc)
 
     rng = np.random.default_rng(30_000 + seed)
-    _, x = cross_entropy_min(score, np.zeros((phases, k)), np.ones((phases, k)), rounds, population, elite, rng)
+    _, x = cross_entropy_min(
+        score, np.zeros((phases, k)), np.ones((phases, k)), rounds, population, elite, rng
+    )
     w = weights(x)
     return w, run(HINDSIGHT, seed, cfg, settings, static_weights=w)  # runs are deterministic: the run scored
 
 
 # --tune: the adaptive settings searched, with their bounds; tau is searched on a log scale
 TUNED: dict[str, tuple[float, float]] = {
-    "tau": (0.05, 3.0), "eps": (0.0, 0.6), "eps_end": (0.0, 0.6), "domain_mix": (0.0, 1.0), "c": (0.0, 3.0),
-    "lam": (0.0, 15.0), "weakness": (0.0, 1.5),
+    "tau": (0.05, 3.0),
+    "eps": (0.0, 0.6),
+    "eps_end": (0.0, 0.6),
+    "domain_mix": (0.0, 1.0),
+    "c": (0.0, 3.0),
+    "lam": (0.0, 15.0),
+    "weakness": (0.0, 1.5),
 }
 TUNE_PENALTY = 40.0  # tokens-to-threshold ratio per unit of forgetting above uniform's or sec's
 
 
 def tune_search(
-    seeds: list[int], cfg: Any, settings: SimSettings, rounds: int, population: int = 20, elite: int = 5,
+    seeds: list[int],
+    cfg: Any,
+    settings: SimSettings,
+    rounds: int,
+    population: int = 20,
+    elite: int = 5,
 ) -> dict[str, Any]:
     """Cross-entropy search over the adaptive sampler's TUNED settings (the others as in cfg) on these
     seeds. Objective, from the seeds' means: adaptive's tokens-to-threshold ratio, plus TUNE_PENALTY per
@@ -162,30 +186,70 @@ def tune_search(
         for seed in seeds:
             budget, threshold, base_m, sec_m = ref[seed]
             m = run_metrics(run("adaptive", seed, c, settings), budget, threshold, settings.charge_probes)
-            rows.append((_ratio(m, budget, base_m), m["forgetting"], m["worst_arm_accuracy"], base_m["forgetting"],
-                         sec_m["forgetting"], base_m["worst_arm_accuracy"]))
-        keys = ["tokens_to_threshold_ratio", "forgetting", "worst_arm_accuracy", "uniform_forgetting",
-                "sec_forgetting", "uniform_worst_arm_accuracy"]
+            rows.append(
+                (
+                    _ratio(m, budget, base_m),
+                    m["forgetting"],
+                    m["worst_arm_accuracy"],
+                    base_m["forgetting"],
+                    sec_m["forgetting"],
+                    base_m["worst_arm_accuracy"],
+                )
+            )
+        keys = [
+            "tokens_to_threshold_ratio",
+            "forgetting",
+            "worst_arm_accuracy",
+            "uniform_forgetting",
+            "sec_forgetting",
+            "uniform_worst_arm_accuracy",
+        ]
         return dict(zip(keys, map(float, np.mean(rows, axis=0)), strict=True))
 
     def objective(f: dict[str, float]) -> float:
-        return (f["tokens_to_threshold_ratio"] + TUNE_PENALTY * max(0.0, f["forgetting"] - f["uniform_forgetting"])
-                + TUNE_PENALTY * max(0.0, f["forgetting"] - f["sec_forgetting"])
-                + max(0.0, f["uniform_worst_arm_accuracy"] - f["worst_arm_accuracy"]))
+        return (
+            f["tokens_to_threshold_ratio"]
+            + TUNE_PENALTY * max(0.0, f["forgetting"] - f["uniform_forgetting"])
+            + TUNE_PENALTY * max(0.0, f["forgetting"] - f["sec_forgetting"])
+            + max(0.0, f["uniform_worst_arm_accuracy"] - f["worst_arm_accuracy"])
+        )
 
     lo = np.array([np.log(TUNED[n][0]) if n == "tau" else TUNED[n][0] for n in names])
     hi = np.array([np.log(TUNED[n][1]) if n == "tau" else TUNED[n][1] for n in names])
-    start_x = np.clip([np.log(cfg.tau) if n == "tau" else (cfg.eps if getattr(cfg, n) is None else getattr(cfg, n))
-                       for n in names], lo, hi)
+    start_x = np.clip(
+        [
+            np.log(cfg.tau) if n == "tau" else (cfg.eps if getattr(cfg, n) is None else getattr(cfg, n))
+            for n in names
+        ],
+        lo,
+        hi,
+    )
     start = settings_of(start_x)
     start_f = figures(start)
-    found, x = cross_entropy_min(lambda x: objective(figures(settings_of(x))), start_x, (hi - lo) / 4, rounds, population,
-                                 elite, np.random.default_rng(40_000 + seeds[0]), sd_floor=(hi - lo) / 100, bounds=(lo, hi))
+    found, x = cross_entropy_min(
+        lambda x: objective(figures(settings_of(x))),
+        start_x,
+        (hi - lo) / 4,
+        rounds,
+        population,
+        elite,
+        np.random.default_rng(40_000 + seeds[0]),
+        sd_floor=(hi - lo) / 100,
+        bounds=(lo, hi),
+    )
     best = start if objective(start_f) <= found else settings_of(x)  # nothing better than the start: keep it
-    best_f = start_f if best is start else figures(best)  # runs are deterministic: the figures it was scored on
-    return {"settings": best, "objective": objective(best_f), "in_sample": best_f,
-            "start": {"settings": start, "objective": objective(start_f), "in_sample": start_f},
-            "seeds": seeds, "rounds": rounds, "population": population}
+    best_f = (
+        start_f if best is start else figures(best)
+    )  # runs are deterministic: the figures it was scored on
+    return {
+        "settings": best,
+        "objective": objective(best_f),
+        "in_sample": best_f,
+        "start": {"settings": start, "objective": objective(start_f), "in_sample": start_f},
+        "seeds": seeds,
+        "rounds": rounds,
+        "population": population,
+    }
 
 
 def _ratio(m: dict[str, float], budget: float, base_m: dict[str, float]) -> float:
@@ -265,17 +329,28 @@ def main(ns: Any) -> dict[str, Any]:
         layout = parse_layout(ns.layout)
     except ValueError as err:
         _usage(f"--layout: {err}")
-    settings = SimSettings(groups_per_step=ns.groups_per_step, budget_uniform_steps=ns.budget_steps,
-                           charge_probes=not ns.free_probes, layout=layout)
+    settings = SimSettings(
+        groups_per_step=ns.groups_per_step,
+        budget_uniform_steps=ns.budget_steps,
+        charge_probes=not ns.free_probes,
+        layout=layout,
+    )
     t0 = time.perf_counter()
     if ns.tune:
-        return _report_tune(tune_search(list(range(ns.seed_start, ns.seed_start + ns.seeds)), cfg, settings, ns.tune),
-                            ns, time.perf_counter() - t0)
+        return _report_tune(
+            tune_search(list(range(ns.seed_start, ns.seed_start + ns.seeds)), cfg, settings, ns.tune),
+            ns,
+            time.perf_counter() - t0,
+        )
     per: dict[str, dict[str, list[float]]] = {n: {} for n in names}
     arm_final: dict[str, list[np.ndarray]] = {n: [] for n in names}  # per seed, each arm's final p
     arm_forget: dict[str, list[np.ndarray]] = {n: [] for n in names}
     hindsight_w: list[np.ndarray] = []
-    hindsight_in: dict[str, list[float]] = {"tokens_to_threshold_ratio": [], "forgetting": [], "worst_arm_accuracy": []}
+    hindsight_in: dict[str, list[float]] = {
+        "tokens_to_threshold_ratio": [],
+        "forgetting": [],
+        "worst_arm_accuracy": [],
+    }
     for seed in range(ns.seed_start, ns.seed_start + ns.seeds):
         budget, threshold, base_m, base = baseline(seed, cfg, settings)
         for name in names:
@@ -283,8 +358,16 @@ def main(ns: Any) -> dict[str, Any]:
                 m, r = base_m, base
             elif name == HINDSIGHT:
                 limits = (base_m["forgetting"], base_m["worst_arm_accuracy"])
-                weights, r = hindsight_search(seed, cfg, settings, budget, threshold, ns.hindsight, limits=limits,
-                                              phases=ns.hindsight_phases)
+                weights, r = hindsight_search(
+                    seed,
+                    cfg,
+                    settings,
+                    budget,
+                    threshold,
+                    ns.hindsight,
+                    limits=limits,
+                    phases=ns.hindsight_phases,
+                )
                 hindsight_w.append(weights)
                 in_sample = run_metrics(r, budget, threshold, settings.charge_probes)
                 for k in ("forgetting", "worst_arm_accuracy"):
@@ -308,11 +391,24 @@ def main(ns: Any) -> dict[str, Any]:
             arm_forget[name].append(r.p.max(axis=0) - r.p[-1])
     wall_s = time.perf_counter() - t0
 
-    metrics = ["tokens_to_threshold_ratio", "final_macro_accuracy", "auc", "worst_arm_accuracy", "forgetting",
-               "reached_threshold", "probe_token_share"]
-    out: dict[str, Any] = {"seeds": ns.seeds, "seed_start": ns.seed_start, "baseline": BASELINE, "wall_s": round(wall_s, 2),
-                           "overrides": ns.overrides, "probe_tokens_charged": not ns.free_probes,
-                           "layout": ns.layout.strip()}
+    metrics = [
+        "tokens_to_threshold_ratio",
+        "final_macro_accuracy",
+        "auc",
+        "worst_arm_accuracy",
+        "forgetting",
+        "reached_threshold",
+        "probe_token_share",
+    ]
+    out: dict[str, Any] = {
+        "seeds": ns.seeds,
+        "seed_start": ns.seed_start,
+        "baseline": BASELINE,
+        "wall_s": round(wall_s, 2),
+        "overrides": ns.overrides,
+        "probe_tokens_charged": not ns.free_probes,
+        "layout": ns.layout.strip(),
+    }
     for k in metrics:
         out[k] = {n: float(np.mean(per[n][k])) for n in names}
         if k not in ("reached_threshold", "probe_token_share"):
@@ -320,7 +416,9 @@ def main(ns: Any) -> dict[str, Any]:
     # paired differences against uniform (same learner per seed), for the no-worse-than claims
     for k in ("worst_arm_accuracy", "forgetting"):
         out[k + "_diff_vs_uniform_ci95"] = {
-            n: bootstrap_ci(np.array(per[n][k]) - np.array(per[BASELINE][k]), ns.boot) for n in names if n != BASELINE
+            n: bootstrap_ci(np.array(per[n][k]) - np.array(per[BASELINE][k]), ns.boot)
+            for n in names
+            if n != BASELINE
         }
     arm_keys = [Arm(domain, level).key for domain, level, _ in layout]
     out.update(per_arm_figures(arm_final, arm_forget, arm_keys, ns.boot))
@@ -335,14 +433,19 @@ def main(ns: Any) -> dict[str, Any]:
         # paired over seeds (same learner): is adaptive's forgetting below sec's and dump's beyond noise?
         out["adaptive_forgetting_minus_ci95"] = {
             b: bootstrap_ci(np.array(per[a]["forgetting"]) - np.array(per[b]["forgetting"]), ns.boot)
-            for b in ("sec", "dump") if b in names
+            for b in ("sec", "dump")
+            if b in names
         }
         out["targets"] = {
             "tokens_to_threshold_ratio<=0.75": out["tokens_to_threshold_ratio"][a] <= 0.75,
-            "worst_arm_not_worse_than_uniform": out["worst_arm_accuracy"][a] >= out["worst_arm_accuracy"][BASELINE],
+            "worst_arm_not_worse_than_uniform": out["worst_arm_accuracy"][a]
+            >= out["worst_arm_accuracy"][BASELINE],
             "forgetting_not_worse_than_uniform": out["forgetting"][a] <= out["forgetting"][BASELINE],
-            **{f"forgetting_better_than_{b}": out["forgetting"][a] < out["forgetting"][b] for b in ("sec", "dump")
-               if b in names},
+            **{
+                f"forgetting_better_than_{b}": out["forgetting"][a] < out["forgetting"][b]
+                for b in ("sec", "dump")
+                if b in names
+            },
         }
         out["targets_ci95"] = target_intervals(out)
     _print_table(out, names)
@@ -369,16 +472,35 @@ def target_intervals(out: dict[str, Any]) -> dict[str, dict[str, Any]]:
     a = "adaptive"
     rows: dict[str, tuple[str, list[float], float, bool]] = {
         "tokens_to_threshold_ratio<=0.75": (
-            "adaptive's ratio", out["tokens_to_threshold_ratio_ci95"][a], TARGET_LIMIT, True),
+            "adaptive's ratio",
+            out["tokens_to_threshold_ratio_ci95"][a],
+            TARGET_LIMIT,
+            True,
+        ),
         "worst_arm_not_worse_than_uniform": (
-            "adaptive - uniform", out["worst_arm_accuracy_diff_vs_uniform_ci95"][a], 0.0, False),
+            "adaptive - uniform",
+            out["worst_arm_accuracy_diff_vs_uniform_ci95"][a],
+            0.0,
+            False,
+        ),
         "forgetting_not_worse_than_uniform": (
-            "adaptive - uniform", out["forgetting_diff_vs_uniform_ci95"][a], 0.0, True),
-        **{f"forgetting_better_than_{b}": (f"adaptive - {b}", ci, 0.0, True)
-           for b, ci in out["adaptive_forgetting_minus_ci95"].items()},
+            "adaptive - uniform",
+            out["forgetting_diff_vs_uniform_ci95"][a],
+            0.0,
+            True,
+        ),
+        **{
+            f"forgetting_better_than_{b}": (f"adaptive - {b}", ci, 0.0, True)
+            for b, ci in out["adaptive_forgetting_minus_ci95"].items()
+        },
     }
     return {
-        k: {"of": of, "interval": [float(lo), float(hi)], "limit": limit, "verdict": verdict(lo, hi, limit, below)}
+        k: {
+            "of": of,
+            "interval": [float(lo), float(hi)],
+            "limit": limit,
+            "verdict": verdict(lo, hi, limit, below),
+        }
         for k, (of, (lo, hi), limit, below) in rows.items()
     }
 
@@ -388,16 +510,24 @@ def _report_tune(res: dict[str, Any], ns: Any, wall_s: float) -> dict[str, Any]:
 
     console = Console()
     seeds = res["seeds"]
-    console.print(f"curriculum --tune: {res['rounds']} rounds x {res['population']} candidates on seeds "
-                  f"{seeds[0]}-{seeds[-1]} (layout {ns.layout.strip()}); objective = ratio + {TUNE_PENALTY:g} x forgetting "
-                  "above uniform's and above sec's + worst-arm shortfall below uniform's")
-    for label, st, f, obj in (("start", res["start"]["settings"], res["start"]["in_sample"], res["start"]["objective"]),
-                              ("best", res["settings"], res["in_sample"], res["objective"])):
-        console.print(f"  {label}: objective {obj:.4f}, tokens to threshold {f['tokens_to_threshold_ratio']:.3f}x, "
-                      f"forgetting {f['forgetting']:.4f} (uniform {f['uniform_forgetting']:.4f}, sec {f['sec_forgetting']:.4f}), "
-                      f"worst arm {f['worst_arm_accuracy']:.3f} (uniform {f['uniform_worst_arm_accuracy']:.3f})")
+    console.print(
+        f"curriculum --tune: {res['rounds']} rounds x {res['population']} candidates on seeds "
+        f"{seeds[0]}-{seeds[-1]} (layout {ns.layout.strip()}); objective = ratio + {TUNE_PENALTY:g} x forgetting "
+        "above uniform's and above sec's + worst-arm shortfall below uniform's"
+    )
+    for label, st, f, obj in (
+        ("start", res["start"]["settings"], res["start"]["in_sample"], res["start"]["objective"]),
+        ("best", res["settings"], res["in_sample"], res["objective"]),
+    ):
+        console.print(
+            f"  {label}: objective {obj:.4f}, tokens to threshold {f['tokens_to_threshold_ratio']:.3f}x, "
+            f"forgetting {f['forgetting']:.4f} (uniform {f['uniform_forgetting']:.4f}, sec {f['sec_forgetting']:.4f}), "
+            f"worst arm {f['worst_arm_accuracy']:.3f} (uniform {f['uniform_worst_arm_accuracy']:.3f})"
+        )
         console.print("    " + " ".join(f"--set {k}={v:g}" for k, v in st.items()))
-    console.print(f"  in-sample figures: check them on other seeds, e.g. --seed-start 400 --seeds 64 (wall {wall_s:.0f} s)")
+    console.print(
+        f"  in-sample figures: check them on other seeds, e.g. --seed-start 400 --seeds 64 (wall {wall_s:.0f} s)"
+    )
     return {"tune": res, "layout": ns.layout.strip(), "overrides": ns.overrides, "wall_s": round(wall_s, 2)}
 
 
@@ -410,7 +540,11 @@ def per_arm_figures(
     sampler raised above uniform's level and then practised less, even when it ends higher than uniform's;
     the shortfall reads only where arms end."""
     base = np.array(final[BASELINE])
-    out: dict[str, Any] = {"per_arm": {}, "largest_shortfall_vs_uniform": {}, "largest_shortfall_vs_uniform_ci95": {}}
+    out: dict[str, Any] = {
+        "per_arm": {},
+        "largest_shortfall_vs_uniform": {},
+        "largest_shortfall_vs_uniform_ci95": {},
+    }
     for n in final:
         fin = np.array(final[n])
         columns = zip(fin.mean(axis=0), np.mean(forget[n], axis=0), (fin - base).mean(axis=0), strict=True)
@@ -429,10 +563,17 @@ def _print_table(out: dict[str, Any], names: list[str]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"curriculum simulation ({out['layout']} layout): {out['seeds']} seeds from {out['seed_start']}, "
-              "same token budget, mean [95% bootstrap CI]")
-    cols = [("tokens_to_threshold_ratio", "tokens to uniform's final (x uniform)"), ("final_macro_accuracy", "final macro"),
-            ("auc", "AUC vs tokens"), ("worst_arm_accuracy", "worst arm"), ("forgetting", "forgetting")]
+    t = Table(
+        title=f"curriculum simulation ({out['layout']} layout): {out['seeds']} seeds from {out['seed_start']}, "
+        "same token budget, mean [95% bootstrap CI]"
+    )
+    cols = [
+        ("tokens_to_threshold_ratio", "tokens to uniform's final (x uniform)"),
+        ("final_macro_accuracy", "final macro"),
+        ("auc", "AUC vs tokens"),
+        ("worst_arm_accuracy", "worst arm"),
+        ("forgetting", "forgetting"),
+    ]
     t.add_column("sampler")
     for _, title in cols:
         t.add_column(title, justify="right")
@@ -452,8 +593,18 @@ def _print_table(out: dict[str, Any], names: list[str]) -> None:
     for n in shown:
         arms.add_column(n, justify="right")
     for k in out["per_arm"][BASELINE]:
-        arms.add_row(k, *[f"{out['per_arm'][n][k]['final']:.3f} / {out['per_arm'][n][k]['forgetting']:.4f}" for n in shown])
-    arms.add_row("largest shortfall vs uniform", "", *[f"{out['largest_shortfall_vs_uniform'][n]:.3f}" for n in shown[1:]])
+        arms.add_row(
+            k,
+            *[
+                f"{out['per_arm'][n][k]['final']:.3f} / {out['per_arm'][n][k]['forgetting']:.4f}"
+                for n in shown
+            ],
+        )
+    arms.add_row(
+        "largest shortfall vs uniform",
+        "",
+        *[f"{out['largest_shortfall_vs_uniform'][n]:.3f}" for n in shown[1:]],
+    )
     console.print(arms)
     if "targets" in out:
         console.print("  targets: on the means over seeds; on the 95% intervals")
@@ -461,6 +612,8 @@ def _print_table(out: dict[str, Any], names: list[str]) -> None:
             t = out["targets_ci95"][k]
             lo, hi = t["interval"]
             sign = "+" if t["limit"] == 0 else ""
-            console.print(f"  {'met' if v else 'NOT met':>7}: {k}; interval of {t['of']} [{lo:{sign}.4f}, {hi:{sign}.4f}] "
-                          f"against {t['limit']:g}: {t['verdict']}")
+            console.print(
+                f"  {'met' if v else 'NOT met':>7}: {k}; interval of {t['of']} [{lo:{sign}.4f}, {hi:{sign}.4f}] "
+                f"against {t['limit']:g}: {t['verdict']}"
+            )
     console.print(f"  wall {out['wall_s']} s (shared 2-core machine)")

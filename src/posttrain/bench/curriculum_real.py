@@ -33,10 +33,24 @@ DEFAULT_DOMAINS = "math:0,1;code.unit_tests:1;tools.apis:0"
 # 2 bf16-capable CPU cores with the default domains: 24 steps at 96 new tokens took 18 min per uniform run
 # (code and tool prompts are long), so the full preset takes about 40 min per run.
 PRESETS: dict[str, dict[str, int]] = {
-    "full": {"steps": 40, "prompts_per_step": 4, "samples_per_prompt": 8, "n_eval": 32, "max_new_tokens": 128,
-             "probe_every": 5, "probe_size": 16},
-    "quick": {"steps": 4, "prompts_per_step": 4, "samples_per_prompt": 4, "n_eval": 8, "max_new_tokens": 64,
-              "probe_every": 2, "probe_size": 2},
+    "full": {
+        "steps": 40,
+        "prompts_per_step": 4,
+        "samples_per_prompt": 8,
+        "n_eval": 32,
+        "max_new_tokens": 128,
+        "probe_every": 5,
+        "probe_size": 16,
+    },
+    "quick": {
+        "steps": 4,
+        "prompts_per_step": 4,
+        "samples_per_prompt": 4,
+        "n_eval": 8,
+        "max_new_tokens": 64,
+        "probe_every": 2,
+        "probe_size": 2,
+    },
 }
 # --quick also keeps memory small (the machine it targets is shared): a smaller K/V pool, shorter
 # micro-batches. Explicit --run-set values come later and win.
@@ -44,8 +58,12 @@ QUICK_RUN_OVERRIDES = ["engine.num_kv_blocks=512", "batch.micro_batch_tokens=102
 RESULT_FILE = "result.json"  # the JSON object, also written into the run root (what --pool reads)
 # The flags a run takes from a --reuse-uniform result (their argparse default is None so that a flag given
 # on the command line can be told from a default), with the defaults of a run that reuses nothing.
-REUSED_FLAGS: dict[str, Any] = {"model": "smollm2-135m", "domains": DEFAULT_DOMAINS, "eval_seed": 1000,
-                                "budget": "tokens"}
+REUSED_FLAGS: dict[str, Any] = {
+    "model": "smollm2-135m",
+    "domains": DEFAULT_DOMAINS,
+    "eval_seed": 1000,
+    "budget": "tokens",
+}
 # the sizes' names in results saved before the run config's batch section existed
 OLD_SIZE_NAMES = {"tasks_per_step": "prompts_per_step", "group_size": "samples_per_prompt"}
 
@@ -71,7 +89,9 @@ def parse_domains(text: str) -> list[tuple[str, list[int]]]:
 
 def run_overrides(ns: argparse.Namespace, sizes: dict[str, int]) -> list[str]:
     """Config overrides shared by every run of the matrix (the sampler and seed are added per run)."""
-    doms = ", ".join(f"{{name: {n}, difficulties: [{', '.join(map(str, lv))}]}}" for n, lv in parse_domains(ns.domains))
+    doms = ", ".join(
+        f"{{name: {n}, difficulties: [{', '.join(map(str, lv))}]}}" for n, lv in parse_domains(ns.domains)
+    )
     return [
         f"model.spec={ns.model}",
         f"envs.domains=[{doms}]",
@@ -95,11 +115,22 @@ def _pooled(scores: list[float | None], seed: int) -> dict[str, float]:
 
     vals = np.array([s for s in scores if s is not None], dtype=np.float64)
     lo, hi = bootstrap_ci(vals, seed)
-    return {"accuracy": float(vals.mean()) if len(vals) else float("nan"), "ci_low": lo, "ci_high": hi, "n": len(vals)}
+    return {
+        "accuracy": float(vals.mean()) if len(vals) else float("nan"),
+        "ci_low": lo,
+        "ci_high": hi,
+        "n": len(vals),
+    }
 
 
 def train_and_eval(
-    overrides: list[str], sampler: str, seed: int, root: Path, n_eval: int, eval_seed: int, keep_checkpoints: bool = False
+    overrides: list[str],
+    sampler: str,
+    seed: int,
+    root: Path,
+    n_eval: int,
+    eval_seed: int,
+    keep_checkpoints: bool = False,
 ) -> dict[str, Any]:
     """One RL run with `sampler`, its policy exported and scored on the held-out tasks of `eval_seed`.
     The run's checkpoints (learner and optimizer, ~2 GB for 135M) are deleted unless keep_checkpoints;
@@ -111,7 +142,9 @@ def train_and_eval(
     from posttrain.sandbox import make_sandbox
     from posttrain.telemetry import RunDir, read_metrics
 
-    cfg = load_config(None, [*overrides, f"curriculum.sampler={sampler}", f"seed={seed}", f"telemetry.run_dir={root}"])
+    cfg = load_config(
+        None, [*overrides, f"curriculum.sampler={sampler}", f"seed={seed}", f"telemetry.run_dir={root}"]
+    )
     run_dir = RunDir.create(root, f"{sampler}-seed{seed}")
     save_config(cfg, run_dir.config)
     t0 = time.perf_counter()
@@ -119,8 +152,10 @@ def train_and_eval(
     try:
         summary = rl.train()
         if summary["interrupted"]:  # the run checkpointed on SIGINT/SIGTERM; the matrix stops with it
-            raise SystemExit(f"bench curriculum --real: interrupted by signal {summary['signal']} during {sampler} "
-                             f"seed {seed}; its checkpoint is under {run_dir.path}")
+            raise SystemExit(
+                f"bench curriculum --real: interrupted by signal {summary['signal']} during {sampler} "
+                f"seed {seed}; its checkpoint is under {run_dir.path}"
+            )
         policy = save_hf_folder(rl.learner.weights(), cfg.model.spec, run_dir.path / "policy")
         domains, arms = rl.domains, rl.arms
         shares = {k: v for k, v in rl.sampler.signals().items() if k.startswith("curriculum/groups/")}
@@ -129,7 +164,9 @@ def train_and_eval(
     del rl
     gc.collect()
     if not keep_checkpoints:
-        shutil.rmtree(run_dir.checkpoints, ignore_errors=True)  # the learner, engine and K/V pool of this run before the evaluation engine loads
+        shutil.rmtree(
+            run_dir.checkpoints, ignore_errors=True
+        )  # the learner, engine and K/V pool of this run before the evaluation engine loads
     train_s = time.perf_counter() - t0
     rows = read_metrics(run_dir.metrics)
     sandbox = make_sandbox(cfg.sandbox)
@@ -172,9 +209,12 @@ def _take_saved(ns: argparse.Namespace, saved: dict[str, Any]) -> dict[str, int]
     """--reuse-uniform: the model, arms, sizes, held-out tasks, budget rule, preset and --run-set values of
     the saved result become this run's, so the adaptive runs match the uniform runs they are paired with.
     A flag given with another value is a ValueError that names it. Returns the sizes."""
+
     def clash(flag: str, given: Any, kept: Any) -> ValueError:
-        return ValueError(f"--reuse-uniform: {flag} {given!r} differs from the saved result's {kept!r}; the "
-                          "uniform runs must match the adaptive ones (leave the flag out to take the saved value)")
+        return ValueError(
+            f"--reuse-uniform: {flag} {given!r} differs from the saved result's {kept!r}; the "
+            "uniform runs must match the adaptive ones (leave the flag out to take the saved value)"
+        )
 
     for key in REUSED_FLAGS:
         given = getattr(ns, key)
@@ -191,7 +231,9 @@ def _take_saved(ns: argparse.Namespace, saved: dict[str, Any]) -> dict[str, int]
         raise clash("--quick", True, False)
     ns.quick = quick
     if ns.seeds is not None or ns.seed_start != 0:
-        raise ValueError(f"--reuse-uniform runs the saved result's seeds {saved['seeds']}; leave out --seeds and --seed-start")
+        raise ValueError(
+            f"--reuse-uniform runs the saved result's seeds {saved['seeds']}; leave out --seeds and --seed-start"
+        )
     kept = saved.get("run_overrides")  # absent from results saved before it was recorded: taken as given
     if kept is not None and ns.run_overrides and list(ns.run_overrides) != kept:
         raise clash("--run-set", list(ns.run_overrides), kept)
@@ -244,13 +286,25 @@ def main_real(ns: argparse.Namespace) -> dict[str, Any]:
         for sampler in SAMPLERS[1:] if saved is not None else SAMPLERS:
             extra = []
             if budget is not None:
-                extra = [f"orchestrator.token_budget={budget}", f"orchestrator.steps={MAX_STEPS_FACTOR * sizes['steps']}"]
-            r = train_and_eval([*overrides, *extra], sampler, seed, root, sizes["n_eval"], ns.eval_seed, ns.keep_checkpoints)
+                extra = [
+                    f"orchestrator.token_budget={budget}",
+                    f"orchestrator.steps={MAX_STEPS_FACTOR * sizes['steps']}",
+                ]
+            r = train_and_eval(
+                [*overrides, *extra], sampler, seed, root, sizes["n_eval"], ns.eval_seed, ns.keep_checkpoints
+            )
             per_seed[sampler].append(
-                {"seed": seed, "per_domain": r["report"].per_domain, "train_s": round(r["train_s"], 1),
-                 "steps": r["steps"], "generated_tokens": r["generated_tokens"], "probe_tokens": r["probe_tokens"],
-                 "probes": r["probes"], "groups_by_arm": r["groups_by_arm"],
-                 "per_task": r["report"].per_task}  # held-out scores in task order, for pooling across invocations
+                {
+                    "seed": seed,
+                    "per_domain": r["report"].per_domain,
+                    "train_s": round(r["train_s"], 1),
+                    "steps": r["steps"],
+                    "generated_tokens": r["generated_tokens"],
+                    "probe_tokens": r["probe_tokens"],
+                    "probes": r["probes"],
+                    "groups_by_arm": r["groups_by_arm"],
+                    "per_task": r["report"].per_task,
+                }  # held-out scores in task order, for pooling across invocations
             )
             if sampler == SAMPLERS[0] and ns.budget == "tokens":
                 budget = max(1, int(r["generated_tokens"] + r["probe_tokens"]))
@@ -267,7 +321,9 @@ def main_real(ns: argparse.Namespace) -> dict[str, Any]:
         # --set values: the adaptive runs', and the uniform runs' (the same unless they come from --reuse-uniform)
         "adaptive_overrides": list(ns.overrides),
         "adaptive_curriculum": adaptive_cfg,
-        "uniform_overrides": list(ns.overrides) if saved is None else _settings(saved)["uniform --set values"],
+        "uniform_overrides": list(ns.overrides)
+        if saved is None
+        else _settings(saved)["uniform --set values"],
         "rollouts_per_uniform_run": sizes["steps"] * sizes["prompts_per_step"] * sizes["samples_per_prompt"],
         "run_root": str(root),
     }
@@ -281,7 +337,10 @@ def main_real(ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def summarise(
-    meta: dict[str, Any], base: dict[str, Any], per_seed: dict[str, list[dict[str, Any]]], budgets: list[int | None]
+    meta: dict[str, Any],
+    base: dict[str, Any],
+    per_seed: dict[str, list[dict[str, Any]]],
+    budgets: list[int | None],
 ) -> dict[str, Any]:
     """The report of a run matrix from its per-seed rows (each with the held-out `per_task` scores): accuracy
     per domain with every seed's tasks pooled, adaptive - uniform paired per seed and, over several seeds,
@@ -290,9 +349,18 @@ def summarise(
 
     seeds = [row["seed"] for row in per_seed[SAMPLERS[0]]]
     eval_seed = int(meta["eval_seed"])
-    out: dict[str, Any] = {**meta, "seeds": seeds, "token_budget_per_seed": budgets, "base": base, "per_domain": {},
-                           "per_seed": per_seed, "delta_adaptive_minus_uniform": {}}
-    reports = {s: [EvalReport(f"{s}-seed{row['seed']}", row["per_task"]) for row in per_seed[s]] for s in SAMPLERS}
+    out: dict[str, Any] = {
+        **meta,
+        "seeds": seeds,
+        "token_budget_per_seed": budgets,
+        "base": base,
+        "per_domain": {},
+        "per_seed": per_seed,
+        "delta_adaptive_minus_uniform": {},
+    }
+    reports = {
+        s: [EvalReport(f"{s}-seed{row['seed']}", row["per_task"]) for row in per_seed[s]] for s in SAMPLERS
+    }
     for sampler in SAMPLERS:
         pooled = _pool(reports[sampler]).per_task
         out["per_domain"][sampler] = {d: _pooled(s, eval_seed) for d, s in pooled.items()}
@@ -316,9 +384,12 @@ def _settings(result: dict[str, Any]) -> dict[str, Any]:
     """The --set values of a saved result's adaptive and uniform runs, its --quick and its --run-set values;
     results saved before these were recorded ran with no --set (the --real runs so far), and their --run-set
     is unknown (None)."""
-    return {"adaptive --set values": list(result.get("adaptive_overrides", [])),
-            "uniform --set values": list(result.get("uniform_overrides", [])),
-            "--quick": bool(result.get("quick", False)), "--run-set values": result.get("run_overrides")}
+    return {
+        "adaptive --set values": list(result.get("adaptive_overrides", [])),
+        "uniform --set values": list(result.get("uniform_overrides", [])),
+        "--quick": bool(result.get("quick", False)),
+        "--run-set values": result.get("run_overrides"),
+    }
 
 
 def _mismatch(a: dict[str, Any], b: dict[str, Any], keys: tuple[str, ...]) -> str | None:
@@ -346,13 +417,17 @@ def load_result(path: str | Path, flag: str = "--pool") -> dict[str, Any]:
     try:
         obj = json.loads(lines[-1] if lines else "")
     except json.JSONDecodeError:
-        raise ValueError(f"{flag}: {p} does not end with a JSON object (a result.json or a --json capture)") from None
+        raise ValueError(
+            f"{flag}: {p} does not end with a JSON object (a result.json or a --json capture)"
+        ) from None
     if not isinstance(obj, dict) or obj.get("mode") != "real" or "per_seed" not in obj:
         raise ValueError(f"{flag}: {p} is not the result of `bench curriculum --real`")
     rows = [row for s in SAMPLERS for row in obj["per_seed"].get(s, [])]
     if any(s not in obj["per_seed"] for s in SAMPLERS) or any("per_task" not in row for row in rows):
-        raise ValueError(f"{flag}: {p} lacks a sampler's runs or their per-task held-out scores (saved before "
-                         "they were kept); it cannot be used")
+        raise ValueError(
+            f"{flag}: {p} lacks a sampler's runs or their per-task held-out scores (saved before "
+            "they were kept); it cannot be used"
+        )
     return renamed_sizes(obj)
 
 
@@ -387,15 +462,25 @@ def pool_results(paths: list[str], check_adaptive_config: bool = True) -> dict[s
         # the resolved config decides once a result records it (the same settings may be spelt differently, or
         # be another version's defaults; one without it cannot be matched); before that, the --set values do
         recorded = "adaptive_curriculum" in r or "adaptive_curriculum" in first
-        if check_adaptive_config and recorded and r.get("adaptive_curriculum") != first.get("adaptive_curriculum"):
-            raise ValueError(f"--pool: {path} differs from {paths[0]} in its adaptive runs' curriculum config: "
-                             f"{_config_diff(r.get('adaptive_curriculum'), first.get('adaptive_curriculum'), path, paths[0])}")
+        if (
+            check_adaptive_config
+            and recorded
+            and r.get("adaptive_curriculum") != first.get("adaptive_curriculum")
+        ):
+            raise ValueError(
+                f"--pool: {path} differs from {paths[0]} in its adaptive runs' curriculum config: "
+                f"{_config_diff(r.get('adaptive_curriculum'), first.get('adaptive_curriculum'), path, paths[0])}"
+            )
         mine, theirs = _settings(r), _settings(first)
         if recorded or not check_adaptive_config:
             del mine["adaptive --set values"], theirs["adaptive --set values"]
         for name in mine:
-            if mine[name] != theirs[name] and not (name == "--run-set values" and None in (mine[name], theirs[name])):
-                raise ValueError(f"--pool: {path} differs from {paths[0]} in its {name}: {mine[name]!r} vs {theirs[name]!r}")
+            if mine[name] != theirs[name] and not (
+                name == "--run-set values" and None in (mine[name], theirs[name])
+            ):
+                raise ValueError(
+                    f"--pool: {path} differs from {paths[0]} in its {name}: {mine[name]!r} vs {theirs[name]!r}"
+                )
     per_seed: dict[str, list[dict[str, Any]]] = {s: [] for s in SAMPLERS}
     budgets: list[int | None] = []
     seen: dict[int, str] = {}
@@ -407,11 +492,17 @@ def pool_results(paths: list[str], check_adaptive_config: bool = True) -> dict[s
         for s in SAMPLERS:
             per_seed[s].extend(r["per_seed"][s])
         budgets.extend(r["token_budget_per_seed"])
-    meta = {k: first[k] for k in ("mode", "model", "domains", "sizes", "eval_seed", "budget", "rollouts_per_uniform_run")}
+    meta = {
+        k: first[k]
+        for k in ("mode", "model", "domains", "sizes", "eval_seed", "budget", "rollouts_per_uniform_run")
+    }
     settings = _settings(first)
     known = [s for s in (_settings(r)["--run-set values"] for r in results) if s is not None]
-    meta.update(quick=settings["--quick"], adaptive_overrides=settings["adaptive --set values"],
-                uniform_overrides=settings["uniform --set values"])
+    meta.update(
+        quick=settings["--quick"],
+        adaptive_overrides=settings["adaptive --set values"],
+        uniform_overrides=settings["uniform --set values"],
+    )
     if "adaptive_curriculum" in first:
         meta["adaptive_curriculum"] = first["adaptive_curriculum"]
     if not check_adaptive_config:
@@ -426,12 +517,16 @@ def pool_results(paths: list[str], check_adaptive_config: bool = True) -> dict[s
     return out
 
 
-def _config_diff(a: dict[str, Any] | None, b: dict[str, Any] | None, name_a: str = "A", name_b: str = "B") -> str:
+def _config_diff(
+    a: dict[str, Any] | None, b: dict[str, Any] | None, name_a: str = "A", name_b: str = "B"
+) -> str:
     """The keys two resolved curriculum configs differ in, as 'key a vs b'; a result saved before the
     config was recorded has none to compare."""
     if a is None or b is None:
-        return (f"{name_a if a is None else name_b} does not record it (saved before results kept it), so the two "
-                "cannot be told to match")
+        return (
+            f"{name_a if a is None else name_b} does not record it (saved before results kept it), so the two "
+            "cannot be told to match"
+        )
     keys = sorted(k for k in {*a, *b} if a.get(k) != b.get(k))
     return ", ".join(f"{k} {a.get(k)!r} vs {b.get(k)!r}" for k in keys) or "none"
 
@@ -445,18 +540,35 @@ def compare_results(path_a: str, path_b: str) -> dict[str, Any]:
 
     a, b = load_result(path_a, "--compare"), load_result(path_b, "--compare")
     if what := _mismatch(a, b, (*POOL_KEYS, "seeds", "token_budget_per_seed")):
-        raise ValueError(f"--compare: {path_a} and {path_b} differ in {what}; their adaptive runs cannot be paired")
+        raise ValueError(
+            f"--compare: {path_a} and {path_b} differ in {what}; their adaptive runs cannot be paired"
+        )
     eval_seed = int(a["eval_seed"])
-    reps = {n: [EvalReport(f"{n}-seed{row['seed']}", row["per_task"]) for row in r["per_seed"]["adaptive"]]
-            for n, r in (("a", a), ("b", b))}
+    reps = {
+        n: [EvalReport(f"{n}-seed{row['seed']}", row["per_task"]) for row in r["per_seed"]["adaptive"]]
+        for n, r in (("a", a), ("b", b))
+    }
     out: dict[str, Any] = {
-        "mode": "compare", "a": str(path_a), "b": str(path_b), "seeds": a["seeds"], "eval_seed": eval_seed,
-        "settings": {n: {"adaptive_overrides": _settings(r)["adaptive --set values"], "steps": [row["steps"] for row in r["per_seed"]["adaptive"]]}
-                     for n, r in (("a", a), ("b", b))},
+        "mode": "compare",
+        "a": str(path_a),
+        "b": str(path_b),
+        "seeds": a["seeds"],
+        "eval_seed": eval_seed,
+        "settings": {
+            n: {
+                "adaptive_overrides": _settings(r)["adaptive --set values"],
+                "steps": [row["steps"] for row in r["per_seed"]["adaptive"]],
+            }
+            for n, r in (("a", a), ("b", b))
+        },
         "accuracy": {n: r["per_domain"]["adaptive"] for n, r in (("a", a), ("b", b))},
-        "uniform_accuracy": {n: r["per_domain"][SAMPLERS[0]]["all"]["accuracy"] for n, r in (("a", a), ("b", b))},
-        "delta_a_minus_b": {str(seed): paired_delta(x, y, eval_seed)
-                            for seed, x, y in zip(a["seeds"], reps["a"], reps["b"], strict=True)},
+        "uniform_accuracy": {
+            n: r["per_domain"][SAMPLERS[0]]["all"]["accuracy"] for n, r in (("a", a), ("b", b))
+        },
+        "delta_a_minus_b": {
+            str(seed): paired_delta(x, y, eval_seed)
+            for seed, x, y in zip(a["seeds"], reps["a"], reps["b"], strict=True)
+        },
     }
     if len(a["seeds"]) > 1:
         out["delta_a_minus_b"]["pooled"] = paired_delta(_pool(reps["a"]), _pool(reps["b"]), eval_seed)
@@ -473,15 +585,21 @@ def _print_compare(out: dict[str, Any]) -> None:
     for n in ("a", "b"):
         acc, st = out["accuracy"][n], out["settings"][n]
         per = ", ".join(f"{d} {v['accuracy']:.3f}" for d, v in acc.items() if d != "all")
-        console.print(f"  {n.upper()} = {out[n]}: adaptive --set {st['adaptive_overrides']}, steps {st['steps']}; held-out "
-                      f"all {acc['all']['accuracy']:.3f} ({per}); its uniform runs {out['uniform_accuracy'][n]:.3f}")
+        console.print(
+            f"  {n.upper()} = {out[n]}: adaptive --set {st['adaptive_overrides']}, steps {st['steps']}; held-out "
+            f"all {acc['all']['accuracy']:.3f} ({per}); its uniform runs {out['uniform_accuracy'][n]:.3f}"
+        )
     if "config_differences" in out:
-        console.print(f"  the adaptive runs' curriculum configs differ in: {out['config_differences']} (A vs B)")
+        console.print(
+            f"  the adaptive runs' curriculum configs differ in: {out['config_differences']} (A vs B)"
+        )
     for seed, d in out["delta_a_minus_b"].items():
         per = ", ".join(f"{k} {v['delta']:+.3f}" for k, v in d["per_domain"].items())
         label = "seeds pooled" if seed == "pooled" else f"seed {seed}"
-        console.print(f"  {label}: A - B: all {d['delta']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}] "
-                      f"({d['n_tasks']} pairs); {per}")
+        console.print(
+            f"  {label}: A - B: all {d['delta']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}] "
+            f"({d['n_tasks']} pairs); {per}"
+        )
 
 
 def _pool(reports: list[Any]) -> Any:
@@ -503,9 +621,13 @@ def _print_real(out: dict[str, Any]) -> None:
         return f"{d['accuracy']:.3f} [{d['ci_low']:.3f}, {d['ci_high']:.3f}] n={d['n']}"
 
     sz = out["sizes"]
-    t = Table(title=(f"curriculum --real: {out['model']}, seeds {out['seeds']}, {sz['steps']} steps x "
-                     f"{sz['prompts_per_step']} prompts x {sz['samples_per_prompt']} rollouts per run; held-out greedy "
-                     f"accuracy, {sz['n_eval']} tasks per arm, 95% bootstrap CI (seeds pooled)"))
+    t = Table(
+        title=(
+            f"curriculum --real: {out['model']}, seeds {out['seeds']}, {sz['steps']} steps x "
+            f"{sz['prompts_per_step']} prompts x {sz['samples_per_prompt']} rollouts per run; held-out greedy "
+            f"accuracy, {sz['n_eval']} tasks per arm, 95% bootstrap CI (seeds pooled)"
+        )
+    )
     t.add_column("domain")
     t.add_column("base model", justify="right")
     for s in SAMPLERS:
@@ -516,20 +638,35 @@ def _print_real(out: dict[str, Any]) -> None:
     console = Console(width=170)
     console.print(t)
     for seed, dd in out["delta_adaptive_minus_uniform"].items():
-        per = ", ".join(f"{d} {v['delta']:+.3f} [{v['ci_low']:+.3f}, {v['ci_high']:+.3f}]" for d, v in dd["per_domain"].items())
-        console.print(f"  {'seeds pooled' if seed == 'pooled' else 'seed ' + seed}: adaptive - uniform: all {dd['delta']:+.3f} [{dd['ci_low']:+.3f}, {dd['ci_high']:+.3f}]; {per}")
+        per = ", ".join(
+            f"{d} {v['delta']:+.3f} [{v['ci_low']:+.3f}, {v['ci_high']:+.3f}]"
+            for d, v in dd["per_domain"].items()
+        )
+        console.print(
+            f"  {'seeds pooled' if seed == 'pooled' else 'seed ' + seed}: adaptive - uniform: all {dd['delta']:+.3f} [{dd['ci_low']:+.3f}, {dd['ci_high']:+.3f}]; {per}"
+        )
     for s in SAMPLERS:
         for r in out["per_seed"][s]:
-            console.print(f"  {s} seed {r['seed']}: {r['steps']} steps, {r['generated_tokens']:.0f} rollout tokens + "
-                          f"{r['probe_tokens']:.0f} probe tokens ({r['probes']} probes), train {r['train_s']} s, "
-                          f"groups {r['groups_by_arm']}")
+            console.print(
+                f"  {s} seed {r['seed']}: {r['steps']} steps, {r['generated_tokens']:.0f} rollout tokens + "
+                f"{r['probe_tokens']:.0f} probe tokens ({r['probes']} probes), train {r['train_s']} s, "
+                f"groups {r['groups_by_arm']}"
+            )
     if out.get("adaptive_overrides") or out.get("uniform_overrides"):
-        console.print(f"  --set values: adaptive {out['adaptive_overrides']}, uniform {out['uniform_overrides']}")
+        console.print(
+            f"  --set values: adaptive {out['adaptive_overrides']}, uniform {out['uniform_overrides']}"
+        )
     if out.get("uniform_from"):
-        console.print(f"  the uniform runs and base scores are those of {out['uniform_from']} (--reuse-uniform)")
+        console.print(
+            f"  the uniform runs and base scores are those of {out['uniform_from']} (--reuse-uniform)"
+        )
     if out["budget"] == "tokens":
-        console.print(f"  budget: the adaptive run of each seed stops at uniform's tokens {out['token_budget_per_seed']} "
-                      f"(probes charged; steps capped at {MAX_STEPS_FACTOR}x)")
+        console.print(
+            f"  budget: the adaptive run of each seed stops at uniform's tokens {out['token_budget_per_seed']} "
+            f"(probes charged; steps capped at {MAX_STEPS_FACTOR}x)"
+        )
     if out.get("adaptive_config_checked") is False:
-        console.print("  the adaptive runs' settings were not compared across the results (--pool-any-config)")
+        console.print(
+            "  the adaptive runs' settings were not compared across the results (--pool-any-config)"
+        )
     console.print(f"  runs under {out['run_root']}; wall {out['wall_s']} s")

@@ -44,7 +44,9 @@ class HFGenerate:
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
         p = requests[0].params
         if any(dataclasses.replace(r.params, seed=p.seed) != p for r in requests) or not p.ignore_eos:
-            raise ValueError("HFGenerate takes requests that share their sampling params (but the seed) and ignore EOS")
+            raise ValueError(
+                "HFGenerate takes requests that share their sampling params (but the seed) and ignore EOS"
+            )
         if p.seed is not None:
             torch.manual_seed(p.seed)
         per_call = max(1, self.max_batch_size // p.n)
@@ -63,11 +65,22 @@ class HFGenerate:
             ids[i, width - len(r.prompt_token_ids) :] = torch.tensor(r.prompt_token_ids)
             mask[i, width - len(r.prompt_token_ids) :] = 1
         eos = [self.model.config.vocab_size]  # an id never sampled: no stop
-        sampling = dict(do_sample=True, temperature=p.temperature, top_p=1.0, top_k=0) if p.temperature > 0 else (
-            dict(do_sample=False, temperature=None, top_p=None, top_k=None))
-        gen = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=p.max_tokens,
-                                  num_return_sequences=p.n, return_dict_in_generate=True, output_logits=True,
-                                  pad_token_id=self.pad_id, eos_token_id=eos, **sampling)
+        sampling = (
+            dict(do_sample=True, temperature=p.temperature, top_p=1.0, top_k=0)
+            if p.temperature > 0
+            else (dict(do_sample=False, temperature=None, top_p=None, top_k=None))
+        )
+        gen = self.model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=p.max_tokens,
+            num_return_sequences=p.n,
+            return_dict_in_generate=True,
+            output_logits=True,
+            pad_token_id=self.pad_id,
+            eos_token_id=eos,
+            **sampling,
+        )
         ttft = time.perf_counter() - t0
         new = gen.sequences[:, width:]
         logits = torch.stack(gen.logits, dim=1)  # (rows, new tokens, vocab)

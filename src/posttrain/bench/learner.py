@@ -38,7 +38,9 @@ def matmul_gflops(dtype: torch.dtype, n: int = 1024, repeats: int = 5) -> float:
     return 2 * n**3 / statistics.median(times) / 1e9
 
 
-def make_samples(n: int, max_len: int, vocab: int, fixed: bool, seed: int = 0, group: int = 0) -> list[Sample]:
+def make_samples(
+    n: int, max_len: int, vocab: int, fixed: bool, seed: int = 0, group: int = 0
+) -> list[Sample]:
     """`n` sequences of up to `max_len` tokens, the first quarter of each a prompt. With `group` > 0
     they come in GRPO groups of that size whose members share one prompt (a quarter of the longest)."""
     g = torch.Generator().manual_seed(seed)
@@ -49,7 +51,9 @@ def make_samples(n: int, max_len: int, vocab: int, fixed: bool, seed: int = 0, g
                 prompt_ids = torch.randint(0, vocab, (max(1, max_len // 4),), generator=g).tolist()
             gen = int(torch.randint(max(1, max_len // 8), max_len - len(prompt_ids) + 1, (1,), generator=g))
             ids = prompt_ids + torch.randint(0, vocab, (gen,), generator=g).tolist()
-            out.append(Sample(ids, [0] * len(prompt_ids) + [1] * gen, [0.0] * len(ids), float(i % 2), i // group))
+            out.append(
+                Sample(ids, [0] * len(prompt_ids) + [1] * gen, [0.0] * len(ids), float(i % 2), i // group)
+            )
         return out
     for i in range(n):
         length = max_len if fixed else int(torch.randint(max_len // 4, max_len + 1, (1,), generator=g))
@@ -89,7 +93,9 @@ def main(opts: Any) -> dict:
     gflops = {"fp32": matmul_gflops(torch.float32), "bf16": matmul_gflops(torch.bfloat16)}
 
     # old logprobs once (fp32, unchanged model): every variant starts at ratio 1 from the same weights
-    probe = Learner(ModelConfig(spec=opts.spec), TrainerConfig(), AlgorithmConfig(tis_cap=None), model=copy.deepcopy(base))
+    probe = Learner(
+        ModelConfig(spec=opts.spec), TrainerConfig(), AlgorithmConfig(tis_cap=None), model=copy.deepcopy(base)
+    )
     old_lp = probe.compute_logprobs(build_batch(samples))
     del probe
 
@@ -115,8 +121,13 @@ def main(opts: Any) -> dict:
                 packing=packing == "packed",
                 share_prompt_prefix=packing == "shared",
             )
-            learner = Learner(mcfg, tcfg, AlgorithmConfig(tis_cap=None), model=copy.deepcopy(base),
-                              batch_cfg=BatchConfig(micro_batch_tokens=opts.micro_batch_tokens))
+            learner = Learner(
+                mcfg,
+                tcfg,
+                AlgorithmConfig(tis_cap=None),
+                model=copy.deepcopy(base),
+                batch_cfg=BatchConfig(micro_batch_tokens=opts.micro_batch_tokens),
+            )
             batch = _prepared_batch(learner, samples, old_lp)
             t0, c0 = time.perf_counter(), time.process_time()
             m = learner.update(batch)
@@ -141,7 +152,15 @@ def main(opts: Any) -> dict:
 
     best = max(results, key=lambda k: results[k]["tokens_per_s"])
     table = Table(title=f"Learner.update, {opts.spec}, {n} seqs x <= {length} tokens ({tokens} tokens)")
-    for col in ("variant", "tokens/s", "update s (median)", "min..max s", "tokens/CPU-s", "padding", "roofline"):
+    for col in (
+        "variant",
+        "tokens/s",
+        "update s (median)",
+        "min..max s",
+        "tokens/CPU-s",
+        "padding",
+        "roofline",
+    ):
         table.add_column(col)
     for name, r in results.items():
         table.add_row(
@@ -154,7 +173,9 @@ def main(opts: Any) -> dict:
             f"{r['roofline_frac']:.1%}",
         )
     console.print(table)
-    console.print(f"matmul roofline: fp32 {gflops['fp32']:.1f} GFLOP/s, bf16 {gflops['bf16']:.1f} GFLOP/s; threads {torch.get_num_threads()}")
+    console.print(
+        f"matmul roofline: fp32 {gflops['fp32']:.1f} GFLOP/s, bf16 {gflops['bf16']:.1f} GFLOP/s; threads {torch.get_num_threads()}"
+    )
 
     out: dict[str, Any] = {
         "best_tokens_per_s": results[best]["tokens_per_s"],
@@ -179,13 +200,17 @@ def main(opts: Any) -> dict:
         for dtype in ("fp32", "bf16"):
             pk, pd = f"{mode}-{dtype}-packed", f"{mode}-{dtype}-padded"
             if pk in results and pd in results:
-                out[f"{mode}_{dtype}_packed_over_padded"] = results[pk]["tokens_per_s"] / results[pd]["tokens_per_s"]
+                out[f"{mode}_{dtype}_packed_over_padded"] = (
+                    results[pk]["tokens_per_s"] / results[pd]["tokens_per_s"]
+                )
                 out[f"{mode}_{dtype}_packed_over_padded_cpu"] = (
                     results[pk]["tokens_per_cpu_s"] / results[pd]["tokens_per_cpu_s"]
                 )
             ps = f"{mode}-{dtype}-shared"
             if ps in results and pd in results:
-                out[f"{mode}_{dtype}_shared_over_padded"] = results[ps]["tokens_per_s"] / results[pd]["tokens_per_s"]
+                out[f"{mode}_{dtype}_shared_over_padded"] = (
+                    results[ps]["tokens_per_s"] / results[pd]["tokens_per_s"]
+                )
     # the update time of one TRL-shaped batch (8 x 48 generated tokens) against TRL's whole step (which
     # also generates): an upper bound on our update's share, not a like-for-like step comparison
     mode, dtype, packing = best.split("-")
@@ -194,7 +219,12 @@ def main(opts: Any) -> dict:
         s.loss_mask = [0] * 16 + [1] * 48
     learner = Learner(
         ModelConfig(spec=opts.spec, lora_rank=opts.lora_rank if mode == "lora" else 0),
-        TrainerConfig(lr=1e-6, bf16_autocast=dtype == "bf16", packing=packing == "packed", share_prompt_prefix=packing == "shared"),
+        TrainerConfig(
+            lr=1e-6,
+            bf16_autocast=dtype == "bf16",
+            packing=packing == "packed",
+            share_prompt_prefix=packing == "shared",
+        ),
         AlgorithmConfig(tis_cap=None),
         model=copy.deepcopy(base),
     )
@@ -202,5 +232,7 @@ def main(opts: Any) -> dict:
     learner.step(trl)
     out["trl_shape_step_s"] = time.perf_counter() - t0
     out["trl_ref_step_s"] = TRL_REF_S_PER_STEP
-    console.print(f"learner.step on 8 x (16 + 48) tokens: {out['trl_shape_step_s']:.2f} s (TRL's whole GRPO step: {TRL_REF_S_PER_STEP} s)")
+    console.print(
+        f"learner.step on 8 x (16 + 48) tokens: {out['trl_shape_step_s']:.2f} s (TRL's whole GRPO step: {TRL_REF_S_PER_STEP} s)"
+    )
     return out

@@ -32,9 +32,16 @@ from posttrain.curriculum.samplers import Sampler, _uniform_by_domain
 
 
 def cross_entropy_min(
-    score: Callable[[np.ndarray], float | np.ndarray], mu: np.ndarray, sd: np.ndarray, rounds: int, population: int,
-    elite: int, rng: np.random.Generator, sd_floor: float | np.ndarray = 0.05,
-    bounds: tuple[np.ndarray, np.ndarray] | None = None, batched: bool = False,
+    score: Callable[[np.ndarray], float | np.ndarray],
+    mu: np.ndarray,
+    sd: np.ndarray,
+    rounds: int,
+    population: int,
+    elite: int,
+    rng: np.random.Generator,
+    sd_floor: float | np.ndarray = 0.05,
+    bounds: tuple[np.ndarray, np.ndarray] | None = None,
+    batched: bool = False,
 ) -> tuple[float, np.ndarray]:
     """Minimise score(x) by the cross-entropy method: each round draws `population` points from
     N(mu, sd) (clipped to `bounds`), keeps the `elite` best, and refits mu and sd (+ sd_floor) to them.
@@ -63,7 +70,10 @@ def domain_matrix(learner: Learner) -> tuple[np.ndarray, np.ndarray]:
 
 
 def move(
-    learner: Learner, theta: np.ndarray, step: np.ndarray, p_idle: np.ndarray,
+    learner: Learner,
+    theta: np.ndarray,
+    step: np.ndarray,
+    p_idle: np.ndarray,
     domains: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> np.ndarray:
     """`Learner.train`'s update of skill logits theta (shape (..., arms)) given each arm's own step
@@ -71,7 +81,9 @@ def move(
     step (1 or 0 for one step; the expected disuse decay in between): disuse, same-domain transfer,
     then interference from the other domains' |step|. domains: `domain_matrix(learner)`, if at hand."""
     floor = learner.floor
-    theta = np.where(theta > floor, floor + (theta - floor) * (1.0 - p_idle + p_idle * np.exp(-learner.delta)), theta)
+    theta = np.where(
+        theta > floor, floor + (theta - floor) * (1.0 - p_idle + p_idle * np.exp(-learner.delta)), theta
+    )
     onehot, rho = domain_matrix(learner) if domains is None else domains
     theta = theta + step + rho * ((step @ onehot) @ onehot.T - step)
     by_domain = np.abs(step) @ onehot
@@ -80,8 +92,16 @@ def move(
 
 
 def expected_run(
-    learner: Learner, theta: np.ndarray, plans: np.ndarray, spent: float, budget: float, settings: SimSettings,
-    threshold: float, peak: np.ndarray, removed: int | None = None, plans_removed: np.ndarray | None = None,
+    learner: Learner,
+    theta: np.ndarray,
+    plans: np.ndarray,
+    spent: float,
+    budget: float,
+    settings: SimSettings,
+    threshold: float,
+    peak: np.ndarray,
+    removed: int | None = None,
+    plans_removed: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """Run C plans (weights, shape (C, P, arms): P mixes, mix j while the spent share of the tokens
     left at the start is in [j/P, (j+1)/P)) from logits theta and `spent` tokens to the budget, under
@@ -108,7 +128,9 @@ def expected_run(
     while going.any():
         phase = np.minimum(phases - 1, ((spent_c - spent) / left * phases).astype(np.int64))
         frac = spent_c / budget
-        out = (settings.removed_from <= frac) & (frac < settings.removed_until) if removed is not None else None
+        out = (
+            (settings.removed_from <= frac) & (frac < settings.removed_until) if removed is not None else None
+        )
         w = plans[rows, phase].copy()
         there = np.ones_like(w)  # 1 where the arm has data now
         if out is not None and out.any():
@@ -133,14 +155,20 @@ def expected_run(
 
 
 def search_plan(
-    score: Callable[[np.ndarray], np.ndarray], previous: np.ndarray, keep_previous: bool, rng: np.random.Generator,
-    rounds: int, population: int, elite: int,
+    score: Callable[[np.ndarray], np.ndarray],
+    previous: np.ndarray,
+    keep_previous: bool,
+    rng: np.random.Generator,
+    rounds: int,
+    population: int,
+    elite: int,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Cross-entropy search over plans as softmax logits (shape (phases, arms)), started at `previous`;
     with keep_previous, `previous` stays when score rates it no worse than the search's best (so noise in
     the search does not churn the allocation). Returns (the plan's logits, its first mix as weights)."""
-    found, best = cross_entropy_min(score, previous, np.ones_like(previous), rounds, population, elite, rng,
-                                    batched=True)
+    found, best = cross_entropy_min(
+        score, previous, np.ones_like(previous), rounds, population, elite, rng, batched=True
+    )
     if keep_previous and score(previous[None])[0] <= found:
         best = previous
     w = np.exp(best[0] - best[0].max())
@@ -157,7 +185,9 @@ class PlanningOracle(Sampler):
     population, rounds, elite = 64, 10, 12
     w_final, w_forget, w_worst = 0.3, 10.0, 0.5
 
-    def __init__(self, cfg: CurriculumConfig, arms: list[Arm], seed: int, learner: Learner, settings: SimSettings):
+    def __init__(
+        self, cfg: CurriculumConfig, arms: list[Arm], seed: int, learner: Learner, settings: SimSettings
+    ):
         super().__init__(cfg, arms, seed)
         self._learner, self._settings = learner, settings
         self._budget = budget_tokens(learner, settings)
@@ -176,8 +206,18 @@ class PlanningOracle(Sampler):
         part = np.zeros(len(self.arms))
         part[without] = _uniform_by_domain(self.arms, without)
         model = self.model()
-        res = expected_run(model, model.theta, full[None, None, :], 0.0, self._budget, self._settings, np.inf,
-                           self._peak, self._removed, part[None, None, :])
+        res = expected_run(
+            model,
+            model.theta,
+            full[None, None, :],
+            0.0,
+            self._budget,
+            self._settings,
+            np.inf,
+            self._peak,
+            self._removed,
+            part[None, None, :],
+        )
         return float(res["macro"][0])
 
     def model(self) -> Learner:
@@ -189,7 +229,12 @@ class PlanningOracle(Sampler):
         """The planning objective per plan (lower is better; see the module docstring)."""
         reach = np.where(np.isfinite(res["reach"]), res["reach"] / self._budget, 2.0 - res["macro"])
         forgetting = (res["peak"] - res["final"]).mean(axis=1)
-        return reach - self.w_final * res["macro"] + self.w_forget * forgetting - self.w_worst * res["final"].min(axis=1)
+        return (
+            reach
+            - self.w_final * res["macro"]
+            + self.w_forget * forgetting
+            - self.w_worst * res["final"].min(axis=1)
+        )
 
     def _replan(self) -> None:
         """Search plans from the current state (`search_plan`, keeping the previous plan if no worse)."""
@@ -199,12 +244,22 @@ class PlanningOracle(Sampler):
         def score(logits: np.ndarray) -> np.ndarray:
             w = np.exp(logits - logits.max(axis=2, keepdims=True))
             w /= w.sum(axis=2, keepdims=True)
-            res = expected_run(model, model.theta, w, spent, self._budget, self._settings, self.threshold, self._peak,
-                               self._removed)
+            res = expected_run(
+                model,
+                model.theta,
+                w,
+                spent,
+                self._budget,
+                self._settings,
+                self.threshold,
+                self._peak,
+                self._removed,
+            )
             return self.objective(res)
 
-        self._mu, self._plan = search_plan(score, self._mu, self._plan is not None, self._plan_rng, self.rounds,
-                                           self.population, self.elite)
+        self._mu, self._plan = search_plan(
+            score, self._mu, self._plan is not None, self._plan_rng, self.rounds, self.population, self.elite
+        )
 
     def _policy(self, avail: np.ndarray) -> np.ndarray:
         self._peak = np.maximum(self._peak, self._learner.p)

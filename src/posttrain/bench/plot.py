@@ -18,7 +18,12 @@ def domain_shares(metrics_rows: Sequence[dict]) -> tuple[list[float], dict[str, 
     shares: dict[str, list[float]] = {}
     rows = [r for r in metrics_rows if any(str(k).startswith(WEIGHT_PREFIX) for k in r)]
     domains = sorted(
-        {str(k)[len(WEIGHT_PREFIX) :].rpartition(":")[0] for r in rows for k in r if str(k).startswith(WEIGHT_PREFIX)}
+        {
+            str(k)[len(WEIGHT_PREFIX) :].rpartition(":")[0]
+            for r in rows
+            for k in r
+            if str(k).startswith(WEIGHT_PREFIX)
+        }
     )
     for n, row in enumerate(rows):
         steps.append(float(row.get("step", n)))

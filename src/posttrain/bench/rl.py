@@ -25,8 +25,15 @@ TRL_REFERENCE_S = 14.0  # TRL's step measured earlier on this machine kind
 
 
 def _ours(
-    steps: int, completions: int, new_tokens: int, dtype: str, seed: int, mode: str = "sync", staleness: int = 1,
-    lag: str = "fixed", checkpoint_every: int = 0,
+    steps: int,
+    completions: int,
+    new_tokens: int,
+    dtype: str,
+    seed: int,
+    mode: str = "sync",
+    staleness: int = 1,
+    lag: str = "fixed",
+    checkpoint_every: int = 0,
 ) -> list[dict[str, Any]]:
     from posttrain.config import load_config
     from posttrain.orchestrator.loop import RLRun
@@ -65,7 +72,9 @@ def _ours(
     return rows
 
 
-def step_floor_s(rows: list[dict[str, Any]], params: int, dtype: str, bandwidth_gbs: float, matmul_gflops: float) -> float:
+def step_floor_s(
+    rows: list[dict[str, Any]], params: int, dtype: str, bandwidth_gbs: float, matmul_gflops: float
+) -> float:
     """A lower bound of our step on this machine: every decode step reads all weights once (the
     longest completion sets the number of decode steps), and the update costs 6 x params FLOPs per
     position it computes, at the measured matmul rate. Prefill, the optimizer and attention are left
@@ -93,7 +102,10 @@ def _trl(steps: int, completions: int, new_tokens: int, dtype: str, seed: int) -
     domain = get_domain("math")
     tasks = [domain.task("train", 0, i, seed=seed) for i in range(steps)]
     data = Dataset.from_list(
-        [{"prompt": [{"role": m.role, "content": m.content} for m in t.prompt], "meta_index": i} for i, t in enumerate(tasks)]
+        [
+            {"prompt": [{"role": m.role, "content": m.content} for m in t.prompt], "meta_index": i}
+            for i, t in enumerate(tasks)
+        ]
     )
 
     def reward(prompts: list, completions: list, meta_index: list, **_: Any) -> list[float]:
@@ -151,8 +163,17 @@ def main(ns: Any) -> dict[str, Any]:
     from posttrain.bench.learner import matmul_gflops
     from posttrain.models import load_policy
 
-    rows = _ours(ns.steps, ns.completions, ns.new_tokens, ns.dtype, ns.seed, ns.mode, ns.max_staleness, ns.async_lag,
-                 ns.checkpoint_every)
+    rows = _ours(
+        ns.steps,
+        ns.completions,
+        ns.new_tokens,
+        ns.dtype,
+        ns.seed,
+        ns.mode,
+        ns.max_staleness,
+        ns.async_lag,
+        ns.checkpoint_every,
+    )
     ours = [r["timeline/step_s"] for r in rows]  # the final step's checkpoint is not in step_s
     ours_s = statistics.median(ours[1:] or ours)
     params = sum(p.numel() for p in load_policy("smollm2-135m").parameters())
@@ -166,13 +187,20 @@ def main(ns: Any) -> dict[str, Any]:
             trl_times = _trl(ns.steps, ns.completions, ns.new_tokens, ns.dtype, ns.seed)
             trl_s = statistics.median(trl_times[1:] or trl_times)
         except ImportError as err:
-            trl_note = f"not measured ({err.name} not installed: pip install trl); reference {TRL_REFERENCE_S} s"
+            trl_note = (
+                f"not measured ({err.name} not installed: pip install trl); reference {TRL_REFERENCE_S} s"
+            )
     table = Table("system", "per-step s (median, after warm-up)", "steps")
-    label = "posttrain (sync, on-policy)" if ns.mode == "sync" else (
-        f"posttrain (async, staleness <= {ns.max_staleness}, {ns.async_lag} lag)")
+    label = (
+        "posttrain (sync, on-policy)"
+        if ns.mode == "sync"
+        else (f"posttrain (async, staleness <= {ns.max_staleness}, {ns.async_lag} lag)")
+    )
     table.add_row(label, f"{ours_s:.2f}", " ".join(f"{t:.2f}" for t in ours))
     if trl_s is not None:
-        table.add_row("TRL GRPOTrainer (sync, on-policy)", f"{trl_s:.2f}", " ".join(f"{t:.2f}" for t in trl_times))
+        table.add_row(
+            "TRL GRPOTrainer (sync, on-policy)", f"{trl_s:.2f}", " ".join(f"{t:.2f}" for t in trl_times)
+        )
     else:
         table.add_row("TRL GRPOTrainer", trl_note, "")
     console.print(table)
@@ -182,7 +210,9 @@ def main(ns: Any) -> dict[str, Any]:
         f"{ours_s / floor_s:.1f}x the floor"
     )
     if trl_s is not None and trl_s / 3 < floor_s:
-        console.print(f"a third of TRL's step ({trl_s / 3:.2f} s) is below that floor: no implementation reaches it here")
+        console.print(
+            f"a third of TRL's step ({trl_s / 3:.2f} s) is below that floor: no implementation reaches it here"
+        )
     result: dict[str, Any] = {
         "ours_step_s": ours_s,
         "ours_steps_s": ours,
@@ -197,7 +227,9 @@ def main(ns: Any) -> dict[str, Any]:
         "trl_note": trl_note,
         # like for like only when both are on-policy; async (stale by up to k updates) is named apart
         "like_for_like": ns.mode == "sync",
-        ("ratio_vs_trl" if ns.mode == "sync" else "ratio_async_vs_trl_onpolicy"): (trl_s / ours_s) if trl_s else None,
+        ("ratio_vs_trl" if ns.mode == "sync" else "ratio_async_vs_trl_onpolicy"): (trl_s / ours_s)
+        if trl_s
+        else None,
         "floor_step_s": floor_s,
         "ours_over_floor": ours_s / floor_s,
         "memory_bandwidth_gbs": bandwidth,
@@ -208,7 +240,9 @@ def main(ns: Any) -> dict[str, Any]:
         },
     }
     if trl_s and ns.mode == "sync":
-        console.print(f"posttrain step time is {ours_s / trl_s:.2f}x TRL's ({trl_s / ours_s:.2f}x faster), both on-policy")
+        console.print(
+            f"posttrain step time is {ours_s / trl_s:.2f}x TRL's ({trl_s / ours_s:.2f}x faster), both on-policy"
+        )
     elif trl_s:
         console.print(
             f"posttrain async step time is {ours_s / trl_s:.2f}x TRL's on-policy step ({trl_s / ours_s:.2f}x): not like "

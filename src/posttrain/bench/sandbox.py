@@ -44,9 +44,13 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def _summary(latencies_s: list[float], elapsed_s: float, errors: int) -> dict:
-    return {"per_s": len(latencies_s) / elapsed_s if elapsed_s else 0.0,
-            "p50_ms": _percentile(latencies_s, 0.50) * 1000, "p99_ms": _percentile(latencies_s, 0.99) * 1000,
-            "n": len(latencies_s), "errors": errors}
+    return {
+        "per_s": len(latencies_s) / elapsed_s if elapsed_s else 0.0,
+        "p50_ms": _percentile(latencies_s, 0.50) * 1000,
+        "p99_ms": _percentile(latencies_s, 0.99) * 1000,
+        "n": len(latencies_s),
+        "errors": errors,
+    }
 
 
 class _CpuMeter:
@@ -147,6 +151,7 @@ def _subprocess_runner(argv_prefix: list[str], code: str, env: dict) -> Callable
     def run() -> bool:
         proc = subprocess.run([*argv_prefix, code], capture_output=True, env=env, timeout=60)
         return proc.returncode == 0
+
     return run
 
 
@@ -161,9 +166,11 @@ def _job_subprocess_runner(job: Job, env: dict) -> Callable[[], bool]:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 with open(path, "wb") as fh:
                     fh.write(data)
-            proc = subprocess.run([sys.executable, "-I", "-c", job.code], cwd=tmp, capture_output=True, env=env,
-                                  timeout=60)
+            proc = subprocess.run(
+                [sys.executable, "-I", "-c", job.code], cwd=tmp, capture_output=True, env=env, timeout=60
+            )
         return proc.returncode == 0 and b'"done": true' in proc.stdout
+
     return run
 
 
@@ -171,15 +178,23 @@ def _bwrap_prefix(binds: list) -> list[str] | None:
     iso = iso_mod.detect()
     if not iso.namespaces or not iso.bwrap:
         return None
-    spec = iso_mod.JailSpec(iso_mod.python_install(), iso_mod.JAIL_UID_BASE + 63 if iso.uid_drop else None,
-                            binds, False, 16 << 20)
+    spec = iso_mod.JailSpec(
+        iso_mod.python_install(), iso_mod.JAIL_UID_BASE + 63 if iso.uid_drop else None, binds, False, 16 << 20
+    )
     argv = spec.bwrap_argv(iso.bwrap)
     if binds:
         argv += ["--setenv", "PYTHONPATH", f"{iso_mod.JAIL_ROOT}/site"]
     if iso.uid_drop:
         uid = str(iso_mod.JAIL_UID_BASE + 63)
-        argv += ["/usr/bin/setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
-                 "--bounding-set=-all", "--"]
+        argv += [
+            "/usr/bin/setpriv",
+            f"--reuid={uid}",
+            f"--regid={uid}",
+            "--clear-groups",
+            "--inh-caps=-all",
+            "--bounding-set=-all",
+            "--",
+        ]
     return [*argv, spec.python.jail_executable, "-I", "-c"]
 
 
@@ -208,6 +223,7 @@ def main(opts: Any) -> dict:
 
         async def pool_measure(name: str, code: str, profile: str) -> dict:
             if name == "asserts":
+
                 async def one() -> bool:
                     g = await grade_asserts(sb, SOLUTION, TESTS, limits)
                     return g.passed == len(TESTS)
@@ -216,6 +232,7 @@ def main(opts: Any) -> dict:
 
                 async def one() -> bool:
                     return (await sb.run(job)).status == ExecStatus.OK
+
             for _ in range(2 * pool_size):  # warm every worker once
                 await one()
             return await _closed_loop_async(one, clients, opts.seconds)
@@ -224,16 +241,22 @@ def main(opts: Any) -> dict:
             console.print(f"[dim]measuring {name} ...[/]")
             binds = iso_mod.package_dirs(("numpy",)) if profile == "numpy" else []
             python = [sys.executable, "-c"] if profile == "numpy" else [sys.executable, "-I", "-c"]
-            baseline = (_job_subprocess_runner(assert_job(SOLUTION, TESTS, limits)[0], base_env) if name == "asserts"
-                        else _subprocess_runner(python, code, base_env))
+            baseline = (
+                _job_subprocess_runner(assert_job(SOLUTION, TESTS, limits)[0], base_env)
+                if name == "asserts"
+                else _subprocess_runner(python, code, base_env)
+            )
             runners: dict[str, Callable[[], dict]] = {
-                "pool": lambda name=name, code=code, profile=profile: asyncio.run(pool_measure(name, code, profile)),
+                "pool": lambda name=name, code=code, profile=profile: asyncio.run(
+                    pool_measure(name, code, profile)
+                ),
                 "subprocess": lambda baseline=baseline: _closed_loop_threads(baseline, clients, opts.seconds),
             }
             prefix = _bwrap_prefix(binds)
             if prefix is not None:
                 runners["bwrap"] = lambda code=code, prefix=prefix: _closed_loop_threads(
-                    _subprocess_runner(prefix, code, base_env), clients, opts.seconds)
+                    _subprocess_runner(prefix, code, base_env), clients, opts.seconds
+                )
             samples: dict[str, list[dict]] = {r: [] for r in runners}
             for _ in range(opts.repeats):  # interleaved, so load drift hits every runner alike
                 for runner, measure in runners.items():
@@ -243,22 +266,39 @@ def main(opts: Any) -> dict:
         sb.close_blocking()
         meter.close()
 
-    table = Table(title=f"sandbox: executions/s (median of {opts.repeats}), closed loop, {clients} clients, "
-                        f"pool {pool_size}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
+    table = Table(
+        title=f"sandbox: executions/s (median of {opts.repeats}), closed loop, {clients} clients, "
+        f"pool {pool_size}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
+    )
     for col in ("scenario", "runner", "exec/s", "p50 ms", "p99 ms", "CPU ms/exec", "n", "errors"):
         table.add_column(col)
     for name, runners in rows.items():
         for runner, s in runners.items():
             cpu = f"{s['cpu_ms']:.2f}" if "cpu_ms" in s else "n/a"
-            table.add_row(name, runner, f"{s['per_s']:.1f}", f"{s['p50_ms']:.1f}", f"{s['p99_ms']:.1f}", cpu,
-                          str(s["n"]), str(s["errors"]))
+            table.add_row(
+                name,
+                runner,
+                f"{s['per_s']:.1f}",
+                f"{s['p50_ms']:.1f}",
+                f"{s['p99_ms']:.1f}",
+                cpu,
+                str(s["n"]),
+                str(s["errors"]),
+            )
     console.print(table)
     console.print(f"isolation layers active: {', '.join(sb.layers)}", highlight=False)
 
-    out: dict = {"isolation": sb.layers, "pool_size": pool_size, "clients": clients, "seconds": opts.seconds,
-                 "repeats": opts.repeats, "load_avg_1m": os.getloadavg()[0],
-                 "cpu_count": os.cpu_count(), "bwrap_available": shutil.which("bwrap") is not None,
-                 "sandbox_errors": sb.stats.get("sandbox_errors", 0)}
+    out: dict = {
+        "isolation": sb.layers,
+        "pool_size": pool_size,
+        "clients": clients,
+        "seconds": opts.seconds,
+        "repeats": opts.repeats,
+        "load_avg_1m": os.getloadavg()[0],
+        "cpu_count": os.cpu_count(),
+        "bwrap_available": shutil.which("bwrap") is not None,
+        "sandbox_errors": sb.stats.get("sandbox_errors", 0),
+    }
     for name, runners in rows.items():
         prefix = "" if name == "trivial" else f"{name}_"
         pool = runners["pool"]
@@ -269,7 +309,9 @@ def main(opts: Any) -> dict:
             if base in runners:
                 out[f"{prefix}{base}_per_s"] = runners[base]["per_s"]
                 out[f"{prefix}{base}_p99_ms"] = runners[base]["p99_ms"]
-                out[f"{prefix}ratio_vs_{base}"] = pool["per_s"] / runners[base]["per_s"] if runners[base]["per_s"] else None
+                out[f"{prefix}ratio_vs_{base}"] = (
+                    pool["per_s"] / runners[base]["per_s"] if runners[base]["per_s"] else None
+                )
         out[f"{name}_errors"] = pool["errors"] + sum(r["errors"] for r in runners.values() if r is not pool)
         for runner, figures in runners.items():
             if "cpu_ms" in figures:

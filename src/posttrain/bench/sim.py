@@ -88,15 +88,21 @@ def parse_layout(spec: str) -> Layout:
     if spec in LAYOUTS:
         return LAYOUTS[spec]
     if "=" not in spec:
-        raise ValueError(f"layout '{spec}' is neither a preset ({', '.join(LAYOUTS)}) nor domain:level=role,...")
+        raise ValueError(
+            f"layout '{spec}' is neither a preset ({', '.join(LAYOUTS)}) nor domain:level=role,..."
+        )
     out = []
     for item in spec.split(","):
         arm_key, _, role = item.strip().partition("=")
         domain, _, level = arm_key.strip().partition(":")
         if not domain or not level.strip().isdigit():
-            raise ValueError(f"layout item '{item.strip()}' must be domain:level=role with an integer level >= 0")
+            raise ValueError(
+                f"layout item '{item.strip()}' must be domain:level=role with an integer level >= 0"
+            )
         if role.strip() not in ROLES:
-            raise ValueError(f"layout item '{item.strip()}': role '{role.strip()}' is not one of {', '.join(ROLES)}")
+            raise ValueError(
+                f"layout item '{item.strip()}': role '{role.strip()}' is not one of {', '.join(ROLES)}"
+            )
         out.append((domain.strip(), int(level), role.strip()))
     keys = [(d, lv) for d, lv, _ in out]
     if len(set(keys)) != len(keys):
@@ -104,7 +110,9 @@ def parse_layout(spec: str) -> Layout:
     if tuple(REMOVED_ARM) not in keys:
         raise ValueError(f"layout '{spec}' must include {REMOVED_ARM.key}: its data leaves mid-run")
     if len(out) < 2:
-        raise ValueError(f"layout '{spec}' needs an arm besides {REMOVED_ARM.key}, which has no data for part of the run")
+        raise ValueError(
+            f"layout '{spec}' needs an arm besides {REMOVED_ARM.key}, which has no data for part of the run"
+        )
     return tuple(out)
 
 
@@ -161,7 +169,9 @@ class Learner:
             total = step[same].sum()
             moved[same] += self.rho[self.arms[int(np.flatnonzero(same)[0])].domain] * (total - step[same])
         self.theta = self.theta + moved
-        abs_by_domain = np.array([np.abs(step[self.domain_of == d]).sum() for d in range(self.domain_of.max() + 1)])
+        abs_by_domain = np.array(
+            [np.abs(step[self.domain_of == d]).sum() for d in range(self.domain_of.max() + 1)]
+        )
         interference = abs_by_domain.sum() - abs_by_domain[self.domain_of]
         above = self.theta > self.floor
         decayed = self.floor + (self.theta - self.floor) * np.exp(-self.kappa * interference)
@@ -320,7 +330,9 @@ def run(
         for a, n in sizes.items():
             sampler.set_data_size(a, n)
     else:
-        sampler = make_sampler(cfg.model_copy(update={"sampler": sampler_name}), learner.arms, seed, data_sizes=sizes)
+        sampler = make_sampler(
+            cfg.model_copy(update={"sampler": sampler_name}), learner.arms, seed, data_sizes=sizes
+        )
     index = {a: i for i, a in enumerate(learner.arms)}
     budget = budget_tokens(learner, s)
     domains = sorted({a.domain for a in learner.arms})
@@ -371,7 +383,9 @@ def run(
         for i, r in zip(all_idx.tolist(), all_rewards.tolist(), strict=True):
             by_arm[i].append(r)
         for i in sorted(by_arm):
-            sampler.update(step, learner.arms[i], by_arm[i], tokens=learner.tokens[i] * s.group_size * len(by_arm[i]))
+            sampler.update(
+                step, learner.arms[i], by_arm[i], tokens=learner.tokens[i] * s.group_size * len(by_arm[i])
+            )
         np.add.at(groups_by_arm, all_idx, 1)
         learner.train(kept_idx, kept_rewards)
         step += 1

@@ -30,9 +30,13 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="print the version"),
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="print the version"
+    ),
     plugin: list[str] = typer.Option(
-        [], "--plugin", metavar="FILE.py|MODULE",
+        [],
+        "--plugin",
+        metavar="FILE.py|MODULE",
         help="import a Python file or module that registers task domains (repeatable), before the command runs",
     ),
 ) -> None:

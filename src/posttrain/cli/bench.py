@@ -15,8 +15,11 @@ import typer
 
 from posttrain.cli.common import EXIT_USAGE, fail, print_json_last
 
-app = typer.Typer(help="Benchmarks against their baselines, measured in the same run.", no_args_is_help=True,
-                  rich_markup_mode=None)
+app = typer.Typer(
+    help="Benchmarks against their baselines, measured in the same run.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
 
 JSON = typer.Option(False, "--json", help="print one JSON object with the figures, last line of stdout")
 
@@ -63,8 +66,15 @@ def sandbox(
     json_out: bool = JSON,
 ) -> dict[str, Any]:
     """Executions/s and latency of the warm jailed pool vs one bwrap per execution and plain subprocess."""
-    return _run("sandbox", json_out, seconds=seconds, repeats=repeats, clients=clients, pool_size=pool_size,
-                skip_numpy=skip_numpy)
+    return _run(
+        "sandbox",
+        json_out,
+        seconds=seconds,
+        repeats=repeats,
+        clients=clients,
+        pool_size=pool_size,
+        skip_numpy=skip_numpy,
+    )
 
 
 @app.command("engine")
@@ -74,35 +84,69 @@ def engine(
     dtypes: str = typer.Option("float32,bfloat16", "--dtypes", help="comma list of float32, bfloat16"),
     workloads: str = typer.Option("rollout,serving,decode_1,decode_64", "--workloads", help="comma list"),
     repeats: int = typer.Option(1, "--repeats", min=1, help="interleaved repeats; medians are reported"),
-    no_hf: bool = typer.Option(False, "--no-hf", help="skip the HF generate baseline (ratios are then absent)"),
+    no_hf: bool = typer.Option(
+        False, "--no-hf", help="skip the HF generate baseline (ratios are then absent)"
+    ),
     seed: int = typer.Option(0, "--seed"),
     json_out: bool = JSON,
 ) -> dict[str, Any]:
     """Generated tok/s of the paged engine vs HF generate, with compute and bandwidth rooflines."""
-    return _run("engine", json_out, model=model, quick=quick, dtypes=dtypes, workloads=workloads, repeats=repeats,
-                no_hf=no_hf, seed=seed)
+    return _run(
+        "engine",
+        json_out,
+        model=model,
+        quick=quick,
+        dtypes=dtypes,
+        workloads=workloads,
+        repeats=repeats,
+        no_hf=no_hf,
+        seed=seed,
+    )
 
 
 @app.command("learner")
 def learner(
     quick: bool = typer.Option(False, "--quick", help="8 sequences of up to 128 tokens"),
-    seqs: int | None = typer.Option(None, "--seqs", min=1, help="sequences per update (default 32; --quick 8)"),
-    seq_len: int | None = typer.Option(None, "--seq-len", min=2, help="longest sequence (default 256; --quick 128)"),
+    seqs: int | None = typer.Option(
+        None, "--seqs", min=1, help="sequences per update (default 32; --quick 8)"
+    ),
+    seq_len: int | None = typer.Option(
+        None, "--seq-len", min=2, help="longest sequence (default 256; --quick 128)"
+    ),
     fixed_length: bool = typer.Option(False, "--fixed-length", help="all sequences exactly --seq-len long"),
     repeats: int = typer.Option(3, "--repeats", min=1, help="rounds over the variants (median reported)"),
     micro_batch_tokens: int = typer.Option(4096, "--micro-batch-tokens", min=1),
     lora_rank: int = typer.Option(16, "--lora-rank", min=1),
     spec: str = typer.Option("smollm2-135m", "--spec", help="model spec"),
-    variants: str = typer.Option("all", "--variants", help="comma list like full-fp32-packed,lora-bf16-padded"),
+    variants: str = typer.Option(
+        "all", "--variants", help="comma list like full-fp32-packed,lora-bf16-padded"
+    ),
     threads: int = typer.Option(0, "--threads", min=0, help="torch threads (0: leave as is)"),
-    grpo: int = typer.Option(0, "--grpo", min=0, metavar="G",
-                             help="GRPO-shaped batch: groups of G sharing a prompt; adds the '-shared' variants"),
+    grpo: int = typer.Option(
+        0,
+        "--grpo",
+        min=0,
+        metavar="G",
+        help="GRPO-shaped batch: groups of G sharing a prompt; adds the '-shared' variants",
+    ),
     json_out: bool = JSON,
 ) -> dict[str, Any]:
     """Tokens/s of Learner.update: full/LoRA, fp32/bf16, packed/padded, against the matmul roofline."""
-    return _run("learner", json_out, quick=quick, seqs=seqs, seq_len=seq_len, fixed_length=fixed_length,
-                repeats=repeats, micro_batch_tokens=micro_batch_tokens, lora_rank=lora_rank, spec=spec,
-                variants=variants, threads=threads, grpo=grpo)
+    return _run(
+        "learner",
+        json_out,
+        quick=quick,
+        seqs=seqs,
+        seq_len=seq_len,
+        fixed_length=fixed_length,
+        repeats=repeats,
+        micro_batch_tokens=micro_batch_tokens,
+        lora_rank=lora_rank,
+        spec=spec,
+        variants=variants,
+        threads=threads,
+        grpo=grpo,
+    )
 
 
 class _Dtype(StrEnum):
@@ -127,20 +171,41 @@ def rl(
     new_tokens: int = typer.Option(48, "--new-tokens", min=1),
     dtype: _Dtype = typer.Option(_Dtype.float32, "--dtype"),
     no_trl: bool = typer.Option(False, "--no-trl", help="skip the TRL GRPOTrainer baseline"),
-    mode: _Mode = typer.Option(_Mode.sync, "--mode",
-                               help="sync is on-policy like TRL; async overlaps the next step's generation with the "
-                               "update and is reported apart (not like for like)"),
-    max_staleness: int = typer.Option(1, "--max-staleness", min=0, help="async: updates a trajectory may lag"),
-    async_lag: _Lag = typer.Option(_Lag.fixed, "--async-lag",
-                                   help="async: exactly max-staleness behind (reproducible) or the newest weights"),
-    checkpoint_every: int = typer.Option(0, "--checkpoint-every", min=0, help="checkpoint period in steps (0: none)"),
+    mode: _Mode = typer.Option(
+        _Mode.sync,
+        "--mode",
+        help="sync is on-policy like TRL; async overlaps the next step's generation with the "
+        "update and is reported apart (not like for like)",
+    ),
+    max_staleness: int = typer.Option(
+        1, "--max-staleness", min=0, help="async: updates a trajectory may lag"
+    ),
+    async_lag: _Lag = typer.Option(
+        _Lag.fixed,
+        "--async-lag",
+        help="async: exactly max-staleness behind (reproducible) or the newest weights",
+    ),
+    checkpoint_every: int = typer.Option(
+        0, "--checkpoint-every", min=0, help="checkpoint period in steps (0: none)"
+    ),
     seed: int = typer.Option(0, "--seed"),
     json_out: bool = JSON,
 ) -> dict[str, Any]:
     """Per-step wall time of the RL loop vs TRL's GRPOTrainer at equal settings, and this machine's floor."""
-    return _run("rl", json_out, steps=steps, completions=completions, new_tokens=new_tokens, dtype=dtype.value,
-                no_trl=no_trl, mode=mode.value, max_staleness=max_staleness, async_lag=async_lag.value,
-                checkpoint_every=checkpoint_every, seed=seed)
+    return _run(
+        "rl",
+        json_out,
+        steps=steps,
+        completions=completions,
+        new_tokens=new_tokens,
+        dtype=dtype.value,
+        no_trl=no_trl,
+        mode=mode.value,
+        max_staleness=max_staleness,
+        async_lag=async_lag.value,
+        checkpoint_every=checkpoint_every,
+        seed=seed,
+    )
 
 
 class _Budget(StrEnum):
@@ -158,66 +223,161 @@ def _pooled(pool: bool, results: list[str] | None) -> list[str] | None:
 
 @app.command("curriculum")
 def curriculum(
-    seeds: int | None = typer.Option(None, "--seeds", help="simulated learners (default 32); --real: training seeds "
-                                     "(default 2, --quick 1)"),
-    seed_start: int = typer.Option(0, "--seed-start", help="first seed (e.g. 400 for learners the defaults were "
-                                   "not tuned on; --real: to add seeds to an earlier run)"),
-    samplers: str | None = typer.Option(None, "--samplers", help="comma list; must include uniform_by_domain "
-                                        "(default: every sampler and the greedy oracle; oracle_plan on request)"),
+    seeds: int | None = typer.Option(
+        None, "--seeds", help="simulated learners (default 32); --real: training seeds (default 2, --quick 1)"
+    ),
+    seed_start: int = typer.Option(
+        0,
+        "--seed-start",
+        help="first seed (e.g. 400 for learners the defaults were "
+        "not tuned on; --real: to add seeds to an earlier run)",
+    ),
+    samplers: str | None = typer.Option(
+        None,
+        "--samplers",
+        help="comma list; must include uniform_by_domain "
+        "(default: every sampler and the greedy oracle; oracle_plan on request)",
+    ),
     groups_per_step: int | None = typer.Option(None, "--groups-per-step", help="simulation: groups per step"),
-    layout: str = typer.Option("default", "--layout", metavar="NAME|SPEC",
-                               help="simulated arms: a preset (default, idle_heavy, ...) or domain:level=role,..."),
-    budget_steps: int | None = typer.Option(None, "--budget-steps",
-                                            help="token budget in full batches at the mean rollout length"),
+    layout: str = typer.Option(
+        "default",
+        "--layout",
+        metavar="NAME|SPEC",
+        help="simulated arms: a preset (default, idle_heavy, ...) or domain:level=role,...",
+    ),
+    budget_steps: int | None = typer.Option(
+        None, "--budget-steps", help="token budget in full batches at the mean rollout length"
+    ),
     boot: int = typer.Option(2000, "--boot", min=1, help="bootstrap resamples"),
-    plot: str | None = typer.Option(None, "--plot", help="write adaptive's domain shares (first seed) to this PNG"),
-    overrides: list[str] = typer.Option([], "--set", metavar="KEY=VALUE",
-                                        help="curriculum config override for every sampler, e.g. c=0.5 (repeatable)"),
+    plot: str | None = typer.Option(
+        None, "--plot", help="write adaptive's domain shares (first seed) to this PNG"
+    ),
+    overrides: list[str] = typer.Option(
+        [],
+        "--set",
+        metavar="KEY=VALUE",
+        help="curriculum config override for every sampler, e.g. c=0.5 (repeatable)",
+    ),
     free_probes: bool = typer.Option(False, "--free-probes", help="do not charge probe tokens to the budget"),
-    hindsight: int = typer.Option(0, "--hindsight", metavar="ROUNDS",
-                                  help="add hindsight_static: the best fixed mix per seed from ROUNDS x 24 runs"),
-    hindsight_phases: int = typer.Option(1, "--hindsight-phases", metavar="P",
-                                         help="hindsight plans of P mixes, one per P-th of the budget"),
-    tune: int = typer.Option(0, "--tune", metavar="ROUNDS",
-                             help="run no table: search adaptive's settings (ROUNDS x 20 candidates) and print them"),
-    real: bool = typer.Option(False, "--real", help="adaptive vs uniform_by_domain on a real model through the loop"),
-    quick: bool = typer.Option(False, "--quick", help="--real: a small preset that finishes in a few minutes"),
+    hindsight: int = typer.Option(
+        0,
+        "--hindsight",
+        metavar="ROUNDS",
+        help="add hindsight_static: the best fixed mix per seed from ROUNDS x 24 runs",
+    ),
+    hindsight_phases: int = typer.Option(
+        1, "--hindsight-phases", metavar="P", help="hindsight plans of P mixes, one per P-th of the budget"
+    ),
+    tune: int = typer.Option(
+        0,
+        "--tune",
+        metavar="ROUNDS",
+        help="run no table: search adaptive's settings (ROUNDS x 20 candidates) and print them",
+    ),
+    real: bool = typer.Option(
+        False, "--real", help="adaptive vs uniform_by_domain on a real model through the loop"
+    ),
+    quick: bool = typer.Option(
+        False, "--quick", help="--real: a small preset that finishes in a few minutes"
+    ),
     model: str | None = typer.Option(None, "--model", help="--real: model spec (default smollm2-135m)"),
     domains: str | None = typer.Option(None, "--domains", help="--real: name:level[,level];..."),
-    steps: int | None = typer.Option(None, "--steps", help="--real: uniform's training steps (default 40; quick 4)"),
-    prompts_per_step: int | None = typer.Option(None, "--prompts-per-step",
-                                                help="--real: batch.prompts_per_step, groups per step (default 4)"),
-    samples_per_prompt: int | None = typer.Option(None, "--samples-per-prompt", help="--real: batch.samples_per_prompt, "
-                                                  "rollouts per group (default 8; quick 4)"),
-    n_eval: int | None = typer.Option(None, "--n-eval", help="--real: held-out tasks per arm (default 32; quick 8)"),
-    max_new_tokens: int | None = typer.Option(None, "--max-new-tokens", help="--real: default 128 (quick 64)"),
-    probe_every: int | None = typer.Option(None, "--probe-every", help="--real: probe period (default 5; quick 2)"),
-    probe_size: int | None = typer.Option(None, "--probe-size", help="--real: probe tasks per arm (default 16)"),
-    budget: _Budget | None = typer.Option(None, "--budget", help="--real: adaptive stops at uniform's tokens "
-                                          "(default, probes charged) or after the same steps"),
-    eval_seed: int | None = typer.Option(None, "--eval-seed", help="--real: held-out task seed (default 1000)"),
-    out: str | None = typer.Option(None, "--out", help="--real: directory for the run folders (default: a temp dir)"),
-    keep_checkpoints: bool = typer.Option(False, "--keep-checkpoints", help="--real: keep each run's last checkpoint"),
-    run_overrides: list[str] = typer.Option([], "--run-set", metavar="KEY=VALUE",
-                                            help="--real: any run-config override (repeatable)"),
-    reuse_uniform: str | None = typer.Option(None, "--reuse-uniform", metavar="RESULT",
-                                             help="--real: run only adaptive against a saved result's uniform runs"),
+    steps: int | None = typer.Option(
+        None, "--steps", help="--real: uniform's training steps (default 40; quick 4)"
+    ),
+    prompts_per_step: int | None = typer.Option(
+        None, "--prompts-per-step", help="--real: batch.prompts_per_step, groups per step (default 4)"
+    ),
+    samples_per_prompt: int | None = typer.Option(
+        None,
+        "--samples-per-prompt",
+        help="--real: batch.samples_per_prompt, rollouts per group (default 8; quick 4)",
+    ),
+    n_eval: int | None = typer.Option(
+        None, "--n-eval", help="--real: held-out tasks per arm (default 32; quick 8)"
+    ),
+    max_new_tokens: int | None = typer.Option(
+        None, "--max-new-tokens", help="--real: default 128 (quick 64)"
+    ),
+    probe_every: int | None = typer.Option(
+        None, "--probe-every", help="--real: probe period (default 5; quick 2)"
+    ),
+    probe_size: int | None = typer.Option(
+        None, "--probe-size", help="--real: probe tasks per arm (default 16)"
+    ),
+    budget: _Budget | None = typer.Option(
+        None,
+        "--budget",
+        help="--real: adaptive stops at uniform's tokens (default, probes charged) or after the same steps",
+    ),
+    eval_seed: int | None = typer.Option(
+        None, "--eval-seed", help="--real: held-out task seed (default 1000)"
+    ),
+    out: str | None = typer.Option(
+        None, "--out", help="--real: directory for the run folders (default: a temp dir)"
+    ),
+    keep_checkpoints: bool = typer.Option(
+        False, "--keep-checkpoints", help="--real: keep each run's last checkpoint"
+    ),
+    run_overrides: list[str] = typer.Option(
+        [], "--run-set", metavar="KEY=VALUE", help="--real: any run-config override (repeatable)"
+    ),
+    reuse_uniform: str | None = typer.Option(
+        None,
+        "--reuse-uniform",
+        metavar="RESULT",
+        help="--real: run only adaptive against a saved result's uniform runs",
+    ),
     results: list[str] = typer.Argument(None, metavar="[RESULT]...", help="saved --real results, for --pool"),
-    pool: bool = typer.Option(False, "--pool", help="run nothing: one report over the saved --real RESULTs given "
-                              "(a run root, its result.json, or a --json capture)"),
-    pool_any_config: bool = typer.Option(False, "--pool-any-config",
-                                         help="with --pool: do not compare the adaptive runs' settings"),
-    compare: tuple[str, str] | None = typer.Option(None, "--compare", metavar="A B",
-                                                   help="run nothing: pair the adaptive runs of two saved results"),
+    pool: bool = typer.Option(
+        False,
+        "--pool",
+        help="run nothing: one report over the saved --real RESULTs given "
+        "(a run root, its result.json, or a --json capture)",
+    ),
+    pool_any_config: bool = typer.Option(
+        False, "--pool-any-config", help="with --pool: do not compare the adaptive runs' settings"
+    ),
+    compare: tuple[str, str] | None = typer.Option(
+        None, "--compare", metavar="A B", help="run nothing: pair the adaptive runs of two saved results"
+    ),
     json_out: bool = JSON,
 ) -> dict[str, Any]:
     """Adaptive domain sampling vs uniform, sec and dump: on the simulated learner (default) or a real model."""
-    return _run("curriculum", json_out, seeds=seeds, seed_start=seed_start, samplers=samplers,
-                groups_per_step=groups_per_step, layout=layout, budget_steps=budget_steps, boot=boot, plot=plot,
-                overrides=list(overrides), free_probes=free_probes, hindsight=hindsight,
-                hindsight_phases=hindsight_phases, tune=tune, real=real, quick=quick, model=model, domains=domains,
-                steps=steps, prompts_per_step=prompts_per_step, samples_per_prompt=samples_per_prompt, n_eval=n_eval,
-                max_new_tokens=max_new_tokens, probe_every=probe_every, probe_size=probe_size,
-                budget=budget.value if budget else None, eval_seed=eval_seed, out=out,
-                keep_checkpoints=keep_checkpoints, run_overrides=list(run_overrides), reuse_uniform=reuse_uniform,
-                pool=_pooled(pool, results), pool_any_config=pool_any_config, compare=list(compare) if compare else None)
+    return _run(
+        "curriculum",
+        json_out,
+        seeds=seeds,
+        seed_start=seed_start,
+        samplers=samplers,
+        groups_per_step=groups_per_step,
+        layout=layout,
+        budget_steps=budget_steps,
+        boot=boot,
+        plot=plot,
+        overrides=list(overrides),
+        free_probes=free_probes,
+        hindsight=hindsight,
+        hindsight_phases=hindsight_phases,
+        tune=tune,
+        real=real,
+        quick=quick,
+        model=model,
+        domains=domains,
+        steps=steps,
+        prompts_per_step=prompts_per_step,
+        samples_per_prompt=samples_per_prompt,
+        n_eval=n_eval,
+        max_new_tokens=max_new_tokens,
+        probe_every=probe_every,
+        probe_size=probe_size,
+        budget=budget.value if budget else None,
+        eval_seed=eval_seed,
+        out=out,
+        keep_checkpoints=keep_checkpoints,
+        run_overrides=list(run_overrides),
+        reuse_uniform=reuse_uniform,
+        pool=_pooled(pool, results),
+        pool_any_config=pool_any_config,
+        compare=list(compare) if compare else None,
+    )

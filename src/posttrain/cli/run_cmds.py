@@ -57,8 +57,11 @@ def train(
         except ConfigError as err:
             if err.moved:  # a run saved before those keys were renamed
                 renames = ", ".join(f"{old} -> {new}" for old, new in err.moved.items())
-                fail(f"cannot resume the run: {run.config} was written before these keys were renamed; rename them "
-                     f"there (values unchanged) and resume again: {renames}", EXIT_USAGE)
+                fail(
+                    f"cannot resume the run: {run.config} was written before these keys were renamed; rename them "
+                    f"there (values unchanged) and resume again: {renames}",
+                    EXIT_USAGE,
+                )
             fail(str(err), EXIT_USAGE)
         except FileNotFoundError as err:
             fail(str(err), EXIT_USAGE)
@@ -99,7 +102,9 @@ def train(
         rl.close()
     if summary["interrupted"]:
         sig = summary["signal"]
-        console.print(f"stopped by signal {sig} at step {summary['step']}; checkpoint saved; resume with --resume {run.path}")
+        console.print(
+            f"stopped by signal {sig} at step {summary['step']}; checkpoint saved; resume with --resume {run.path}"
+        )
         raise typer.Exit(128 + int(sig))
     save_hf_folder(rl.learner.weights(), cfg.model.spec, run.path / "policy")
     budget = f" (token budget of {cfg.orchestrator.token_budget} reached)" if summary["budget_spent"] else ""
@@ -138,7 +143,9 @@ def eval_(
     api_key: str = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY"),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy; > 0 = sampled pass@1"),
     samples: int = typer.Option(4, "--samples", min=1, help="samples per task when --temperature > 0"),
-    pass_at_: str = typer.Option(None, "--pass-at", help="unbiased pass@k for these k, e.g. 1,4,16 (needs --samples >= max k)"),
+    pass_at_: str = typer.Option(
+        None, "--pass-at", help="unbiased pass@k for these k, e.g. 1,4,16 (needs --samples >= max k)"
+    ),
     json_out: bool = typer.Option(False, "--json", help="print a JSON object last"),
 ) -> None:
     """Held-out strict accuracy per domain with 95% bootstrap intervals, mean shaped reward and its
@@ -197,17 +204,37 @@ def eval_(
         if api_base:
             limits = EpisodeLimits(cfg.envs.max_turns, cfg.envs.max_episode_tokens, cfg.engine.max_new_tokens)
             reports.append(
-                evaluate_api(api_base, api_model, domains, arms, n, limits, cfg.seed, api_key, temperature=temperature,
-                             samples=samples, sandbox=sandbox, pass_at=pass_at)
+                evaluate_api(
+                    api_base,
+                    api_model,
+                    domains,
+                    arms,
+                    n,
+                    limits,
+                    cfg.seed,
+                    api_key,
+                    temperature=temperature,
+                    samples=samples,
+                    sandbox=sandbox,
+                    pass_at=pass_at,
+                )
             )
             if reports[-1].failures:
                 err_console.print(
                     f"[yellow]{len(reports[-1].failures)} episode(s) failed at {api_base}, e.g. {reports[-1].failures[0]}[/yellow]"
                 )
         else:
-            reports.append(evaluate_local(model_spec, cfg, domains, arms, n, cfg.seed, sandbox, temperature, samples, pass_at))
+            reports.append(
+                evaluate_local(
+                    model_spec, cfg, domains, arms, n, cfg.seed, sandbox, temperature, samples, pass_at
+                )
+            )
         if baseline:
-            reports.append(evaluate_local(baseline, cfg, domains, arms, n, cfg.seed, sandbox, temperature, samples, pass_at))
+            reports.append(
+                evaluate_local(
+                    baseline, cfg, domains, arms, n, cfg.seed, sandbox, temperature, samples, pass_at
+                )
+            )
     except ModelNotFoundError as err:
         fail(str(err), EXIT_USAGE)
     finally:
@@ -251,7 +278,9 @@ def _eval_table(reports: list[Any], delta: dict[str, Any] | None, pass_at: list[
     def ci(v: float, lo: float, hi: float, sign: str = "") -> str:
         return f"{v:{sign}.3f} [{lo:{sign}.3f}, {hi:{sign}.3f}]"
 
-    table = Table("domain", "figure", *[r.model[-40:] for r in reports], *(["delta [95% CI]"] if delta else []))
+    table = Table(
+        "domain", "figure", *[r.model[-40:] for r in reports], *(["delta [95% CI]"] if delta else [])
+    )
     for dom in reports[0].per_domain:
         rows: list[tuple[str, list[str], str]] = []
         cells = []
@@ -259,7 +288,9 @@ def _eval_table(reports: list[Any], delta: dict[str, Any] | None, pass_at: list[
             d = r.per_domain.get(dom, {})
             cells.append(f"{ci(d['accuracy'], d['ci_low'], d['ci_high'])} n={d['n']}" if d else "")
         dd = delta["per_domain"][dom] if delta else None
-        rows.append(("accuracy (strict)", cells, ci(dd["delta"], dd["ci_low"], dd["ci_high"], "+") if dd else ""))
+        rows.append(
+            ("accuracy (strict)", cells, ci(dd["delta"], dd["ci_low"], dd["ci_high"], "+") if dd else "")
+        )
         for k in pass_at:
             cells = []
             for r in reports:
@@ -269,7 +300,13 @@ def _eval_table(reports: list[Any], delta: dict[str, Any] | None, pass_at: list[
             rows.append((f"pass@{k}", cells, ci(pd["delta"], pd["ci_low"], pd["ci_high"], "+") if pd else ""))
         shaped = [r.per_domain.get(dom, {}) for r in reports]
         if any("mean_reward" in d for d in shaped):
-            rows.append(("mean reward (shaped)", [f"{d['mean_reward']:.3f}" if "mean_reward" in d else "" for d in shaped], ""))
+            rows.append(
+                (
+                    "mean reward (shaped)",
+                    [f"{d['mean_reward']:.3f}" if "mean_reward" in d else "" for d in shaped],
+                    "",
+                )
+            )
         for name in sorted({c for d in shaped for c in d.get("mean_components", {})}):
             vals = [d.get("mean_components", {}).get(name) for d in shaped]
             rows.append((f"mean {name}", [f"{v:.3f}" if v is not None else "" for v in vals], ""))
@@ -277,7 +314,9 @@ def _eval_table(reports: list[Any], delta: dict[str, Any] | None, pass_at: list[
             table.add_row(dom if i == 0 else "", figure, *cells, *([change] if delta else []))
     if delta:
         blank = [""] * len(reports)
-        table.add_row("all", "accuracy (strict)", *blank, ci(delta["delta"], delta["ci_low"], delta["ci_high"], "+"))
+        table.add_row(
+            "all", "accuracy (strict)", *blank, ci(delta["delta"], delta["ci_low"], delta["ci_high"], "+")
+        )
         for k in pass_at:
             pd = delta["pass_at"][str(k)]
             table.add_row("all", f"pass@{k}", *blank, ci(pd["delta"], pd["ci_low"], pd["ci_high"], "+"))
@@ -317,6 +356,3 @@ def register(app: typer.Typer) -> None:
     app.command("eval")(eval_)
     app.command("export")(export)
     app.command("report")(report)
-
-
-

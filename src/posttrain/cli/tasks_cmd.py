@@ -12,7 +12,9 @@ import typer
 
 from posttrain.cli.common import EXIT_USAGE, console, fail, load_config_or_exit, print_json_last
 
-app = typer.Typer(help="Task domains: list, sample, check reference solutions.", no_args_is_help=True, rich_markup_mode=None)
+app = typer.Typer(
+    help="Task domains: list, sample, check reference solutions.", no_args_is_help=True, rich_markup_mode=None
+)
 
 
 def _options(items: list[str] | None) -> dict[str, Any]:
@@ -39,7 +41,9 @@ def _domain(name: str, options: dict[str, Any]) -> Any:
 
 
 @app.command("list")
-def list_cmd(json_out: bool = typer.Option(False, "--json", help="print the table as JSON, last line")) -> None:
+def list_cmd(
+    json_out: bool = typer.Option(False, "--json", help="print the table as JSON, last line"),
+) -> None:
     """Show the domains with their difficulty levels and splits."""
     from rich.table import Table
 
@@ -50,20 +54,38 @@ def list_cmd(json_out: bool = typer.Option(False, "--json", help="print the tabl
     for name in list_domains():
         cls = domain_class(name)
         if cls.required_options:  # levels come from the data: shown once options are given (`tasks sample`)
-            rows.append({"domain": name, "difficulties": [], "splits": list(cls.splits),
-                         "sandbox": cls.requires_sandbox, "description": cls.description,
-                         "required_options": list(cls.required_options)})
+            rows.append(
+                {
+                    "domain": name,
+                    "difficulties": [],
+                    "splits": list(cls.splits),
+                    "sandbox": cls.requires_sandbox,
+                    "description": cls.description,
+                    "required_options": list(cls.required_options),
+                }
+            )
             continue
         d = get_domain(name)
-        rows.append({"domain": name, "difficulties": d.difficulties, "splits": list(d.splits),
-                     "sandbox": d.requires_sandbox, "description": d.description})
+        rows.append(
+            {
+                "domain": name,
+                "difficulties": d.difficulties,
+                "splits": list(d.splits),
+                "sandbox": d.requires_sandbox,
+                "description": d.description,
+            }
+        )
     table = Table(title="task domains")
     for col in ("domain", "difficulties", "splits", "sandbox", "description"):
         table.add_column(col)
     for r in rows:
-        levels = ", ".join(map(str, r["difficulties"])) or "needs --option " + "=, ".join(r["required_options"]) + "="
-        table.add_row(r["domain"], levels, ", ".join(r["splits"]),
-                      "yes" if r["sandbox"] else "no", r["description"])
+        levels = (
+            ", ".join(map(str, r["difficulties"]))
+            or "needs --option " + "=, ".join(r["required_options"]) + "="
+        )
+        table.add_row(
+            r["domain"], levels, ", ".join(r["splits"]), "yes" if r["sandbox"] else "no", r["description"]
+        )
     console.print(table)
     if json_out:
         print_json_last(rows)
@@ -75,7 +97,9 @@ def sample(
     n: int = typer.Option(3, "--n", min=1, help="how many tasks"),
     seed: int = typer.Option(0, "--seed"),
     difficulty: int | None = typer.Option(None, "--difficulty", help="default: the lowest level"),
-    split: str | None = typer.Option(None, "--split", help="train | heldout | eval (default: the first split)"),
+    split: str | None = typer.Option(
+        None, "--split", help="train | heldout | eval (default: the first split)"
+    ),
     option: list[str] = typer.Option(None, "--option", help="domain option key=value, e.g. datasets=[gcd]"),
     json_out: bool = typer.Option(False, "--json", help="print the tasks as JSON, last line"),
 ) -> None:
@@ -116,7 +140,8 @@ async def _check(domains: list[Any], n: int, seed: int, sandbox: Any) -> list[di
                     task = d.task(split, level, i, seed)
                     again = d.task(split, level, i, seed)
                     if json.dumps(task.to_dict(), sort_keys=True, default=str) != json.dumps(
-                            again.to_dict(), sort_keys=True, default=str):
+                        again.to_dict(), sort_keys=True, default=str
+                    ):
                         failures.append(f"{task.id}: generator is not deterministic")
                     res = await check_reference(d, task, sandbox if d.requires_sandbox else None)
                     if res.info.get("infra_failure"):
@@ -125,8 +150,16 @@ async def _check(domains: list[Any], n: int, seed: int, sandbox: Any) -> list[di
                     rewards.append(res.reward)
                     if res.reward != 1.0:
                         failures.append(f"{task.id}: reference scored {res.reward} {res.rewards} {res.info}")
-                rows.append({"domain": d.name, "split": split, "difficulty": level, "n": n,
-                             "mean_reward": sum(rewards) / max(1, len(rewards)), "failures": failures})
+                rows.append(
+                    {
+                        "domain": d.name,
+                        "split": split,
+                        "difficulty": level,
+                        "n": n,
+                        "mean_reward": sum(rewards) / max(1, len(rewards)),
+                        "failures": failures,
+                    }
+                )
     return rows
 
 
@@ -163,7 +196,9 @@ def check(
         try:
             sandbox = make_sandbox(cfg.sandbox)
         except Exception as err:  # noqa: BLE001 - shown to the user with the reason
-            fail(f"cannot start the sandbox needed by {', '.join(d.name for d in domains if d.requires_sandbox)}: {err}")
+            fail(
+                f"cannot start the sandbox needed by {', '.join(d.name for d in domains if d.requires_sandbox)}: {err}"
+            )
     try:
         rows = asyncio.run(_check(domains, n, seed, sandbox))
     finally:
@@ -173,8 +208,13 @@ def check(
     for col in ("domain", "split", "difficulty", "mean reward", "result"):
         table.add_column(col)
     for r in rows:
-        table.add_row(r["domain"], r["split"], str(r["difficulty"]), f"{r['mean_reward']:.3f}",
-                      "[green]ok[/]" if not r["failures"] else f"[red]{len(r['failures'])} failed[/]")
+        table.add_row(
+            r["domain"],
+            r["split"],
+            str(r["difficulty"]),
+            f"{r['mean_reward']:.3f}",
+            "[green]ok[/]" if not r["failures"] else f"[red]{len(r['failures'])} failed[/]",
+        )
     console.print(table)
     failures = [f for r in rows for f in r["failures"]]
     for f in failures[:20]:

@@ -25,7 +25,9 @@ from posttrain.curriculum.policy import (
     softmax,
 )
 
-STATE_VERSION = 3  # 3: adaptive's success-rate EMAs and probe counts (a version-2 state loads with them empty)
+STATE_VERSION = (
+    3  # 3: adaptive's success-rate EMAs and probe counts (a version-2 state loads with them empty)
+)
 
 SAMPLERS: dict[str, type[Sampler]] = {}
 
@@ -71,7 +73,9 @@ def check_config(cfg: CurriculumConfig) -> None:
         if not (ok and (value is None or math.isfinite(float(value)))):
             raise ValueError(f"curriculum.{key} must be {want}, got {value!r}")
     if cfg.sampler not in SAMPLERS:
-        raise ValueError(f"curriculum.sampler '{cfg.sampler}' is unknown; choose one of: {', '.join(SAMPLERS)}")
+        raise ValueError(
+            f"curriculum.sampler '{cfg.sampler}' is unknown; choose one of: {', '.join(SAMPLERS)}"
+        )
 
 
 def _check_domain_weights(weights: dict[str, float] | None, domains: list[str]) -> dict[str, float]:
@@ -79,12 +83,16 @@ def _check_domain_weights(weights: dict[str, float] | None, domains: list[str]) 
     weights = dict(weights or {})
     unknown = sorted(set(weights) - set(domains))
     if unknown:
-        raise ValueError(f"domain weights name {unknown}, which this curriculum lacks (its domains: {domains})")
+        raise ValueError(
+            f"domain weights name {unknown}, which this curriculum lacks (its domains: {domains})"
+        )
     out = {}
     for d in domains:
         w = float(weights.get(d, 1.0))
         if not (math.isfinite(w) and w > 0):
-            raise ValueError(f"the weight of domain '{d}' must be a finite number > 0, got {weights.get(d)!r}")
+            raise ValueError(
+                f"the weight of domain '{d}' must be a finite number > 0, got {weights.get(d)!r}"
+            )
         out[d] = w
     return out
 
@@ -126,7 +134,11 @@ class Sampler:
     filters_groups = False  # dapo_filter_only: the loop drops all-equal groups and resamples
 
     def __init__(
-        self, cfg: CurriculumConfig, arms: Sequence[Arm], seed: int, domain_weights: dict[str, float] | None = None
+        self,
+        cfg: CurriculumConfig,
+        arms: Sequence[Arm],
+        seed: int,
+        domain_weights: dict[str, float] | None = None,
     ):
         self.cfg = cfg
         self.arms = check_arms(arms)
@@ -177,7 +189,9 @@ class Sampler:
             if a in self._index:
                 return self._index[a]
             if a.domain not in self.domains:
-                raise ValueError(f"unknown domain '{a.domain}' in arm {a!r}; this curriculum has domains {self.domains}")
+                raise ValueError(
+                    f"unknown domain '{a.domain}' in arm {a!r}; this curriculum has domains {self.domains}"
+                )
             levels = sorted(x.difficulty for x in self.arms if x.domain == a.domain)
             raise ValueError(f"unknown arm {a.key}: domain '{a.domain}' has difficulties {levels}")
         raise ValueError(f"{arm!r} is not an arm (domain, difficulty)")
@@ -196,7 +210,10 @@ class Sampler:
     def learnability(self) -> np.ndarray:
         """L_k = EMA of mean |r - group mean| / the domain's running reward range; 0 before any group."""
         return np.array(
-            [0.0 if e is None else e / self._scale(a.domain) for a, e in zip(self.arms, self._s["dev_ema"], strict=True)]
+            [
+                0.0 if e is None else e / self._scale(a.domain)
+                for a, e in zip(self.arms, self._s["dev_ema"], strict=True)
+            ]
         )
 
     def forgetting(self) -> np.ndarray:
@@ -217,7 +234,10 @@ class Sampler:
             nc = self._s["probe_last_n"][i] or self.cfg.probe_size
             se = 0.0
             if z > 0:
-                sb, sc = (min(max(b, 0.0), 1.0) * nb + 1) / (nb + 2), (min(max(c, 0.0), 1.0) * nc + 1) / (nc + 2)
+                sb, sc = (
+                    (min(max(b, 0.0), 1.0) * nb + 1) / (nb + 2),
+                    (min(max(c, 0.0), 1.0) * nc + 1) / (nc + 2),
+                )
                 se = math.sqrt(sb * (1 - sb) / nb + sc * (1 - sc) / nc)
             out[i] = max(0.0, b - c - z * se)
         return out
@@ -289,7 +309,9 @@ class Sampler:
         if tokens is not None:
             tokens = float(tokens)
             if not (math.isfinite(tokens) and tokens > 0):
-                raise ValueError(f"update({self.arms[i].key}): tokens must be a finite number > 0, got {tokens}")
+                raise ValueError(
+                    f"update({self.arms[i].key}): tokens must be a finite number > 0, got {tokens}"
+                )
         if not groups:
             return
         if tokens is not None:
@@ -359,7 +381,9 @@ class Sampler:
         """
         i = self._idx(arm)
         if isinstance(candidates, str) or len(candidates) == 0:
-            raise ValueError(f"choose_prompt({self.arms[i].key}): candidates must be a non-empty list of prompt ids")
+            raise ValueError(
+                f"choose_prompt({self.arms[i].key}): candidates must be a non-empty list of prompt ids"
+            )
         stats = self._s["prompts"][i]
         n = np.array([stats.get(str(c), [0, 0.0])[0] for c in candidates], dtype=np.float64)
         s = np.array([stats.get(str(c), [0, 0.0])[1] for c in candidates], dtype=np.float64)
@@ -393,7 +417,9 @@ class Sampler:
             out[f"curriculum/F/{a.key}"] = float(F[i])
             out[f"curriculum/groups/{a.key}"] = float(self._s["n_groups"][i])
         for d in self.domains:
-            out[f"curriculum/domain_share/{d}"] = float(sum(w[i] for i, a in enumerate(self.arms) if a.domain == d))
+            out[f"curriculum/domain_share/{d}"] = float(
+                sum(w[i] for i, a in enumerate(self.arms) if a.domain == d)
+            )
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -412,7 +438,9 @@ class Sampler:
             got = d.get("version") if isinstance(d, dict) else type(d).__name__
             raise ValueError(f"curriculum state: expected version {STATE_VERSION}, got {got!r}")
         if d.get("sampler") != self.name:
-            raise ValueError(f"curriculum state was saved by sampler '{d.get('sampler')}', this is '{self.name}'")
+            raise ValueError(
+                f"curriculum state was saved by sampler '{d.get('sampler')}', this is '{self.name}'"
+            )
         keys = [a.key for a in self.arms]
         if d.get("arms") != keys:
             raise ValueError(f"curriculum state has arms {d.get('arms')}, this sampler has {keys}")
@@ -458,7 +486,9 @@ class AdaptiveSampler(Sampler):
         self._s["succ_slow"] = [None] * k
         self._s["succ_best"] = [None] * k  # [best slow EMA so far, its variance then]
         self._s["since_probe"] = [0] * k  # training rollouts since the arm's last probe
-        self._s["fresh"] = [None] * k  # None: no prompts reported; else rewards of new prompts since the last update
+        self._s["fresh"] = [
+            None
+        ] * k  # None: no prompts reported; else rewards of new prompts since the last update
 
     def record_prompt(self, arm: Arm, prompt_id: str, rewards: Sequence[float]) -> None:
         i = self._idx(arm)
@@ -488,7 +518,10 @@ class AdaptiveSampler(Sampler):
             if prev is None:
                 self._s[key][i] = [m, v]
             else:
-                self._s[key][i] = [(1.0 - rate) * prev[0] + rate * m, (1.0 - rate) ** 2 * prev[1] + rate**2 * v]
+                self._s[key][i] = [
+                    (1.0 - rate) * prev[0] + rate * m,
+                    (1.0 - rate) ** 2 * prev[1] + rate**2 * v,
+                ]
         slow = self._s["succ_slow"][i]
         best = self._s["succ_best"][i]
         if best is None or slow[0] >= best[0]:
@@ -590,7 +623,9 @@ class AdaptiveSampler(Sampler):
         return np.where(np.isnan(per), 1.0, per / np.nanmean(per))
 
 
-def _uniform_by_domain(arms: list[Arm], avail: np.ndarray, weights: dict[str, float] | None = None) -> np.ndarray:
+def _uniform_by_domain(
+    arms: list[Arm], avail: np.ndarray, weights: dict[str, float] | None = None
+) -> np.ndarray:
     """Each available domain's share in proportion to its weight (equal without weights), split evenly
     over its available difficulties."""
     domains = sorted({arms[i].domain for i in avail})

@@ -38,7 +38,9 @@ class _RowSampler:
     """A logits processor that samples every row with its own generator (sampling.sample_row) and leaves
     only that token possible, so HF's greedy step takes it."""
 
-    def __init__(self, params: SamplingParams, prompts: list[list[int]], width: int, generators: list[torch.Generator]):
+    def __init__(
+        self, params: SamplingParams, prompts: list[list[int]], width: int, generators: list[torch.Generator]
+    ):
         self.params, self.prompts, self.width, self.generators = params, prompts, width, generators
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -55,7 +57,13 @@ class HFEngine(Engine):
     its own (no batching across concurrent callers); streams deliver whole completions."""
 
     def __init__(
-        self, model: Any, tokenizer: Any, *, max_model_len: int = 4096, max_batch_size: int = 64, seed: int = 0
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        max_model_len: int = 4096,
+        max_batch_size: int = 64,
+        seed: int = 0,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -197,4 +205,10 @@ class HFEngine(Engine):
 @register_engine("hf")
 def build_hf(engine_cfg: EngineConfig, model: Any, tokenizer: Any, *, seed: int = 0) -> HFEngine:
     """engine.backend=hf: transformers' generate, the baseline (max_num_seqs caps a generate call's rows)."""
-    return HFEngine(model, tokenizer, max_model_len=engine_cfg.max_model_len, max_batch_size=engine_cfg.max_num_seqs, seed=seed)
+    return HFEngine(
+        model,
+        tokenizer,
+        max_model_len=engine_cfg.max_model_len,
+        max_batch_size=engine_cfg.max_num_seqs,
+        seed=seed,
+    )

@@ -36,7 +36,9 @@ def register_engine(name: str) -> Callable[[EngineBuilder], EngineBuilder]:
         existing = _REGISTRY.get(name)
         # the same function again (its module re-imported) replaces itself; another one is a clash
         if existing is not None and existing.__qualname__ != builder.__qualname__:
-            raise ValueError(f"engine '{name}' is already registered by {existing.__module__}.{existing.__qualname__}")
+            raise ValueError(
+                f"engine '{name}' is already registered by {existing.__module__}.{existing.__qualname__}"
+            )
         _REGISTRY[name] = builder
         return builder
 
@@ -58,4 +60,3 @@ def engine_builder(name: str) -> EngineBuilder:
         hint = f"; did you mean '{close[0]}'?" if close else ""
         raise UnknownEngineError(f"unknown engine backend '{name}'{hint} (registered: {', '.join(names)})")
     return _REGISTRY[name]
-

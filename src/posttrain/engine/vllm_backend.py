@@ -48,7 +48,9 @@ class VLLMEngine(Engine):
         self._asleep = False
         self._ids = itertools.count()
         self.caches_prefixes = engine_cfg.enable_prefix_caching
-        self.eos_ids = end_of_turn_ids(model, tokenizer)  # vLLM reads generation_config, not the chat template's
+        self.eos_ids = end_of_turn_ids(
+            model, tokenizer
+        )  # vLLM reads generation_config, not the chat template's
         self._dir = tempfile.TemporaryDirectory(prefix="posttrain-vllm-")
         model.save_pretrained(self._dir.name)
         tokenizer.save_pretrained(self._dir.name)

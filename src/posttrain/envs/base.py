@@ -81,7 +81,9 @@ def check_difficulty(difficulty: int, allowed: list[int], domain: str) -> None:
         )
 
 
-def candidate_rng(domain: str, split: str, difficulty: int, index: int, seed: int, attempt: int) -> random.Random:
+def candidate_rng(
+    domain: str, split: str, difficulty: int, index: int, seed: int, attempt: int
+) -> random.Random:
     """The RNG a generator uses for one candidate draw; distinct per (split, difficulty, index, seed, attempt)."""
     return random.Random(stable_hash(domain, split, difficulty, index, seed, attempt))
 
@@ -118,7 +120,9 @@ class Domain(ABC):
     splits: tuple[str, ...] = (TRAIN, HELDOUT)
     requires_sandbox: bool = False
     description: str = ""
-    required_options: tuple[str, ...] = ()  # options without which the domain cannot be built (e.g. a data path)
+    required_options: tuple[
+        str, ...
+    ] = ()  # options without which the domain cannot be built (e.g. a data path)
 
     @abstractmethod
     def task(self, split: str, difficulty: int, index: int, seed: int = 0) -> Task:
@@ -160,4 +164,6 @@ class Domain(ABC):
                 task.seed = seed
                 task.meta["content_key"] = digest
                 return task
-        raise RuntimeError(f"{self.name}: no {split} task found at difficulty {difficulty} (generator too narrow)")
+        raise RuntimeError(
+            f"{self.name}: no {split} task found at difficulty {difficulty} (generator too narrow)"
+        )

@@ -69,17 +69,35 @@ def module_name(path: str) -> str | None:
     return ".".join(parts) if parts and all(p.isidentifier() for p in parts) else None
 
 
-def build_job(tests: list[dict[str, Any]], *, program: str | None = None, program_name: str = "submission.py",
-              bind: list[str] | str = (), prelude: str | None = None, modules: dict[str, str] | None = None,
-              proxy_packages: tuple[str, ...] = (), files: dict[str, bytes] | None = None,
-              subject_path: tuple[str, ...] = (), per_test_timeout_s: float = 2.0, max_timeouts: int = 2) -> HarnessJob:
+def build_job(
+    tests: list[dict[str, Any]],
+    *,
+    program: str | None = None,
+    program_name: str = "submission.py",
+    bind: list[str] | str = (),
+    prelude: str | None = None,
+    modules: dict[str, str] | None = None,
+    proxy_packages: tuple[str, ...] = (),
+    files: dict[str, bytes] | None = None,
+    subject_path: tuple[str, ...] = (),
+    per_test_timeout_s: float = 2.0,
+    max_timeouts: int = 2,
+) -> HarnessJob:
     """One runner job for `tests` (see `posttrain.sandbox.grading.runner_job` for the spec's fields)."""
     if not tests:
         raise ValueError("a harness job needs at least one test")
-    spec = {"tests": tests, "program": program, "program_name": program_name,
-            "bind": bind if isinstance(bind, str) else list(bind), "prelude": prelude, "modules": modules or {},
-            "proxy_packages": list(proxy_packages), "subject_path": list(subject_path),
-            "timeout_s": per_test_timeout_s, "max_timeouts": max_timeouts}
+    spec = {
+        "tests": tests,
+        "program": program,
+        "program_name": program_name,
+        "bind": bind if isinstance(bind, str) else list(bind),
+        "prelude": prelude,
+        "modules": modules or {},
+        "proxy_packages": list(proxy_packages),
+        "subject_path": list(subject_path),
+        "timeout_s": per_test_timeout_s,
+        "max_timeouts": max_timeouts,
+    }
     n = len(tests)
     # interpreter starts (one per subject, restarted after a crash) plus the tests' own budget
     wall = min(90.0, 3.0 + per_test_timeout_s * min(n, max_timeouts + 2) * 1.5 + 0.08 * n)
@@ -92,7 +110,9 @@ def parse_result(result: ExecResult, hjob: HarnessJob) -> HarnessReport:
     """A sandbox failure is infra; a job without the runner's one complete, nonce-tagged result line
     (killed, timed out, out of memory, non-zero exit) means every test failed."""
     if result.status == ExecStatus.SANDBOX_ERROR:
-        return HarnessReport(infra_failure=True, error=result.error or "sandbox error", status=str(result.status))
+        return HarnessReport(
+            infra_failure=True, error=result.error or "sandbox error", status=str(result.status)
+        )
     results, why = read_runner_result(result, hjob.nonce, hjob.n_tests)
     if results is None:
         tail = result.stderr_text[-500:]
@@ -109,11 +129,17 @@ def run_locally(hjob: HarnessJob, timeout_s: float = 60.0) -> ExecResult:
             p.parent.mkdir(parents=True, exist_ok=True)
             p.write_bytes(data)
         t0 = time.monotonic()
-        proc = subprocess.run([sys.executable, "-I", "-c", hjob.job.code], cwd=tmp, capture_output=True,
-                              timeout=timeout_s)
+        proc = subprocess.run(
+            [sys.executable, "-I", "-c", hjob.job.code], cwd=tmp, capture_output=True, timeout=timeout_s
+        )
     status = ExecStatus.OK if proc.returncode == 0 else ExecStatus.RUNTIME_ERROR
-    return ExecResult(status=status, exit_code=proc.returncode, stdout=proc.stdout, stderr=proc.stderr,
-                      wall_ms=(time.monotonic() - t0) * 1000)
+    return ExecResult(
+        status=status,
+        exit_code=proc.returncode,
+        stdout=proc.stdout,
+        stderr=proc.stderr,
+        wall_ms=(time.monotonic() - t0) * 1000,
+    )
 
 
 def json_equal(value: Any, expected: Any) -> bool:

@@ -50,7 +50,9 @@ def register_env(name: str) -> Callable[[type[Domain]], type[Domain]]:
             raise TypeError(f"@register_env({name!r}) must decorate a Domain subclass, got {cls!r}")
         existing = _REGISTRY.get(name)
         if existing is not None and existing.__qualname__ != cls.__qualname__:
-            raise ValueError(f"domain '{name}' is already registered by {existing.__module__}.{existing.__qualname__}")
+            raise ValueError(
+                f"domain '{name}' is already registered by {existing.__module__}.{existing.__qualname__}"
+            )
         cls.name = name
         _REGISTRY[name] = cls
         return cls
@@ -113,8 +115,10 @@ def domain_class(name: str) -> type[Domain]:
             try:
                 importlib.import_module(module)
             except Exception as err:
-                raise ValueError(f"domain '{name}': its entry point module '{module}' failed on import: "
-                                 f"{type(err).__name__}: {err}") from None
+                raise ValueError(
+                    f"domain '{name}': its entry point module '{module}' failed on import: "
+                    f"{type(err).__name__}: {err}"
+                ) from None
     if name not in _REGISTRY:
         valid = list_domains()
         close = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)

@@ -39,9 +39,13 @@ async def run_episode(env: Environment, task: Task, texts: list[str]) -> Episode
         if result.done:
             break
     assert result is not None
-    return EpisodeResult(result.reward, dict(result.rewards), dict(result.info), result.done, turns, transcript)
+    return EpisodeResult(
+        result.reward, dict(result.rewards), dict(result.info), result.done, turns, transcript
+    )
 
 
-async def check_reference(domain: Domain, task: Task, sandbox: Any = None, chat_format: str = "smollm2") -> EpisodeResult:
+async def check_reference(
+    domain: Domain, task: Task, sandbox: Any = None, chat_format: str = "smollm2"
+) -> EpisodeResult:
     """Run the domain's reference solution for `task` through a fresh environment."""
     return await run_episode(domain.make_env(sandbox, chat_format), task, domain.reference(task))

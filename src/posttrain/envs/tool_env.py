@@ -49,8 +49,14 @@ class ToolEnvironment(Environment):
         self.called_terminal = False
         self.truncated = False
         self._final = None
-        self.counts = {"tool_calls": 0, "invalid_tool_calls": 0, "tool_errors": 0, "unparseable": 0,
-                       "tool_internal_errors": 0, "overlong": 0}
+        self.counts = {
+            "tool_calls": 0,
+            "invalid_tool_calls": 0,
+            "tool_errors": 0,
+            "unparseable": 0,
+            "tool_internal_errors": 0,
+            "overlong": 0,
+        }
         try:
             messages, self.tools = await self.setup(task)
         except InfraError as err:  # reported by the first step(), so reset() never raises on infrastructure
@@ -89,8 +95,15 @@ class ToolEnvironment(Environment):
             return self._finish_infra(str(err))
         if parsed.errors:
             self.counts["unparseable"] += 1
-            observations.append(Message(role="user", content="Your tool call could not be parsed: "
-                                        + "; ".join(parsed.errors[:3]) + ". " + self.format_hint()))
+            observations.append(
+                Message(
+                    role="user",
+                    content="Your tool call could not be parsed: "
+                    + "; ".join(parsed.errors[:3])
+                    + ". "
+                    + self.format_hint(),
+                )
+            )
         answered = not parsed.calls and not parsed.errors
         if answered:
             self.final_text = parsed.content
@@ -113,7 +126,9 @@ class ToolEnvironment(Environment):
         except InfraError as err:
             return self._finish_infra(str(err))
         info = {**self._info(), **extra, "truncated": truncated}
-        self._final = StepResult(observations=[], reward=clip01(reward), done=True, rewards=rewards, info=info)
+        self._final = StepResult(
+            observations=[], reward=clip01(reward), done=True, rewards=rewards, info=info
+        )
         return self._final
 
     def _info(self) -> dict[str, Any]:

@@ -88,18 +88,28 @@ async def execute_call(tools: dict[str, Tool], call: ToolCall) -> CallOutcome:
     `InfraError` from the tool propagates (the caller marks the episode as an infrastructure failure).
     """
 
-    def reply(content: Any, ok: bool, invalid: bool = False, tool_error: bool = False,
-              internal: bool = False) -> CallOutcome:
+    def reply(
+        content: Any, ok: bool, invalid: bool = False, tool_error: bool = False, internal: bool = False
+    ) -> CallOutcome:
         msg = Message(role="tool", content=_render(content), tool_call_id=call.id, name=call.name)
         return CallOutcome(msg, ok, invalid, tool_error, call, internal)
 
     tool = tools.get(call.name)
     if tool is None:
-        return reply({"error": "unknown_tool", "message": f"no tool named '{call.name}'",
-                      "valid_tools": sorted(tools)}, ok=False, invalid=True)
+        return reply(
+            {
+                "error": "unknown_tool",
+                "message": f"no tool named '{call.name}'",
+                "valid_tools": sorted(tools),
+            },
+            ok=False,
+            invalid=True,
+        )
     errors = validate_arguments(tool.spec, call.arguments)
     if errors:
-        return reply({"error": "invalid_arguments", "tool": call.name, "details": errors[:5]}, ok=False, invalid=True)
+        return reply(
+            {"error": "invalid_arguments", "tool": call.name, "details": errors[:5]}, ok=False, invalid=True
+        )
     try:
         result = tool.fn(**call.arguments)
         if inspect.isawaitable(result):
@@ -109,8 +119,12 @@ async def execute_call(tools: dict[str, Tool], call: ToolCall) -> CallOutcome:
     except InfraError:
         raise
     except Exception as err:  # noqa: BLE001 - model output must never crash an episode; counted in info
-        return reply({"error": "internal_error", "message": f"{type(err).__name__}: {str(err)[:200]}"},
-                     ok=False, tool_error=True, internal=True)
+        return reply(
+            {"error": "internal_error", "message": f"{type(err).__name__}: {str(err)[:200]}"},
+            ok=False,
+            tool_error=True,
+            internal=True,
+        )
     return reply(result, ok=True)
 
 
@@ -120,4 +134,9 @@ def tool_specs(tools: dict[str, Tool]) -> list[ToolSpec]:
 
 def fn_schema(properties: dict[str, Any], required: list[str] | None = None) -> dict[str, Any]:
     """A closed object schema (no extra properties), the shape every tool here uses."""
-    return {"type": "object", "properties": properties, "required": required or [], "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": required or [],
+        "additionalProperties": False,
+    }

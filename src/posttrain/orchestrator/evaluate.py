@@ -84,7 +84,9 @@ def check_pass_at(pass_at: Sequence[int], samples_per_task: int) -> None:
         )
 
 
-def bootstrap_ci(values: np.ndarray, seed: int = 0, resamples: int = BOOTSTRAP_RESAMPLES) -> tuple[float, float]:
+def bootstrap_ci(
+    values: np.ndarray, seed: int = 0, resamples: int = BOOTSTRAP_RESAMPLES
+) -> tuple[float, float]:
     """Percentile 95% interval of the mean."""
     if len(values) == 0:
         return (float("nan"), float("nan"))
@@ -128,7 +130,13 @@ def score_tasks(
         return await asyncio.gather(
             *(
                 run_episode(
-                    engine, tokenizer, d, t, sandbox, replace(sampling, seed=sample_seed(seed, 0, i, j)), limits,
+                    engine,
+                    tokenizer,
+                    d,
+                    t,
+                    sandbox,
+                    replace(sampling, seed=sample_seed(seed, 0, i, j)),
+                    limits,
                     engine.version,
                 )
                 for i, (_, d, t) in enumerate(tasks)
@@ -143,7 +151,9 @@ def score_tasks(
         if loop is None:
             runner.close()
     if usage is not None:
-        usage["generated_tokens"] = usage.get("generated_tokens", 0.0) + float(sum(t.num_generated for t in trajs))
+        usage["generated_tokens"] = usage.get("generated_tokens", 0.0) + float(
+            sum(t.num_generated for t in trajs)
+        )
     return episodes_of(trajs, samples)
 
 
@@ -151,7 +161,11 @@ def episodes_of(trajectories: Sequence[Any], samples: int) -> list[list[EpisodeS
     """Group trajectories (`samples` consecutive ones per task) into each task's scored episodes,
     infrastructure failures left out."""
     return [
-        [episode_score(t.rewards, t.reward) for t in trajectories[i : i + samples] if not t.status.is_infra_failure]
+        [
+            episode_score(t.rewards, t.reward)
+            for t in trajectories[i : i + samples]
+            if not t.status.is_infra_failure
+        ]
         for i in range(0, len(trajectories), samples)
     ]
 
@@ -205,7 +219,9 @@ class EvalReport:
     def add(self, domain: str, episodes: list[EpisodeScore]) -> None:
         """Record one task's scored episodes (in task order)."""
         self.episodes.setdefault(domain, []).append(list(episodes))
-        self.per_task.setdefault(domain, []).append(float(np.mean([e.success for e in episodes])) if episodes else None)
+        self.per_task.setdefault(domain, []).append(
+            float(np.mean([e.success for e in episodes])) if episodes else None
+        )
 
     def pass_at(self, domain: str, k: int) -> list[float | None]:
         """Unbiased pass@k per task (None where fewer than k episodes were scored)."""
@@ -232,13 +248,19 @@ class EvalReport:
                 entry["mean_reward"] = _mean_or_nan([np.mean([e.reward for e in eps]) for eps in scored])
                 names = sorted({k for eps in scored for e in eps for k in e.components})
                 entry["mean_components"] = {
-                    name: _mean_or_nan([np.mean(got) for eps in scored if (got := [e.components[name] for e in eps
-                                                                                   if name in e.components])])
+                    name: _mean_or_nan(
+                        [
+                            np.mean(got)
+                            for eps in scored
+                            if (got := [e.components[name] for e in eps if name in e.components])
+                        ]
+                    )
                     for name in names
                 }
             if pass_at:
                 entry["pass_at"] = {
-                    str(k): _interval([v for v in self.pass_at(dom, k) if v is not None], seed) for k in pass_at
+                    str(k): _interval([v for v in self.pass_at(dom, k) if v is not None], seed)
+                    for k in pass_at
                 }
             self.per_domain[dom] = entry
 
@@ -258,8 +280,14 @@ def _message_of(resp: Any) -> dict[str, Any]:
 
 
 async def _api_episode(
-    client: Any, model: str, domain: Any, task: Task, limits: EpisodeLimits, sandbox: Any = None,
-    temperature: float = 0.0, seed: int | None = None,
+    client: Any,
+    model: str,
+    domain: Any,
+    task: Task,
+    limits: EpisodeLimits,
+    sandbox: Any = None,
+    temperature: float = 0.0,
+    seed: int | None = None,
 ) -> tuple[EpisodeScore | None, str]:
     """One episode against an OpenAI-compatible chat endpoint (text in, text out); the environment runs
     its code in `sandbox` like a local rollout does. (None, why) on an infrastructure failure."""
@@ -314,9 +342,19 @@ async def _api_episode(
 
 
 def evaluate_api(
-    api_base: str, model: str, domains: dict[str, Any], arms: list[Any], n: int, limits: EpisodeLimits, seed: int,
-    api_key: str | None = None, concurrency: int = 8, temperature: float = 0.0, samples: int = 1,
-    sandbox: Any = None, pass_at: Sequence[int] = (),
+    api_base: str,
+    model: str,
+    domains: dict[str, Any],
+    arms: list[Any],
+    n: int,
+    limits: EpisodeLimits,
+    seed: int,
+    api_key: str | None = None,
+    concurrency: int = 8,
+    temperature: float = 0.0,
+    samples: int = 1,
+    sandbox: Any = None,
+    pass_at: Sequence[int] = (),
 ) -> EvalReport:
     """Score any OpenAI-compatible server on the same held-out tasks as `evaluate_local`.
 
@@ -369,12 +407,22 @@ def _check_sandbox(domains: dict[str, Any], arms: list[Any], sandbox: Any) -> No
     if sandbox is None:
         needing = sorted({a.domain for a in arms if getattr(domains[a.domain], "requires_sandbox", False)})
         if needing:
-            raise ValueError(f"domain(s) {', '.join(needing)} run code: pass a sandbox (posttrain.sandbox.make_sandbox)")
+            raise ValueError(
+                f"domain(s) {', '.join(needing)} run code: pass a sandbox (posttrain.sandbox.make_sandbox)"
+            )
 
 
 def evaluate_local(
-    spec: str, cfg: Any, domains: dict[str, Any], arms: list[Any], n: int, seed: int, sandbox: Any,
-    temperature: float = 0.0, samples: int = 1, pass_at: Sequence[int] = (),
+    spec: str,
+    cfg: Any,
+    domains: dict[str, Any],
+    arms: list[Any],
+    n: int,
+    seed: int,
+    sandbox: Any,
+    temperature: float = 0.0,
+    samples: int = 1,
+    pass_at: Sequence[int] = (),
 ) -> EvalReport:
     """Load `spec` (model spec or HF folder) into our engine and score it on held-out tasks.
 
@@ -412,7 +460,9 @@ def _delta(diffs: Sequence[float], seed: int) -> dict[str, Any]:
     return {"delta": _mean_or_nan(arr), "ci_low": lo, "ci_high": hi, "n_tasks": len(arr)}
 
 
-def paired_delta(model: EvalReport, baseline: EvalReport, seed: int = 0, pass_at: Sequence[int] = ()) -> dict[str, Any]:
+def paired_delta(
+    model: EvalReport, baseline: EvalReport, seed: int = 0, pass_at: Sequence[int] = ()
+) -> dict[str, Any]:
     """Mean difference (model - baseline) over tasks scored in both, per domain and over all tasks, with
     paired bootstrap 95% intervals: of strict accuracy, and of pass@k for each k in `pass_at` (under
     "pass_at", keyed by str(k))."""

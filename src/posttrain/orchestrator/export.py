@@ -20,7 +20,9 @@ def save_hf_folder(weights: dict[str, Any], spec: str, out: Path) -> Path:
     missing, unexpected = model.load_state_dict(weights, strict=False)
     missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to the embeddings
     if missing or unexpected:
-        raise ValueError(f"policy weights do not match {spec}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ValueError(
+            f"policy weights do not match {spec}: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     return save_hf_folder_atomically(model, load_tokenizer(spec), Path(out))
 
 

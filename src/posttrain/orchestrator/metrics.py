@@ -41,13 +41,20 @@ def reward_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
             if k.startswith("sandbox_") and isinstance(v, int | float):
                 outcomes[k] = outcomes.get(k, 0) + int(v)
     for k, v in outcomes.items():
-        out[f"sandbox/{k[len('sandbox_'):]}"] = float(v)
+        out[f"sandbox/{k[len('sandbox_') :]}"] = float(v)
     return out
 
 
 def step_metrics(
-    trajs: list[Trajectory], stats: dict[str, float], train_metrics: dict[str, float], *,
-    update_s: float, sync_s: float, wall_s: float, idle_s: float, policy_version: int,
+    trajs: list[Trajectory],
+    stats: dict[str, float],
+    train_metrics: dict[str, float],
+    *,
+    update_s: float,
+    sync_s: float,
+    wall_s: float,
+    idle_s: float,
+    policy_version: int,
 ) -> dict[str, float]:
     """One step's row: rollout stats, learner metrics, rewards and the timeline."""
     return {

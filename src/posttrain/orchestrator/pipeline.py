@@ -119,7 +119,9 @@ class AsyncPipeline:
                 need = self.weights_step(b)
                 exact = self.fixed and need > loaded
                 with cond:
-                    cond.wait_for(lambda need=need, exact=exact: self.halted() or self.weights_ready(need, exact))
+                    cond.wait_for(
+                        lambda need=need, exact=exact: self.halted() or self.weights_ready(need, exact)
+                    )
                     if self.halted():
                         return
                     pending = self.slot if exact or not self.fixed else None
@@ -137,7 +139,11 @@ class AsyncPipeline:
                         spent += probe.get("heldout/generated_tokens", 0.0)
                         signals = run.tasks.signals()
                         with run.tasks.lock:
-                            view = run.tasks.view() if self.fixed and self.every and b % self.every == 0 else None
+                            view = (
+                                run.tasks.view()
+                                if self.fixed and self.every and b % self.every == 0
+                                else None
+                            )
                         with cond:
                             self.pres[b] = (probe, signals, view)
                             cond.notify_all()
@@ -207,7 +213,8 @@ class AsyncPipeline:
                 # a batch still to come is generated with these weights ('latest': may be)
                 needed = (
                     any(self.weights_step(b) == done for b in range(done, min(total, done + k + 1)))
-                    if self.fixed else done < total
+                    if self.fixed
+                    else done < total
                 )
                 t0 = time.perf_counter()
                 if self.fixed and needed:  # the rollout thread has not taken the previous snapshot yet
@@ -215,7 +222,9 @@ class AsyncPipeline:
                         cond.wait_for(lambda: self.slot is None or self.halted() or self.ended)
                 idle += time.perf_counter() - t0
                 t0 = time.perf_counter()
-                snapshot = run.snapshot_weights() if needed else None  # outside the lock: a copy of every weight
+                snapshot = (
+                    run.snapshot_weights() if needed else None
+                )  # outside the lock: a copy of every weight
                 with cond:
                     if snapshot is not None and not self.ended:
                         self.slot = (snapshot, run.learner.version + 0, done)
@@ -235,7 +244,9 @@ class AsyncPipeline:
                 metrics.update(
                     {
                         # the share of this batch's generation that ran while the learner was busy
-                        "timeline/overlap": max(0.0, 1.0 - waited / stats["rollout/wall_s"]) if stats.get("rollout/wall_s") else 0.0,
+                        "timeline/overlap": max(0.0, 1.0 - waited / stats["rollout/wall_s"])
+                        if stats.get("rollout/wall_s")
+                        else 0.0,
                         "staleness/mean": float(np.mean(staleness)) if staleness else 0.0,
                         "staleness/max": float(max(staleness)) if staleness else 0.0,
                     }

@@ -17,15 +17,27 @@ if TYPE_CHECKING:
 
 
 def probe_if_due(
-    engine: Engine, tokenizer: Any, tasks: TaskSource, sandbox: Any, sampling: SamplingParams, limits: EpisodeLimits,
-    *, step: int, probe_every: int, size: int, seed: int, loop: asyncio.AbstractEventLoop,
+    engine: Engine,
+    tokenizer: Any,
+    tasks: TaskSource,
+    sandbox: Any,
+    sampling: SamplingParams,
+    limits: EpisodeLimits,
+    *,
+    step: int,
+    probe_every: int,
+    size: int,
+    seed: int,
+    loop: asyncio.AbstractEventLoop,
 ) -> dict[str, float]:
     """`probe` when probes are on and the sampler wants one at `step` (else {}), timed; the KV cache is
     freed after it."""
     if not (probe_every and tasks.sampler.probe_due(step)):
         return {}
     t0 = time.perf_counter()
-    out = probe(engine, tokenizer, tasks, sandbox, sampling, limits, step=step, size=size, seed=seed, loop=loop)
+    out = probe(
+        engine, tokenizer, tasks, sandbox, sampling, limits, step=step, size=size, seed=seed, loop=loop
+    )
     # cached prefix KV from the probe would make the next step's numerics depend on whether the run was
     # resumed here (a resumed engine starts cold); start every step from a cold cache
     engine.release_kv_cache()
@@ -34,18 +46,39 @@ def probe_if_due(
 
 
 def probe(
-    engine: Engine, tokenizer: Any, tasks: TaskSource, sandbox: Any, sampling: SamplingParams, limits: EpisodeLimits,
-    *, step: int, size: int, seed: int, loop: asyncio.AbstractEventLoop,
+    engine: Engine,
+    tokenizer: Any,
+    tasks: TaskSource,
+    sandbox: Any,
+    sampling: SamplingParams,
+    limits: EpisodeLimits,
+    *,
+    step: int,
+    size: int,
+    seed: int,
+    loop: asyncio.AbstractEventLoop,
 ) -> dict[str, float]:
     """Held-out probes of the arms the sampler names (`size` tasks each), scored into it. The caller
     charges out["heldout/generated_tokens"] to the run's probe_tokens counter."""
     from posttrain.orchestrator.evaluate import evaluate_engine
 
     with tasks.lock:
-        arms = tasks.sampler.probe_arms(step) or tasks.arms  # the sampler may skip arms its training groups measured
+        arms = (
+            tasks.sampler.probe_arms(step) or tasks.arms
+        )  # the sampler may skip arms its training groups measured
     usage: dict[str, float] = {}
     results = evaluate_engine(
-        engine, tokenizer, tasks.domains, arms, size, sandbox, sampling, limits, seed=seed, loop=loop, usage=usage,
+        engine,
+        tokenizer,
+        tasks.domains,
+        arms,
+        size,
+        sandbox,
+        sampling,
+        limits,
+        seed=seed,
+        loop=loop,
+        usage=usage,
     )
     out: dict[str, float] = {"heldout/generated_tokens": usage.get("generated_tokens", 0.0)}
     for arm, scores in results.items():

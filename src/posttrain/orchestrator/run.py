@@ -41,7 +41,9 @@ class RLRun:
         self.counters: dict[str, float] = dict(state.COUNTERS)
         self.phases = PhaseLog()
         self.stop_signal: int | None = None  # the SIGINT/SIGTERM that asked the run to stop
-        self.loop = asyncio.new_event_loop()  # drives rollouts and probes (async mode: the rollout thread swaps its own in)
+        self.loop = (
+            asyncio.new_event_loop()
+        )  # drives rollouts and probes (async mode: the rollout thread swaps its own in)
         self.sandbox: Any = None
         self._built = False
 
@@ -64,7 +66,9 @@ class RLRun:
             valid = get_domain(d.name, **d.options).difficulties
             bad = [lvl for lvl in d.difficulties if lvl not in valid]
             if bad:
-                raise ValueError(f"envs.domains: '{d.name}' has no difficulty {bad[0]}; valid levels are {valid}")
+                raise ValueError(
+                    f"envs.domains: '{d.name}' has no difficulty {bad[0]}; valid levels are {valid}"
+                )
 
     def build(self) -> None:
         """Load the model twice (learner, engine), the environments, sampler and sandbox."""
@@ -90,7 +94,9 @@ class RLRun:
             valid = domains[d.name].difficulties
             for lvl in d.difficulties:
                 if lvl not in valid:
-                    raise ValueError(f"envs.domains: '{d.name}' has no difficulty {lvl}; valid levels are {valid}")
+                    raise ValueError(
+                        f"envs.domains: '{d.name}' has no difficulty {lvl}; valid levels are {valid}"
+                    )
                 arms.append(Arm(d.name, lvl))
         sampler = make_sampler(
             cfg.curriculum, arms, seed=cfg.seed, domain_weights={d.name: d.weight for d in cfg.envs.domains}
@@ -102,7 +108,9 @@ class RLRun:
         self.sync_weights(self.learner.weights())
         self.sandbox = self.make_sandbox()
         self.sampling = self.sampling_params(train=True)
-        self.limits = EpisodeLimits(cfg.envs.max_turns, cfg.envs.max_episode_tokens, cfg.engine.max_new_tokens)
+        self.limits = EpisodeLimits(
+            cfg.envs.max_turns, cfg.envs.max_episode_tokens, cfg.engine.max_new_tokens
+        )
         self._built = True
 
     # the task source's parts, as callers (and tests swapping the sampler) address them
@@ -141,7 +149,11 @@ class RLRun:
         if train:
             # the learner divides logits by algorithm.temperature, so sampling must use the same one
             return SamplingParams(
-                temperature=self.cfg.algorithm.temperature, top_p=e.top_p, top_k=e.top_k, max_tokens=e.max_new_tokens, stop_token_ids=stop_ids
+                temperature=self.cfg.algorithm.temperature,
+                top_p=e.top_p,
+                top_k=e.top_k,
+                max_tokens=e.max_new_tokens,
+                stop_token_ids=stop_ids,
             )
         return SamplingParams(temperature=0.0, max_tokens=e.max_new_tokens, stop_token_ids=stop_ids)
 
@@ -224,20 +236,48 @@ class RLRun:
         """The held-out probe of `step` when the sampler wants one (`orchestrator.probes`), else {}."""
         c = self.cfg.curriculum
         return probes.probe_if_due(
-            self.engine, self.tokenizer, self.tasks, self.sandbox, self.sampling_params(False), self.limits,
-            step=step, probe_every=c.probe_every, size=c.probe_size, seed=self.cfg.seed, loop=self.loop,
+            self.engine,
+            self.tokenizer,
+            self.tasks,
+            self.sandbox,
+            self.sampling_params(False),
+            self.limits,
+            step=step,
+            probe_every=c.probe_every,
+            size=c.probe_size,
+            seed=self.cfg.seed,
+            loop=self.loop,
         )
 
     def step_metrics(
-        self, trajs: list[Trajectory], stats: dict[str, float], train_metrics: dict[str, float],
-        update_s: float, sync_s: float, wall_s: float, idle_s: float,
+        self,
+        trajs: list[Trajectory],
+        stats: dict[str, float],
+        train_metrics: dict[str, float],
+        update_s: float,
+        sync_s: float,
+        wall_s: float,
+        idle_s: float,
     ) -> dict[str, float]:
-        return step_metrics(trajs, stats, train_metrics, update_s=update_s, sync_s=sync_s, wall_s=wall_s,
-                            idle_s=idle_s, policy_version=self.learner.version)
+        return step_metrics(
+            trajs,
+            stats,
+            train_metrics,
+            update_s=update_s,
+            sync_s=sync_s,
+            wall_s=wall_s,
+            idle_s=idle_s,
+            policy_version=self.learner.version,
+        )
 
     def after_step(
-        self, logger: MetricsLogger, progress: Progress, metrics: dict[str, float],
-        pre: PreRow | None = None, *, probe_here: bool = True,
+        self,
+        logger: MetricsLogger,
+        progress: Progress,
+        metrics: dict[str, float],
+        pre: PreRow | None = None,
+        *,
+        probe_here: bool = True,
     ) -> None:
         """Count, probe, log, checkpoint. The row of step s carries the probe run before batch s and the
         sampler's signals after it. `pre` = (probe metrics, signals, the sampler and cursors as they were
@@ -247,8 +287,12 @@ class RLRun:
         self.step += 1
         # counted here, from the batch's stats, not where the batch was collected: in async mode that is the
         # rollout thread, running ahead, and the logged counters would depend on how far ahead it was
-        for counter, key in (("rollout_tokens", "generated_tokens"), ("infra_failures", "infra_failures"),
-                             ("dropped_groups", "dropped_groups"), ("dropped_singleton_groups", "dropped_singleton_groups")):
+        for counter, key in (
+            ("rollout_tokens", "generated_tokens"),
+            ("infra_failures", "infra_failures"),
+            ("dropped_groups", "dropped_groups"),
+            ("dropped_singleton_groups", "dropped_singleton_groups"),
+        ):
             self.counters[counter] += metrics.get(f"rollout/{key}", 0.0)
         if pre is not None:
             probe, signals, self.tasks.checkpoint_view = pre
@@ -310,8 +354,14 @@ class RLRun:
             return None
         id_file = self.run_dir.path / "wandb_id"
         resume_id = id_file.read_text().strip() if id_file.is_file() else None
-        sink = WandbSink(tel.wandb_project, self.run_dir.path.name, self.run_dir.path, mode=tel.wandb,
-                         config=self.cfg.model_dump(mode="json"), resume_id=resume_id)
+        sink = WandbSink(
+            tel.wandb_project,
+            self.run_dir.path.name,
+            self.run_dir.path,
+            mode=tel.wandb,
+            config=self.cfg.model_dump(mode="json"),
+            resume_id=resume_id,
+        )
         id_file.write_text(sink.id + "\n")
         return sink
 
@@ -326,7 +376,8 @@ class RLRun:
         if not self.run_dir.config.exists():
             save_config(cfg, self.run_dir.config)
         logger = MetricsLogger(
-            self.run_dir.metrics if cfg.telemetry.jsonl else None, self.run_dir.tb if cfg.telemetry.tensorboard else None,
+            self.run_dir.metrics if cfg.telemetry.jsonl else None,
+            self.run_dir.tb if cfg.telemetry.tensorboard else None,
             wandb=self._wandb_sink(),
         )
         last: dict[str, float] = {}
@@ -341,7 +392,10 @@ class RLRun:
             finally:
                 logger.close()
         return {
-            "step": self.step, "interrupted": self.stop_signal is not None, "signal": self.stop_signal, "last": last,
+            "step": self.step,
+            "interrupted": self.stop_signal is not None,
+            "signal": self.stop_signal,
+            "last": last,
             "budget_spent": self.budget_spent(),
             "generated_tokens": self.tokens_spent(),
         }

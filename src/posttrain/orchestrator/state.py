@@ -26,8 +26,12 @@ LEARNER_DIR = "learner"
 # training rollouts (dynamic-sampling extras included) and by retention probes; orchestrator.token_budget
 # is spent against their sum.
 COUNTERS: dict[str, float] = {
-    "infra_failures": 0.0, "dropped_stale": 0.0, "dropped_groups": 0.0, "dropped_singleton_groups": 0.0,
-    "rollout_tokens": 0.0, "probe_tokens": 0.0,
+    "infra_failures": 0.0,
+    "dropped_stale": 0.0,
+    "dropped_groups": 0.0,
+    "dropped_singleton_groups": 0.0,
+    "rollout_tokens": 0.0,
+    "probe_tokens": 0.0,
 }
 
 
@@ -50,14 +54,17 @@ def save_run(run: RLRun) -> Path:
                 # async mode: batches trained on whose groups the sampler has not been fed yet
                 "sampler_pending": [
                     [j, [[arm.key, pid, rewards, gen] for arm, pid, rewards, gen in groups]]
-                    for j, groups in sorted(tasks.unfed.items()) if j < run.step
+                    for j, groups in sorted(tasks.unfed.items())
+                    if j < run.step
                 ],
                 "python_random": py_random_state(),
                 "numpy_random": np_random_state(),
             }
         (tmp / RUN_STATE).write_text(json.dumps(state))
 
-    path = save_checkpoint(run.run_dir.checkpoints, run.step, write, keep=run.cfg.orchestrator.keep_checkpoints)
+    path = save_checkpoint(
+        run.run_dir.checkpoints, run.step, write, keep=run.cfg.orchestrator.keep_checkpoints
+    )
     run.phases.add("checkpoint")
     return path
 
@@ -75,7 +82,10 @@ def load_run(run: RLRun) -> list[str]:
     tasks = run.tasks
     tasks.cursors = state["cursors"]
     tasks.seen_prompts = {k: list(v) for k, v in state["seen_prompts"].items()}
-    run.counters = {**COUNTERS, **state["counters"]}  # checkpoints from before a counter existed start it at 0
+    run.counters = {
+        **COUNTERS,
+        **state["counters"],
+    }  # checkpoints from before a counter existed start it at 0
     tasks.sampler.load_state_dict(state["sampler"])
     by_key = {a.key: a for a in tasks.arms}
     for j, groups in state.get("sampler_pending", []):  # async checkpoints: feed what was held back

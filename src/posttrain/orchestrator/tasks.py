@@ -94,7 +94,11 @@ class TaskSource:
 
     def view(self) -> SamplerView:
         """Copies of the sampler's state and the task cursors (the caller holds the lock)."""
-        return self.sampler.state_dict(), dict(self.cursors), {k: list(v) for k, v in self.seen_prompts.items()}
+        return (
+            self.sampler.state_dict(),
+            dict(self.cursors),
+            {k: list(v) for k, v in self.seen_prompts.items()},
+        )
 
     def signals(self) -> dict[str, float]:
         """The sampler's signals (weights, learnability, forgetting) as floats, for the metrics row."""

@@ -44,7 +44,9 @@ class GlueRenderer:
     def glue_text(self, history: list[Message], observations: list[Message], stop_text: str | None) -> str:
         turn = Message("assistant", _PLACEHOLDER)
         closed = render_messages(self.tokenizer, [*history, turn], self.tools, add_generation_prompt=False)
-        full = render_messages(self.tokenizer, [*history, turn, *observations], self.tools, add_generation_prompt=True)
+        full = render_messages(
+            self.tokenizer, [*history, turn, *observations], self.tools, add_generation_prompt=True
+        )
         if not full.startswith(closed):
             raise ValueError("chat template is not prefix-stable: appending messages changed earlier text")
         cut = closed.rindex(_PLACEHOLDER) + len(_PLACEHOLDER)
@@ -76,7 +78,10 @@ class GroupPrefill:
             self._done, self._prompt = asyncio.Event(), list(prompt_ids)
             try:
                 await engine.agenerate(
-                    GenerationRequest(prompt_token_ids=list(prompt_ids), params=SamplingParams(temperature=0.0, max_tokens=1))
+                    GenerationRequest(
+                        prompt_token_ids=list(prompt_ids),
+                        params=SamplingParams(temperature=0.0, max_tokens=1),
+                    )
                 )
             except Exception:  # noqa: BLE001, S110 - see the class doc
                 pass
@@ -113,7 +118,8 @@ async def run_episode(
     history: list[Message] = list(obs.messages)
     glue = GlueRenderer(tokenizer, obs.tools)
     prompt_ids = tokenizer.encode(
-        render_messages(tokenizer, history, obs.tools or None, add_generation_prompt=True), add_special_tokens=False
+        render_messages(tokenizer, history, obs.tools or None, add_generation_prompt=True),
+        add_special_tokens=False,
     )
     token_ids = list(prompt_ids)
     loss_mask = [0] * len(prompt_ids)
@@ -170,7 +176,9 @@ async def run_episode(
             traj.info = info
             return traj
         stop_text = tokenizer.decode([completion.token_ids[-1]]) if ends_with_stop else None
-        glue_ids = tokenizer.encode(glue.glue_text(history, result.observations, stop_text), add_special_tokens=False)
+        glue_ids = tokenizer.encode(
+            glue.glue_text(history, result.observations, stop_text), add_special_tokens=False
+        )
         history.append(Message("assistant", text))
         history.extend(result.observations)
         if len(token_ids) + len(glue_ids) >= budget_end:

@@ -55,7 +55,16 @@ async def collect_groups(
             params = replace(sampling, seed=sample_seed(run_seed, step, gid, s))
             coros.append(
                 run_episode(
-                    engine, tokenizer, domain, task, sandbox, params, limits, policy_version, group_id=gid, prefill_gate=gate
+                    engine,
+                    tokenizer,
+                    domain,
+                    task,
+                    sandbox,
+                    params,
+                    limits,
+                    policy_version,
+                    group_id=gid,
+                    prefill_gate=gate,
                 )
             )
     trajectories = list(await asyncio.gather(*coros))

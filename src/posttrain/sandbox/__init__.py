@@ -29,6 +29,15 @@ def make_sandbox(cfg: Any = None) -> ConfiguredSandbox:
 
 
 __all__ = [
-    "ConfiguredSandbox", "ExecResult", "ExecStatus", "Job", "Limits", "LocalSandbox", "Sandbox", "SandboxUnavailable",
-    "make_sandbox", "run_sync", "validate_job",
+    "ConfiguredSandbox",
+    "ExecResult",
+    "ExecStatus",
+    "Job",
+    "Limits",
+    "LocalSandbox",
+    "Sandbox",
+    "SandboxUnavailable",
+    "make_sandbox",
+    "run_sync",
+    "validate_job",
 ]

@@ -119,8 +119,14 @@ def validate_job(job: Job, profiles: Any = None, gcc: bool = True) -> None:
         if not isinstance(data, bytes | bytearray):
             raise ValueError(f"Job.files[{name!r}] must be bytes, got {type(data).__name__}")
     lim = job.limits
-    for key in ("wall_time_s", "cpu_time_s", "memory_bytes", "max_processes", "max_output_bytes",
-                "max_file_bytes"):
+    for key in (
+        "wall_time_s",
+        "cpu_time_s",
+        "memory_bytes",
+        "max_processes",
+        "max_output_bytes",
+        "max_file_bytes",
+    ):
         value = getattr(lim, key)
         if not isinstance(value, int | float) or value <= 0:
             raise ValueError(f"Limits.{key} must be a positive number, got {value!r}")
@@ -140,9 +146,15 @@ def _unb64(text: Any, what: str) -> bytes:
 
 def job_to_dict(job: Job) -> dict:
     """JSON-ready form (bytes as base64) used by the remote service."""
-    return {"code": job.code, "language": job.language, "stdin": _b64(job.stdin),
-            "files": {k: _b64(v) for k, v in job.files.items()}, "argv": list(job.argv),
-            "limits": dataclasses.asdict(job.limits), "profile": job.profile}
+    return {
+        "code": job.code,
+        "language": job.language,
+        "stdin": _b64(job.stdin),
+        "files": {k: _b64(v) for k, v in job.files.items()},
+        "argv": list(job.argv),
+        "limits": dataclasses.asdict(job.limits),
+        "profile": job.profile,
+    }
 
 
 def job_from_dict(data: Any) -> Job:
@@ -160,10 +172,15 @@ def job_from_dict(data: Any) -> Job:
     argv = data.get("argv") or []
     if not isinstance(files, dict) or not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
         raise ValueError("files must be an object of base64 strings and argv a list of strings")
-    job = Job(code=data.get("code"), language=data.get("language", "python"),
-              stdin=_unb64(data.get("stdin", ""), "stdin"),
-              files={str(k): _unb64(v, f"files[{k!r}]") for k, v in files.items()}, argv=argv,
-              limits=Limits(**limits_in), profile=data.get("profile", "default"))
+    job = Job(
+        code=data.get("code"),
+        language=data.get("language", "python"),
+        stdin=_unb64(data.get("stdin", ""), "stdin"),
+        files={str(k): _unb64(v, f"files[{k!r}]") for k, v in files.items()},
+        argv=argv,
+        limits=Limits(**limits_in),
+        profile=data.get("profile", "default"),
+    )
     validate_job(job)
     return job
 

@@ -17,7 +17,9 @@ class ConfiguredSandbox:
 
     def __init__(self, inner: Any, cfg: Any) -> None:
         self.inner = inner
-        self.limits = Limits(wall_time_s=cfg.wall_time_s, cpu_time_s=cfg.wall_time_s, memory_bytes=cfg.memory_mb << 20)
+        self.limits = Limits(
+            wall_time_s=cfg.wall_time_s, cpu_time_s=cfg.wall_time_s, memory_bytes=cfg.memory_mb << 20
+        )
 
     def apply(self, job: Job) -> Job:
         """`job` with wall/CPU time at most the configured ones and the configured memory limit."""

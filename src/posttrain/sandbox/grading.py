@@ -221,11 +221,14 @@ _main()
 """
 
 # The trusted runner: the job's own code. Nothing untrusted ever runs in this process.
-RUNNER_SOURCE = r'''
+RUNNER_SOURCE = (
+    r"""
 import sys
 import posix
 sys.path[:] = [p for p in sys.path if p not in ("", ".", posix.getcwd())]  # first: no job file shadows stdlib
-''' + _DECODE + r'''
+"""
+    + _DECODE
+    + r'''
 def _posttrain_runner():
     cwd = posix.getcwd()
     import builtins, ctypes, importlib, importlib.machinery, json, marshal, os, select, signal
@@ -589,10 +592,15 @@ def _posttrain_runner():
 
 _posttrain_runner()
 '''
+)
 
 
-def runner_job(spec: dict[str, Any], files: dict[str, bytes] | None = None, limits: Limits | None = None,
-               profile: str = "default") -> tuple[Job, str]:
+def runner_job(
+    spec: dict[str, Any],
+    files: dict[str, bytes] | None = None,
+    limits: Limits | None = None,
+    profile: str = "default",
+) -> tuple[Job, str]:
     """The job that runs the trusted runner on `spec`, and its nonce.
 
     spec keys: `tests` (list of {"kind": "call", "fn", "args"} | {"kind": "code", "code"} |
@@ -605,8 +613,9 @@ def runner_job(spec: dict[str, Any], files: dict[str, bytes] | None = None, limi
     full = dict(spec, nonce=nonce, subject_source=SUBJECT_SOURCE)
     all_files = dict(files or {})
     all_files[SPEC_FILE] = json.dumps(full).encode()
-    return Job(code=RUNNER_SOURCE, language="python", files=all_files, limits=limits or Limits(),
-               profile=profile), nonce
+    return Job(
+        code=RUNNER_SOURCE, language="python", files=all_files, limits=limits or Limits(), profile=profile
+    ), nonce
 
 
 def read_runner_result(res: ExecResult, nonce: str, total: int) -> tuple[list[dict[str, Any]] | None, str]:
@@ -615,15 +624,21 @@ def read_runner_result(res: ExecResult, nonce: str, total: int) -> tuple[list[di
     if res.status != ExecStatus.OK or res.exit_code != 0:
         return None, f"runner did not complete (status {res.status.value}, exit {res.exit_code})"
     prefix = f"{RESULT_MARKER} {nonce} "
-    lines = [line for line in res.stdout.decode("utf-8", errors="replace").split("\n") if line.startswith(prefix)]
+    lines = [
+        line for line in res.stdout.decode("utf-8", errors="replace").split("\n") if line.startswith(prefix)
+    ]
     if len(lines) != 1:
         return None, f"runner wrote {len(lines)} result lines, expected exactly 1"
     try:
-        data = json.loads(lines[0][len(prefix):])
+        data = json.loads(lines[0][len(prefix) :])
     except json.JSONDecodeError:
         return None, "runner result line is not valid JSON"
     results = data.get("results") if isinstance(data, dict) and data.get("done") is True else None
-    if not isinstance(results, list) or len(results) != total or not all(isinstance(r, dict) for r in results):
+    if (
+        not isinstance(results, list)
+        or len(results) != total
+        or not all(isinstance(r, dict) for r in results)
+    ):
         return None, "runner result line is incomplete"
     return results, ""
 
@@ -645,12 +660,22 @@ def _infra(total: int, results: list[ExecResult], detail: str) -> GradeResult:
     return GradeResult(0, total, 0.0, [False] * total, status, True, detail, results)
 
 
-def assert_job(solution_code: str, tests: Sequence[str], limits: Limits | None = None, profile: str = "default",
-               per_test_timeout_s: float | None = None) -> tuple[Job, str]:
+def assert_job(
+    solution_code: str,
+    tests: Sequence[str],
+    limits: Limits | None = None,
+    profile: str = "default",
+    per_test_timeout_s: float | None = None,
+) -> tuple[Job, str]:
     """The single job that grades `solution_code` against `tests`, and its nonce."""
-    spec = {"program": solution_code, "program_name": "solution.py", "bind": "*", "timeout_s": per_test_timeout_s,
-            "max_timeouts": len(tests) + 1,
-            "tests": [{"kind": "code", "code": t, "name": f"test_{i}"} for i, t in enumerate(tests)]}
+    spec = {
+        "program": solution_code,
+        "program_name": "solution.py",
+        "bind": "*",
+        "timeout_s": per_test_timeout_s,
+        "max_timeouts": len(tests) + 1,
+        "tests": [{"kind": "code", "code": t, "name": f"test_{i}"} for i, t in enumerate(tests)],
+    }
     return runner_job(spec, limits=limits, profile=profile)
 
 
@@ -665,11 +690,19 @@ def parse_assert_result(res: ExecResult, nonce: str, total: int) -> GradeResult:
     passed = sum(flags)
     errors = [str(r.get("error", "")).strip().splitlines()[-1:] for r in results if r.get("error")]
     detail = "; ".join(e[0] for e in errors if e)[:500]
-    return GradeResult(passed, total, passed / total if total else 0.0, flags, res.status, False, detail, [res])
+    return GradeResult(
+        passed, total, passed / total if total else 0.0, flags, res.status, False, detail, [res]
+    )
 
 
-async def grade_asserts(sandbox: Sandbox, solution_code: str, tests: Sequence[str], limits: Limits | None = None,
-                        profile: str = "default", per_test_timeout_s: float | None = None) -> GradeResult:
+async def grade_asserts(
+    sandbox: Sandbox,
+    solution_code: str,
+    tests: Sequence[str],
+    limits: Limits | None = None,
+    profile: str = "default",
+    per_test_timeout_s: float | None = None,
+) -> GradeResult:
     """Run every test string (e.g. `assert f(2) == 4`) against the solution in one job."""
     if not tests:
         raise ValueError("grade_asserts needs at least one test")
@@ -698,29 +731,57 @@ def outputs_match(actual: str, expected: str, float_tol: float | None = None) ->
                 fa, fe = float(a), float(e)
             except ValueError:
                 return False
-            if math.isnan(fa) or math.isnan(fe) or not math.isclose(fa, fe, rel_tol=float_tol, abs_tol=float_tol):
+            if (
+                math.isnan(fa)
+                or math.isnan(fe)
+                or not math.isclose(fa, fe, rel_tol=float_tol, abs_tol=float_tol)
+            ):
                 return False
     return True
 
 
-async def grade_io(sandbox: Sandbox, code: str, cases: Sequence[tuple[str | bytes, str]], language: str = "python",
-                   limits: Limits | None = None, float_tol: float | None = None,
-                   profile: str = "default") -> GradeResult:
+async def grade_io(
+    sandbox: Sandbox,
+    code: str,
+    cases: Sequence[tuple[str | bytes, str]],
+    language: str = "python",
+    limits: Limits | None = None,
+    float_tol: float | None = None,
+    profile: str = "default",
+) -> GradeResult:
     """One job per (stdin, expected_stdout) case; a case passes when the job is OK and output matches."""
     if not cases:
         raise ValueError("grade_io needs at least one case")
-    jobs = [Job(code=code, language=language, stdin=stdin.encode() if isinstance(stdin, str) else stdin,
-                limits=limits or Limits(), profile=profile) for stdin, _ in cases]
+    jobs = [
+        Job(
+            code=code,
+            language=language,
+            stdin=stdin.encode() if isinstance(stdin, str) else stdin,
+            limits=limits or Limits(),
+            profile=profile,
+        )
+        for stdin, _ in cases
+    ]
     results = await sandbox.run_batch(jobs)
     total = len(cases)
     infra = [r for r in results if r.status == ExecStatus.SANDBOX_ERROR]
     if infra:
         return _infra(total, results, infra[0].error or "sandbox error")
     if any(r.status == ExecStatus.COMPILE_ERROR for r in results):
-        return GradeResult(0, total, 0.0, [False] * total, ExecStatus.COMPILE_ERROR, False,
-                           results[0].stderr_text[-500:], results)
-    per_test = [r.status == ExecStatus.OK and outputs_match(r.stdout_text, expected, float_tol)
-                for r, (_, expected) in zip(results, cases, strict=True)]
+        return GradeResult(
+            0,
+            total,
+            0.0,
+            [False] * total,
+            ExecStatus.COMPILE_ERROR,
+            False,
+            results[0].stderr_text[-500:],
+            results,
+        )
+    per_test = [
+        r.status == ExecStatus.OK and outputs_match(r.stdout_text, expected, float_tol)
+        for r, (_, expected) in zip(results, cases, strict=True)
+    ]
     worst = next((r.status for r in results if r.status != ExecStatus.OK), ExecStatus.OK)
     failing = [i for i, ok in enumerate(per_test) if not ok]
     detail = f"failed cases: {failing[:10]}" if failing else ""

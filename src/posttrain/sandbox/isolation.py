@@ -32,17 +32,60 @@ CGROUP_V1_ROOT = Path("/sys/fs/cgroup")
 CGROUP_V2_CONTROLLERS = ("memory", "pids")
 CGROUP_V2_MAIN_PREFIX = "posttrain-main-"  # the leaf this process moves into to free its cgroup (v2)
 CGROUP_PARENT_PREFIX = "posttrain-sandbox-"
-ETC_FILES = ("/etc/alternatives", "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime")
-ETC_NETWORK_FILES = ("/etc/resolv.conf", "/etc/hosts", "/etc/nsswitch.conf", "/etc/ssl", "/etc/ca-certificates")
+ETC_FILES = (
+    "/etc/alternatives",
+    "/etc/ld.so.cache",
+    "/etc/ld.so.conf",
+    "/etc/ld.so.conf.d",
+    "/etc/localtime",
+)
+ETC_NETWORK_FILES = (
+    "/etc/resolv.conf",
+    "/etc/hosts",
+    "/etc/nsswitch.conf",
+    "/etc/ssl",
+    "/etc/ca-certificates",
+)
 
 # Imported once per worker: a job that imports them pays nothing (measured: 2.8 ms of CPU per job
 # with them preloaded against 17 ms for a job importing a dozen of them cold), and forking a worker
 # that holds them costs no more than forking a bare one.
 STDLIB_PRELOAD = [
-    "math", "cmath", "re", "json", "collections", "itertools", "functools", "heapq", "bisect", "string",
-    "random", "typing", "dataclasses", "fractions", "decimal", "statistics", "copy", "operator", "array",
-    "datetime", "time", "traceback", "io", "unittest", "enum", "abc", "contextlib", "inspect", "textwrap",
-    "hashlib", "base64", "struct", "numbers", "pathlib", "ast",
+    "math",
+    "cmath",
+    "re",
+    "json",
+    "collections",
+    "itertools",
+    "functools",
+    "heapq",
+    "bisect",
+    "string",
+    "random",
+    "typing",
+    "dataclasses",
+    "fractions",
+    "decimal",
+    "statistics",
+    "copy",
+    "operator",
+    "array",
+    "datetime",
+    "time",
+    "traceback",
+    "io",
+    "unittest",
+    "enum",
+    "abc",
+    "contextlib",
+    "inspect",
+    "textwrap",
+    "hashlib",
+    "base64",
+    "struct",
+    "numbers",
+    "pathlib",
+    "ast",
 ]
 
 
@@ -138,8 +181,13 @@ def detect() -> Isolation:
     if iso.bwrap is None:
         iso.details["namespaces"] = "bubblewrap (bwrap) is not installed: apt-get install bubblewrap"
     else:
-        spec = JailSpec(python=python_install(), slot_uid=JAIL_UID_BASE if iso.uid_drop else None, binds=[],
-                        network=False, job_disk_bytes=1 << 20)
+        spec = JailSpec(
+            python=python_install(),
+            slot_uid=JAIL_UID_BASE if iso.uid_drop else None,
+            binds=[],
+            network=False,
+            job_disk_bytes=1 << 20,
+        )
         argv = spec.bwrap_argv(iso.bwrap) + ["/bin/true"]
         try:
             proc = subprocess.run(argv, capture_output=True, timeout=30)
@@ -186,7 +234,11 @@ def _probe_cgroups() -> tuple[str | None, str]:
     base = cgroup_v2_base()
     if base is not None:
         why = probe_cgroup_v2(base, os.getpid())
-        return ("v2", f"v2 at {base}: memory.max, memory.swap.max, pids.max per worker") if why is None else (None, why)
+        return (
+            ("v2", f"v2 at {base}: memory.max, memory.swap.max, pids.max per worker")
+            if why is None
+            else (None, why)
+        )
     return None, "no cgroup memory/pids controller mounted"
 
 
@@ -211,8 +263,11 @@ def cgroup_v2_base(mount: Path | None = None, proc_cgroup: str = "/proc/self/cgr
     if mount is None:
         return None
     try:
-        rel = next(line.split(":", 2)[2] for line in Path(proc_cgroup).read_text().splitlines()
-                   if line.startswith("0::"))
+        rel = next(
+            line.split(":", 2)[2]
+            for line in Path(proc_cgroup).read_text().splitlines()
+            if line.startswith("0::")
+        )
     except (OSError, StopIteration):
         return None
     own = mount / rel.strip().lstrip("/")
@@ -243,12 +298,16 @@ def probe_cgroup_v2(base: Path, pid: int) -> str | None:
     missing = [c for c in CGROUP_V2_CONTROLLERS if c not in available]
     if missing:
         verb = "controllers are" if len(missing) > 1 else "controller is"
-        return (f"cgroup v2 at {base}: the {' and '.join(missing)} {verb} not delegated here "
-                f"(cgroup.controllers: {' '.join(available) or 'none'})")
+        return (
+            f"cgroup v2 at {base}: the {' and '.join(missing)} {verb} not delegated here "
+            f"(cgroup.controllers: {' '.join(available) or 'none'})"
+        )
     if any(c not in enabled for c in CGROUP_V2_CONTROLLERS) and set(procs) - {str(pid)}:
-        return (f"cgroup v2 at {base} holds {len(set(procs) - {str(pid)})} other process(es), so its memory and "
-                "pids controllers cannot be handed to child groups; start posttrain in a delegated cgroup "
-                "of its own (e.g. systemd-run --scope -p Delegate=yes ...)")
+        return (
+            f"cgroup v2 at {base} holds {len(set(procs) - {str(pid)})} other process(es), so its memory and "
+            "pids controllers cannot be handed to child groups; start posttrain in a delegated cgroup "
+            "of its own (e.g. systemd-run --scope -p Delegate=yes ...)"
+        )
     probe = base / f"posttrain-probe-{pid}"
     try:
         probe.mkdir(exist_ok=True)
@@ -390,8 +449,15 @@ class JailSpec:
     job_disk_bytes: int
 
     def bwrap_argv(self, bwrap: str) -> list[str]:
-        argv = [bwrap, "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-                "--die-with-parent", "--new-session"]
+        argv = [
+            bwrap,
+            "--unshare-pid",
+            "--unshare-ipc",
+            "--unshare-uts",
+            "--unshare-cgroup-try",
+            "--die-with-parent",
+            "--new-session",
+        ]
         if not self.network:
             argv.append("--unshare-net")
         if self.slot_uid is not None:
@@ -419,14 +485,46 @@ class JailSpec:
                 argv += ["--ro-bind", str(path), f"{JAIL_ROOT}/site/{path.name}"]
         # /dev: bwrap's tmpfs would be writable by the job in a user namespace and unbounded; it is
         # made read-only, with a private, sized /dev/shm that the worker empties after every job.
-        argv += ["--proc", "/proc", "--dev", "/dev",
-                 "--perms", "01777", "--size", str(self.job_disk_bytes), "--tmpfs", JAIL_SHM_DIR,
-                 "--remount-ro", "/dev",
-                 "--perms", "01777", "--size", str(self.job_disk_bytes), "--tmpfs", JAIL_JOB_ROOT,
-                 "--symlink", f"{JAIL_JOB_ROOT}/.tmp", "/tmp",
-                 "--remount-ro", "/", "--chdir", JAIL_JOB_ROOT, "--clearenv",
-                 "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8",
-                 "--setenv", "OPENBLAS_NUM_THREADS", "1", "--setenv", "OMP_NUM_THREADS", "1"]
+        argv += [
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--perms",
+            "01777",
+            "--size",
+            str(self.job_disk_bytes),
+            "--tmpfs",
+            JAIL_SHM_DIR,
+            "--remount-ro",
+            "/dev",
+            "--perms",
+            "01777",
+            "--size",
+            str(self.job_disk_bytes),
+            "--tmpfs",
+            JAIL_JOB_ROOT,
+            "--symlink",
+            f"{JAIL_JOB_ROOT}/.tmp",
+            "/tmp",
+            "--remount-ro",
+            "/",
+            "--chdir",
+            JAIL_JOB_ROOT,
+            "--clearenv",
+            "--setenv",
+            "PATH",
+            "/usr/bin:/bin",
+            "--setenv",
+            "LANG",
+            "C.UTF-8",
+            "--setenv",
+            "OPENBLAS_NUM_THREADS",
+            "1",
+            "--setenv",
+            "OMP_NUM_THREADS",
+            "1",
+        ]
         if not self.python.under_usr:
             argv += ["--setenv", "LD_LIBRARY_PATH", f"{self.python.jail_prefix}/lib"]
         return argv
@@ -435,20 +533,47 @@ class JailSpec:
         argv = self.bwrap_argv(bwrap)
         if self.slot_uid is not None:
             uid = str(self.slot_uid)
-            argv += ["/usr/bin/setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
-                     "--inh-caps=-all", "--bounding-set=-all", "--"]
+            argv += [
+                "/usr/bin/setpriv",
+                f"--reuid={uid}",
+                f"--regid={uid}",
+                "--clear-groups",
+                "--inh-caps=-all",
+                "--bounding-set=-all",
+                "--",
+            ]
         # RLIMIT_NPROC counts the jail uid's processes: the worker, plus bwrap's init when it shares the uid
-        cfg = dict(cfg, job_root=JAIL_JOB_ROOT, shm_dir=JAIL_SHM_DIR, pidns=True, nproc_extra=1 if self.slot_uid is not None else 2,
-                   sys_path=[f"{JAIL_ROOT}/site"] if self.binds else [])
-        return argv + [self.python.jail_executable, "-I", "-S", "-B", f"{JAIL_ROOT}/jailed/worker.py",
-                       json.dumps(cfg)]
+        cfg = dict(
+            cfg,
+            job_root=JAIL_JOB_ROOT,
+            shm_dir=JAIL_SHM_DIR,
+            pidns=True,
+            nproc_extra=1 if self.slot_uid is not None else 2,
+            sys_path=[f"{JAIL_ROOT}/site"] if self.binds else [],
+        )
+        return argv + [
+            self.python.jail_executable,
+            "-I",
+            "-S",
+            "-B",
+            f"{JAIL_ROOT}/jailed/worker.py",
+            json.dumps(cfg),
+        ]
 
 
 def unisolated_worker_argv(job_root: str, binds: list[Path], cfg: dict) -> list[str]:
     """The worker without a jail (allow_unisolated): rlimits, seccomp and a clean env only."""
-    cfg = dict(cfg, job_root=job_root, pidns=False, nproc_extra=None,
-               sys_path=sorted({str(p.parent) for p in binds}))
-    return [python_install().host_executable, "-I", "-S", "-B", str(JAILED_DIR / "worker.py"), json.dumps(cfg)]
+    cfg = dict(
+        cfg, job_root=job_root, pidns=False, nproc_extra=None, sys_path=sorted({str(p.parent) for p in binds})
+    )
+    return [
+        python_install().host_executable,
+        "-I",
+        "-S",
+        "-B",
+        str(JAILED_DIR / "worker.py"),
+        json.dumps(cfg),
+    ]
 
 
 class CgroupSlot:
@@ -517,7 +642,7 @@ def sandbox_cgroup_dirs(version: str | None, instance: int) -> list[Path]:
 
 
 def _stale(name: str, prefix: str) -> bool:
-    pid = name[len(prefix):]
+    pid = name[len(prefix) :]
     return name.startswith(prefix) and pid.isdigit() and not Path(f"/proc/{pid}").exists()
 
 

@@ -58,17 +58,30 @@ class PoolSettings:
 class _WorkerProc:
     """One live worker process (jailed or not) and its framed pipes."""
 
-    def __init__(self, argv: list[str], cgroup: iso_mod.CgroupSlot | iso_mod.CgroupV2Slot | None,
-                 job_root: str | None) -> None:
+    def __init__(
+        self, argv: list[str], cgroup: iso_mod.CgroupSlot | iso_mod.CgroupV2Slot | None, job_root: str | None
+    ) -> None:
         if cgroup is not None:  # join the group(s) first, then become the jail: nothing runs outside them
             files = cgroup.procs_files
-            script = " && ".join([*(f'echo $$ >"${i}"' for i in range(len(files))),
-                                  *([f"shift {len(files) - 1}"] if len(files) > 1 else []), 'exec "$@"'])
+            script = " && ".join(
+                [
+                    *(f'echo $$ >"${i}"' for i in range(len(files))),
+                    *([f"shift {len(files) - 1}"] if len(files) > 1 else []),
+                    'exec "$@"',
+                ]
+            )
             argv = ["/bin/sh", "-c", script, *files, *argv]
         self.job_root = job_root
         self.cgroup = cgroup
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     close_fds=True, start_new_session=True, env=_minimal_env())
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            close_fds=True,
+            start_new_session=True,
+            env=_minimal_env(),
+        )
         assert self.proc.stdin and self.proc.stdout and self.proc.stderr
         self.wfd = self.proc.stdin.fileno()
         self.rfd = self.proc.stdout.fileno()
@@ -122,11 +135,23 @@ class _WorkerProc:
 
     def execute(self, job: Job) -> tuple[dict, list[bytes]]:
         files = list(job.files.items())
-        header = {"language": job.language, "argv": list(job.argv), "files": [name for name, _ in files],
-                  "limits": {k: getattr(job.limits, k) for k in (
-                      "wall_time_s", "cpu_time_s", "memory_bytes", "max_processes", "max_output_bytes",
-                      "max_file_bytes")},
-                  "max_files_bytes": job.limits.max_returned_files_bytes}
+        header = {
+            "language": job.language,
+            "argv": list(job.argv),
+            "files": [name for name, _ in files],
+            "limits": {
+                k: getattr(job.limits, k)
+                for k in (
+                    "wall_time_s",
+                    "cpu_time_s",
+                    "memory_bytes",
+                    "max_processes",
+                    "max_output_bytes",
+                    "max_file_bytes",
+                )
+            },
+            "max_files_bytes": job.limits.max_returned_files_bytes,
+        }
         blobs = [job.code.encode("utf-8", errors="surrogateescape"), job.stdin, *(data for _, data in files)]
         header["blobs"] = [len(b) for b in blobs]
         hbytes = json.dumps(header).encode()
@@ -178,8 +203,10 @@ class _Pool:
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.binds = iso_mod.package_dirs(profile.packages)
         self.startup_error: str | None = None
-        self.threads = [threading.Thread(target=self._slot, args=(i,), daemon=True,
-                                         name=f"sandbox-{profile.name}-{i}") for i in range(size)]
+        self.threads = [
+            threading.Thread(target=self._slot, args=(i,), daemon=True, name=f"sandbox-{profile.name}-{i}")
+            for i in range(size)
+        ]
         for t in self.threads:
             t.start()
 
@@ -189,12 +216,14 @@ class _Pool:
         cgroup = None
         if iso.cgroups:
             name = f"i{owner.instance}-{self.profile.name}-{'net' if self.network else 'nonet'}-{slot}"
-            cgroup = iso_mod.make_cgroup_slot(iso.cgroups, name, owner.settings.memory_backstop_bytes,
-                                              owner.settings.max_pids)
+            cgroup = iso_mod.make_cgroup_slot(
+                iso.cgroups, name, owner.settings.memory_backstop_bytes, owner.settings.max_pids
+            )
         if iso.namespaces:
             uid = iso_mod.JAIL_UID_BASE + owner.slot_uid_index() if iso.uid_drop else None
-            spec = iso_mod.JailSpec(iso_mod.python_install(), uid, self.binds, self.network,
-                                    owner.settings.job_disk_bytes)
+            spec = iso_mod.JailSpec(
+                iso_mod.python_install(), uid, self.binds, self.network, owner.settings.job_disk_bytes
+            )
             worker = _WorkerProc(spec.worker_argv(iso.bwrap or "bwrap", cfg), cgroup, None)
         else:
             job_root = iso_mod.make_job_root()
@@ -202,7 +231,8 @@ class _Pool:
         if worker.info.get("preload_failed"):
             worker.kill()
             raise iso_mod.SandboxUnavailable(
-                f"profile '{self.profile.name}' cannot import {worker.info['preload_failed']} inside the jail")
+                f"profile '{self.profile.name}' cannot import {worker.info['preload_failed']} inside the jail"
+            )
         owner.note_worker(worker.info)
         return worker
 
@@ -289,10 +319,13 @@ class LocalSandbox:
             raise iso_mod.SandboxUnavailable(
                 "refusing to run untrusted code without isolation: "
                 + "; ".join(self.isolation.missing)
-                + ". Install bubblewrap, or set sandbox.allow_unisolated=true to accept the risk.")
+                + ". Install bubblewrap, or set sandbox.allow_unisolated=true to accept the risk."
+            )
         if not self.isolation.isolated:
-            log.warning("SANDBOX RUNNING WITHOUT ISOLATION (allow_unisolated=true): %s",
-                        "; ".join(self.isolation.missing))
+            log.warning(
+                "SANDBOX RUNNING WITHOUT ISOLATION (allow_unisolated=true): %s",
+                "; ".join(self.isolation.missing),
+            )
         if self.isolation.cgroups:
             iso_mod.sweep_stale_cgroups(self.isolation.cgroups)
         self.settings = PoolSettings(

@@ -43,16 +43,33 @@ log = logging.getLogger(__name__)
 
 # What a service accepts unless told otherwise (`make_server(max_limits=...)`); `network` is not
 # capped here: the sandbox's own allow_network decides it.
-DEFAULT_MAX_LIMITS = Limits(wall_time_s=60.0, cpu_time_s=60.0, memory_bytes=2 << 30, max_processes=64,
-                            max_output_bytes=16 << 20, max_file_bytes=256 << 20, max_returned_files_bytes=16 << 20)
-CAPPED_LIMITS = ("wall_time_s", "cpu_time_s", "memory_bytes", "max_processes", "max_output_bytes",
-                 "max_file_bytes", "max_returned_files_bytes")
+DEFAULT_MAX_LIMITS = Limits(
+    wall_time_s=60.0,
+    cpu_time_s=60.0,
+    memory_bytes=2 << 30,
+    max_processes=64,
+    max_output_bytes=16 << 20,
+    max_file_bytes=256 << 20,
+    max_returned_files_bytes=16 << 20,
+)
+CAPPED_LIMITS = (
+    "wall_time_s",
+    "cpu_time_s",
+    "memory_bytes",
+    "max_processes",
+    "max_output_bytes",
+    "max_file_bytes",
+    "max_returned_files_bytes",
+)
 
 
 def limits_over(limits: Limits, maxima: Limits) -> list[str]:
     """One message per limit of `limits` above `maxima`, naming the limit and the maximum."""
-    return [f"Limits.{key}={getattr(limits, key)!r} exceeds this service's maximum of {getattr(maxima, key)!r}"
-            for key in CAPPED_LIMITS if getattr(limits, key) > getattr(maxima, key)]
+    return [
+        f"Limits.{key}={getattr(limits, key)!r} exceeds this service's maximum of {getattr(maxima, key)!r}"
+        for key in CAPPED_LIMITS
+        if getattr(limits, key) > getattr(maxima, key)
+    ]
 
 
 class RemoteSandboxError(RuntimeError):
@@ -66,8 +83,16 @@ class RemoteSandboxError(RuntimeError):
 class SandboxServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, addr: tuple[str, int], sandbox: Any, token: str, max_request_bytes: int,
-                 max_concurrent: int, max_limits: Limits | None = None, request_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        addr: tuple[str, int],
+        sandbox: Any,
+        token: str,
+        max_request_bytes: int,
+        max_concurrent: int,
+        max_limits: Limits | None = None,
+        request_timeout_s: float = 30.0,
+    ) -> None:
         if not token:
             raise ValueError("the sandbox service needs a non-empty token")
         if request_timeout_s <= 0:
@@ -174,8 +199,11 @@ class _Handler(BaseHTTPRequestHandler):
             body = b""
         self.deadline.cancel()  # the jobs' run time is not the client's to account for
         if len(body) < length:
-            self._send(408, {"error": f"request body not received within {self.server.request_timeout_s} s"},
-                       close=True)
+            self._send(
+                408,
+                {"error": f"request body not received within {self.server.request_timeout_s} s"},
+                close=True,
+            )
             return None
         return body
 
@@ -189,9 +217,15 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path != "/health":
             return self._send(404, {"error": f"no such endpoint {self.path}"})
         sb = self.server.sandbox
-        self._send(200, {"ok": True, "isolation": list(getattr(sb, "layers", [])),
-                         "stats": dict(getattr(sb, "stats", {})),
-                         "max_limits": dataclasses.asdict(self.server.max_limits)})
+        self._send(
+            200,
+            {
+                "ok": True,
+                "isolation": list(getattr(sb, "layers", [])),
+                "stats": dict(getattr(sb, "stats", {})),
+                "max_limits": dataclasses.asdict(self.server.max_limits),
+            },
+        )
 
     def do_POST(self) -> None:
         if not self._authorized():
@@ -202,8 +236,11 @@ class _Handler(BaseHTTPRequestHandler):
         if length is None or not length.isdigit():
             return self._send(411, {"error": "Content-Length required"}, close=True)
         if int(length) > self.server.max_request_bytes:
-            return self._send(413, {"error": f"request of {length} bytes exceeds the limit of "
-                                             f"{self.server.max_request_bytes}"}, close=True)
+            return self._send(
+                413,
+                {"error": f"request of {length} bytes exceeds the limit of {self.server.max_request_bytes}"},
+                close=True,
+            )
         raw = self._read_body(int(length))
         if raw is None:
             return None
@@ -229,15 +266,23 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(200, {"results": [result_to_dict(r) for r in results]})
 
 
-def make_server(sandbox: Any, host: str = "127.0.0.1", port: int = 0, token: str = "",
-                max_request_bytes: int = 16 << 20, max_concurrent: int = 64, max_limits: Limits | None = None,
-                request_timeout_s: float = 30.0) -> SandboxServer:
+def make_server(
+    sandbox: Any,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    token: str = "",
+    max_request_bytes: int = 16 << 20,
+    max_concurrent: int = 64,
+    max_limits: Limits | None = None,
+    request_timeout_s: float = 30.0,
+) -> SandboxServer:
     """A ready (not yet serving) server; call `serve_forever()` (port 0 picks a free port).
 
     `max_concurrent` counts jobs in flight; `max_limits` (default `DEFAULT_MAX_LIMITS`) bounds every
     job's limits; `request_timeout_s` bounds reading a request and writing its reply."""
-    return SandboxServer((host, port), sandbox, token, max_request_bytes, max_concurrent, max_limits,
-                         request_timeout_s)
+    return SandboxServer(
+        (host, port), sandbox, token, max_request_bytes, max_concurrent, max_limits, request_timeout_s
+    )
 
 
 class RemoteSandbox:
@@ -246,7 +291,9 @@ class RemoteSandbox:
     `timeout_s` bounds each whole request (queueing and running on the service included); a service
     that does not answer in time, or trickles its answer, gives SANDBOX_ERROR results."""
 
-    def __init__(self, url: str, token: str | None, timeout_s: float = 600.0, connect_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, url: str, token: str | None, timeout_s: float = 600.0, connect_timeout_s: float = 10.0
+    ) -> None:
         self.url = url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {token or ''}"}
         self.timeout_s = timeout_s
@@ -258,7 +305,9 @@ class RemoteSandbox:
         client = self._clients.get(id(loop))
         if client is None or client.is_closed:
             timeout = httpx.Timeout(self.timeout_s, connect=min(self.connect_timeout_s, self.timeout_s))
-            client = httpx.AsyncClient(headers=self.headers, timeout=timeout, limits=httpx.Limits(max_connections=64))
+            client = httpx.AsyncClient(
+                headers=self.headers, timeout=timeout, limits=httpx.Limits(max_connections=64)
+            )
             self._clients[id(loop)] = client
         return client
 

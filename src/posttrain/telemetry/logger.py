@@ -11,25 +11,45 @@ from typing import Any
 
 
 def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
-    return {k: v for k, v in metrics.items()
-            if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)}
+    return {
+        k: v
+        for k, v in metrics.items()
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    }
 
 
 class WandbSink:
     """Scalars to a Weights & Biases run. `mode` is "online", "offline" (files under `directory`/wandb,
     uploaded later with `wandb sync`) or "disabled". `wandb` is an optional dependency."""
 
-    def __init__(self, project: str, name: str, directory: str | Path, mode: str = "offline",
-                 config: dict[str, Any] | None = None, resume_id: str | None = None) -> None:
+    def __init__(
+        self,
+        project: str,
+        name: str,
+        directory: str | Path,
+        mode: str = "offline",
+        config: dict[str, Any] | None = None,
+        resume_id: str | None = None,
+    ) -> None:
         if mode not in ("online", "offline", "disabled"):
             raise ValueError(f"wandb mode must be online, offline or disabled, got {mode!r}")
         try:
             import wandb
         except ImportError:
-            raise RuntimeError("telemetry.wandb needs the wandb package: pip install 'posttrain[wandb]'") from None
+            raise RuntimeError(
+                "telemetry.wandb needs the wandb package: pip install 'posttrain[wandb]'"
+            ) from None
         Path(directory).mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(project=project, name=name, dir=str(directory), mode=mode, config=config or {},
-                              id=resume_id, resume="allow" if resume_id else None, reinit="create_new")
+        self.run = wandb.init(
+            project=project,
+            name=name,
+            dir=str(directory),
+            mode=mode,
+            config=config or {},
+            id=resume_id,
+            resume="allow" if resume_id else None,
+            reinit="create_new",
+        )
         self.id = self.run.id
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
@@ -43,8 +63,9 @@ class MetricsLogger:
     """Append-only metrics: `log(step, {"reward/math": 0.4, ...})` writes JSONL, TensorBoard and, when
     given a `WandbSink`, W&B."""
 
-    def __init__(self, jsonl_path: str | Path | None, tb_dir: str | Path | None = None,
-                 wandb: WandbSink | None = None) -> None:
+    def __init__(
+        self, jsonl_path: str | Path | None, tb_dir: str | Path | None = None, wandb: WandbSink | None = None
+    ) -> None:
         self.jsonl_path = Path(jsonl_path) if jsonl_path else None
         self._fh = open(self.jsonl_path, "a") if self.jsonl_path else None
         self._tb = None

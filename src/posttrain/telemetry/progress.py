@@ -12,7 +12,9 @@ from rich.progress import Progress as RichProgress
 class Progress:
     """`with Progress(total, "train") as p: p.advance(figures={"reward": 0.5})`; silent when disabled."""
 
-    def __init__(self, total: int, description: str, enabled: bool = True, console: Console | None = None) -> None:
+    def __init__(
+        self, total: int, description: str, enabled: bool = True, console: Console | None = None
+    ) -> None:
         self.enabled = enabled
         self._progress = RichProgress(
             TextColumn("[bold]{task.description}"),

@@ -20,7 +20,10 @@ from posttrain.telemetry.rundir import RunDir
 PHASES = ["generate_s", "update_s", "weight_sync_s", "probe_s", "checkpoint_s", "idle_s"]
 SHARE_PREFIX = "curriculum/domain_share/"
 WEIGHT_PREFIX = "curriculum/weight/"
-TOKEN_SERIES = {"rollout/generated_tokens": "training rollouts", "heldout/generated_tokens": "held-out probes"}
+TOKEN_SERIES = {
+    "rollout/generated_tokens": "training rollouts",
+    "heldout/generated_tokens": "held-out probes",
+}
 
 
 @dataclass
@@ -71,7 +74,9 @@ def domain_shares(rows: list[dict[str, Any]]) -> tuple[list[int], dict[str, list
     logged = [r for r in rows if any(str(k).startswith((SHARE_PREFIX, WEIGHT_PREFIX)) for k in r)]
     per_row: list[dict[str, float]] = []
     for r in logged:
-        direct = {k[len(SHARE_PREFIX) :]: float(v) for k, v in r.items() if k.startswith(SHARE_PREFIX) and _num(v)}
+        direct = {
+            k[len(SHARE_PREFIX) :]: float(v) for k, v in r.items() if k.startswith(SHARE_PREFIX) and _num(v)
+        }
         if not direct:
             for k, v in r.items():
                 if k.startswith(WEIGHT_PREFIX) and _num(v):
@@ -95,8 +100,13 @@ def _plt() -> Any:
 
 
 def _line_plot(
-    rows: list[dict[str, Any]], keys: list[str], title: str, ylabel: str, path: Path,
-    labels: dict[str, str] | None = None, ylim: tuple[float, float] | None = None,
+    rows: list[dict[str, Any]],
+    keys: list[str],
+    title: str,
+    ylabel: str,
+    path: Path,
+    labels: dict[str, str] | None = None,
+    ylim: tuple[float, float] | None = None,
 ) -> list[str]:
     """Draw the keys that have data; returns the labels drawn ([] = no file written)."""
     plt = _plt()
@@ -131,7 +141,9 @@ def _timeline_plot(rows: list[dict[str, Any]], path: Path) -> list[str]:
     fig, ax = plt.subplots(figsize=(7, 3.4))
     bottom = [0.0] * len(rows)
     for phase in drawn:
-        vals = [float(r.get(f"timeline/{phase}", 0.0)) if _num(r.get(f"timeline/{phase}")) else 0.0 for r in rows]
+        vals = [
+            float(r.get(f"timeline/{phase}", 0.0)) if _num(r.get(f"timeline/{phase}")) else 0.0 for r in rows
+        ]
         ax.bar(steps, vals, bottom=bottom, label=phase.removesuffix("_s"))
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     ax.set_title("time per phase")
@@ -183,8 +195,14 @@ def _eval_plot(result: dict[str, Any], path: Path) -> list[str]:
     width = 0.8 / len(models)
     for j, (name, per) in enumerate(models):
         acc = [float(per[d]["accuracy"]) if d in per else float("nan") for d in domains]
-        lo = [max(0.0, a - float(per[d]["ci_low"])) if d in per else 0.0 for a, d in zip(acc, domains, strict=True)]
-        hi = [max(0.0, float(per[d]["ci_high"]) - a) if d in per else 0.0 for a, d in zip(acc, domains, strict=True)]
+        lo = [
+            max(0.0, a - float(per[d]["ci_low"])) if d in per else 0.0
+            for a, d in zip(acc, domains, strict=True)
+        ]
+        hi = [
+            max(0.0, float(per[d]["ci_high"]) - a) if d in per else 0.0
+            for a, d in zip(acc, domains, strict=True)
+        ]
         xs = [i + (j - (len(models) - 1) / 2) * width for i in range(len(domains))]
         ax.bar(xs, acc, width, yerr=[lo, hi], capsize=3, label=name[-40:])
     ax.set_title("held-out strict accuracy (posttrain eval), 95% intervals", fontsize=10)
@@ -262,7 +280,9 @@ def wall_time_s(rows: list[dict[str, Any]]) -> float | None:
     first = next(r for r in rows if _num(r.get("time")))
     step0 = first.get("timeline/step_s")
     if not _num(step0):
-        step0 = sum(float(first.get(f"timeline/{p}", 0.0)) for p in PHASES if _num(first.get(f"timeline/{p}")))
+        step0 = sum(
+            float(first.get(f"timeline/{p}", 0.0)) for p in PHASES if _num(first.get(f"timeline/{p}"))
+        )
     return max(times) - min(times) + float(step0)
 
 
@@ -281,7 +301,9 @@ def _facts(cfg: dict[str, Any], rows: list[dict[str, Any]], result: dict[str, An
     domains = []
     for d in (cfg.get("envs") or {}).get("domains") or []:
         lv = d.get("difficulties")
-        domains.append(f"{d.get('name')} (difficulty {', '.join(map(str, lv))})" if lv else str(d.get("name")))
+        domains.append(
+            f"{d.get('name')} (difficulty {', '.join(map(str, lv))})" if lv else str(d.get("name"))
+        )
     planned = (cfg.get("orchestrator") or {}).get("steps")
     steps = max((int(r["step"]) for r in rows), default=0)
     facts: list[tuple[str, str]] = [("model", _e(model))]
@@ -289,11 +311,23 @@ def _facts(cfg: dict[str, Any], rows: list[dict[str, Any]], result: dict[str, An
     # a run saved before the batch section existed kept the group size as algorithm.group_size
     group = (cfg.get("batch") or {}).get("samples_per_prompt", algo.get("group_size", "?"))
     if algo:
-        facts.append(("algorithm", _e(f"{algo.get('advantage', '?')} advantages, {algo.get('policy_loss', '?')} loss, "
-                                      f"group size {group}")))
+        facts.append(
+            (
+                "algorithm",
+                _e(
+                    f"{algo.get('advantage', '?')} advantages, {algo.get('policy_loss', '?')} loss, "
+                    f"group size {group}"
+                ),
+            )
+        )
     facts.append(("domains", _e("; ".join(domains)) if domains else "?"))
-    facts.append(("steps", _e(f"{steps} of {planned} planned" if planned else str(steps))
-                  + _e(f" ({len(rows)} rows in metrics.jsonl)")))
+    facts.append(
+        (
+            "steps",
+            _e(f"{steps} of {planned} planned" if planned else str(steps))
+            + _e(f" ({len(rows)} rows in metrics.jsonl)"),
+        )
+    )
     wall = wall_time_s(rows)
     if wall is not None:
         facts.append(("wall time", _e(fmt_duration(wall))))
@@ -336,8 +370,12 @@ def _eval_summary(result: dict[str, Any]) -> str:
     rows: list[list[str]] = []
     for dom, d in per.items():
         for i, k in enumerate([None, *ks]):
-            row = [_e(dom) if i == 0 else "", "accuracy (strict)" if k is None else f"pass@{k}",
-                   _e(d.get("n", "")) if i == 0 else "", value(d, k)]
+            row = [
+                _e(dom) if i == 0 else "",
+                "accuracy (strict)" if k is None else f"pass@{k}",
+                _e(d.get("n", "")) if i == 0 else "",
+                value(d, k),
+            ]
             if base:
                 row.append(value(base.get(dom, {}), k))
             if dper:
@@ -345,16 +383,26 @@ def _eval_summary(result: dict[str, Any]) -> str:
             rows.append(row)
     if "delta" in result:
         for i, k in enumerate([None, *ks]):
-            row = ["<b>all</b>" if i == 0 else "", "accuracy (strict)" if k is None else f"pass@{k}",
-                   _e(result.get("n_tasks", "")) if i == 0 else "", ""]
+            row = [
+                "<b>all</b>" if i == 0 else "",
+                "accuracy (strict)" if k is None else f"pass@{k}",
+                _e(result.get("n_tasks", "")) if i == 0 else "",
+                "",
+            ]
             if base:
                 row.append("")
-            row.append(change(result, None) if k is None else change({"pass_at": result.get("delta_pass_at") or {}}, k))
+            row.append(
+                change(result, None)
+                if k is None
+                else change({"pass_at": result.get("delta_pass_at") or {}}, k)
+            )
             rows.append(row)
     how = result.get("accuracy_definition", "strict success per task")
-    note = (f"Accuracy is {_e(how)}. {_e(result.get('n_per_arm', '?'))} held-out tasks per domain and difficulty, "
-            f"temperature {_e(result.get('temperature', 0.0))}, {_e(result.get('samples_per_task', 1))} sample(s) "
-            "per task; 95% bootstrap intervals over tasks; deltas paired over the same tasks.")
+    note = (
+        f"Accuracy is {_e(how)}. {_e(result.get('n_per_arm', '?'))} held-out tasks per domain and difficulty, "
+        f"temperature {_e(result.get('temperature', 0.0))}, {_e(result.get('samples_per_task', 1))} sample(s) "
+        "per task; 95% bootstrap intervals over tasks; deltas paired over the same tasks."
+    )
     return _table(header, rows, "heldout") + f'<p class="note">{note}</p>'
 
 
@@ -368,11 +416,16 @@ def _shaped_table(result: dict[str, Any]) -> str:
     for j, (_, per) in enumerate(models):
         for dom, d in per.items():
             comps = d.get("mean_components", {})
-            rows.append([_e(dom), "baseline" if j else "model",
-                         _e(f"{d['mean_reward']:.3f}") if "mean_reward" in d else ""]
-                        + [_e(f"{comps[c]:.3f}") if c in comps else "" for c in names])
+            rows.append(
+                [
+                    _e(dom),
+                    "baseline" if j else "model",
+                    _e(f"{d['mean_reward']:.3f}") if "mean_reward" in d else "",
+                ]
+                + [_e(f"{comps[c]:.3f}") if c in comps else "" for c in names]
+            )
     header = ["domain", "", "mean shaped reward"] + [f"mean {_e(c)}" for c in names]
-    return ("<h3>Shaped reward and its components (not accuracy)</h3>" + _table(header, rows, "shaped"))
+    return "<h3>Shaped reward and its components (not accuracy)</h3>" + _table(header, rows, "shaped")
 
 
 def _probe_summary(rows: list[dict[str, Any]]) -> str:
@@ -383,9 +436,11 @@ def _probe_summary(rows: list[dict[str, Any]]) -> str:
     for key in keys:
         xs, ys = _series(rows, key)
         out.append([_e(key.split("/", 1)[1]), _e(f"{ys[-1]:.3f}"), _e(xs[-1])])
-    return (_table(["domain", "last probe accuracy", "at step"], out, "heldout")
-            + '<p class="note">Probe scores are small greedy samples without intervals; run '
-            "<code>posttrain eval RUN_DIR --baseline MODEL</code> for the held-out table with 95% intervals.</p>")
+    return (
+        _table(["domain", "last probe accuracy", "at step"], out, "heldout")
+        + '<p class="note">Probe scores are small greedy samples without intervals; run '
+        "<code>posttrain eval RUN_DIR --baseline MODEL</code> for the held-out table with 95% intervals.</p>"
+    )
 
 
 def _last_step_table(rows: list[dict[str, Any]]) -> str:
@@ -397,8 +452,10 @@ def _last_step_table(rows: list[dict[str, Any]]) -> str:
         for k, v in sorted(last.items())
         if _num(v) and k not in ("time", "step") and not k.startswith("curriculum/")
     ]
-    return (f"<details><summary>All metrics at step {_e(last.get('step'))} (curriculum signals are in the "
-            f"domain-share chart)</summary>{_table(['metric', 'value'], cells, 'metrics')}</details>")
+    return (
+        f"<details><summary>All metrics at step {_e(last.get('step'))} (curriculum signals are in the "
+        f"domain-share chart)</summary>{_table(['metric', 'value'], cells, 'metrics')}</details>"
+    )
 
 
 CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:1em auto;padding:0 1em;color:#222}
@@ -429,21 +486,50 @@ def write_report(run_dir: str | Path) -> Path:
         add("eval.png", "Held-out strict accuracy (posttrain eval)", _eval_plot(result, out / "eval.png"))
         add("pass_at.png", "Held-out pass@k", _pass_at_plot(result, out / "pass_at.png"))
     reward_keys = [k for k in _keys(rows, "reward/") if k != "reward/mean"] + ["reward/mean"]
-    add("heldout.png", "Held-out accuracy during training (probes)",
-        _line_plot(rows, accuracy_keys(rows), "held-out accuracy (probes)", "accuracy", out / "heldout.png",
-                   ylim=(0, 1.05)))
-    add("reward.png", "Training reward per domain (shaped)",
-        _line_plot(rows, reward_keys, "training reward (shaped)", "mean reward", out / "reward.png"))
+    add(
+        "heldout.png",
+        "Held-out accuracy during training (probes)",
+        _line_plot(
+            rows,
+            accuracy_keys(rows),
+            "held-out accuracy (probes)",
+            "accuracy",
+            out / "heldout.png",
+            ylim=(0, 1.05),
+        ),
+    )
+    add(
+        "reward.png",
+        "Training reward per domain (shaped)",
+        _line_plot(rows, reward_keys, "training reward (shaped)", "mean reward", out / "reward.png"),
+    )
     add("domain_shares.png", "Domain shares (curriculum)", _shares_plot(rows, out / "domain_shares.png"))
-    add("tokens.png", "Generated tokens per step",
-        _line_plot(rows, list(TOKEN_SERIES), "generated tokens per step", "tokens", out / "tokens.png", TOKEN_SERIES))
-    add("length.png", "Response length",
-        _line_plot(rows, _keys(rows, "response_tokens/"), "mean response length", "tokens", out / "length.png"))
+    add(
+        "tokens.png",
+        "Generated tokens per step",
+        _line_plot(
+            rows, list(TOKEN_SERIES), "generated tokens per step", "tokens", out / "tokens.png", TOKEN_SERIES
+        ),
+    )
+    add(
+        "length.png",
+        "Response length",
+        _line_plot(
+            rows, _keys(rows, "response_tokens/"), "mean response length", "tokens", out / "length.png"
+        ),
+    )
     add("kl.png", "KL to the reference", _line_plot(rows, ["train/kl"], "KL", "nats/token", out / "kl.png"))
-    add("entropy.png", "Entropy", _line_plot(rows, ["train/entropy"], "policy entropy", "nats/token", out / "entropy.png"))
+    add(
+        "entropy.png",
+        "Entropy",
+        _line_plot(rows, ["train/entropy"], "policy entropy", "nats/token", out / "entropy.png"),
+    )
     add("timeline.png", "Time per phase", _timeline_plot(rows, out / "timeline.png"))
-    add("sandbox.png", "Sandbox outcomes",
-        _line_plot(rows, _keys(rows, "sandbox/"), "sandbox outcomes per step", "count", out / "sandbox.png"))
+    add(
+        "sandbox.png",
+        "Sandbox outcomes",
+        _line_plot(rows, _keys(rows, "sandbox/"), "sandbox outcomes per step", "count", out / "sandbox.png"),
+    )
 
     heldout = _eval_summary(result) + _shaped_table(result) if result is not None else _probe_summary(rows)
     figures = "\n".join(

@@ -58,4 +58,13 @@ from posttrain.train.batch import Batch, Sample, build_batch
 from posttrain.train.learner import Learner, lr_factor
 from posttrain.train.state import load_learner, merged_weights, save_learner
 
-__all__ = ["Batch", "Learner", "Sample", "build_batch", "load_learner", "lr_factor", "merged_weights", "save_learner"]
+__all__ = [
+    "Batch",
+    "Learner",
+    "Sample",
+    "build_batch",
+    "load_learner",
+    "lr_factor",
+    "merged_weights",
+    "save_learner",
+]

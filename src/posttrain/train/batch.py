@@ -28,7 +28,9 @@ class Sample:
     def validate(self, index: int = 0) -> None:
         n = len(self.token_ids)
         if n < 2:
-            raise ValueError(f"sample {index}: needs at least 2 tokens (a prompt token and a generated one), got {n}")
+            raise ValueError(
+                f"sample {index}: needs at least 2 tokens (a prompt token and a generated one), got {n}"
+            )
         if len(self.loss_mask) != n or len(self.behavior_logprobs) != n:
             raise ValueError(
                 f"sample {index}: token_ids, loss_mask and behavior_logprobs must have the same length; got "
@@ -90,7 +92,14 @@ class Batch:
         return replace(self, **out)
 
     def to(self, device: torch.device | str) -> Batch:
-        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self) if isinstance(getattr(self, f.name), Tensor)})
+        return replace(
+            self,
+            **{
+                f.name: getattr(self, f.name).to(device)
+                for f in fields(self)
+                if isinstance(getattr(self, f.name), Tensor)
+            },
+        )
 
 
 def build_batch(samples: list[Sample], device: torch.device | str = "cpu") -> Batch:
@@ -182,7 +191,12 @@ def _split_group(rows: list[int], lens: list[int], prefix: int, token_budget: in
 
 
 def plan_shared_micro_batches(
-    token_ids: Tensor, loss_mask: Tensor, lengths: Tensor, group_ids: Tensor, token_budget: int, packed: bool,
+    token_ids: Tensor,
+    loss_mask: Tensor,
+    lengths: Tensor,
+    group_ids: Tensor,
+    token_budget: int,
+    packed: bool,
     min_prefix: int = 1,
 ) -> list[tuple[list[int], int]]:
     """Micro-batches as (rows, shared prefix length). The rows of one group whose prompt is identical

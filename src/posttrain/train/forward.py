@@ -46,13 +46,23 @@ def shared_prefix_hidden(decoder: nn.Module, token_ids: Tensor, lengths: Tensor,
     lens = [int(x) - prefix for x in lengths.tolist()]
     total = prefix + sum(lens)
     ids = torch.cat([token_ids[0, :prefix]] + [token_ids[i, prefix : prefix + lens[i]] for i in range(n)])
-    seg = torch.cat([torch.full((prefix,), -1, device=device)] + [torch.full((s,), i, device=device) for i, s in enumerate(lens)])
-    pos = torch.cat([torch.arange(prefix, device=device)] + [torch.arange(prefix, prefix + s, device=device) for s in lens])
+    seg = torch.cat(
+        [torch.full((prefix,), -1, device=device)]
+        + [torch.full((s,), i, device=device) for i, s in enumerate(lens)]
+    )
+    pos = torch.cat(
+        [torch.arange(prefix, device=device)]
+        + [torch.arange(prefix, prefix + s, device=device) for s in lens]
+    )
     causal = torch.ones(total, total, dtype=torch.bool, device=device).tril()
     visible = (seg[None, :] == -1) | (seg[None, :] == seg[:, None])
     inputs = ModelInputs(
-        input_ids=ids[None], position_ids=pos[None], attention_mask=(causal & visible)[None, None],
-        flat_offset=torch.zeros(1, dtype=torch.long, device=device), tokens=total, cells=total,
+        input_ids=ids[None],
+        position_ids=pos[None],
+        attention_mask=(causal & visible)[None, None],
+        flat_offset=torch.zeros(1, dtype=torch.long, device=device),
+        tokens=total,
+        cells=total,
     )
     hidden = decoder_hidden(decoder, inputs)[0]  # [total, H]
     # padded layout: row i, column t < prefix -> packed t; t >= prefix -> its suffix's offset + t - prefix
@@ -84,7 +94,9 @@ def select_targets(mask: Tensor, token_ids: Tensor, flat_offset: Tensor) -> Targ
     return Targets(rows, cols, src, token_ids[rows, cols])
 
 
-def _logprob_entropy_chunk(lm_head: nn.Module, h: Tensor, tokens: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+def _logprob_entropy_chunk(
+    lm_head: nn.Module, h: Tensor, tokens: Tensor, temperature: float
+) -> tuple[Tensor, Tensor]:
     # the head runs outside autocast, in the weights' dtype: bf16 logits over a large vocabulary
     # would put errors of ~1e-2 into every logprob and so into the importance ratios
     with torch.autocast(device_type=h.device.type, enabled=False):

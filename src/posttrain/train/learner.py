@@ -59,7 +59,9 @@ def lr_factor(step: int, warmup_steps: int, schedule: str, decay_steps: int) -> 
     if schedule == "constant":
         return 1.0
     if decay_steps <= 0:
-        raise ValueError(f"trainer.lr_schedule={schedule} needs trainer.lr_decay_steps > 0 (total optimizer steps)")
+        raise ValueError(
+            f"trainer.lr_schedule={schedule} needs trainer.lr_decay_steps > 0 (total optimizer steps)"
+        )
     progress = min(max((step - warmup_steps) / max(1, decay_steps - warmup_steps), 0.0), 1.0)
     if schedule == "cosine":
         return 0.5 * (1.0 + math.cos(math.pi * progress))
@@ -71,7 +73,10 @@ def lr_factor(step: int, warmup_steps: int, schedule: str, decay_steps: int) -> 
 def _adamw(params: list[nn.Parameter], lr: float, betas: tuple, weight_decay: float) -> torch.optim.AdamW:
     """AdamW, fused where torch has a fused kernel for these tensors (about 10x faster on CPU than the
     per-parameter loop: the optimizer step is memory-bound)."""
-    fused = all(p.dtype in (torch.float32, torch.bfloat16, torch.float16) and p.device.type in ("cpu", "cuda") for p in params)
+    fused = all(
+        p.dtype in (torch.float32, torch.bfloat16, torch.float16) and p.device.type in ("cpu", "cuda")
+        for p in params
+    )
     return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=fused or None)
 
 
@@ -95,16 +100,22 @@ class Learner:
         get_advantage(algo_cfg.advantage)  # fail early on unknown names
         get_policy_loss(algo_cfg.policy_loss)
         if algo_cfg.advantage == "gae" and trainer_cfg.critic == "none":
-            raise ValueError("algorithm.advantage=gae needs a value function: set trainer.critic to 'copy' or 'separate'")
+            raise ValueError(
+                "algorithm.advantage=gae needs a value function: set trainer.critic to 'copy' or 'separate'"
+            )
         if trainer_cfg.critic == "separate" and critic_model is None and not trainer_cfg.critic_spec:
-            raise ValueError("trainer.critic=separate needs trainer.critic_spec (a model spec for the critic)")
+            raise ValueError(
+                "trainer.critic=separate needs trainer.critic_spec (a model spec for the critic)"
+            )
         if algo_cfg.loss_agg == "seq_mean_token_sum_norm" and algo_cfg.loss_norm_tokens is None:
             raise ValueError(
                 "algorithm.loss_agg=seq_mean_token_sum_norm needs algorithm.loss_norm_tokens, Dr. GRPO's constant "
                 "(a run config sets it to engine.max_new_tokens)"
             )
         if trainer_cfg.lr_schedule != "constant" and trainer_cfg.lr_decay_steps <= 0:
-            raise ValueError(f"trainer.lr_schedule={trainer_cfg.lr_schedule} needs trainer.lr_decay_steps > 0")
+            raise ValueError(
+                f"trainer.lr_schedule={trainer_cfg.lr_schedule} needs trainer.lr_decay_steps > 0"
+            )
 
         torch.manual_seed(seed)
         if model is None:
@@ -128,7 +139,11 @@ class Learner:
                 p.requires_grad_(False)
         if self.lora:
             model = wrap_lora(
-                model, model_cfg.lora_rank, model_cfg.lora_alpha, model_cfg.lora_dropout, model_cfg.lora_target_modules
+                model,
+                model_cfg.lora_rank,
+                model_cfg.lora_alpha,
+                model_cfg.lora_dropout,
+                model_cfg.lora_target_modules,
             )
         self.model = model.to(self.device)
         self.model.eval()
@@ -197,7 +212,11 @@ class Learner:
                 hidden = decoder_hidden(lm.get_decoder(), inputs)
             h = hidden.reshape(-1, hidden.shape[-1])[targets.src]
             lp, ent = chunked_logprobs(
-                lm.get_output_embeddings(), h, targets.token, self.trainer_cfg.logprob_chunk_tokens, self.algo_cfg.temperature
+                lm.get_output_embeddings(),
+                h,
+                targets.token,
+                self.trainer_cfg.logprob_chunk_tokens,
+                self.algo_cfg.temperature,
             )
         shape = tuple(batch.token_ids.shape)
         return scatter_rows(lp, targets, shape), scatter_rows(ent, targets, shape)
@@ -249,7 +268,9 @@ class Learner:
             with self.model.disable_adapter():
                 return self.compute_logprobs(batch)
         if self.reference is None:
-            raise RuntimeError("no reference model: full fine-tuning keeps a frozen copy only when algorithm.kl_coef > 0")
+            raise RuntimeError(
+                "no reference model: full fine-tuning keeps a frozen copy only when algorithm.kl_coef > 0"
+            )
         return self.compute_logprobs(batch, model=self.reference)
 
     def compute_values(self, batch: Batch) -> Tensor:
@@ -311,7 +332,9 @@ class Learner:
             self._importance(batch)
             metrics.update(self._update(batch))
         assert batch.old_logprobs is not None
-        metrics.update(mismatch_metrics(batch.old_logprobs, batch.behavior_logprobs, mask, a.tis_cap, batch.policy_mask))
+        metrics.update(
+            mismatch_metrics(batch.old_logprobs, batch.behavior_logprobs, mask, a.tis_cap, batch.policy_mask)
+        )
 
         if use_kl:
             self.kl_ctl.update(metrics["kl"], batch.size)
@@ -360,10 +383,17 @@ class Learner:
         a = self.algo_cfg
         assert batch.old_logprobs is not None
         batch.policy_mask = ratio_mask(
-            batch.old_logprobs, batch.behavior_logprobs, batch.loss_mask, a.mask_ratio_low, a.mask_ratio_high, a.tis_level
+            batch.old_logprobs,
+            batch.behavior_logprobs,
+            batch.loss_mask,
+            a.mask_ratio_low,
+            a.mask_ratio_high,
+            a.tis_level,
         )
         if a.tis_cap is not None:
-            batch.is_weights = tis_weights(batch.old_logprobs, batch.behavior_logprobs, batch.loss_mask, a.tis_cap, a.tis_level)
+            batch.is_weights = tis_weights(
+                batch.old_logprobs, batch.behavior_logprobs, batch.loss_mask, a.tis_cap, a.tis_level
+            )
 
     # ------------------------------------------------------------------------------------------
     # the optimisation
@@ -401,7 +431,9 @@ class Learner:
                 batch.is_weights = torch.zeros_like(batch.loss_mask)
         policy_loss_fn = get_policy_loss(a.policy_loss)
         # GSPO clips a sequence ratio, whose useful range is ~1e-4, not PPO's token-ratio 0.2
-        clip_low, clip_high = (a.gspo_clip_low, a.gspo_clip_high) if a.policy_loss == "gspo" else (a.clip_low, a.clip_high)
+        clip_low, clip_high = (
+            (a.gspo_clip_low, a.gspo_clip_high) if a.policy_loss == "gspo" else (a.clip_low, a.clip_high)
+        )
         use_kl_loss = batch.ref_logprobs is not None and not a.kl_in_reward and self.kl_ctl.value > 0
         t0 = time.perf_counter()
         sums: dict[str, float] = {}
@@ -453,7 +485,13 @@ class Learner:
                             mi.old_logprobs = lp.detach().to(batch.loss_mask.dtype)
                             batch.old_logprobs[brows, :width] = mi.old_logprobs
                             if a.tis_cap is not None:
-                                mi.is_weights = tis_weights(mi.old_logprobs, mi.behavior_logprobs, mi.loss_mask, a.tis_cap, a.tis_level)
+                                mi.is_weights = tis_weights(
+                                    mi.old_logprobs,
+                                    mi.behavior_logprobs,
+                                    mi.loss_mask,
+                                    a.tis_cap,
+                                    a.tis_level,
+                                )
                                 batch.is_weights[brows, :width] = mi.is_weights
                         out = policy_loss_fn(
                             lp,
@@ -480,14 +518,26 @@ class Learner:
                         n_mi = float(m.sum().item())
                         with torch.no_grad():
                             lr_ = (lp - mi.old_logprobs)[m]
-                            add("clipfrac", float(out.clipped[m].float().mean().item()) if n_mi else 0.0, n_mi)
-                            add("entropy", float(ent[mi.loss_mask > 0].mean().item()), float(mi.loss_mask.sum().item()))
-                            add("approx_kl", float((torch.exp(-lr_) - 1 + lr_).mean().item()) if n_mi else 0.0, n_mi)
+                            add(
+                                "clipfrac", float(out.clipped[m].float().mean().item()) if n_mi else 0.0, n_mi
+                            )
+                            add(
+                                "entropy",
+                                float(ent[mi.loss_mask > 0].mean().item()),
+                                float(mi.loss_mask.sum().item()),
+                            )
+                            add(
+                                "approx_kl",
+                                float((torch.exp(-lr_) - 1 + lr_).mean().item()) if n_mi else 0.0,
+                                n_mi,
+                            )
                             if n_mi:
                                 ratio_max = max(ratio_max, float(out.ratio[m].max().item()))
                         if self.critic is not None:
                             v = self._value_forward(mi, mi.loss_mask, inputs)
-                            vl, vclipped = value_loss(v, mi.old_values, mi.returns, mi.loss_mask, a.value_clip)
+                            vl, vclipped = value_loss(
+                                v, mi.old_values, mi.returns, mi.loss_mask, a.value_clip
+                            )
                             vloss = (vl * wt).sum()
                             (a.value_coef * vloss).backward()
                             mb_vloss += float(vloss.item())
@@ -496,7 +546,10 @@ class Learner:
                     grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, tc.max_grad_norm)
                     self.optimizer.step()
                     if self.critic is not None and self.critic_optimizer is not None:
-                        add("critic_grad_norm", float(torch.nn.utils.clip_grad_norm_(self.critic.parameters(), tc.max_grad_norm)))
+                        add(
+                            "critic_grad_norm",
+                            float(torch.nn.utils.clip_grad_norm_(self.critic.parameters(), tc.max_grad_norm)),
+                        )
                         self.critic_optimizer.step()
                         add("value_loss", mb_vloss)
                     self.optimizer_steps += 1

@@ -64,9 +64,13 @@ def learner_state_dict(learner: Learner) -> dict[str, Any]:
     return {
         "format": STATE_FORMAT,
         "policy": {n: p.detach().clone() for n, p in _trainable(learner).items()},
-        "critic": {k: v.detach().clone() for k, v in learner.critic.state_dict().items()} if learner.critic else None,
+        "critic": {k: v.detach().clone() for k, v in learner.critic.state_dict().items()}
+        if learner.critic
+        else None,
         "optimizer": copy.deepcopy(learner.optimizer.state_dict()),
-        "critic_optimizer": copy.deepcopy(learner.critic_optimizer.state_dict()) if learner.critic_optimizer else None,
+        "critic_optimizer": copy.deepcopy(learner.critic_optimizer.state_dict())
+        if learner.critic_optimizer
+        else None,
         "kl": dict(learner.kl_ctl.state_dict()),
         "generator": learner.generator.get_state(),
         "torch_rng": torch.get_rng_state(),
@@ -91,7 +95,9 @@ def load_learner_state_dict(learner: Learner, state: dict[str, Any]) -> None:
         for n, p in params.items():
             t = state["policy"][n]
             if t.shape != p.shape:
-                raise ValueError(f"learner state: {n} has shape {tuple(t.shape)}, the policy has {tuple(p.shape)}")
+                raise ValueError(
+                    f"learner state: {n} has shape {tuple(t.shape)}, the policy has {tuple(p.shape)}"
+                )
             p.copy_(t)
     if (state["critic"] is None) != (learner.critic is None):
         raise ValueError("learner state and this learner disagree on having a critic (trainer.critic)")
@@ -134,7 +140,9 @@ def save_learner(learner: Learner, directory: str | Path) -> None:
     try:
         save_file({k: v.contiguous() for k, v in state["policy"].items()}, str(tmp / "policy.safetensors"))
         if state["critic"] is not None:
-            save_file({k: v.contiguous() for k, v in state["critic"].items()}, str(tmp / "critic.safetensors"))
+            save_file(
+                {k: v.contiguous() for k, v in state["critic"].items()}, str(tmp / "critic.safetensors")
+            )
         torch.save(
             {k: state[k] for k in ("optimizer", "critic_optimizer", "generator", "torch_rng", "cuda_rng")},
             tmp / "optimizer.pt",

@@ -54,7 +54,20 @@ class Problem:
         return f"def {self.fn}({self.params}):\n{self.body}\n"
 
 
-_WORDS = ["apple", "river", "stone", "cloud", "tiger", "piano", "lemon", "orbit", "maple", "ocean", "pixel", "amber"]
+_WORDS = [
+    "apple",
+    "river",
+    "stone",
+    "cloud",
+    "tiger",
+    "piano",
+    "lemon",
+    "orbit",
+    "maple",
+    "ocean",
+    "pixel",
+    "amber",
+]
 
 
 def _word(rng: random.Random) -> str:
@@ -74,7 +87,9 @@ def _smalldict(rng: random.Random) -> dict[str, int]:
     return {k: rng.randint(0, 9) for k in keys}
 
 
-def _inputs(rng: random.Random, gen: Callable[[random.Random], list[Any]], n: int = N_HIDDEN + 1) -> list[list[Any]]:
+def _inputs(
+    rng: random.Random, gen: Callable[[random.Random], list[Any]], n: int = N_HIDDEN + 1
+) -> list[list[Any]]:
     out: list[list[Any]] = []
     for _ in range(n * 5):
         args = gen(rng)
@@ -87,9 +102,26 @@ def _inputs(rng: random.Random, gen: Callable[[random.Random], list[Any]], n: in
 
 # ---- level 0: one-line functions -----------------------------------------------------------------
 
+
 def _l0(rng: random.Random) -> Problem:
-    kind = rng.choice(["add", "mul", "sub", "upper", "lower", "reverse", "length", "sum", "max", "first", "last",
-                       "get", "is_even", "double_str"])
+    kind = rng.choice(
+        [
+            "add",
+            "mul",
+            "sub",
+            "upper",
+            "lower",
+            "reverse",
+            "length",
+            "sum",
+            "max",
+            "first",
+            "last",
+            "get",
+            "is_even",
+            "double_str",
+        ]
+    )
     k = rng.randint(2, 9)
     num = lambda r: [r.randint(-20, 50)]  # noqa: E731
     txt = lambda r: [_text(r, r.randint(1, 2))]  # noqa: E731
@@ -99,19 +131,64 @@ def _l0(rng: random.Random) -> Problem:
         "mul": (f"times_{k}", "x", f"returns x multiplied by {k}", f"    return x * {k}", num),
         "sub": (f"minus_{k}", "x", f"returns x minus {k}", f"    return x - {k}", num),
         "upper": ("to_upper", "s", "returns the string s in upper case", "    return s.upper()", txt),
-        "lower": ("to_lower", "s", "returns the string s in lower case", "    return s.lower()",
-                  lambda r: [_text(r, 1).upper()]),
+        "lower": (
+            "to_lower",
+            "s",
+            "returns the string s in lower case",
+            "    return s.lower()",
+            lambda r: [_text(r, 1).upper()],
+        ),
         "reverse": ("reverse_string", "s", "returns the string s reversed", "    return s[::-1]", txt),
-        "length": ("list_length", "xs", "returns the number of elements in the list xs", "    return len(xs)", lst),
+        "length": (
+            "list_length",
+            "xs",
+            "returns the number of elements in the list xs",
+            "    return len(xs)",
+            lst,
+        ),
         "sum": ("list_sum", "xs", "returns the sum of the numbers in the list xs", "    return sum(xs)", lst),
-        "max": ("list_max", "xs", "returns the largest number in the non-empty list xs", "    return max(xs)", lst),
-        "first": ("first_item", "xs", "returns the first element of the non-empty list xs", "    return xs[0]", lst),
-        "last": ("last_item", "xs", "returns the last element of the non-empty list xs", "    return xs[-1]", lst),
-        "get": ("get_value", "d, key", "returns the value stored under key in the dictionary d, or 0 if the key is missing",
-                "    return d.get(key, 0)",
-                lambda r: (lambda d: [d, r.choice([*d, _word(r)])])(_smalldict(r))),
-        "is_even": ("is_even", "x", "returns True if the integer x is even, otherwise False", "    return x % 2 == 0", num),
-        "double_str": ("repeat_twice", "s", "returns the string s repeated two times", "    return s * 2", txt),
+        "max": (
+            "list_max",
+            "xs",
+            "returns the largest number in the non-empty list xs",
+            "    return max(xs)",
+            lst,
+        ),
+        "first": (
+            "first_item",
+            "xs",
+            "returns the first element of the non-empty list xs",
+            "    return xs[0]",
+            lst,
+        ),
+        "last": (
+            "last_item",
+            "xs",
+            "returns the last element of the non-empty list xs",
+            "    return xs[-1]",
+            lst,
+        ),
+        "get": (
+            "get_value",
+            "d, key",
+            "returns the value stored under key in the dictionary d, or 0 if the key is missing",
+            "    return d.get(key, 0)",
+            lambda r: (lambda d: [d, r.choice([*d, _word(r)])])(_smalldict(r)),
+        ),
+        "is_even": (
+            "is_even",
+            "x",
+            "returns True if the integer x is even, otherwise False",
+            "    return x % 2 == 0",
+            num,
+        ),
+        "double_str": (
+            "repeat_twice",
+            "s",
+            "returns the string s repeated two times",
+            "    return s * 2",
+            txt,
+        ),
     }
     fn, params, desc, body, gen = table[kind]
     return Problem(fn, params, desc, body, _inputs(rng, gen))
@@ -119,92 +196,191 @@ def _l0(rng: random.Random) -> Problem:
 
 # ---- level 1: a loop or a condition ----------------------------------------------------------------
 
+
 def _l1(rng: random.Random) -> Problem:
-    kind = rng.choice(["count_char", "evens", "greater", "squares", "vowels", "clamp", "sorted_keys", "sum_values",
-                       "abs_diff", "capitalize_words"])
+    kind = rng.choice(
+        [
+            "count_char",
+            "evens",
+            "greater",
+            "squares",
+            "vowels",
+            "clamp",
+            "sorted_keys",
+            "sum_values",
+            "abs_diff",
+            "capitalize_words",
+        ]
+    )
     k = rng.randint(0, 9)
     if kind == "count_char":
         c = rng.choice("aeiolnrt")
-        return Problem(f"count_{c}", "s", f"returns how many times the letter '{c}' occurs in the string s",
-                       f"    return s.count({c!r})", _inputs(rng, lambda r: [_text(r)]))
+        return Problem(
+            f"count_{c}",
+            "s",
+            f"returns how many times the letter '{c}' occurs in the string s",
+            f"    return s.count({c!r})",
+            _inputs(rng, lambda r: [_text(r)]),
+        )
     if kind == "evens":
-        return Problem("keep_evens", "xs", "returns a list of the even numbers in xs, in their original order",
-                       "    return [x for x in xs if x % 2 == 0]", _inputs(rng, lambda r: [_ints(r, n=(0, 7))]))
+        return Problem(
+            "keep_evens",
+            "xs",
+            "returns a list of the even numbers in xs, in their original order",
+            "    return [x for x in xs if x % 2 == 0]",
+            _inputs(rng, lambda r: [_ints(r, n=(0, 7))]),
+        )
     if kind == "greater":
-        return Problem(f"greater_than_{k}", "xs", f"returns a list of the numbers in xs that are greater than {k}",
-                       f"    return [x for x in xs if x > {k}]", _inputs(rng, lambda r: [_ints(r, n=(0, 7))]))
+        return Problem(
+            f"greater_than_{k}",
+            "xs",
+            f"returns a list of the numbers in xs that are greater than {k}",
+            f"    return [x for x in xs if x > {k}]",
+            _inputs(rng, lambda r: [_ints(r, n=(0, 7))]),
+        )
     if kind == "squares":
-        return Problem("squares", "xs", "returns a list with the square of every number in xs",
-                       "    return [x * x for x in xs]", _inputs(rng, lambda r: [_ints(r, n=(0, 6))]))
+        return Problem(
+            "squares",
+            "xs",
+            "returns a list with the square of every number in xs",
+            "    return [x * x for x in xs]",
+            _inputs(rng, lambda r: [_ints(r, n=(0, 6))]),
+        )
     if kind == "vowels":
-        return Problem("count_vowels", "s", "returns the number of vowels (a, e, i, o, u) in the lower-case string s",
-                       "    return sum(1 for ch in s if ch in 'aeiou')", _inputs(rng, lambda r: [_text(r)]))
+        return Problem(
+            "count_vowels",
+            "s",
+            "returns the number of vowels (a, e, i, o, u) in the lower-case string s",
+            "    return sum(1 for ch in s if ch in 'aeiou')",
+            _inputs(rng, lambda r: [_text(r)]),
+        )
     if kind == "clamp":
         lo, hi = sorted(rng.sample(range(-5, 15), 2))
-        return Problem("clamp", "x", f"returns x limited to the range [{lo}, {hi}]: {lo} if x is smaller, {hi} if x is larger",
-                       f"    return max({lo}, min({hi}, x))", _inputs(rng, lambda r: [r.randint(-20, 30)]))
+        return Problem(
+            "clamp",
+            "x",
+            f"returns x limited to the range [{lo}, {hi}]: {lo} if x is smaller, {hi} if x is larger",
+            f"    return max({lo}, min({hi}, x))",
+            _inputs(rng, lambda r: [r.randint(-20, 30)]),
+        )
     if kind == "sorted_keys":
-        return Problem("sorted_keys", "d", "returns the keys of the dictionary d as an alphabetically sorted list",
-                       "    return sorted(d)", _inputs(rng, lambda r: [_smalldict(r)]))
+        return Problem(
+            "sorted_keys",
+            "d",
+            "returns the keys of the dictionary d as an alphabetically sorted list",
+            "    return sorted(d)",
+            _inputs(rng, lambda r: [_smalldict(r)]),
+        )
     if kind == "sum_values":
-        return Problem("sum_values", "d", "returns the sum of all values of the dictionary d",
-                       "    return sum(d.values())", _inputs(rng, lambda r: [_smalldict(r)]))
+        return Problem(
+            "sum_values",
+            "d",
+            "returns the sum of all values of the dictionary d",
+            "    return sum(d.values())",
+            _inputs(rng, lambda r: [_smalldict(r)]),
+        )
     if kind == "abs_diff":
-        return Problem("abs_diff", "a, b", "returns the absolute difference between the integers a and b",
-                       "    return abs(a - b)", _inputs(rng, lambda r: [r.randint(-30, 30), r.randint(-30, 30)]))
-    return Problem("capitalize_words", "s", "returns s with the first letter of every word in upper case "
-                   "(words are separated by single spaces)",
-                   "    return ' '.join(w[:1].upper() + w[1:] for w in s.split(' '))",
-                   _inputs(rng, lambda r: [_text(r)]))
+        return Problem(
+            "abs_diff",
+            "a, b",
+            "returns the absolute difference between the integers a and b",
+            "    return abs(a - b)",
+            _inputs(rng, lambda r: [r.randint(-30, 30), r.randint(-30, 30)]),
+        )
+    return Problem(
+        "capitalize_words",
+        "s",
+        "returns s with the first letter of every word in upper case (words are separated by single spaces)",
+        "    return ' '.join(w[:1].upper() + w[1:] for w in s.split(' '))",
+        _inputs(rng, lambda r: [_text(r)]),
+    )
 
 
 # ---- level 2: several steps ------------------------------------------------------------------------
 
+
 def _l2(rng: random.Random) -> Problem:
-    kind = rng.choice(["rle", "second_largest", "word_freq", "merge_sum", "rotate", "fizz", "invert", "running_sum"])
+    kind = rng.choice(
+        ["rle", "second_largest", "word_freq", "merge_sum", "rotate", "fizz", "invert", "running_sum"]
+    )
     if kind == "rle":
-        return Problem("run_length", "s", "returns the run-length encoding of s: each run of a repeated character "
-                       "becomes the character followed by the run length, e.g. 'aaab' -> 'a3b1'",
-                       "    out = []\n    i = 0\n    while i < len(s):\n        j = i\n        while j < len(s) and s[j] == s[i]:\n"
-                       "            j += 1\n        out.append(s[i] + str(j - i))\n        i = j\n    return ''.join(out)",
-                       _inputs(rng, lambda r: ["".join(r.choice("ab") * r.randint(1, 3) for _ in range(r.randint(0, 4)))]))
+        return Problem(
+            "run_length",
+            "s",
+            "returns the run-length encoding of s: each run of a repeated character "
+            "becomes the character followed by the run length, e.g. 'aaab' -> 'a3b1'",
+            "    out = []\n    i = 0\n    while i < len(s):\n        j = i\n        while j < len(s) and s[j] == s[i]:\n"
+            "            j += 1\n        out.append(s[i] + str(j - i))\n        i = j\n    return ''.join(out)",
+            _inputs(
+                rng, lambda r: ["".join(r.choice("ab") * r.randint(1, 3) for _ in range(r.randint(0, 4)))]
+            ),
+        )
     if kind == "second_largest":
-        return Problem("second_largest", "xs", "returns the second largest distinct value in xs, or None if there "
-                       "are fewer than two distinct values",
-                       "    vals = sorted(set(xs))\n    return vals[-2] if len(vals) >= 2 else None",
-                       _inputs(rng, lambda r: [_ints(r, -5, 9, (1, 6))]))
+        return Problem(
+            "second_largest",
+            "xs",
+            "returns the second largest distinct value in xs, or None if there "
+            "are fewer than two distinct values",
+            "    vals = sorted(set(xs))\n    return vals[-2] if len(vals) >= 2 else None",
+            _inputs(rng, lambda r: [_ints(r, -5, 9, (1, 6))]),
+        )
     if kind == "word_freq":
-        return Problem("word_counts", "s", "returns a dictionary mapping each word of s (split on spaces) to how "
-                       "many times it occurs",
-                       "    out = {}\n    for w in s.split():\n        out[w] = out.get(w, 0) + 1\n    return out",
-                       _inputs(rng, lambda r: [" ".join(r.choice(_WORDS[:3]) for _ in range(r.randint(1, 6)))]))
+        return Problem(
+            "word_counts",
+            "s",
+            "returns a dictionary mapping each word of s (split on spaces) to how many times it occurs",
+            "    out = {}\n    for w in s.split():\n        out[w] = out.get(w, 0) + 1\n    return out",
+            _inputs(rng, lambda r: [" ".join(r.choice(_WORDS[:3]) for _ in range(r.randint(1, 6)))]),
+        )
     if kind == "merge_sum":
-        return Problem("merge_sum", "a, b", "returns a new dictionary with the keys of both dictionaries a and b; "
-                       "values of keys present in both are added",
-                       "    out = dict(a)\n    for k, v in b.items():\n        out[k] = out.get(k, 0) + v\n    return out",
-                       _inputs(rng, lambda r: [_smalldict(r), _smalldict(r)]))
+        return Problem(
+            "merge_sum",
+            "a, b",
+            "returns a new dictionary with the keys of both dictionaries a and b; "
+            "values of keys present in both are added",
+            "    out = dict(a)\n    for k, v in b.items():\n        out[k] = out.get(k, 0) + v\n    return out",
+            _inputs(rng, lambda r: [_smalldict(r), _smalldict(r)]),
+        )
     if kind == "rotate":
-        return Problem("rotate_left", "xs, k", "returns the list xs rotated left by k positions (k may exceed "
-                       "the length; an empty list stays empty)",
-                       "    if not xs:\n        return []\n    k %= len(xs)\n    return xs[k:] + xs[:k]",
-                       _inputs(rng, lambda r: [_ints(r, 0, 9, (0, 5)), r.randint(0, 7)]))
+        return Problem(
+            "rotate_left",
+            "xs, k",
+            "returns the list xs rotated left by k positions (k may exceed "
+            "the length; an empty list stays empty)",
+            "    if not xs:\n        return []\n    k %= len(xs)\n    return xs[k:] + xs[:k]",
+            _inputs(rng, lambda r: [_ints(r, 0, 9, (0, 5)), r.randint(0, 7)]),
+        )
     if kind == "fizz":
         a, b = rng.choice([(3, 5), (2, 3), (2, 5), (3, 4)])
-        return Problem("fizz_buzz", "n", f"returns a list of strings for the numbers 1..n: 'FizzBuzz' for multiples of "
-                       f"both {a} and {b}, 'Fizz' for multiples of {a}, 'Buzz' for multiples of {b}, else the number",
-                       f"    out = []\n    for i in range(1, n + 1):\n        if i % {a} == 0 and i % {b} == 0:\n"
-                       f"            out.append('FizzBuzz')\n        elif i % {a} == 0:\n            out.append('Fizz')\n"
-                       f"        elif i % {b} == 0:\n            out.append('Buzz')\n        else:\n"
-                       f"            out.append(str(i))\n    return out",
-                       _inputs(rng, lambda r: [r.randint(0, 16)]))
+        return Problem(
+            "fizz_buzz",
+            "n",
+            f"returns a list of strings for the numbers 1..n: 'FizzBuzz' for multiples of "
+            f"both {a} and {b}, 'Fizz' for multiples of {a}, 'Buzz' for multiples of {b}, else the number",
+            f"    out = []\n    for i in range(1, n + 1):\n        if i % {a} == 0 and i % {b} == 0:\n"
+            f"            out.append('FizzBuzz')\n        elif i % {a} == 0:\n            out.append('Fizz')\n"
+            f"        elif i % {b} == 0:\n            out.append('Buzz')\n        else:\n"
+            f"            out.append(str(i))\n    return out",
+            _inputs(rng, lambda r: [r.randint(0, 16)]),
+        )
     if kind == "invert":
-        return Problem("invert", "d", "returns a dictionary mapping each value of d to the alphabetically sorted "
-                       "list of keys that have that value; values are strings",
-                       "    out = {}\n    for k in sorted(d):\n        out.setdefault(d[k], []).append(k)\n    return out",
-                       _inputs(rng, lambda r: [{k: r.choice(["x", "y", "z"]) for k in r.sample(_WORDS, r.randint(1, 4))}]))
-    return Problem("running_sum", "xs", "returns the list of running totals of xs, e.g. [1, 2, 3] -> [1, 3, 6]",
-                   "    out, total = [], 0\n    for x in xs:\n        total += x\n        out.append(total)\n    return out",
-                   _inputs(rng, lambda r: [_ints(r, -5, 9, (0, 6))]))
+        return Problem(
+            "invert",
+            "d",
+            "returns a dictionary mapping each value of d to the alphabetically sorted "
+            "list of keys that have that value; values are strings",
+            "    out = {}\n    for k in sorted(d):\n        out.setdefault(d[k], []).append(k)\n    return out",
+            _inputs(
+                rng, lambda r: [{k: r.choice(["x", "y", "z"]) for k in r.sample(_WORDS, r.randint(1, 4))}]
+            ),
+        )
+    return Problem(
+        "running_sum",
+        "xs",
+        "returns the list of running totals of xs, e.g. [1, 2, 3] -> [1, 3, 6]",
+        "    out, total = [], 0\n    for x in xs:\n        total += x\n        out.append(total)\n    return out",
+        _inputs(rng, lambda r: [_ints(r, -5, 9, (0, 6))]),
+    )
 
 
 LEVELS: dict[int, Callable[[random.Random], Problem]] = {0: _l0, 1: _l1, 2: _l2}
@@ -254,8 +430,13 @@ class UnitTestEnv(Environment):
         return Observation(messages=list(task.prompt), tools=[])
 
     def _done(self, reward: float | None, rewards: dict[str, float], info: dict[str, Any]) -> StepResult:
-        self._final = StepResult([], reward if reward is None else clip01(reward), True, rewards,
-                                 {"turns": 1, "infra_failure": False, **info})
+        self._final = StepResult(
+            [],
+            reward if reward is None else clip01(reward),
+            True,
+            rewards,
+            {"turns": 1, "infra_failure": False, **info},
+        )
         return self._final
 
     async def step(self, assistant_text: str) -> StepResult:
@@ -267,29 +448,46 @@ class UnitTestEnv(Environment):
         text = assistant_text if isinstance(assistant_text, str) else ""
         code, reason, fmt = program_result(extract_code(text, prefer=_def_pattern(meta["fn"])), meta["fn"])
         if code is None:
-            return self._done(0.0, {"passed": 0.0, "format": 0.0, "success": 0.0}, {"reason": reason, "unparseable": 1,
-                                                                      "tests_passed": 0, "tests_total": len(meta["hidden"])})
+            return self._done(
+                0.0,
+                {"passed": 0.0, "format": 0.0, "success": 0.0},
+                {"reason": reason, "unparseable": 1, "tests_passed": 0, "tests_total": len(meta["hidden"])},
+            )
         return await self._grade(code, fmt)
 
     async def _grade(self, code: str, fmt: float) -> StepResult:
         meta = self.task.meta
-        hjob = build_job(call_tests(meta["fn"], [case["args"] for case in meta["hidden"]]), program=code,
-                         per_test_timeout_s=1.0)
+        hjob = build_job(
+            call_tests(meta["fn"], [case["args"] for case in meta["hidden"]]),
+            program=code,
+            per_test_timeout_s=1.0,
+        )
         try:
             result = await self.sandbox.run(hjob.job)
         except Exception as err:  # noqa: BLE001 - a sandbox that raises is an infrastructure failure
-            return self._done(None, {}, {"infra_failure": True, "infra_error": f"{type(err).__name__}: {err}"[:500]})
+            return self._done(
+                None, {}, {"infra_failure": True, "infra_error": f"{type(err).__name__}: {err}"[:500]}
+            )
         report = parse_result(result, hjob)
         if report.infra_failure:
             return self._done(None, {}, {"infra_failure": True, "infra_error": report.error[:500]})
-        per_test = [bool(r.get("ok")) and json_equal(r.get("value"), case["expected"])
-                    for r, case in zip(report.results, meta["hidden"], strict=True)]
+        per_test = [
+            bool(r.get("ok")) and json_equal(r.get("value"), case["expected"])
+            for r, case in zip(report.results, meta["hidden"], strict=True)
+        ]
         passed = sum(per_test) / len(per_test)
         first_err = next((r.get("error", "") for r in report.results if r.get("error")), "")
-        info = {"tests_passed": sum(per_test), "tests_total": len(per_test), "sandbox_status": report.status,
-                "first_error": first_err[-300:]}
-        return self._done(W_PASS * passed + W_FORMAT * fmt,
-                          {"passed": passed, "format": fmt, "success": float(all(per_test))}, info)
+        info = {
+            "tests_passed": sum(per_test),
+            "tests_total": len(per_test),
+            "sandbox_status": report.status,
+            "first_error": first_err[-300:],
+        }
+        return self._done(
+            W_PASS * passed + W_FORMAT * fmt,
+            {"passed": passed, "format": fmt, "success": float(all(per_test))},
+            info,
+        )
 
 
 class HumanEvalEnv(UnitTestEnv):
@@ -299,14 +497,21 @@ class HumanEvalEnv(UnitTestEnv):
         try:
             result = await self.sandbox.run(hjob.job)
         except Exception as err:  # noqa: BLE001
-            return self._done(None, {}, {"infra_failure": True, "infra_error": f"{type(err).__name__}: {err}"[:500]})
+            return self._done(
+                None, {}, {"infra_failure": True, "infra_error": f"{type(err).__name__}: {err}"[:500]}
+            )
         report = parse_result(result, hjob)
         if report.infra_failure:
             return self._done(None, {}, {"infra_failure": True, "infra_error": report.error[:500]})
         passed = float(bool(report.results[0].get("ok")))
-        info = {"tests_passed": int(passed), "tests_total": 1, "first_error": report.results[0].get("error", "")[-300:]}
-        return self._done(W_PASS * passed + W_FORMAT * fmt, {"passed": passed, "format": fmt, "success": passed},
-                          info)
+        info = {
+            "tests_passed": int(passed),
+            "tests_total": 1,
+            "first_error": report.results[0].get("error", "")[-300:],
+        }
+        return self._done(
+            W_PASS * passed + W_FORMAT * fmt, {"passed": passed, "format": fmt, "success": passed}, info
+        )
 
 
 def humaneval_job(meta: dict[str, Any], code: str) -> HarnessJob:
@@ -314,14 +519,20 @@ def humaneval_job(meta: dict[str, Any], code: str) -> HarnessJob:
     prompt (helpers) and `check` are the trusted prelude, and only the entry point is bound to it."""
     program = code if defines_function(code, meta["fn"]) else meta["prompt_code"] + code
     prelude = meta["imports"] + "\n" + meta["prompt_code"] + "\n\n" + meta["test"]
-    return build_job([{"kind": "code", "code": f"check({meta['fn']})", "name": "<check>"}],
-                     program=meta["imports"] + "\n" + program, bind=[meta["fn"]], prelude=prelude,
-                     per_test_timeout_s=5.0)
+    return build_job(
+        [{"kind": "code", "code": f"check({meta['fn']})", "name": "<check>"}],
+        program=meta["imports"] + "\n" + program,
+        bind=[meta["fn"]],
+        prelude=prelude,
+        per_test_timeout_s=5.0,
+    )
 
 
 def _need_sandbox(sandbox: Any, domain: str) -> Any:
     if sandbox is None:
-        raise ValueError(f"domain '{domain}' runs code: pass a sandbox to make_env (posttrain.sandbox.make_sandbox(cfg))")
+        raise ValueError(
+            f"domain '{domain}' runs code: pass a sandbox to make_env (posttrain.sandbox.make_sandbox(cfg))"
+        )
     return sandbox
 
 
@@ -344,11 +555,24 @@ class UnitTestsDomain(Domain):
                 ref = _reference_fn(problem.source, problem.fn)
                 cases = [{"args": args, "expected": ref(*args)} for args in problem.inputs]
                 shown = cases[0]
-                prompt = (f"Write a Python function `{problem.fn}({problem.params})` that {problem.description}.\n"
-                          f"Example: {_call_repr(problem.fn, shown['args'])} == {shown['expected']!r}\n{INSTRUCTION}")
-                meta = {"fn": problem.fn, "params": problem.params, "reference_source": problem.source,
-                        "example": shown, "hidden": cases[1:]}
-                return Task(id="", domain=self.name, difficulty=difficulty, prompt=[Message("user", prompt)], meta=meta)
+                prompt = (
+                    f"Write a Python function `{problem.fn}({problem.params})` that {problem.description}.\n"
+                    f"Example: {_call_repr(problem.fn, shown['args'])} == {shown['expected']!r}\n{INSTRUCTION}"
+                )
+                meta = {
+                    "fn": problem.fn,
+                    "params": problem.params,
+                    "reference_source": problem.source,
+                    "example": shown,
+                    "hidden": cases[1:],
+                }
+                return Task(
+                    id="",
+                    domain=self.name,
+                    difficulty=difficulty,
+                    prompt=[Message("user", prompt)],
+                    meta=meta,
+                )
 
             return key, build
 
@@ -382,13 +606,30 @@ class HumanEvalDomain(Domain):
         if index >= len(problems):
             raise ValueError(f"code.humaneval has {len(problems)} problems; index {index} is out of range")
         p = problems[index]
-        imports = "\n".join(line for line in p["prompt"].splitlines() if line.startswith(("import ", "from ")))
-        prompt = ("Complete the following Python function. Reply with the whole function in a ```python code block.\n"
-                  + _fence(p["prompt"]))
-        meta = {"fn": p["entry_point"], "task_id": p["task_id"], "prompt_code": p["prompt"], "imports": imports,
-                "test": p["test"], "canonical_solution": p["canonical_solution"]}
-        return Task(id=f"{self.name}:{split}:d0:s{seed}:{index}", domain=self.name, difficulty=0,
-                    prompt=[Message("user", prompt)], meta=meta, seed=seed, split=split)
+        imports = "\n".join(
+            line for line in p["prompt"].splitlines() if line.startswith(("import ", "from "))
+        )
+        prompt = (
+            "Complete the following Python function. Reply with the whole function in a ```python code block.\n"
+            + _fence(p["prompt"])
+        )
+        meta = {
+            "fn": p["entry_point"],
+            "task_id": p["task_id"],
+            "prompt_code": p["prompt"],
+            "imports": imports,
+            "test": p["test"],
+            "canonical_solution": p["canonical_solution"],
+        }
+        return Task(
+            id=f"{self.name}:{split}:d0:s{seed}:{index}",
+            domain=self.name,
+            difficulty=0,
+            prompt=[Message("user", prompt)],
+            meta=meta,
+            seed=seed,
+            split=split,
+        )
 
     def reference(self, task: Task) -> list[str]:
         return [_fence(task.meta["prompt_code"] + task.meta["canonical_solution"])]

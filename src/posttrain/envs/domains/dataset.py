@@ -74,7 +74,9 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
                 except json.JSONDecodeError as err:
                     raise ValueError(f"dataset: {p}:{lineno} is not valid JSON ({err.msg})") from None
                 if not isinstance(row, dict):
-                    raise ValueError(f"dataset: {p}:{lineno} is a {type(row).__name__}, expected a JSON object")
+                    raise ValueError(
+                        f"dataset: {p}:{lineno} is a {type(row).__name__}, expected a JSON object"
+                    )
                 rows.append(row)
     elif suffix == ".json":
         try:
@@ -93,7 +95,9 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
             raise ValueError("dataset: reading .parquet needs pyarrow (pip install pyarrow)") from None
         rows = pq.read_table(p).to_pylist()
     else:
-        raise ValueError(f"dataset: unsupported file type '{p.suffix}' for '{p}' (use .jsonl, .json, .csv or .parquet)")
+        raise ValueError(
+            f"dataset: unsupported file type '{p.suffix}' for '{p}' (use .jsonl, .json, .csv or .parquet)"
+        )
     if not rows:
         raise ValueError(f"dataset: '{p}' has no rows")
     return rows
@@ -118,8 +122,10 @@ def _messages(value: Any, where: str) -> list[Message]:
         out = []
         for m in value:
             if m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-                raise ValueError(f"dataset: {where}: each prompt message needs a role in {sorted(ROLES)} and "
-                                 f"a string content, got {m!r}"[:300])
+                raise ValueError(
+                    f"dataset: {where}: each prompt message needs a role in {sorted(ROLES)} and "
+                    f"a string content, got {m!r}"[:300]
+                )
             out.append(Message(role=m["role"], content=m["content"]))
         return out
     raise ValueError(f"dataset: {where}: the prompt must be a string or a list of {{role, content}} messages")
@@ -133,11 +139,17 @@ def default_score(text: str, answer: Any) -> tuple[float, dict[str, float], dict
     extracted = extract_answer(text)
     fmt = 1.0 if extracted.method == "tags" else 0.0
     correct = float(extracted.text is not None and answers_match(extracted.text[:2000], answer))
-    info = {"extracted": extracted.text, "extract_method": extracted.method, "unparseable": int(extracted.text is None)}
+    info = {
+        "extracted": extracted.text,
+        "extract_method": extracted.method,
+        "unparseable": int(extracted.text is None),
+    }
     return W_CORRECT * correct + W_FORMAT * fmt, {"correct": correct, "format": fmt, "success": correct}, info
 
 
-def call_reward_fn(fn: Callable[..., Any], prompt: Any, completion: Any, columns: dict[str, Any]) -> dict[str, float]:
+def call_reward_fn(
+    fn: Callable[..., Any], prompt: Any, completion: Any, columns: dict[str, Any]
+) -> dict[str, float]:
     """Call a TRL-style reward function on one (prompt, completion); returns {'reward', 'success'} or raises
     ValueError naming what came back wrong."""
     kwargs = {k: [v] for k, v in columns.items() if k not in ("prompts", "completions")}
@@ -187,8 +199,13 @@ class DatasetEnv(Environment):
             scored = call_reward_fn(self.reward_fn, prompt, completion, meta["row"])
         except Exception as err:  # noqa: BLE001 - the user's function failed: not the model's mistake
             detail = "".join(traceback.format_exception_only(type(err), err)).strip()
-            return StepResult([], None, True, {}, {"turns": 1, "infra_failure": True,
-                                                   "infra_error": f"reward_fn: {detail}"[:500]})
+            return StepResult(
+                [],
+                None,
+                True,
+                {},
+                {"turns": 1, "infra_failure": True, "infra_error": f"reward_fn: {detail}"[:500]},
+            )
         return StepResult([], scored["reward"], True, scored, {"turns": 1, "infra_failure": False})
 
 
@@ -213,33 +230,43 @@ class DatasetDomain(Domain):
         self.reward_fn = load_callable(reward_fn) if reward_fn else None
         self.answer_key = answer_key
         # the default scorer reads <answer> tags, so it asks for them unless told otherwise
-        self.instruction = instruction if instruction is not None else ("" if reward_fn else DEFAULT_INSTRUCTION)
+        self.instruction = (
+            instruction if instruction is not None else ("" if reward_fn else DEFAULT_INSTRUCTION)
+        )
         self.by_level: dict[tuple[str, int], list[int]] = {}
         self.rows = rows
         conversational = set()
         for i, row in enumerate(rows):
             where = f"{self.path} row {i}"
             if prompt_key not in row:
-                raise ValueError(f"dataset: {where} has no '{prompt_key}' column (columns: {', '.join(sorted(row))}); "
-                                 "set options.prompt_key")
+                raise ValueError(
+                    f"dataset: {where} has no '{prompt_key}' column (columns: {', '.join(sorted(row))}); "
+                    "set options.prompt_key"
+                )
             _messages(row[prompt_key], where)
             conversational.add(not isinstance(row[prompt_key], str))
             if self.reward_fn is None and answer_key not in row:
-                raise ValueError(f"dataset: {where} has no '{answer_key}' column, which the default scorer needs "
-                                 "(set options.answer_key, or give options.reward_fn)")
+                raise ValueError(
+                    f"dataset: {where} has no '{answer_key}' column, which the default scorer needs "
+                    "(set options.answer_key, or give options.reward_fn)"
+                )
             level = 0
             if difficulty_key is not None:
                 try:
                     level = int(row[difficulty_key])
                 except (KeyError, TypeError, ValueError):
-                    raise ValueError(f"dataset: {where}: '{difficulty_key}' must be an integer level, got "
-                                     f"{row.get(difficulty_key)!r}") from None
+                    raise ValueError(
+                        f"dataset: {where}: '{difficulty_key}' must be an integer level, got "
+                        f"{row.get(difficulty_key)!r}"
+                    ) from None
             if split_key is not None:
                 name = str(row.get(split_key, "")).strip().lower()
                 split = TRAIN if name == TRAIN else HELDOUT if name in HELDOUT_NAMES else None
                 if split is None:
-                    raise ValueError(f"dataset: {where}: '{split_key}' is {row.get(split_key)!r}; use 'train' or one of "
-                                     f"{', '.join(sorted(HELDOUT_NAMES))}")
+                    raise ValueError(
+                        f"dataset: {where}: '{split_key}' is {row.get(split_key)!r}; use 'train' or one of "
+                        f"{', '.join(sorted(HELDOUT_NAMES))}"
+                    )
             else:
                 split = split_of(content_digest(json.dumps(row, sort_keys=True, default=str)))
             self.by_level.setdefault((split, level), []).append(i)
@@ -265,15 +292,28 @@ class DatasetDomain(Domain):
         if self.instruction:
             last = prompt[-1]
             prompt[-1] = Message(role=last.role, content=f"{last.content}\n{self.instruction}")
-        meta = {"row_index": row_index, "row": row, "raw_prompt": row[self.prompt_key],
-                "answer": row.get(self.answer_key), "content_key": content_digest(json.dumps(row, sort_keys=True,
-                                                                                            default=str))}
-        return Task(id=f"{self.name}:{split}:d{difficulty}:s{seed}:{index}", domain=self.name, difficulty=difficulty,
-                    prompt=prompt, meta=meta, seed=seed, split=split)
+        meta = {
+            "row_index": row_index,
+            "row": row,
+            "raw_prompt": row[self.prompt_key],
+            "answer": row.get(self.answer_key),
+            "content_key": content_digest(json.dumps(row, sort_keys=True, default=str)),
+        }
+        return Task(
+            id=f"{self.name}:{split}:d{difficulty}:s{seed}:{index}",
+            domain=self.name,
+            difficulty=difficulty,
+            prompt=prompt,
+            meta=meta,
+            seed=seed,
+            split=split,
+        )
 
     def reference(self, task: Task) -> list[str]:
         if task.meta["answer"] is None:
-            raise ValueError(f"dataset: row {task.meta['row_index']} has no '{self.answer_key}' to build a reference from")
+            raise ValueError(
+                f"dataset: row {task.meta['row_index']} has no '{self.answer_key}' to build a reference from"
+            )
         return [f"<answer>{task.meta['answer']}</answer>"]
 
     def make_env(self, sandbox: Any = None, chat_format: str = "smollm2") -> Environment:

@@ -29,21 +29,61 @@ _INDEX_SPACE = 100_000  # some datasets (gsm_symbolic) precompute `size` items a
 
 # difficulty -> [(reasoning-gym dataset, config overrides)], drawn uniformly within a level.
 CURATED: dict[int, list[tuple[str, dict[str, Any]]]] = {
-    0: [("basic_arithmetic", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
-                              "operators": ("+", "-"), "allow_parentheses": False, "allow_negation": False})],
-    1: [("basic_arithmetic", {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2,
-                              "operators": ("+", "-"), "allow_parentheses": False, "allow_negation": False}),
-        ("chain_sum", {"min_terms": 3, "max_terms": 3, "min_digits": 1, "max_digits": 1})],
-    2: [("basic_arithmetic", {"min_terms": 3, "max_terms": 3, "min_digits": 1, "max_digits": 2,
-                              "operators": ("+", "-", "*"), "allow_parentheses": False, "allow_negation": False}),
-        ("products", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2})],
-    3: [("simple_equations", {"min_terms": 2, "max_terms": 2, "max_value": 20}),
+    0: [
+        (
+            "basic_arithmetic",
+            {
+                "min_terms": 2,
+                "max_terms": 2,
+                "min_digits": 1,
+                "max_digits": 1,
+                "operators": ("+", "-"),
+                "allow_parentheses": False,
+                "allow_negation": False,
+            },
+        )
+    ],
+    1: [
+        (
+            "basic_arithmetic",
+            {
+                "min_terms": 2,
+                "max_terms": 2,
+                "min_digits": 2,
+                "max_digits": 2,
+                "operators": ("+", "-"),
+                "allow_parentheses": False,
+                "allow_negation": False,
+            },
+        ),
+        ("chain_sum", {"min_terms": 3, "max_terms": 3, "min_digits": 1, "max_digits": 1}),
+    ],
+    2: [
+        (
+            "basic_arithmetic",
+            {
+                "min_terms": 3,
+                "max_terms": 3,
+                "min_digits": 1,
+                "max_digits": 2,
+                "operators": ("+", "-", "*"),
+                "allow_parentheses": False,
+                "allow_negation": False,
+            },
+        ),
+        ("products", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}),
+    ],
+    3: [
+        ("simple_equations", {"min_terms": 2, "max_terms": 2, "max_value": 20}),
         ("gcd", {"max_value": 100}),
         ("lcm", {"max_value": 20}),
-        ("leg_counting", {"min_animals": 2, "max_animals": 3, "max_instances": 5})],
-    4: [("basic_arithmetic", {"min_terms": 3, "max_terms": 5, "min_digits": 1, "max_digits": 2}),
+        ("leg_counting", {"min_animals": 2, "max_animals": 3, "max_instances": 5}),
+    ],
+    4: [
+        ("basic_arithmetic", {"min_terms": 3, "max_terms": 5, "min_digits": 1, "max_digits": 2}),
         ("letter_counting", {"min_words": 3, "max_words": 8}),
-        ("fraction_simplification", {"max_value": 100, "max_factor": 10, "styles": ("plain",)})],
+        ("fraction_simplification", {"max_value": 100, "max_factor": 10, "styles": ("plain",)}),
+    ],
 }
 
 _RG_LOCK = threading.Lock()
@@ -83,7 +123,11 @@ def score_math(text: str, meta: dict[str, Any]) -> tuple[float, dict[str, float]
             except Exception:  # noqa: BLE001 - a dataset scorer choking on odd text scores 0, not a crash
                 correct = 0.0
     reward = W_CORRECT * correct + W_FORMAT * fmt
-    info = {"extracted": extracted.text, "extract_method": extracted.method, "unparseable": int(extracted.text is None)}
+    info = {
+        "extracted": extracted.text,
+        "extract_method": extracted.method,
+        "unparseable": int(extracted.text is None),
+    }
     return reward, {"correct": correct, "format": fmt, "success": float(correct == 1.0)}, info
 
 
@@ -122,8 +166,10 @@ class MathDomain(Domain):
             import reasoning_gym
 
             if not isinstance(datasets, list | tuple | dict):
-                raise ValueError(f"math: 'datasets' must be a list of reasoning-gym dataset names or a mapping of "
-                                 f"name to config, got {type(datasets).__name__} {datasets!r} (e.g. datasets=[gcd])")
+                raise ValueError(
+                    f"math: 'datasets' must be a list of reasoning-gym dataset names or a mapping of "
+                    f"name to config, got {type(datasets).__name__} {datasets!r} (e.g. datasets=[gcd])"
+                )
             if not all(isinstance(n, str) for n in datasets):
                 raise ValueError(f"math: 'datasets' names must be strings, got {list(datasets)!r}")
             chosen = {n: {} for n in datasets} if isinstance(datasets, list | tuple) else dict(datasets)
@@ -134,7 +180,9 @@ class MathDomain(Domain):
                 if n not in valid:
                     raise ValueError(f"math: unknown reasoning-gym dataset '{n}' (valid: {', '.join(valid)})")
                 if not isinstance(cfg, dict):
-                    raise ValueError(f"math: config for dataset '{n}' must be a mapping, got {type(cfg).__name__}")
+                    raise ValueError(
+                        f"math: config for dataset '{n}' must be a mapping, got {type(cfg).__name__}"
+                    )
             self.families = {0: list(chosen.items())}
         self.difficulties = sorted(self.families)
 
@@ -147,8 +195,13 @@ class MathDomain(Domain):
 
             def build() -> Task:
                 prompt = [Message(role="user", content=f"{question}\n{INSTRUCTION}")]
-                meta = {"dataset": name, "config": dict(config), "index": idx, "answer": str(entry["answer"]),
-                        "question": question}
+                meta = {
+                    "dataset": name,
+                    "config": dict(config),
+                    "index": idx,
+                    "answer": str(entry["answer"]),
+                    "question": question,
+                }
                 return Task(id="", domain=self.name, difficulty=difficulty, prompt=prompt, meta=meta)
 
             return f"{name}|{question}", build

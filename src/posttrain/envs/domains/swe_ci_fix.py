@@ -42,25 +42,53 @@ from posttrain.types import Message, Task, ToolSpec
 
 MAX_FILE_CHARS = 50_000
 MAX_FILES = 60
-STEERING_FILES = frozenset({"conftest.py", "pytest.ini", "pyproject.toml", "setup.cfg", "tox.ini",
-                            "sitecustomize.py", "usercustomize.py"})
+STEERING_FILES = frozenset(
+    {
+        "conftest.py",
+        "pytest.ini",
+        "pyproject.toml",
+        "setup.cfg",
+        "tox.ini",
+        "sitecustomize.py",
+        "usercustomize.py",
+    }
+)
 _PATH = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*(/[A-Za-z0-9_][A-Za-z0-9_.\-]*)*$")
-LEVELS = {0: ((3, 3), ("wrong_operator", "off_by_one")), 1: ((4, 5), repos.MUTATION_KINDS),
-          2: ((6, 8), repos.MUTATION_KINDS)}
+LEVELS = {
+    0: ((3, 3), ("wrong_operator", "off_by_one")),
+    1: ((4, 5), repos.MUTATION_KINDS),
+    2: ((6, 8), repos.MUTATION_KINDS),
+}
 
-SYSTEM = ("You are fixing a failing build in a Python repository. Use the tools to read files, write the "
-          "fixed file (write_file replaces the whole file), run the tests, and call submit when done. "
-          "Do not modify the tests.")
+SYSTEM = (
+    "You are fixing a failing build in a Python repository. Use the tools to read files, write the "
+    "fixed file (write_file replaces the whole file), run the tests, and call submit when done. "
+    "Do not modify the tests."
+)
 
-TOOL_SPECS = {s.name: s for s in [
-    ToolSpec("read_file", "Read a file of the repository.", fn_schema({"path": {"type": "string", "maxLength": 200}},
-                                                                      ["path"])),
-    ToolSpec("write_file", "Replace (or create) a file with the given full content.",
-             fn_schema({"path": {"type": "string", "maxLength": 200},
-                        "content": {"type": "string", "maxLength": MAX_FILE_CHARS}}, ["path", "content"])),
-    ToolSpec("run_tests", "Run the test suite and report failures.", fn_schema({})),
-    ToolSpec("submit", "Finish: submit the repository as it is now.", fn_schema({})),
-]}
+TOOL_SPECS = {
+    s.name: s
+    for s in [
+        ToolSpec(
+            "read_file",
+            "Read a file of the repository.",
+            fn_schema({"path": {"type": "string", "maxLength": 200}}, ["path"]),
+        ),
+        ToolSpec(
+            "write_file",
+            "Replace (or create) a file with the given full content.",
+            fn_schema(
+                {
+                    "path": {"type": "string", "maxLength": 200},
+                    "content": {"type": "string", "maxLength": MAX_FILE_CHARS},
+                },
+                ["path", "content"],
+            ),
+        ),
+        ToolSpec("run_tests", "Run the test suite and report failures.", fn_schema({})),
+        ToolSpec("submit", "Finish: submit the repository as it is now.", fn_schema({})),
+    ]
+}
 
 
 def test_ids(files: dict[str, str]) -> list[str]:
@@ -72,7 +100,11 @@ def test_ids(files: dict[str, str]) -> list[str]:
                 tree = ast.parse(files[path])
             except SyntaxError:
                 continue
-            out += [f"{path}::{n.name}" for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test")]
+            out += [
+                f"{path}::{n.name}"
+                for n in tree.body
+                if isinstance(n, ast.FunctionDef) and n.name.startswith("test")
+            ]
     return out
 
 
@@ -88,8 +120,11 @@ def is_steering_file(path: str) -> bool:
 
 def touched_protected(files: dict[str, str], original: dict[str, str]) -> list[str]:
     """Test and steering files that differ from (or are missing from, or are new to) the original."""
-    return sorted(p for p in set(files) | set(original)
-                  if (is_test_file(p) or is_steering_file(p)) and files.get(p) != original.get(p))
+    return sorted(
+        p
+        for p in set(files) | set(original)
+        if (is_test_file(p) or is_steering_file(p)) and files.get(p) != original.get(p)
+    )
 
 
 def tests_job(files: dict[str, str], original: dict[str, str], ids: list[str], per_test_timeout_s: float):
@@ -97,8 +132,14 @@ def tests_job(files: dict[str, str], original: dict[str, str], ids: list[str], p
     files) is what the subject imports `app` from."""
     trusted = {name: src for p, src in original.items() if is_test_file(p) and (name := module_name(p))}
     tree = {p: c.encode() for p, c in files.items() if not is_test_file(p) and not is_steering_file(p)}
-    return build_job(module_tests(ids), modules=trusted, proxy_packages=(repos.PKG,), files=tree,
-                     subject_path=(".",), per_test_timeout_s=per_test_timeout_s)
+    return build_job(
+        module_tests(ids),
+        modules=trusted,
+        proxy_packages=(repos.PKG,),
+        files=tree,
+        subject_path=(".",),
+        per_test_timeout_s=per_test_timeout_s,
+    )
 
 
 def run_tests_locally(files: dict[str, str], ids: list[str]) -> list[dict[str, Any]]:
@@ -122,8 +163,11 @@ def _verified_bug(files_json: str, order_json: str) -> tuple[str, str, str, list
     """The first mutation in `order` that breaks at least one test: (path, kind#site, mutated, results)."""
     files = json.loads(files_json)
     ids = test_ids(files)
-    funcs = {f"{repos.PKG}.{p[len(repos.PKG) + 1:-3]}": repos.public_functions(src)
-             for p, src in files.items() if p.startswith(repos.PKG + "/") and p.endswith(".py")}
+    funcs = {
+        f"{repos.PKG}.{p[len(repos.PKG) + 1 : -3]}": repos.public_functions(src)
+        for p, src in files.items()
+        if p.startswith(repos.PKG + "/") and p.endswith(".py")
+    }
     for path, kind, site in json.loads(order_json):
         mutated = repos.apply_mutation(files[path], repos.Mutation(kind, site), funcs)
         if mutated is None or mutated == files[path]:
@@ -168,10 +212,12 @@ class CiFixEnv(ToolEnvironment):
     async def setup(self, task: Task) -> tuple[list[Message], dict[str, Tool]]:
         self.files: dict[str, str] = dict(task.meta["files"])
         self.max_turns = int(task.meta.get("max_turns", self.max_turns))
-        tools = {"read_file": Tool(TOOL_SPECS["read_file"], self.read_file),
-                 "write_file": Tool(TOOL_SPECS["write_file"], self.write_file),
-                 "run_tests": Tool(TOOL_SPECS["run_tests"], self.run_tests),
-                 "submit": Tool(TOOL_SPECS["submit"], self.submit)}
+        tools = {
+            "read_file": Tool(TOOL_SPECS["read_file"], self.read_file),
+            "write_file": Tool(TOOL_SPECS["write_file"], self.write_file),
+            "run_tests": Tool(TOOL_SPECS["run_tests"], self.run_tests),
+            "submit": Tool(TOOL_SPECS["submit"], self.submit),
+        }
         return list(task.prompt), tools
 
     def read_file(self, path: str) -> str:
@@ -183,9 +229,12 @@ class CiFixEnv(ToolEnvironment):
         if not _PATH.match(path) or ".." in path.split("/"):
             raise ToolError("invalid_argument", f"'{path}' is not a relative path inside the repository")
         if is_steering_file(path):
-            raise ToolError("protected", f"'{path}' steers the test run (conftest.py, pytest.ini, pyproject.toml, "
-                            "setup.cfg, tox.ini, sitecustomize.py, usercustomize.py and .pth files are protected); "
-                            "fix the code under app/ instead")
+            raise ToolError(
+                "protected",
+                f"'{path}' steers the test run (conftest.py, pytest.ini, pyproject.toml, "
+                "setup.cfg, tox.ini, sitecustomize.py, usercustomize.py and .pth files are protected); "
+                "fix the code under app/ instead",
+            )
         if path not in self.files and len(self.files) >= MAX_FILES:
             raise ToolError("invalid_argument", f"too many files (limit {MAX_FILES})")
         self.files[path] = content
@@ -210,9 +259,19 @@ class CiFixEnv(ToolEnvironment):
         passed = len(now_passing) / max(1, len(ids))
         untouched = 0.0 if touched else 1.0
         success = float(untouched == 1.0 and len(now_passing) == len(ids))
-        info = {"tests_passed": len(now_passing), "tests_total": len(ids), "modified_tests": touched[:10],
-                "submitted": self.called_terminal}
-        rewards = {"fixed": fixed, "kept": kept, "passed": passed, "tests_untouched": untouched, "success": success}
+        info = {
+            "tests_passed": len(now_passing),
+            "tests_total": len(ids),
+            "modified_tests": touched[:10],
+            "submitted": self.called_terminal,
+        }
+        rewards = {
+            "fixed": fixed,
+            "kept": kept,
+            "passed": passed,
+            "tests_untouched": untouched,
+            "success": success,
+        }
         return fixed * kept * untouched, rewards, info
 
 
@@ -232,8 +291,13 @@ class CiFixDomain(Domain):
 
         def make(rng: random.Random):
             files = build_repo(rng, rng.randint(lo, hi))
-            sites = [(p, m.kind, m.site) for p in sorted(files) if p.startswith(repos.PKG + "/") and files[p]
-                     for m in repos.candidate_mutations(files[p]) if m.kind in kinds]
+            sites = [
+                (p, m.kind, m.site)
+                for p in sorted(files)
+                if p.startswith(repos.PKG + "/") and files[p]
+                for m in repos.candidate_mutations(files[p])
+                if m.kind in kinds
+            ]
             rng.shuffle(sites)
             # The split is decided by the repository alone (before the costly bug search), so a repository
             # and every bug injected into it belong to one split only.
@@ -246,16 +310,30 @@ class CiFixDomain(Domain):
                 path, mutation, mutated, results = found
                 buggy = {**files, path: mutated}
                 ids = test_ids(files)
-                meta = {"files": buggy, "original_files": files, "bug_path": path, "mutation": mutation,
-                        "failing_tests": [t for t, r in zip(ids, results, strict=True) if not r.get("ok")],
-                        "fixed_source": files[path], "max_turns": self.max_turns}
+                meta = {
+                    "files": buggy,
+                    "original_files": files,
+                    "bug_path": path,
+                    "mutation": mutation,
+                    "failing_tests": [t for t, r in zip(ids, results, strict=True) if not r.get("ok")],
+                    "fixed_source": files[path],
+                    "max_turns": self.max_turns,
+                }
                 listing = "\n".join(sorted(buggy))
-                user = (f"The CI build is failing. Repository files:\n{listing}\n\nTest log:\n"
-                        f"{format_test_log(ids, results)}\n\nFind and fix the bug in the code under app/, "
-                        "then call submit.")
+                user = (
+                    f"The CI build is failing. Repository files:\n{listing}\n\nTest log:\n"
+                    f"{format_test_log(ids, results)}\n\nFind and fix the bug in the code under app/, "
+                    "then call submit."
+                )
                 prompt = [Message("system", SYSTEM), Message("user", user)]
-                return Task(id="", domain=self.name, difficulty=difficulty, prompt=prompt,
-                            tools=list(TOOL_SPECS.values()), meta=meta)
+                return Task(
+                    id="",
+                    domain=self.name,
+                    difficulty=difficulty,
+                    prompt=prompt,
+                    tools=list(TOOL_SPECS.values()),
+                    meta=meta,
+                )
 
             return key, build
 
@@ -264,13 +342,17 @@ class CiFixDomain(Domain):
     def reference(self, task: Task, chat_format: str = "smollm2") -> list[str]:
         fmt = get_parser(chat_format)
         path = task.meta["bug_path"]
-        return [fmt.format_calls([("read_file", {"path": path})]),
-                fmt.format_calls([("write_file", {"path": path, "content": task.meta["fixed_source"]})]),
-                fmt.format_calls([("run_tests", {})]),
-                fmt.format_calls([("submit", {})])]
+        return [
+            fmt.format_calls([("read_file", {"path": path})]),
+            fmt.format_calls([("write_file", {"path": path, "content": task.meta["fixed_source"]})]),
+            fmt.format_calls([("run_tests", {})]),
+            fmt.format_calls([("submit", {})]),
+        ]
 
     def make_env(self, sandbox: Any = None, chat_format: str = "smollm2") -> Environment:
         if sandbox is None:
-            raise ValueError("domain 'swe.ci_fix' runs tests: pass a sandbox to make_env "
-                             "(posttrain.sandbox.make_sandbox(cfg))")
+            raise ValueError(
+                "domain 'swe.ci_fix' runs tests: pass a sandbox to make_env "
+                "(posttrain.sandbox.make_sandbox(cfg))"
+            )
         return CiFixEnv(sandbox, chat_format, self.max_turns)

@@ -23,7 +23,9 @@ class ModuleTemplate:
 
 
 TEMPLATES: list[ModuleTemplate] = [
-    ModuleTemplate("mathutil", '''\
+    ModuleTemplate(
+        "mathutil",
+        """\
 def clamp(x, lo, hi):
     if x < lo:
         return lo
@@ -40,7 +42,8 @@ def mean(xs):
 
 def scale(x, factor):
     return x * factor + {A}
-''', '''\
+""",
+        """\
 from app.mathutil import clamp, mean, scale
 
 
@@ -66,8 +69,11 @@ def test_mean_empty():
 
 def test_scale():
     assert scale(3, 2) == 6 + {A}
-'''),
-    ModuleTemplate("textutil", '''\
+""",
+    ),
+    ModuleTemplate(
+        "textutil",
+        """\
 def slugify(s):
     words = s.lower().split()
     return "-".join(words)
@@ -81,7 +87,8 @@ def truncate(s, n):
     if len(s) <= n:
         return s
     return s[:n - 1] + "~"
-''', '''\
+""",
+        """\
 from app.textutil import count_words, slugify, truncate
 
 
@@ -99,8 +106,11 @@ def test_truncate_short():
 
 def test_truncate_long():
     assert truncate("abcdefgh", {B}) == "abcdefgh"[:{B} - 1] + "~"
-'''),
-    ModuleTemplate("listutil", '''\
+""",
+    ),
+    ModuleTemplate(
+        "listutil",
+        """\
 def chunk(xs, n):
     out = []
     for i in range(0, len(xs), n):
@@ -120,7 +130,8 @@ def last_n(xs, n):
     if n <= 0:
         return []
     return xs[-n:]
-''', '''\
+""",
+        """\
 from app.listutil import chunk, dedupe, last_n
 
 
@@ -138,8 +149,11 @@ def test_last_n():
 
 def test_last_zero():
     assert last_n([1, 2, 3], 0) == []
-'''),
-    ModuleTemplate("dates", '''\
+""",
+    ),
+    ModuleTemplate(
+        "dates",
+        """\
 def is_leap(year):
     if year % 400 == 0:
         return True
@@ -154,7 +168,8 @@ def days_in_month(year, month):
     if month in (4, 6, 9, 11):
         return 30
     return 31
-''', '''\
+""",
+        """\
 from app.dates import days_in_month, is_leap
 
 
@@ -180,8 +195,11 @@ def test_april():
 
 def test_may():
     assert days_in_month(2023, 5) == 31
-'''),
-    ModuleTemplate("inventory", '''\
+""",
+    ),
+    ModuleTemplate(
+        "inventory",
+        """\
 from app.mathutil import clamp
 
 
@@ -198,7 +216,8 @@ def total_value(items):
 
 def low_stock(items, threshold):
     return [name for name, qty in items if qty < threshold]
-''', '''\
+""",
+        """\
 from app.inventory import low_stock, restock, total_value
 
 
@@ -216,8 +235,12 @@ def test_total_value():
 
 def test_low_stock():
     assert low_stock([("a", 1), ("b", {B}), ("c", 9)], {B}) == ["a"]
-''', deps=("mathutil",)),
-    ModuleTemplate("grades", '''\
+""",
+        deps=("mathutil",),
+    ),
+    ModuleTemplate(
+        "grades",
+        """\
 from app.mathutil import mean
 
 
@@ -233,7 +256,8 @@ def letter(score):
 
 def average_letter(scores):
     return letter(mean(scores))
-''', '''\
+""",
+        """\
 from app.grades import average_letter, letter
 
 
@@ -251,8 +275,12 @@ def test_letter_f():
 
 def test_average_letter():
     assert average_letter([80, 90, 70]) == "B"
-''', deps=("mathutil",)),
-    ModuleTemplate("pricing", '''\
+""",
+        deps=("mathutil",),
+    ),
+    ModuleTemplate(
+        "pricing",
+        """\
 def discount(price, percent):
     return price - price * percent / 100
 
@@ -265,7 +293,8 @@ def bulk_price(unit, qty):
     if qty >= {B}:
         return discount(unit * qty, 10)
     return unit * qty
-''', '''\
+""",
+        """\
 from app.pricing import bulk_price, discount, with_tax
 
 
@@ -283,8 +312,11 @@ def test_bulk_small():
 
 def test_bulk_large():
     assert bulk_price(10, {B}) == 10 * {B} * 0.9
-'''),
-    ModuleTemplate("stats", '''\
+""",
+    ),
+    ModuleTemplate(
+        "stats",
+        """\
 from app.listutil import dedupe
 
 
@@ -302,7 +334,8 @@ def spread(xs):
 
 def distinct_count(xs):
     return len(dedupe(xs))
-''', '''\
+""",
+        """\
 from app.stats import distinct_count, median, spread
 
 
@@ -320,7 +353,9 @@ def test_spread():
 
 def test_distinct_count():
     assert distinct_count([1, 1, 2, 3, 3]) == 3
-''', deps=("listutil",)),
+""",
+        deps=("listutil",),
+    ),
 ]
 BY_NAME = {t.name: t for t in TEMPLATES}
 
@@ -345,10 +380,24 @@ def choose_modules(rng: random.Random, n: int) -> list[str]:
 # ---- mutations -------------------------------------------------------------------------------------
 
 MUTATION_KINDS = ("wrong_operator", "off_by_one", "swapped_args", "missing_case", "wrong_import")
-_OP_SWAP = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Add, ast.Div: ast.Mult, ast.FloorDiv: ast.Div,
-            ast.Mod: ast.FloorDiv}
-_CMP_SWAP = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq,
-             ast.NotEq: ast.Eq, ast.In: ast.NotIn, ast.NotIn: ast.In}
+_OP_SWAP = {
+    ast.Add: ast.Sub,
+    ast.Sub: ast.Add,
+    ast.Mult: ast.Add,
+    ast.Div: ast.Mult,
+    ast.FloorDiv: ast.Div,
+    ast.Mod: ast.FloorDiv,
+}
+_CMP_SWAP = {
+    ast.Lt: ast.LtE,
+    ast.LtE: ast.Lt,
+    ast.Gt: ast.GtE,
+    ast.GtE: ast.Gt,
+    ast.Eq: ast.NotEq,
+    ast.NotEq: ast.Eq,
+    ast.In: ast.NotIn,
+    ast.NotIn: ast.In,
+}
 
 
 @dataclass(frozen=True)
@@ -363,18 +412,34 @@ class Mutation:
 def _sites(tree: ast.AST, kind: str) -> list[ast.AST]:
     nodes = list(ast.walk(tree))
     if kind == "wrong_operator":
-        return [n for n in nodes if (isinstance(n, ast.BinOp) and type(n.op) in _OP_SWAP)
-                or (isinstance(n, ast.Compare) and type(n.ops[0]) in _CMP_SWAP)]
+        return [
+            n
+            for n in nodes
+            if (isinstance(n, ast.BinOp) and type(n.op) in _OP_SWAP)
+            or (isinstance(n, ast.Compare) and type(n.ops[0]) in _CMP_SWAP)
+        ]
     if kind == "off_by_one":
         return [n for n in nodes if isinstance(n, ast.Constant) and type(n.value) is int]
     if kind == "swapped_args":
-        return [n for n in nodes if isinstance(n, ast.Call) and len(n.args) >= 2
-                and not any(isinstance(a, ast.Starred) for a in n.args)]
+        return [
+            n
+            for n in nodes
+            if isinstance(n, ast.Call)
+            and len(n.args) >= 2
+            and not any(isinstance(a, ast.Starred) for a in n.args)
+        ]
     if kind == "missing_case":
-        return [n for n in nodes if isinstance(n, ast.FunctionDef | ast.For)
-                and any(isinstance(s, ast.If) and not s.orelse for s in n.body) and len(n.body) > 1]
+        return [
+            n
+            for n in nodes
+            if isinstance(n, ast.FunctionDef | ast.For)
+            and any(isinstance(s, ast.If) and not s.orelse for s in n.body)
+            and len(n.body) > 1
+        ]
     if kind == "wrong_import":
-        return [n for n in nodes if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith(PKG + ".")]
+        return [
+            n for n in nodes if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith(PKG + ".")
+        ]
     raise ValueError(f"unknown mutation kind '{kind}' (valid: {', '.join(MUTATION_KINDS)})")
 
 
@@ -413,4 +478,8 @@ def apply_mutation(source: str, mutation: Mutation, module_functions: dict[str, 
 
 
 def public_functions(source: str) -> list[str]:
-    return [n.name for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")]
+    return [
+        n.name
+        for n in ast.parse(source).body
+        if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")
+    ]

@@ -36,16 +36,28 @@ from posttrain.types import Message, Task, ToolSpec
 W_CORRECT, W_FORMAT = 0.85, 0.15
 ADJECTIVES = ["Red", "Blue", "Green", "Black", "White", "Silver", "Oak", "Steel", "Yellow", "Copper"]
 NOUNS = ["Mug", "Lamp", "Chair", "Desk", "Pen", "Notebook", "Bottle", "Backpack", "Clock", "Kettle"]
-CATEGORIES = {"Mug": "kitchen", "Kettle": "kitchen", "Bottle": "kitchen", "Lamp": "home", "Chair": "home",
-              "Clock": "home", "Desk": "office", "Pen": "office", "Notebook": "office", "Backpack": "office"}
+CATEGORIES = {
+    "Mug": "kitchen",
+    "Kettle": "kitchen",
+    "Bottle": "kitchen",
+    "Lamp": "home",
+    "Chair": "home",
+    "Clock": "home",
+    "Desk": "office",
+    "Pen": "office",
+    "Notebook": "office",
+    "Backpack": "office",
+}
 FIRST = ["Alice", "Bob", "Carol", "David", "Erin", "Frank", "Grace", "Henry", "Ivy", "Jack", "Kate", "Liam"]
 LAST = ["Smith", "Jones", "Brown", "Garcia", "Miller", "Davis", "Wilson", "Moore", "Taylor", "Clark"]
 _EMAIL = re.compile(r"^[^@\s]+@[^@\s]+\.[a-z]{2,}$")
 
 LEVEL0_HINT = 'Reply with only the tool call: <tool_call>[{"name": ..., "arguments": {...}}]</tool_call>'
-SYSTEM = ("You operate a shop's back office through the tools. Use the exact ids the tools return. "
-          "When the request is done, reply in plain text; if a question was asked, put the answer inside "
-          "<answer></answer> tags.")
+SYSTEM = (
+    "You operate a shop's back office through the tools. Use the exact ids the tools return. "
+    "When the request is done, reply in plain text; if a question was asked, put the answer inside "
+    "<answer></answer> tags."
+)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -88,8 +100,11 @@ class ShopService:
     # read-only
     def search_products(self, query: str, category: str | None = None) -> list[dict]:
         q = query.strip().lower()
-        return [dict(p) for p in self.products.values()
-                if q in p["name"].lower() and (category is None or p["category"] == category)]
+        return [
+            dict(p)
+            for p in self.products.values()
+            if q in p["name"].lower() and (category is None or p["category"] == category)
+        ]
 
     def get_product(self, sku: str) -> dict:
         return dict(self._product(sku))
@@ -102,8 +117,11 @@ class ShopService:
 
     def list_orders(self, customer_id: str, status: str | None = None) -> list[dict]:
         self._customer(customer_id)
-        return [copy.deepcopy(o) for o in self.orders.values()
-                if o["customer_id"] == customer_id and (status is None or o["status"] == status)]
+        return [
+            copy.deepcopy(o)
+            for o in self.orders.values()
+            if o["customer_id"] == customer_id and (status is None or o["status"] == status)
+        ]
 
     def compute_total(self, sku: str, quantity: int) -> dict:
         p = self._product(sku)
@@ -118,7 +136,9 @@ class ShopService:
     def update_stock(self, sku: str, delta: int) -> dict:
         p = self._product(sku)
         if p["stock"] + delta < 0:
-            raise ToolError("insufficient_stock", f"stock of '{sku}' is {p['stock']}; cannot apply delta {delta}")
+            raise ToolError(
+                "insufficient_stock", f"stock of '{sku}' is {p['stock']}; cannot apply delta {delta}"
+            )
         p["stock"] += delta
         return dict(p)
 
@@ -138,12 +158,20 @@ class ShopService:
         self._customer(customer_id)
         p = self._product(sku)
         if p["stock"] < quantity:
-            raise ToolError("insufficient_stock", f"only {p['stock']} units of '{sku}' in stock, {quantity} requested")
+            raise ToolError(
+                "insufficient_stock", f"only {p['stock']} units of '{sku}' in stock, {quantity} requested"
+            )
         p["stock"] -= quantity
         oid = f"O-{self.state['next_order']}"
         self.state["next_order"] += 1
-        self.orders[oid] = {"id": oid, "customer_id": customer_id, "sku": sku, "quantity": quantity,
-                            "total": p["price"] * quantity, "status": "open"}
+        self.orders[oid] = {
+            "id": oid,
+            "customer_id": customer_id,
+            "sku": sku,
+            "quantity": quantity,
+            "total": p["price"] * quantity,
+            "status": "open",
+        }
         return dict(self.orders[oid])
 
     def cancel_order(self, order_id: str) -> dict:
@@ -158,29 +186,73 @@ class ShopService:
 _STR = {"type": "string", "minLength": 1, "maxLength": 200}
 _SKU = {"type": "string", "pattern": "^SKU-[0-9]+$", "description": "product sku, e.g. SKU-104"}
 _QTY = {"type": "integer", "minimum": 1, "maximum": 10000}
-TOOL_SPECS: dict[str, ToolSpec] = {s.name: s for s in [
-    ToolSpec("search_products", "Search products whose name contains the query (case-insensitive).",
-             fn_schema({"query": {"type": "string", "maxLength": 200},
-                        "category": {"type": "string", "enum": ["kitchen", "home", "office"]}}, ["query"])),
-    ToolSpec("get_product", "Get one product by sku.", fn_schema({"sku": _SKU}, ["sku"])),
-    ToolSpec("set_price", "Set a product's price (whole dollars).",
-             fn_schema({"sku": _SKU, "price": {"type": "integer", "minimum": 1, "maximum": 100000}}, ["sku", "price"])),
-    ToolSpec("update_stock", "Add (positive delta) or remove (negative delta) units of stock.",
-             fn_schema({"sku": _SKU, "delta": {"type": "integer", "minimum": -10000, "maximum": 10000}},
-                       ["sku", "delta"])),
-    ToolSpec("find_customer", "Find customers whose name contains the given text.",
-             fn_schema({"name": _STR}, ["name"])),
-    ToolSpec("create_customer", "Create a customer.", fn_schema({"name": _STR, "email": _STR}, ["name", "email"])),
-    ToolSpec("list_orders", "List a customer's orders, optionally only those with a status.",
-             fn_schema({"customer_id": _STR, "status": {"type": "string", "enum": ["open", "cancelled"]}},
-                       ["customer_id"])),
-    ToolSpec("create_order", "Order a quantity of one product for a customer (takes it from stock).",
-             fn_schema({"customer_id": _STR, "sku": _SKU, "quantity": _QTY}, ["customer_id", "sku", "quantity"])),
-    ToolSpec("cancel_order", "Cancel an open order (returns its units to stock).",
-             fn_schema({"order_id": _STR}, ["order_id"])),
-    ToolSpec("compute_total", "Price of a quantity of a product.",
-             fn_schema({"sku": _SKU, "quantity": _QTY}, ["sku", "quantity"])),
-]}
+TOOL_SPECS: dict[str, ToolSpec] = {
+    s.name: s
+    for s in [
+        ToolSpec(
+            "search_products",
+            "Search products whose name contains the query (case-insensitive).",
+            fn_schema(
+                {
+                    "query": {"type": "string", "maxLength": 200},
+                    "category": {"type": "string", "enum": ["kitchen", "home", "office"]},
+                },
+                ["query"],
+            ),
+        ),
+        ToolSpec("get_product", "Get one product by sku.", fn_schema({"sku": _SKU}, ["sku"])),
+        ToolSpec(
+            "set_price",
+            "Set a product's price (whole dollars).",
+            fn_schema(
+                {"sku": _SKU, "price": {"type": "integer", "minimum": 1, "maximum": 100000}}, ["sku", "price"]
+            ),
+        ),
+        ToolSpec(
+            "update_stock",
+            "Add (positive delta) or remove (negative delta) units of stock.",
+            fn_schema(
+                {"sku": _SKU, "delta": {"type": "integer", "minimum": -10000, "maximum": 10000}},
+                ["sku", "delta"],
+            ),
+        ),
+        ToolSpec(
+            "find_customer",
+            "Find customers whose name contains the given text.",
+            fn_schema({"name": _STR}, ["name"]),
+        ),
+        ToolSpec(
+            "create_customer",
+            "Create a customer.",
+            fn_schema({"name": _STR, "email": _STR}, ["name", "email"]),
+        ),
+        ToolSpec(
+            "list_orders",
+            "List a customer's orders, optionally only those with a status.",
+            fn_schema(
+                {"customer_id": _STR, "status": {"type": "string", "enum": ["open", "cancelled"]}},
+                ["customer_id"],
+            ),
+        ),
+        ToolSpec(
+            "create_order",
+            "Order a quantity of one product for a customer (takes it from stock).",
+            fn_schema(
+                {"customer_id": _STR, "sku": _SKU, "quantity": _QTY}, ["customer_id", "sku", "quantity"]
+            ),
+        ),
+        ToolSpec(
+            "cancel_order",
+            "Cancel an open order (returns its units to stock).",
+            fn_schema({"order_id": _STR}, ["order_id"]),
+        ),
+        ToolSpec(
+            "compute_total",
+            "Price of a quantity of a product.",
+            fn_schema({"sku": _SKU, "quantity": _QTY}, ["sku", "quantity"]),
+        ),
+    ]
+}
 
 
 def make_tools(service: ShopService, names: list[str]) -> dict[str, Tool]:
@@ -203,22 +275,42 @@ def _initial_state(rng: random.Random) -> dict[str, Any]:
     products = {}
     for i, name in enumerate(names):
         sku = f"SKU-{101 + i}"
-        products[sku] = {"sku": sku, "name": name, "category": CATEGORIES[name.split()[1]],
-                         "price": rng.randint(3, 60), "stock": rng.randint(0, 30)}
+        products[sku] = {
+            "sku": sku,
+            "name": name,
+            "category": CATEGORIES[name.split()[1]],
+            "price": rng.randint(3, 60),
+            "stock": rng.randint(0, 30),
+        }
     people = rng.sample([(f, last) for f in FIRST for last in LAST], rng.randint(4, 6))
     customers = {}
     for i, (f, last) in enumerate(people):
         cid = f"C-{1 + i}"
-        customers[cid] = {"id": cid, "name": f"{f} {last}", "email": f"{f.lower()}.{last.lower()}@example.com"}
+        customers[cid] = {
+            "id": cid,
+            "name": f"{f} {last}",
+            "email": f"{f.lower()}.{last.lower()}@example.com",
+        }
     orders = {}
     for i in range(rng.randint(2, 5)):
         oid = f"O-{1001 + i}"
         sku = rng.choice(sorted(products))
         qty = rng.randint(1, 3)
-        orders[oid] = {"id": oid, "customer_id": rng.choice(sorted(customers)), "sku": sku, "quantity": qty,
-                       "total": products[sku]["price"] * qty, "status": rng.choice(["open", "open", "cancelled"])}
-    return {"products": products, "customers": customers, "orders": orders,
-            "next_order": 1001 + len(orders), "next_customer": 1 + len(customers)}
+        orders[oid] = {
+            "id": oid,
+            "customer_id": rng.choice(sorted(customers)),
+            "sku": sku,
+            "quantity": qty,
+            "total": products[sku]["price"] * qty,
+            "status": rng.choice(["open", "open", "cancelled"]),
+        }
+    return {
+        "products": products,
+        "customers": customers,
+        "orders": orders,
+        "next_order": 1001 + len(orders),
+        "next_customer": 1 + len(customers),
+    }
 
 
 def _gen_level0(rng: random.Random, st: dict) -> tuple[str, list, list[str]]:
@@ -226,25 +318,36 @@ def _gen_level0(rng: random.Random, st: dict) -> tuple[str, list, list[str]]:
     sku = rng.choice(sorted(st["products"]))
     if kind == "price":
         price = rng.randint(5, 99)
-        return f"Use set_price to set the price of product {sku} to {price}.", [["set_price", {"sku": sku, "price": price}]], \
-            ["set_price", "update_stock", "get_product", "cancel_order"]
+        return (
+            f"Use set_price to set the price of product {sku} to {price}.",
+            [["set_price", {"sku": sku, "price": price}]],
+            ["set_price", "update_stock", "get_product", "cancel_order"],
+        )
     if kind == "stock":
         n = rng.randint(2, 20)
-        return f"Use update_stock to add {n} units to the stock of product {sku}.", [["update_stock", {"sku": sku, "delta": n}]], \
-            ["update_stock", "set_price", "get_product", "create_customer"]
+        return (
+            f"Use update_stock to add {n} units to the stock of product {sku}.",
+            [["update_stock", {"sku": sku, "delta": n}]],
+            ["update_stock", "set_price", "get_product", "create_customer"],
+        )
     if kind == "customer":
         taken = {c["name"] for c in st["customers"].values()}
         f, last = rng.choice([(f, la) for f in FIRST for la in LAST if f"{f} {la}" not in taken])
         email = f"{f.lower()}@{last.lower()}.com"
-        return (f"Use create_customer to create a customer named {f} {last} with email {email}.",
-                [["create_customer", {"name": f"{f} {last}", "email": email}]],
-                ["create_customer", "find_customer", "set_price", "cancel_order"])
+        return (
+            f"Use create_customer to create a customer named {f} {last} with email {email}.",
+            [["create_customer", {"name": f"{f} {last}", "email": email}]],
+            ["create_customer", "find_customer", "set_price", "cancel_order"],
+        )
     open_orders = sorted(o for o, v in st["orders"].items() if v["status"] == "open")
     if not open_orders:
         return _gen_level0(rng, st)
     oid = rng.choice(open_orders)
-    return f"Use cancel_order to cancel order {oid}.", [["cancel_order", {"order_id": oid}]], \
-        ["cancel_order", "list_orders", "update_stock", "get_product"]
+    return (
+        f"Use cancel_order to cancel order {oid}.",
+        [["cancel_order", {"order_id": oid}]],
+        ["cancel_order", "list_orders", "update_stock", "get_product"],
+    )
 
 
 def _units(n: int) -> str:
@@ -265,14 +368,26 @@ def _gen_level1(rng: random.Random, st: dict) -> tuple[str, list, str | None]:
     search = ["search_products", {"query": p["name"]}]
     if kind == "price":
         price = rng.randint(5, 99)
-        return f"Set the price of the {p['name']} to {price}.", [search, ["set_price", {"sku": p["sku"], "price": price}]], None
+        return (
+            f"Set the price of the {p['name']} to {price}.",
+            [search, ["set_price", {"sku": p["sku"], "price": price}]],
+            None,
+        )
     if kind == "stock_q":
         return f"How many units of the {p['name']} are in stock?", [search], str(p["stock"])
     if kind == "email_q":
         c = _pick_customer(rng, st)
-        return f"What is the email address of customer {c['name']}?", [["find_customer", {"name": c["name"]}]], c["email"]
+        return (
+            f"What is the email address of customer {c['name']}?",
+            [["find_customer", {"name": c["name"]}]],
+            c["email"],
+        )
     n = rng.randint(2, 20)
-    return f"Add {n} units to the stock of the {p['name']}.", [search, ["update_stock", {"sku": p["sku"], "delta": n}]], None
+    return (
+        f"Add {n} units to the stock of the {p['name']}.",
+        [search, ["update_stock", {"sku": p["sku"], "delta": n}]],
+        None,
+    )
 
 
 def _gen_level2(rng: random.Random, st: dict) -> tuple[str, list, str | None]:
@@ -285,20 +400,36 @@ def _gen_level2(rng: random.Random, st: dict) -> tuple[str, list, str | None]:
         else:
             p = in_stock[rng.randrange(len(in_stock))]
             qty = rng.randint(1, min(p["stock"], 5))
-            return (f"Customer {c['name']} wants {_units(qty)} of the {p['name']}. Place the order.",
-                    [["find_customer", {"name": c["name"]}], ["search_products", {"query": p["name"]}],
-                     ["create_order", {"customer_id": c["id"], "sku": p["sku"], "quantity": qty}]], None)
+            return (
+                f"Customer {c['name']} wants {_units(qty)} of the {p['name']}. Place the order.",
+                [
+                    ["find_customer", {"name": c["name"]}],
+                    ["search_products", {"query": p["name"]}],
+                    ["create_order", {"customer_id": c["id"], "sku": p["sku"], "quantity": qty}],
+                ],
+                None,
+            )
     if kind == "cancel_all":
-        open_ids = sorted(o for o, v in st["orders"].items() if v["customer_id"] == c["id"] and v["status"] == "open")
+        open_ids = sorted(
+            o for o, v in st["orders"].items() if v["customer_id"] == c["id"] and v["status"] == "open"
+        )
         if open_ids:
-            return (f"Cancel every open order of customer {c['name']}.",
-                    [["find_customer", {"name": c["name"]}], ["list_orders", {"customer_id": c["id"], "status": "open"}]]
-                    + [["cancel_order", {"order_id": o}] for o in open_ids], None)
+            return (
+                f"Cancel every open order of customer {c['name']}.",
+                [
+                    ["find_customer", {"name": c["name"]}],
+                    ["list_orders", {"customer_id": c["id"], "status": "open"}],
+                ]
+                + [["cancel_order", {"order_id": o}] for o in open_ids],
+                None,
+            )
     p = _pick_product(rng, st)
     qty = rng.randint(2, 9)
-    return (f"How much would {_units(qty)} of the {p['name']} cost in total?",
-            [["search_products", {"query": p["name"]}], ["compute_total", {"sku": p["sku"], "quantity": qty}]],
-            str(p["price"] * qty))
+    return (
+        f"How much would {_units(qty)} of the {p['name']} cost in total?",
+        [["search_products", {"query": p["name"]}], ["compute_total", {"sku": p["sku"], "quantity": qty}]],
+        str(p["price"] * qty),
+    )
 
 
 def _gen_level3(rng: random.Random, st: dict) -> tuple[str, list, str | None]:
@@ -310,16 +441,22 @@ def _gen_level3(rng: random.Random, st: dict) -> tuple[str, list, str | None]:
         if p["stock"] < qty:
             actions.append(["update_stock", {"sku": p["sku"], "delta": qty - p["stock"]}])
         actions.append(["create_order", {"customer_id": c["id"], "sku": p["sku"], "quantity": qty}])
-        return (f"Customer {c['name']} wants {_units(qty)} of the {p['name']}. If there is not enough stock, first add "
-                "exactly the missing units to stock. Then place the order and tell me the order id.",
-                actions, f"O-{st['next_order']}")
+        return (
+            f"Customer {c['name']} wants {_units(qty)} of the {p['name']}. If there is not enough stock, first add "
+            "exactly the missing units to stock. Then place the order and tell me the order id.",
+            actions,
+            f"O-{st['next_order']}",
+        )
     cats = sorted({p["category"] for p in st["products"].values()})
     cat = rng.choice(cats)
     k = rng.randint(1, 5)
     members = [p for p in st["products"].values() if p["category"] == cat]
-    return (f"Raise the price of every product in category {cat} by {k} dollars.",
-            [["search_products", {"query": "", "category": cat}]]
-            + [["set_price", {"sku": p["sku"], "price": p["price"] + k}] for p in members], None)
+    return (
+        f"Raise the price of every product in category {cat} by {k} dollars.",
+        [["search_products", {"query": "", "category": cat}]]
+        + [["set_price", {"sku": p["sku"], "price": p["price"] + k}] for p in members],
+        None,
+    )
 
 
 def format_score(counts: dict[str, int]) -> float:
@@ -391,15 +528,28 @@ class ToolsApisDomain(Domain):
             key = f"{request}|{sorted(st['products'].items())}|{sorted(st['customers'].items())}"
 
             def build() -> Task:
-                text = request if answer is None else request + " Put the answer inside <answer></answer> tags."
+                text = (
+                    request if answer is None else request + " Put the answer inside <answer></answer> tags."
+                )
                 if difficulty == 0:
                     text += " " + LEVEL0_HINT
                 max_turns = self.max_turns_override or len(actions) + 2
-                meta = {"initial_state": st, "gold_actions": actions, "answer": answer, "tool_names": tool_names,
-                        "max_turns": max_turns, "request": request}
-                return Task(id="", domain=self.name, difficulty=difficulty,
-                            prompt=[Message("system", SYSTEM), Message("user", text)],
-                            tools=[TOOL_SPECS[n] for n in tool_names], meta=meta)
+                meta = {
+                    "initial_state": st,
+                    "gold_actions": actions,
+                    "answer": answer,
+                    "tool_names": tool_names,
+                    "max_turns": max_turns,
+                    "request": request,
+                }
+                return Task(
+                    id="",
+                    domain=self.name,
+                    difficulty=difficulty,
+                    prompt=[Message("system", SYSTEM), Message("user", text)],
+                    tools=[TOOL_SPECS[n] for n in tool_names],
+                    meta=meta,
+                )
 
             return key, build
 

@@ -17,7 +17,9 @@ def get_parser(chat_format: str) -> ChatFormat:
     try:
         return _FORMATS[chat_format]
     except KeyError:
-        raise ValueError(f"unknown chat format '{chat_format}' (valid: {', '.join(sorted(_FORMATS))})") from None
+        raise ValueError(
+            f"unknown chat format '{chat_format}' (valid: {', '.join(sorted(_FORMATS))})"
+        ) from None
 
 
 def chat_formats() -> list[str]:

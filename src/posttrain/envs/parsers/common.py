@@ -74,7 +74,9 @@ class ChatFormat:
 def call_from_obj(obj: Any) -> tuple[str, dict[str, Any]]:
     """{"name": str, "arguments": dict | JSON string} -> (name, arguments), or ValueError saying why."""
     if not isinstance(obj, dict):
-        raise ValueError(f"a tool call must be a JSON object with 'name' and 'arguments', got {type(obj).__name__}")
+        raise ValueError(
+            f"a tool call must be a JSON object with 'name' and 'arguments', got {type(obj).__name__}"
+        )
     name = obj.get("name")
     if not isinstance(name, str) or not name:
         raise ValueError("a tool call needs a non-empty string 'name'")

@@ -115,16 +115,31 @@ class Worker:
             else:
                 self.seccomp = None
         # The worker's own environment becomes the jobs' (set once here, inherited by every fork).
-        self.job_env = {"PATH": "/usr/bin:/bin", "HOME": self.jobdir, "TMPDIR": os.path.join(self.jobdir, ".tmp"),
-                        "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "OPENBLAS_NUM_THREADS": "1",
-                        "OMP_NUM_THREADS": "1", "PYTHONIOENCODING": "utf-8", "PYTHONHASHSEED": "0"}
+        self.job_env = {
+            "PATH": "/usr/bin:/bin",
+            "HOME": self.jobdir,
+            "TMPDIR": os.path.join(self.jobdir, ".tmp"),
+            "LANG": "C.UTF-8",
+            "LC_ALL": "C.UTF-8",
+            "OPENBLAS_NUM_THREADS": "1",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONIOENCODING": "utf-8",
+            "PYTHONHASHSEED": "0",
+        }
         os.environ.clear()
         os.environ.update(self.job_env)
         gc.collect()
         gc.freeze()  # keeps forked children from copying the worker's heap on the first GC
         self.base_vm_bytes = _vm_size()
-        return {"ready": True, "pid": os.getpid(), "uid": os.getuid(), "seccomp": self.seccomp_status,
-                "preloaded": imported, "preload_failed": failed, "python": sys.version.split()[0]}
+        return {
+            "ready": True,
+            "pid": os.getpid(),
+            "uid": os.getuid(),
+            "seccomp": self.seccomp_status,
+            "preloaded": imported,
+            "preload_failed": failed,
+            "python": sys.version.split()[0],
+        }
 
     def _verify_seccomp(self) -> str:
         """Install the filter in a throwaway child and check that a denied call really fails."""
@@ -164,11 +179,14 @@ class Worker:
                     argv, src = COMPILE[lang]
                     with open(os.path.join(self.jobdir, src), "wb") as fh:
                         fh.write(code)
-                    climits = dict(limits, wall_time_s=max(30.0, limits["wall_time_s"]),
-                                   cpu_time_s=max(20.0, limits["cpu_time_s"]),
-                                   memory_bytes=max(1 << 30, limits["memory_bytes"]),
-                                   max_processes=max(8, limits["max_processes"]),
-                                   max_file_bytes=max(64 << 20, limits["max_file_bytes"]))
+                    climits = dict(
+                        limits,
+                        wall_time_s=max(30.0, limits["wall_time_s"]),
+                        cpu_time_s=max(20.0, limits["cpu_time_s"]),
+                        memory_bytes=max(1 << 30, limits["memory_bytes"]),
+                        max_processes=max(8, limits["max_processes"]),
+                        max_file_bytes=max(64 << 20, limits["max_file_bytes"]),
+                    )
                     res, out, err = self.supervise(("exec", argv), climits, None)
                     compile_ms = res["wall_ms"]
                     if res["status"] != "ok":
@@ -196,14 +214,20 @@ class Worker:
             res["files"] = files
             return res, [out, err, *fblobs]
         except Exception as err:
-            return {"status": "sandbox_error", "error": f"worker: {type(err).__name__}: {err}",
-                    "wall_ms": (time.monotonic() - t0) * 1000, "recycle": True}, [b"", b""]
+            return {
+                "status": "sandbox_error",
+                "error": f"worker: {type(err).__name__}: {err}",
+                "wall_ms": (time.monotonic() - t0) * 1000,
+                "recycle": True,
+            }, [b"", b""]
         finally:
             # Millions of empty files cost kernel memory and a slow wipe: let the jail die instead.
             # /dev/shm is wiped like the job dir: POSIX shm (and anything else a job leaves there)
             # would otherwise outlive the job, readable by the next one and charged to its memory.
             dirs = [self.jobdir, *([self.shm_dir] if self.shm_dir else [])]
-            if sum(self._used_inodes(d) for d in dirs) > MAX_INODES_TO_WIPE or not all(map(self._wipe_dir, dirs)):
+            if sum(self._used_inodes(d) for d in dirs) > MAX_INODES_TO_WIPE or not all(
+                map(self._wipe_dir, dirs)
+            ):
                 self.recycle_hint = True
 
     def _fresh_jobdir(self) -> None:
@@ -355,9 +379,17 @@ class Worker:
             status = "runtime_error"
         else:
             status = "ok"
-        res = {"status": status, "exit_code": exit_code, "signal": sig, "wall_ms": wall_ms, "cpu_ms": cpu_ms,
-               "max_rss_bytes": ru.ru_maxrss * 1024, "stdout_truncated": truncated[out_r],
-               "stderr_truncated": truncated[err_r], "recycle": recycle}
+        res = {
+            "status": status,
+            "exit_code": exit_code,
+            "signal": sig,
+            "wall_ms": wall_ms,
+            "cpu_ms": cpu_ms,
+            "max_rss_bytes": ru.ru_maxrss * 1024,
+            "stdout_truncated": truncated[out_r],
+            "stderr_truncated": truncated[err_r],
+            "recycle": recycle,
+        }
         return res, bytes(bufs[out_r]), stderr
 
     @staticmethod
@@ -437,9 +469,12 @@ class Worker:
         as_limit = mem + (self.base_vm_bytes if target[0] == "python" else 0)
         cpu = max(1, int(limits["cpu_time_s"] + 0.999))
         rl = [
-            (resource.RLIMIT_AS, as_limit), (resource.RLIMIT_DATA, as_limit),
-            (resource.RLIMIT_CPU, (cpu, cpu + 1)), (resource.RLIMIT_FSIZE, int(limits["max_file_bytes"])),
-            (resource.RLIMIT_NOFILE, CHILD_FDS_LIMIT), (resource.RLIMIT_CORE, 0),
+            (resource.RLIMIT_AS, as_limit),
+            (resource.RLIMIT_DATA, as_limit),
+            (resource.RLIMIT_CPU, (cpu, cpu + 1)),
+            (resource.RLIMIT_FSIZE, int(limits["max_file_bytes"])),
+            (resource.RLIMIT_NOFILE, CHILD_FDS_LIMIT),
+            (resource.RLIMIT_CORE, 0),
             (resource.RLIMIT_STACK, 64 << 20),
         ]
         nproc_extra = self.cfg.get("nproc_extra", 1)
@@ -463,12 +498,15 @@ def _run_python(code: bytes, argv: list) -> None:
     if _STDIO_REUSABLE:  # the interpreter's own (never used) stdio objects now sit on the job's fds
         sys.stdin, sys.stdout, sys.stderr = sys.__stdin__, sys.__stdout__, sys.__stderr__
     else:
-        sys.stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)), encoding="utf-8",
-                                     errors="surrogateescape")
-        sys.stdout = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)), encoding="utf-8",
-                                      errors="surrogateescape")
-        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
-                                      errors="backslashreplace", write_through=True)
+        sys.stdin = io.TextIOWrapper(
+            io.BufferedReader(io.FileIO(0, "r", closefd=False)), encoding="utf-8", errors="surrogateescape"
+        )
+        sys.stdout = io.TextIOWrapper(
+            io.BufferedWriter(io.FileIO(1, "w", closefd=False)), encoding="utf-8", errors="surrogateescape"
+        )
+        sys.stderr = io.TextIOWrapper(
+            io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace", write_through=True
+        )
     sys.path[0] = os.getcwd()
     status = 0
     try:
@@ -487,7 +525,9 @@ def _run_python(code: bytes, argv: list) -> None:
         status = 1
     except BaseException as exc:
         try:  # hide the harness frame: the traceback starts in the job's code
-            traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next if exc.__traceback__ else None)
+            traceback.print_exception(
+                type(exc), exc, exc.__traceback__.tb_next if exc.__traceback__ else None
+            )
         except MemoryError:
             _write_quiet(2, b"\n" + MEMORY_ERROR_LINE)
         status = 1
@@ -503,8 +543,10 @@ def _stdio_reusable() -> bool:
     """True when the interpreter's startup stdio is UTF-8 with the error handlers jobs expect."""
     want = (("utf-8", "surrogateescape"), ("utf-8", "surrogateescape"), ("utf-8", "backslashreplace"))
     streams = (sys.__stdin__, sys.__stdout__, sys.__stderr__)
-    return all(s is not None and (s.encoding.lower().replace("_", "-"), s.errors) == w
-               for s, w in zip(streams, want, strict=True))
+    return all(
+        s is not None and (s.encoding.lower().replace("_", "-"), s.errors) == w
+        for s, w in zip(streams, want, strict=True)
+    )
 
 
 _STDIO_REUSABLE = False
@@ -596,8 +638,15 @@ def main() -> None:
         header, blobs = frame
         if header.get("op") == "ping":
             me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-            write_frame(proto_out, {"pong": True, "cpu_s": me.ru_utime + me.ru_stime,
-                                    "children_cpu_s": kids.ru_utime + kids.ru_stime}, [])
+            write_frame(
+                proto_out,
+                {
+                    "pong": True,
+                    "cpu_s": me.ru_utime + me.ru_stime,
+                    "children_cpu_s": kids.ru_utime + kids.ru_stime,
+                },
+                [],
+            )
             continue
         worker.recycle_hint = False
         res, out = worker.handle(header, blobs)

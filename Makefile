@@ -48,6 +48,7 @@ test-slow: setup
 
 lint: setup
 	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -2,8 +2,9 @@
 
 Run: .venv/bin/python examples/custom_domain.py
 It registers `reverse.words`, plays its reference answer and a wrong one through the environment, and
-prints the rewards. Train on it with `--set envs.domains=[{name: reverse.words}]` after importing this
-module (e.g. from a plugin package).
+prints the rewards. Train on it with
+    posttrain --plugin examples/custom_domain.py train --set 'envs.domains=[{name: reverse.words}]'
+or install it in a package that names it under the `posttrain.domains` entry point group.
 """
 
 from __future__ import annotations

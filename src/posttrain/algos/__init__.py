@@ -1,7 +1,9 @@
-"""The math of post-training as pure tensor functions: advantages, policy/value losses, KL, importance.
+"""The math of post-training as pure tensor functions: advantages, policy/value losses, KL, importance,
+the supervised NLL and preference losses (DPO, IPO, SimPO).
 
-Estimators and policy losses are registered by name (`@register_advantage("grpo")`,
-`@register_policy_loss("ppo_clip")`) and looked up with `get_advantage` / `get_policy_loss`.
+Estimators, policy losses and preference losses are registered by name (`@register_advantage("grpo")`,
+`@register_policy_loss("ppo_clip")`, `@register_preference_loss("dpo")`) and looked up with
+`get_advantage` / `get_policy_loss` / `get_preference_loss`.
 Holds no model and no training state (the adaptive KL coefficient is the one small stateful object).
 """
 
@@ -30,15 +32,21 @@ from posttrain.algos.losses import (
     entropy_from_logits,
     value_loss,
 )
+from posttrain.algos.preference import PreferenceLossOutput, dpo, ipo, simpo
 from posttrain.algos.registry import (
     get_advantage,
     get_policy_loss,
+    get_preference_loss,
     list_advantages,
     list_policy_losses,
+    list_preference_losses,
+    preference_needs_reference,
     register_advantage,
     register_policy_loss,
+    register_preference_loss,
     uses_group_baseline,
 )
+from posttrain.algos.supervised import masked_nll
 
 __all__ = [
     "AGG_MODES",
@@ -48,24 +56,33 @@ __all__ = [
     "FixedKLController",
     "KLController",
     "PolicyLossOutput",
+    "PreferenceLossOutput",
     "aggregate",
     "aggregation_weights",
     "discounted_returns",
+    "dpo",
     "entropy_from_logits",
     "get_advantage",
     "get_policy_loss",
+    "get_preference_loss",
     "group_stats",
+    "ipo",
     "kl_estimate",
     "list_advantages",
     "list_policy_losses",
+    "list_preference_losses",
     "make_kl_controller",
     "masked_mean",
+    "masked_nll",
     "masked_whiten",
     "mismatch_metrics",
+    "preference_needs_reference",
     "ratio_mask",
     "register_advantage",
     "register_policy_loss",
+    "register_preference_loss",
     "sequence_scores",
+    "simpo",
     "tis_weights",
     "uses_group_baseline",
     "value_loss",

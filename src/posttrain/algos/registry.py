@@ -1,7 +1,7 @@
-"""Name -> function registries for advantage estimators and policy losses.
+"""Name -> function registries for advantage estimators, policy losses and preference losses.
 
 Adding an algorithm is adding a decorated function; the Learner looks functions up by the names in
-`AlgorithmConfig`. This module holds no math and no state beyond the two name tables.
+`AlgorithmConfig`. This module holds no math and no state beyond the name tables.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 ADVANTAGES: dict[str, Callable[..., Any]] = {}
 POLICY_LOSSES: dict[str, Callable[..., Any]] = {}
 GROUP_BASELINE: set[str] = set()  # estimators whose baseline is the rest of the sequence's group
+PREFERENCE_LOSSES: dict[str, Callable[..., Any]] = {}
+REFERENCE_FREE: set[str] = set()  # preference losses that take no reference model (SimPO)
 
 
 def _register(table: dict[str, Callable[..., Any]], kind: str, name: str) -> Callable[[F], F]:
@@ -66,3 +68,27 @@ def list_advantages() -> list[str]:
 
 def list_policy_losses() -> list[str]:
     return sorted(POLICY_LOSSES)
+
+
+def register_preference_loss(name: str, reference: bool = True) -> Callable[[F], F]:
+    """Register a preference loss over per-sequence logprobs of (chosen, rejected) pairs:
+    `fn(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, *,
+    chosen_tokens, rejected_tokens, **hyperparameters) -> PreferenceLossOutput`.
+    `reference=False`: the loss uses no reference model (its reference arguments must be None)."""
+    if not reference:
+        REFERENCE_FREE.add(name)
+    return _register(PREFERENCE_LOSSES, "preference loss", name)
+
+
+def get_preference_loss(name: str) -> Callable[..., Any]:
+    return _get(PREFERENCE_LOSSES, "preference loss", name)
+
+
+def preference_needs_reference(name: str) -> bool:
+    """Whether the preference loss `name` compares the policy with a reference model."""
+    get_preference_loss(name)
+    return name not in REFERENCE_FREE
+
+
+def list_preference_losses() -> list[str]:
+    return sorted(PREFERENCE_LOSSES)

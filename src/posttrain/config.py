@@ -72,7 +72,20 @@ class EngineConfig(Section):
         description="weights and activations of the engine; auto = bfloat16 where the device runs it natively "
         "(AVX512-BF16/AMX CPUs, bf16 GPUs), else float32; resolved when the config loads",
     )
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "int8"] = Field(
+        "auto",
+        description="paged engine K/V pool; auto = the engine dtype; int8 = symmetric int8 with a float32 scale "
+        "per token and KV head (about half the bytes of bfloat16), dequantized when attention reads it",
+    )
+    weight_quant: Literal["none", "int8", "int4"] = Field(
+        "none",
+        description="paged engine on CPU: int8 = per-output-channel int8 weights x per-token int8 activations "
+        "on an integer GEMM (fbgemm); int4 = 4-bit weights in groups of 32, bfloat16 activations (less memory, "
+        "not faster than int8 here, larger error); none = the engine dtype",
+    )
+    quantize_lm_head: bool = Field(
+        True, description="with weight_quant, quantize the output projection too (a fifth of a 135M model)"
+    )
     block_size: int = Field(16, ge=1)
     num_kv_blocks: int = Field(2048, ge=1)
     max_num_seqs: int = Field(64, ge=1)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from posttrain.engine.quant import dequantize_kv
+
 
 class DecodeStage:
     """One decode group: rows of K/V in the compute dtype, `lengths[r]` tokens valid in row r."""
@@ -75,15 +77,25 @@ class DecodeStage:
         self.lengths.pop()
 
     def fill_row(
-        self, r: int, length: int, block_table: list[int], k_cache: torch.Tensor, v_cache: torch.Tensor
+        self,
+        r: int,
+        length: int,
+        block_table: list[int],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None:
-        """Copy the first `length` tokens of a sequence from the paged pool `[layers, blocks, bs, kv, hd]`."""
+        """Copy the first `length` tokens of a sequence from the paged pool `[layers, blocks, bs, kv, hd]`
+        (an int8 pool is dequantized with its scales `[layers, blocks, bs, kv]`)."""
         if length == 0:
             return
         bs = k_cache.shape[2]
         blocks = torch.tensor(block_table[: -(-length // bs)], device=k_cache.device)
-        for pool, dst in ((k_cache, self.k), (v_cache, self.v)):
+        for pool, scales, dst in ((k_cache, k_scale, self.k), (v_cache, v_scale, self.v)):
             src = pool.index_select(1, blocks).flatten(1, 2)[:, :length]  # [layers, length, kv, hd]
+            if scales is not None:
+                src = dequantize_kv(src, scales.index_select(1, blocks).flatten(1, 2)[:, :length], self.dtype)
             dst[:, r, :, :length] = src.transpose(1, 2)
 
 
@@ -161,6 +173,8 @@ class DecodeStager:
         members: list[tuple[Hashable, int, list[int]]],
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> list[StagedGroup]:
         """Stage the step's decode members `(key, context length, block table)`: each gets a row holding its
         context; the step then writes one token per row. A key must change when a sequence's cached K/V do
@@ -195,7 +209,7 @@ class DecodeStager:
             key, ctx, table = members[i]
             stage.keys.append(key)
             stage.lengths.append(ctx)
-            stage.fill_row(len(stage.keys) - 1, ctx, table, k_cache, v_cache)
+            stage.fill_row(len(stage.keys) - 1, ctx, table, k_cache, v_cache, k_scale, v_scale)
             self.rows_filled += 1
         groups = []
         for stage in self.stages:

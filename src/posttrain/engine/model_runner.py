@@ -4,7 +4,8 @@ Owns the engine's copy of the weights (q/k/v and gate/up fused for fewer matmuls
 KV block pools `[num_blocks, block_size, kv_heads, head_dim]`, RoPE tables, and one varlen forward
 that runs decode tokens (batched per group over its decode stage, or a padded gather of its blocks)
 and prefill chunks (one attention call per sequence, no padding) together. Supports Llama, Qwen2 (q/k/v bias), Qwen3
-(q/k RMSNorm) and Mistral without a sliding window. Does not schedule or sample.
+(q/k RMSNorm) and Mistral without a sliding window. Optionally runs the linears on int8/int4 weights and keeps
+K/V in int8 with per-token-per-head scales (the kernels are quant.py). Does not schedule or sample.
 """
 
 from __future__ import annotations
@@ -19,6 +20,15 @@ import torch
 import torch.nn.functional as F
 
 from posttrain.engine.decode_stage import DecodeStage
+from posttrain.engine.quant import (
+    KV_INT8,
+    WEIGHT_QUANTS,
+    QuantLinear,
+    dequantize_kv,
+    quantize_kv,
+    quantize_linear,
+    weight_quant_works,
+)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -173,17 +183,31 @@ class ModelRunner:
         num_blocks: int = 1024,
         max_model_len: int = 4096,
         device: str = "cpu",
+        weight_quant: str = "none",
+        quantize_lm_head: bool = True,
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got '{dtype}'")
-        if kv_cache_dtype != "auto" and kv_cache_dtype not in DTYPES:
+        if kv_cache_dtype not in ("auto", KV_INT8, *DTYPES):
             raise ValueError(
-                f"kv_cache_dtype must be 'auto' or one of {list(DTYPES)}, got '{kv_cache_dtype}'"
+                f"kv_cache_dtype must be one of {['auto', *DTYPES, KV_INT8]}, got '{kv_cache_dtype}'"
             )
+        if weight_quant not in WEIGHT_QUANTS:
+            raise ValueError(f"weight_quant must be one of {list(WEIGHT_QUANTS)}, got '{weight_quant}'")
         self.spec = ModelSpec.from_hf_config(config, max_model_len)
         self.dtype = DTYPES[dtype]
-        self.kv_dtype = self.dtype if kv_cache_dtype == "auto" else DTYPES[kv_cache_dtype]
+        self.kv_int8 = kv_cache_dtype == KV_INT8
+        if self.kv_int8:
+            self.kv_dtype = torch.int8
+        else:
+            self.kv_dtype = self.dtype if kv_cache_dtype == "auto" else DTYPES[kv_cache_dtype]
         self.device = torch.device(device)
+        if weight_quant != "none":
+            why = weight_quant_works(weight_quant, self.device)
+            if why is not None:
+                raise ValueError(f"{why}; use weight_quant 'none'")
+        self.weight_quant = weight_quant
+        self.quantize_lm_head = quantize_lm_head
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
@@ -199,10 +223,15 @@ class ModelRunner:
         self._init_weights()
         self.packed: list[dict[str, torch.Tensor]] | None = None
         self.packed_lm_head: torch.Tensor | None = None
+        self.quantized: list[dict[str, QuantLinear]] | None = None
+        self.quantized_lm_head: QuantLinear | None = None
         self.use_packed = onednn_packing_works(self.device, self.dtype)
         self.load_weights(state_dict.items(), strict=True)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        # int8 K/V: float32 scales per token and KV head, [layers, blocks, block_size, kv_heads]
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
 
     # ---- weights -------------------------------------------------------------------------------
 
@@ -323,15 +352,37 @@ class ModelRunner:
             missing = sorted(required - loaded)
             if missing:
                 raise ValueError(f"state dict lacks {len(missing)} parameters, e.g. {missing[:3]}")
+        if loaded and self.weight_quant != "none":
+            self._quantize()
         if self.use_packed and loaded:
             self._pack()
         return len(loaded)
 
+    def _quantize(self) -> None:
+        """Re-quantize every GEMM weight (after each load, like `_pack`: the quantized copies are not views)."""
+        q = self.weight_quant
+        self.quantized = [{k: quantize_linear(layer[k], q) for k in _PACKED} for layer in self.layers]
+        self.quantized_lm_head = quantize_linear(self.lm_head, q) if self.quantize_lm_head else None
+
     def _pack(self) -> None:
-        """Re-pack every GEMM weight for oneDNN (after each load: the packed copies are not views)."""
+        """Re-pack for oneDNN every GEMM weight not quantized (after each load: the packed copies are not views)."""
         pack = torch.ops.mkldnn._reorder_linear_weight
-        self.packed = [{k: pack(layer[k], _PACK_BATCH_HINT) for k in _PACKED} for layer in self.layers]
-        self.packed_lm_head = pack(self.lm_head, _PACK_BATCH_HINT)
+        if self.quantized is None:
+            self.packed = [{k: pack(layer[k], _PACK_BATCH_HINT) for k in _PACKED} for layer in self.layers]
+        if self.quantized_lm_head is None:
+            self.packed_lm_head = pack(self.lm_head, _PACK_BATCH_HINT)
+
+    def weight_bytes(self) -> int:
+        """Bytes of GEMM weights one forward reads (quantized where quantized), embedding lookup excluded."""
+        total = 0
+        for li, layer in enumerate(self.layers):
+            for k in _PACKED:
+                qz = self.quantized[li][k] if self.quantized is not None else None
+                total += qz.nbytes() if qz is not None else layer[k].numel() * layer[k].element_size()
+        head = self.quantized_lm_head
+        return total + (
+            head.nbytes() if head is not None else self.lm_head.numel() * self.lm_head.element_size()
+        )
 
     def _linear(
         self,
@@ -339,7 +390,10 @@ class ModelRunner:
         weight: torch.Tensor,
         packed: torch.Tensor | None,
         bias: torch.Tensor | None = None,
+        quantized: QuantLinear | None = None,
     ) -> torch.Tensor:
+        if quantized is not None:
+            return quantized(x, bias)
         if packed is not None and (self.dtype == torch.float32 or x.shape[0] <= _BF16_PACKED_MAX_ROWS):
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         return F.linear(x, weight, bias)
@@ -356,6 +410,9 @@ class ModelRunner:
         # block 0, the padding of decode block tables, now: masked slots are read, and 0 x NaN is NaN
         self.k_cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
         self.v_cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
+        if self.kv_int8:
+            self.k_scale = torch.empty(shape[:-1], dtype=torch.float32, device=self.device)
+            self.v_scale = torch.empty(shape[:-1], dtype=torch.float32, device=self.device)
         self.zero_blocks([0])
 
     def zero_blocks(self, blocks: list[int]) -> None:
@@ -363,17 +420,58 @@ class ModelRunner:
         if not blocks or self.k_cache is None or self.v_cache is None:
             return
         idx = torch.tensor(sorted(set(blocks)), device=self.device)
-        self.k_cache.index_fill_(1, idx, 0)
-        self.v_cache.index_fill_(1, idx, 0)
+        for t in (self.k_cache, self.v_cache, self.k_scale, self.v_scale):
+            if t is not None:
+                t.index_fill_(1, idx, 0)
 
     def release_kv_cache(self) -> None:
         self.k_cache = None
         self.v_cache = None
+        self.k_scale = None
+        self.v_scale = None
 
     def kv_cache_bytes(self) -> int:
         s = self.spec
         per = s.num_layers * self.num_blocks * self.block_size * s.num_kv_heads * s.head_dim
-        return 2 * per * torch.tensor([], dtype=self.kv_dtype).element_size()
+        scales = 2 * 4 * (per // s.head_dim) if self.kv_int8 else 0
+        return 2 * per * torch.tensor([], dtype=self.kv_dtype).element_size() + scales
+
+    def _write_kv(self, li: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        KV, hd = self.spec.num_kv_heads, self.spec.head_dim
+        assert self.k_cache is not None and self.v_cache is not None
+        kc, vc = self.k_cache[li].view(-1, KV, hd), self.v_cache[li].view(-1, KV, hd)
+        if not self.kv_int8:
+            kc.index_copy_(0, slots, k.to(self.kv_dtype))  # .to is a no-op when dtypes match
+            vc.index_copy_(0, slots, v.to(self.kv_dtype))
+            return
+        assert self.k_scale is not None and self.v_scale is not None
+        for cache, scales, x in ((kc, self.k_scale, k), (vc, self.v_scale, v)):
+            q, scale = quantize_kv(x)
+            cache.index_copy_(0, slots, q)
+            scales[li].view(-1, KV).index_copy_(0, slots, scale)
+
+    def _read_kv(
+        self, li: int, blocks: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of these blocks, `[len(blocks) * block_size, kv_heads, head_dim]`, in `dtype`."""
+        KV, hd = self.spec.num_kv_heads, self.spec.head_dim
+        assert self.k_cache is not None and self.v_cache is not None
+        k = self.k_cache[li].index_select(0, blocks).view(-1, KV, hd)
+        v = self.v_cache[li].index_select(0, blocks).view(-1, KV, hd)
+        if not self.kv_int8:
+            return k.to(dtype), v.to(dtype)
+        assert self.k_scale is not None and self.v_scale is not None
+        ks = self.k_scale[li].index_select(0, blocks).view(-1, KV)
+        vs = self.v_scale[li].index_select(0, blocks).view(-1, KV)
+        return dequantize_kv(k, ks, dtype), dequantize_kv(v, vs, dtype)
+
+    def _as_stored(self, x: torch.Tensor) -> torch.Tensor:
+        """x rounded as the pool stores it (so a decode stage holds what a gather would read)."""
+        if self.kv_int8:
+            return dequantize_kv(*quantize_kv(x), x.dtype)
+        if self.kv_dtype != x.dtype:
+            return x.to(self.kv_dtype).to(x.dtype)
+        return x
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
@@ -381,8 +479,9 @@ class ModelRunner:
         assert self.k_cache is not None and self.v_cache is not None
         src = torch.tensor([p[0] for p in pairs], device=self.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
-        self.k_cache.index_copy_(1, dst, self.k_cache.index_select(1, src))
-        self.v_cache.index_copy_(1, dst, self.v_cache.index_select(1, src))
+        for t in (self.k_cache, self.v_cache, self.k_scale, self.v_scale):
+            if t is not None:
+                t.index_copy_(1, dst, t.index_select(1, src))
 
     # ---- forward -------------------------------------------------------------------------------
 
@@ -402,7 +501,8 @@ class ModelRunner:
         for li, layer in enumerate(self.layers):
             h = _rms_norm(x, layer["in_norm"], eps)
             pk = self.packed[li] if self.packed is not None else {}
-            qkv = self._linear(h, layer["wqkv"], pk.get("wqkv"), layer.get("bqkv"))
+            qz = self.quantized[li] if self.quantized is not None else {}
+            qkv = self._linear(h, layer["wqkv"], pk.get("wqkv"), layer.get("bqkv"), qz.get("wqkv"))
             v = qkv[:, self.q_size + self.kv_size :].view(T, KV, hd)
             if s.qk_norm:
                 q = _rms_norm(qkv[:, : self.q_size].view(T, H, hd), layer["q_norm"], eps)
@@ -415,20 +515,17 @@ class ModelRunner:
                 qk = qkv[:, : self.q_size + self.kv_size].view(T, H + KV, hd)
                 qk = qk * cos + qk.roll(half, -1) * sin
                 q, k = qk[:, :H], qk[:, H:]
-            kc = self.k_cache[li].view(-1, KV, hd)
-            vc = self.v_cache[li].view(-1, KV, hd)
-            kc.index_copy_(0, batch.slot_mapping, k.to(self.kv_dtype))  # .to is a no-op when dtypes match
-            vc.index_copy_(0, batch.slot_mapping, v.to(self.kv_dtype))
+            self._write_kv(li, batch.slot_mapping, k, v)
             attn = self._attention(li, q, k, v, batch)
-            x = x + self._linear(attn, layer["wo"], pk.get("wo"))
+            x = x + self._linear(attn, layer["wo"], pk.get("wo"), quantized=qz.get("wo"))
             h = _rms_norm(x, layer["post_norm"], eps)
-            gu = self._linear(h, layer["wgu"], pk.get("wgu"))
+            gu = self._linear(h, layer["wgu"], pk.get("wgu"), quantized=qz.get("wgu"))
             gate, up = gu.chunk(2, dim=-1)
-            x = x + self._linear(F.silu(gate) * up, layer["wd"], pk.get("wd"))
+            x = x + self._linear(F.silu(gate) * up, layer["wd"], pk.get("wd"), quantized=qz.get("wd"))
         if batch.logit_rows.shape[0] != T:  # else every row is a logit row, in order (decode only)
             x = x.index_select(0, batch.logit_rows)
         x = _rms_norm(x, self.final_norm, eps)
-        return self._linear(x, self.lm_head, self.packed_lm_head).float()
+        return self._linear(x, self.lm_head, self.packed_lm_head, quantized=self.quantized_lm_head).float()
 
     def _attention(
         self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch
@@ -447,17 +544,15 @@ class ModelRunner:
             if grp.stage is not None:
                 ks, vs = grp.stage.k[li], grp.stage.v[li]  # [rows, KV, capacity, hd]
                 kn, vn = k[r0 : r0 + D].reshape(D * KV, hd), v[r0 : r0 + D].reshape(D * KV, hd)
-                if self.kv_dtype != q.dtype:  # stage what the pool holds, rounded to the KV dtype
-                    kn, vn = kn.to(self.kv_dtype).to(q.dtype), vn.to(self.kv_dtype).to(q.dtype)
+                kn, vn = self._as_stored(kn), self._as_stored(vn)  # stage what the pool holds
                 ks.view(-1, hd).index_copy_(0, grp.write_index, kn)
                 vs.view(-1, hd).index_copy_(0, grp.write_index, vn)
                 kd, vd = ks[:D, :, : grp.width], vs[:D, :, : grp.width]
             else:
                 assert grp.block_tables is not None
                 L = grp.block_tables.shape[1] * self.block_size
-                flat = grp.block_tables.view(-1)
-                kd = self.k_cache[li].index_select(0, flat).view(D, L, KV, hd).transpose(1, 2).to(q.dtype)
-                vd = self.v_cache[li].index_select(0, flat).view(D, L, KV, hd).transpose(1, 2).to(q.dtype)
+                kd, vd = self._read_kv(li, grp.block_tables.view(-1), q.dtype)
+                kd, vd = kd.view(D, L, KV, hd).transpose(1, 2), vd.view(D, L, KV, hd).transpose(1, 2)
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=grp.mask, scale=self.scale)
             if out is None:  # a decode-only step in one group: no copy into a shared output
                 return o.reshape(D, H * hd)
@@ -471,8 +566,8 @@ class ModelRunner:
                 mask, causal = None, True
             else:
                 ctx = c.start_pos + n
-                kc = self.k_cache[li].index_select(0, c.block_ids).view(-1, KV, hd)[:ctx].to(q.dtype)
-                vc = self.v_cache[li].index_select(0, c.block_ids).view(-1, KV, hd)[:ctx].to(q.dtype)
+                kc, vc = self._read_kv(li, c.block_ids, q.dtype)
+                kc, vc = kc[:ctx], vc[:ctx]
                 qpos = torch.arange(c.start_pos, ctx, device=q.device)
                 mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]
                 causal = False

@@ -90,6 +90,8 @@ class PagedEngine(Engine):
         enable_prefix_caching: bool = True,
         decode_staging: bool = True,
         device: str = "cpu",
+        weight_quant: str = "none",
+        quantize_lm_head: bool = True,
         seed: int = 0,
     ) -> None:
         for name, value in (
@@ -111,6 +113,8 @@ class PagedEngine(Engine):
             num_blocks=num_blocks,
             max_model_len=max_model_len,
             device=device,
+            weight_quant=weight_quant,
+            quantize_lm_head=quantize_lm_head,
         )
         self.tokenizer = tokenizer
         self.block_size = block_size
@@ -210,6 +214,8 @@ class PagedEngine(Engine):
                 [(s.kv_key, s.num_computed, s.block_table) for s in decodes],
                 self.runner.k_cache,
                 self.runner.v_cache,
+                self.runner.k_scale,
+                self.runner.v_scale,
             )
             decodes = [decodes[i] for g in staged for i in g.members]
             groups, row = [], 0
@@ -564,5 +570,7 @@ def build_paged(engine_cfg: EngineConfig, model: Any, tokenizer: Any, *, seed: i
         enable_prefix_caching=engine_cfg.enable_prefix_caching,
         decode_staging=engine_cfg.decode_staging,
         device=engine_cfg.device,
+        weight_quant=engine_cfg.weight_quant,
+        quantize_lm_head=engine_cfg.quantize_lm_head,
         seed=seed,
     )

@@ -19,8 +19,6 @@ app = typer.Typer(
     rich_markup_mode=None,  # help text is plain: square brackets in examples stay as written
 )
 
-_EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
-
 
 def _version(value: bool) -> None:
     if value:
@@ -62,15 +60,12 @@ def _add_commands(module: str) -> None:
 
 
 _add_commands("run_cmds")  # train, eval, export, report
+_add_commands("serve_cmd")
 _add_group("sandbox_cmd", "sandbox")
 _add_group("tasks_cmd", "tasks")
 _add_group("config_cmd", "config")
 _add_group("models_cmd", "models")
 _add_group("bench", "bench")
-
-from posttrain.cli.stubs import serve as _serve  # noqa: E402
-
-app.command("serve", context_settings=_EXTRA)(_serve)
 
 
 def main() -> None:

@@ -1,1 +1,25 @@
-"""(filled by its issue)"""
+"""The OpenAI-compatible server over the engine: the app and its model registry (app.py), the wire
+format (protocol.py), chat/tool rendering and parsing (chat.py), Prometheus metrics and access logs
+(metrics.py), and the draining uvicorn runner with model loading (server.py). Implements no inference.
+
+    state = ServeState(ServeSettings(api_key=None, max_queue=256))
+    app = create_app(state=state)
+    state.add_model(ModelEntry("tiny:llama", engine, tokenizer, mode="standard"))
+"""
+
+from posttrain.serve.app import AVAILABLE_MODES, MODES, ModelEntry, ServeSettings, ServeState, create_app
+from posttrain.serve.server import DrainingServer, ModelSource, load_entry, resolve_source, run_server
+
+__all__ = [
+    "AVAILABLE_MODES",
+    "MODES",
+    "DrainingServer",
+    "ModelEntry",
+    "ModelSource",
+    "ServeSettings",
+    "ServeState",
+    "create_app",
+    "load_entry",
+    "resolve_source",
+    "run_server",
+]

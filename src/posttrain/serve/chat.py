@@ -1,0 +1,254 @@
+"""OpenAI chat requests <-> the model's text: messages and tools rendered through the chat template
+(models/chat.py), forced tool choices as a prefilled call opening, the model's reply parsed into
+`tool_calls` by the environments' parsers (envs/parsers) and classified against the tools' JSON
+schemas, and stop strings trimmed (also while streaming). Pure functions and one small buffer class;
+no engine, no HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import jsonschema
+
+from posttrain.envs.parsers import get_parser
+from posttrain.envs.parsers.common import OPEN, ParsedOutput
+from posttrain.models import render_messages, template_supports_tools
+from posttrain.serve.protocol import ChatCompletionRequest, ChatMessage, bad_request
+from posttrain.types import ToolSpec
+
+TOOL_OUTCOMES = ("ok", "invalid_json", "unknown_tool", "schema_violation", "none_when_required")
+
+
+def chat_format_for(tokenizer: Any) -> str:
+    """The tool-call syntax the model is prompted with: its template's own (Hermes/Qwen `<tool_call>{..}`)
+    where it renders tools, else the SmolLM2 form models/chat.py describes in the system message."""
+    return "hermes" if template_supports_tools(tokenizer) else "smollm2"
+
+
+@dataclass
+class ToolPlan:
+    """What a request asks of tools: the specs rendered, the mode, and the call opening to prefill."""
+
+    specs: list[ToolSpec] = field(default_factory=list)
+    choice: str = "none"  # none | auto | required | function
+    forced_name: str | None = None
+    parallel: bool = True
+    prefill: str = ""
+
+    @property
+    def active(self) -> bool:
+        return self.choice != "none" and bool(self.specs)
+
+    @property
+    def required(self) -> bool:
+        return self.choice in ("required", "function")
+
+
+def plan_tools(req: ChatCompletionRequest, chat_format: str) -> ToolPlan:
+    tools = req.tools or []
+    specs: list[ToolSpec] = []
+    for i, t in enumerate(tools):
+        schema = t.function.parameters if t.function.parameters is not None else {"type": "object"}
+        try:
+            jsonschema.validators.validator_for(schema).check_schema(schema)
+        except jsonschema.SchemaError as err:
+            raise bad_request(
+                f"tools[{i}].function.parameters is not a valid JSON schema: {err.message}",
+                param=f"tools.{i}.function.parameters",
+            ) from None
+        specs.append(ToolSpec(t.function.name, t.function.description or "", schema))
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise bad_request(f"tools hold the same function name twice: {names}", param="tools")
+    choice = req.tool_choice
+    if choice is None:
+        choice = "auto" if specs else "none"
+    forced = None
+    if not isinstance(choice, str):
+        forced = choice.function.name
+        if forced not in names:
+            raise bad_request(
+                f"tool_choice names function '{forced}', which is not in tools ({', '.join(names) or 'none given'})",
+                param="tool_choice",
+            )
+        choice = "function"
+    if choice in ("required", "function", "auto") and not specs and req.tool_choice is not None:
+        raise bad_request(f"tool_choice '{choice}' needs a non-empty `tools` list", param="tool_choice")
+    plan = ToolPlan(specs, choice, forced, req.parallel_tool_calls is not False)
+    if forced:
+        # no constrained decoding: a named call is forced by writing its opening into the prompt; `required`
+        # is asked for by the tools prompt only, and a reply without a call counts as none_when_required
+        sep = "[" if chat_format == "smollm2" else "\n"
+        plan.prefill = f'{OPEN}{sep}{{"name": "{forced}", "arguments": '
+    return plan
+
+
+def _text_of(m: ChatMessage, i: int) -> str:
+    if m.content is None:
+        return ""
+    if isinstance(m.content, str):
+        return m.content
+    texts = []
+    for j, part in enumerate(m.content):
+        if part.type == "text" and part.text is not None:
+            texts.append(part.text)
+        elif part.type in ("image_url", "input_image", "image"):
+            raise bad_request(
+                f"messages[{i}].content[{j}] is an image: the model served here is text-only; "
+                "send text content parts only",
+                param=f"messages.{i}.content.{j}",
+                code="unsupported_content",
+            )
+        else:
+            raise bad_request(
+                f"messages[{i}].content[{j}] has type '{part.type}'; only 'text' content parts are supported",
+                param=f"messages.{i}.content.{j}",
+                code="unsupported_content",
+            )
+    return "\n".join(texts)
+
+
+def message_dicts(messages: list[ChatMessage], tokenizer: Any, chat_format: str) -> list[dict[str, Any]]:
+    """OpenAI messages as the dicts the chat template takes; earlier assistant calls in the model's syntax."""
+    native_tools = template_supports_tools(tokenizer)
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        role = "system" if m.role == "developer" else m.role
+        d: dict[str, Any] = {"role": role, "content": _text_of(m, i)}
+        if m.tool_calls:
+            calls = []
+            for k, c in enumerate(m.tool_calls):
+                try:
+                    args = json.loads(c.function.arguments) if c.function.arguments.strip() else {}
+                except json.JSONDecodeError:
+                    raise bad_request(
+                        f"messages[{i}].tool_calls[{k}].function.arguments is not a JSON string",
+                        param=f"messages.{i}.tool_calls.{k}.function.arguments",
+                    ) from None
+                calls.append((c.function.name, args))
+            if native_tools:
+                d["tool_calls"] = [
+                    {"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls
+                ]
+            else:
+                text = get_parser(chat_format).format_calls(calls)
+                d["content"] = f"{d['content']}\n{text}" if d["content"] else text
+        if role == "tool":
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                d["name"] = m.name
+        out.append(d)
+    return out
+
+
+def render_chat(req: ChatCompletionRequest, tokenizer: Any, chat_format: str, plan: ToolPlan) -> str:
+    """The prompt string: messages, the tools (unless tool_choice is none), and a forced call's opening."""
+    dicts = message_dicts(req.messages, tokenizer, chat_format)
+    try:
+        text = render_messages(tokenizer, dicts, plan.specs if plan.active else None)
+    except Exception as err:  # a template's own raise_exception (e.g. roles out of order)
+        raise bad_request(
+            f"the model's chat template rejects these messages: {err}", param="messages"
+        ) from None
+    return text + plan.prefill
+
+
+def trim_at_stop(text: str, stops: list[str]) -> str:
+    """`text` up to the first occurrence of any stop string (OpenAI leaves the stop string out)."""
+    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+    return text if cut < 0 else text[:cut]
+
+
+def _partial_suffix(text: str, markers: list[str]) -> int:
+    """Length of the longest end of `text` that could begin one of `markers`."""
+    best = 0
+    for m in markers:
+        for k in range(min(len(m) - 1, len(text)), best, -1):
+            if text.endswith(m[:k]):
+                best = k
+                break
+    return best
+
+
+class ChoiceText:
+    """One choice's text while streaming: what is safe to send now (never a piece of a stop string, nor
+    tool-call markup when tools are active), and the whole reply once it ends."""
+
+    def __init__(self, stops: list[str], watch_tools: bool, prefill: str = "") -> None:
+        self.stops = stops
+        self.watch_tools = watch_tools
+        self.raw = prefill
+        self.sent = 0
+
+    def visible(self) -> str:
+        return trim_at_stop(self.raw, self.stops)
+
+    def push(self, delta: str) -> str:
+        self.raw += delta
+        vis = self.visible()
+        markers = list(self.stops)
+        limit = len(vis)
+        if self.watch_tools:
+            at = vis.find(OPEN)
+            if at >= 0:
+                limit = at
+            else:
+                markers.append(OPEN)
+        if limit == len(vis):
+            limit -= _partial_suffix(vis, markers)
+        limit = max(limit, self.sent)
+        out = vis[self.sent : limit]
+        self.sent = limit
+        return out
+
+
+@dataclass
+class ReplyView:
+    """A finished reply as the API shows it."""
+
+    content: str | None
+    tool_calls: list[dict[str, Any]]
+    outcome: str | None  # one of TOOL_OUTCOMES when the request had tools; None otherwise
+
+
+def classify(parsed: ParsedOutput, plan: ToolPlan) -> str | None:
+    """The tool-call outcome of a reply to a request with tools (see TOOL_OUTCOMES)."""
+    if parsed.errors:
+        return "invalid_json"
+    if not parsed.calls:
+        return "none_when_required" if plan.required else None
+    schemas = {s.name: s.parameters for s in plan.specs}
+    if any(c.name not in schemas for c in parsed.calls):
+        return "unknown_tool"
+    for c in parsed.calls:
+        if not jsonschema.validators.validator_for(schemas[c.name])(schemas[c.name]).is_valid(c.arguments):
+            return "schema_violation"
+    return "ok"
+
+
+def view_reply(text: str, plan: ToolPlan, chat_format: str, call_prefix: str) -> ReplyView:
+    """`text` (stop strings already trimmed, prefill included) as content and tool_calls.
+
+    Well-formed calls become `tool_calls` (arguments as JSON strings), whether or not they name a known
+    tool or validate, as OpenAI does; markup that does not parse is left in `content` for the client to see.
+    """
+    if not plan.active:
+        return ReplyView(text, [], None)
+    parsed = get_parser("smollm2" if chat_format == "smollm2" else "hermes").parse(text)
+    outcome = classify(parsed, plan)
+    if parsed.errors or not parsed.calls:
+        return ReplyView(text, [], outcome)
+    calls = parsed.calls if plan.parallel else parsed.calls[:1]
+    tool_calls = [
+        {
+            "id": f"{call_prefix}_{k}",
+            "type": "function",
+            "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+        }
+        for k, c in enumerate(calls)
+    ]
+    return ReplyView(parsed.content or None, tool_calls, outcome)

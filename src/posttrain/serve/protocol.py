@@ -1,0 +1,158 @@
+"""The OpenAI wire format the server accepts and the error it answers with: pydantic request models
+(unknown top-level fields are refused by name, never silently ignored), `APIError` with its HTTP
+status, and the mapping of validation errors to one readable 400. Does not generate or render prompts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class APIError(Exception):
+    """An error answered as `{"error": {"message", "type", "param", "code"}}` with `status`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def from_validation_error(err: ValidationError) -> APIError:
+    """The first pydantic error as a 400 naming the field (`messages.0.content`), without echoing input."""
+    errors = err.errors(include_url=False, include_input=False)
+    first = errors[0] if errors else {"loc": (), "msg": str(err), "type": ""}
+    loc = ".".join(str(p) for p in first.get("loc", ()))
+    msg = first.get("msg", "invalid value")
+    if first.get("type") == "extra_forbidden":
+        msg = "unknown field (not part of the API this server implements)"
+    more = f" (and {len(errors) - 1} more error(s))" if len(errors) > 1 else ""
+    return bad_request(f"{loc}: {msg}{more}" if loc else f"{msg}{more}", param=loc or None)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Lenient(BaseModel):
+    # messages echoed back from a response carry fields such as `refusal` or `annotations`
+    model_config = ConfigDict(extra="ignore")
+
+
+class FunctionDef(_Lenient):
+    name: str = Field(pattern=r"^[A-Za-z0-9_\-.]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Lenient):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class FunctionCallIn(_Lenient):
+    name: str
+    arguments: str = ""
+
+
+class ToolCallIn(_Lenient):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class ContentPart(_Lenient):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class ResponseFormat(_Lenient):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class _Sampling(_Strict):
+    """Fields both endpoints share; `top_k`, `min_p`, `repetition_penalty`, `ignore_eos` are extensions
+    (the names vLLM uses) for what the engine also offers."""
+
+    model: str
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=64)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    max_tokens: int | None = Field(None, ge=1)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0.0, lt=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    ignore_eos: bool = False
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)

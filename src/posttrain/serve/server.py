@@ -1,0 +1,118 @@
+"""Running the app: resolve MODEL_OR_RUN (a model spec, an HF folder, a .gguf, or a run directory whose
+trained policy is exported as it is for `posttrain eval`), load it into the config's engine in the
+background (the server answers 503 meanwhile), and a uvicorn server whose SIGTERM drains: new
+requests get 503, in-flight ones finish, then it exits 0 (a second signal exits at once).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from posttrain.config import RunConfig, load_config
+from posttrain.serve.app import ModelEntry, ServeState
+
+log = logging.getLogger("posttrain.serve")
+
+
+@dataclass
+class ModelSource:
+    spec: str  # what models/ loads
+    name: str  # the name clients send as `model`
+    cfg: RunConfig
+
+
+def resolve_source(
+    model_or_run: str, cfg: RunConfig, overrides: list[str], name: str | None = None
+) -> ModelSource:
+    """A run directory (holds config.yaml) serves its trained policy under its own config (plus
+    `overrides`); anything else is a model spec for models/, served under `cfg`. Raises
+    ModelNotFoundError / ConfigError for what does not exist or does not parse."""
+    from posttrain.models import resolve
+
+    path = Path(model_or_run).expanduser()
+    if (path / "config.yaml").is_file():
+        run_cfg = load_config(path / "config.yaml", overrides)
+        policy = path / "policy"
+        if not (policy / "config.json").is_file():
+            from posttrain.orchestrator.export import export_run
+
+            export_run(path, policy)
+        return ModelSource(str(policy), name or path.resolve().name, run_cfg)
+    resolve(model_or_run)
+    return ModelSource(model_or_run, name or model_or_run, cfg)
+
+
+def load_entry(source: ModelSource, mode: str = "standard") -> ModelEntry:
+    """Load weights and tokenizer and build the engine (`engine.backend`, the paged one by default)."""
+    from posttrain.engine import make_engine
+    from posttrain.models import load_policy, load_tokenizer
+
+    cfg = source.cfg
+    tokenizer = load_tokenizer(source.spec)
+    model = load_policy(source.spec, dtype=cfg.engine.dtype, seed=cfg.seed)
+    engine = make_engine(cfg.engine, model, tokenizer, seed=cfg.seed)
+    max_len = getattr(engine, "max_model_len", cfg.engine.max_model_len)
+    return ModelEntry(source.name, engine, tokenizer, mode=mode, max_model_len=max_len)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with SIGTERM/SIGINT starting a drain instead of closing connections under running streams."""
+
+    def __init__(self, config: uvicorn.Config, state: ServeState) -> None:
+        super().__init__(config)
+        self.serve_state = state
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # uvicorn re-raises captured signals after shutdown (the exit status would be -15); not recorded here
+        if self.serve_state.status == "draining":
+            log.warning("second signal %s: exiting without waiting", signal.Signals(sig).name)
+            self.should_exit = self.force_exit = True
+            return
+        log.info(
+            "signal %s: draining %d in-flight request(s)",
+            signal.Signals(sig).name,
+            self.serve_state.in_flight,
+        )
+        self.serve_state.begin_drain()
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.serve_state.drained() or self.serve_state.status == "failed":
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+
+def run_server(
+    app: Any,
+    state: ServeState,
+    host: str,
+    port: int,
+    loader: Any = None,
+    log_level: str = "info",
+) -> DrainingServer:
+    """Serve `app` until drained; `loader()` (-> ModelEntry) runs in a thread once the socket is bound.
+    Returns the server (its `serve_state.status` says whether loading failed)."""
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=30
+    )
+    server = DrainingServer(config, state)
+    if loader is not None:
+
+        def load() -> None:
+            try:
+                state.add_model(loader())
+                log.info("ready: %s", ", ".join(state.models))
+            except Exception as err:
+                log.exception("loading the model failed")
+                state.fail(f"{type(err).__name__}: {err}")
+
+        threading.Thread(target=load, name="posttrain-serve-load", daemon=True).start()
+    server.run()
+    return server

@@ -456,6 +456,47 @@ class TelemetryConfig(Section):
         return None if v is None else check_run_name(v)
 
 
+class SFTConfig(Section):
+    """Supervised fine-tuning (`posttrain sft`) on the RL learner: the data source, its held-out split and
+    the length of training. The optimizer settings are trainer.* (lr, warmup_steps, lr_schedule,
+    max_grad_norm) and the micro-batch size batch.micro_batch_tokens, as in RL."""
+
+    data: str | None = Field(
+        None, description="a JSONL chat dataset: {messages: [...]} or {prompt, completion} per line"
+    )
+    from_env: str | None = Field(
+        None, description="a task domain whose reference solutions (replayed through it) are the data"
+    )
+    levels: list[int] = Field([0], min_length=1, description="from_env: the difficulties to draw tasks from")
+    n: int = Field(256, ge=1, description="from_env: training examples (tasks, round-robin over levels)")
+    heldout_frac: float = Field(
+        0.1,
+        ge=0.0,
+        lt=1.0,
+        description="held-out share for the held-out loss (from_env: that many tasks of the domain's "
+        "heldout split; data: rows set aside by a seeded shuffle)",
+    )
+    epochs: int = Field(1, ge=1, description="passes over the training examples")
+    steps: int = Field(0, ge=0, description="optimizer steps; 0 = epochs x ceil(examples / batch_size)")
+    batch_size: int = Field(8, ge=1, description="sequences per optimizer step")
+    eval_every: int = Field(
+        10, ge=0, description="held-out loss every this many steps (and at the end); 0 = off"
+    )
+    checkpoint_every: int = Field(0, ge=0, description="checkpoint period in steps; 0 = only at the end")
+    max_seq_tokens: int = Field(
+        2048, ge=2, description="longer examples are skipped (counted), never cut: a cut one loses its end"
+    )
+    chat_format: Literal["smollm2", "hermes"] = Field(
+        "smollm2", description="the tool-call syntax that assistant tool_calls are written in (the RL loop's)"
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> SFTConfig:
+        if self.data is not None and self.from_env is not None:
+            raise ValueError("give sft.data or sft.from_env, not both")
+        return self
+
+
 class RunConfig(Section):
     seed: int = 0
     model: ModelConfig = ModelConfig()
@@ -469,6 +510,7 @@ class RunConfig(Section):
     placement: PlacementConfig = PlacementConfig()
     sandbox: SandboxConfig = SandboxConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
+    sft: SFTConfig = SFTConfig()
 
     @field_validator("envs")
     @classmethod

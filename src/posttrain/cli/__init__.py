@@ -61,6 +61,7 @@ def _add_commands(module: str) -> None:
 
 _add_commands("run_cmds")  # train, eval, export, report
 _add_commands("serve_cmd")
+_add_commands("sft_cmd")  # sft
 _add_group("sandbox_cmd", "sandbox")
 _add_group("tasks_cmd", "tasks")
 _add_group("config_cmd", "config")

@@ -19,6 +19,9 @@ API used by the RL loop::
     metrics = learner.step(samples, current_version=None)   # one whole RL update; version += 1
     learner.compute_logprobs(batch_or_samples) -> Tensor [B, L]  # 0 where loss_mask is 0
     learner.update(batch) -> dict                           # the optimisation on a prepared Batch
+    learner.sft_step(samples) -> dict                       # one supervised step: token-mean NLL of the mask
+    learner.sft_loss(samples) -> dict                       # that NLL without training (held-out loss)
+    encode_chat(tokenizer, messages, tools) -> (ids, mask)  # SFT: mask = the assistant tokens + their EOS
     learner.weights() -> dict[str, Tensor]                  # HF names, LoRA merged, for the engine
     learner.state_dict() / learner.load_state_dict(state)   # everything; bit-identical continuation
     learner.save(directory) / Learner.load(directory, model=None)  # atomic checkpoint folder
@@ -56,6 +59,7 @@ skipped.
 
 from posttrain.train.batch import Batch, Sample, build_batch
 from posttrain.train.learner import Learner, lr_factor
+from posttrain.train.sft import encode_chat, sft_sample
 from posttrain.train.state import load_learner, merged_weights, save_learner
 
 __all__ = [
@@ -63,8 +67,10 @@ __all__ = [
     "Learner",
     "Sample",
     "build_batch",
+    "encode_chat",
     "load_learner",
     "lr_factor",
     "merged_weights",
     "save_learner",
+    "sft_sample",
 ]

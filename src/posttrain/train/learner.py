@@ -23,6 +23,7 @@ from posttrain.algos import (
     kl_estimate,
     make_kl_controller,
     masked_mean,
+    masked_nll,
     mismatch_metrics,
     ratio_mask,
     tis_weights,
@@ -191,10 +192,16 @@ class Learner:
         return make_inputs(batch.token_ids, batch.lengths, self.trainer_cfg.packing, self.pad_id)
 
     def _policy_forward(
-        self, model: Any, batch: Batch, mask: Tensor, inputs: ModelInputs | None = None
+        self,
+        model: Any,
+        batch: Batch,
+        mask: Tensor,
+        inputs: ModelInputs | None = None,
+        temperature: float | None = None,
     ) -> tuple[Tensor, Tensor]:
         """(logprobs, entropy) as `[b, L]` matrices, nonzero only where `mask` is 1. A micro-batch
-        planned with a shared prefix (`batch.meta["shared_prefix"]`) runs that prefix once."""
+        planned with a shared prefix (`batch.meta["shared_prefix"]`) runs that prefix once. Logits are
+        divided by `temperature` (None: algorithm.temperature, the RL sampling temperature)."""
         lm = causal_lm(model)
         prefix = int(batch.meta.get("shared_prefix", 0))
         if prefix > 0:
@@ -216,7 +223,7 @@ class Learner:
                 h,
                 targets.token,
                 self.trainer_cfg.logprob_chunk_tokens,
-                self.algo_cfg.temperature,
+                self.algo_cfg.temperature if temperature is None else temperature,
             )
         shape = tuple(batch.token_ids.shape)
         return scatter_rows(lp, targets, shape), scatter_rows(ent, targets, shape)
@@ -573,6 +580,71 @@ class Learner:
             optimizer_steps=float(self.optimizer_steps),
         )
         return out_metrics
+
+    # ------------------------------------------------------------------------------------------
+    # supervised fine-tuning
+
+    def sft_step(self, samples: list[Sample]) -> dict[str, float]:
+        """One supervised optimizer step on `samples`: the token-mean negative log-likelihood (at
+        temperature 1) of their loss-masked tokens, accumulated over token-budgeted micro-batches
+        (batch.micro_batch_tokens), clipped (trainer.max_grad_norm), AdamW at the scheduled LR.
+
+        Metrics: loss (the NLL before the step), tokens (trained on), sequences, sequence_tokens,
+        grad_norm, lr, update_tokens_per_s, step_s, optimizer_steps, version."""
+        t0 = time.perf_counter()
+        batch = build_batch(samples, self.device)
+        if self.optimizer_offloaded:
+            self.reload_optimizer()
+        weights = aggregation_weights(batch.loss_mask, "token_mean")
+        lr = self._set_lr()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        self.model.train()
+        try:
+            for mi, rows in self._sft_micro_batches(batch):
+                w = weights[torch.as_tensor(rows, device=self.device), : mi.token_ids.shape[1]]
+                lp, _ = self._policy_forward(self.model, mi, mi.loss_mask, temperature=1.0)
+                loss = masked_nll(lp, w)
+                loss.backward()
+                loss_sum += float(loss.item())
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.trainer_cfg.max_grad_norm)
+            self.optimizer.step()
+        finally:
+            self.model.eval()
+        self.optimizer_steps += 1
+        self.version += 1
+        wall = time.perf_counter() - t0
+        seq_tokens = float(batch.lengths.sum().item())
+        return {
+            "loss": loss_sum,
+            "tokens": float(batch.loss_mask.sum().item()),
+            "sequences": float(batch.size),
+            "sequence_tokens": seq_tokens,
+            "grad_norm": float(grad_norm),
+            "lr": lr,
+            "update_tokens_per_s": seq_tokens / wall if wall > 0 else 0.0,
+            "step_s": wall,
+            "optimizer_steps": float(self.optimizer_steps),
+            "version": float(self.version),
+        }
+
+    @torch.no_grad()
+    def sft_loss(self, samples: list[Sample]) -> dict[str, float]:
+        """The token-mean NLL (temperature 1) of `samples`' loss-masked tokens, without training:
+        {"loss", "tokens", "sequences"}."""
+        batch = build_batch(samples, self.device)
+        total = 0.0
+        for mi, _ in self._sft_micro_batches(batch):
+            lp, _ = self._policy_forward(self.model, mi, mi.loss_mask, temperature=1.0)
+            total += float(-(lp * mi.loss_mask).sum().item())
+        tokens = float(batch.loss_mask.sum().item())
+        return {"loss": total / max(tokens, 1.0), "tokens": tokens, "sequences": float(batch.size)}
+
+    def _sft_micro_batches(self, batch: Batch) -> list[tuple[Batch, list[int]]]:
+        plan = plan_micro_batches(
+            batch.lengths.tolist(), self.batch_cfg.micro_batch_tokens, self.trainer_cfg.packing
+        )
+        return [(batch.select(rows), rows) for rows in plan]
 
     # ------------------------------------------------------------------------------------------
     # weights and state

@@ -13,7 +13,10 @@ fraction of the compute roofline (2 x parameters FLOPs per token); its memory re
 batch-1 decode, which must read every weight once per token (the bandwidth roofline is bandwidth /
 weight bytes, for ours and for HF). Decode rows also report the decode phase alone (tokens after each
 request's first, over the time after the last first token), since the generated tok/s includes the
-prompts' prefill. Medians over --repeats.
+prompts' prefill. Medians over --repeats. With --weight-quants (e.g. none,int8,int4) each dtype also runs
+the engine on quantized weights (`engine.weight_quant`; HF is not rerun): its rows report the ratio to the
+same dtype's unquantized engine, its bandwidth roofline counts the quantized weight bytes, and the greedy
+agreement with the unquantized engine on 32 fixed text prompts x 64 tokens is measured.
 """
 
 from __future__ import annotations
@@ -176,6 +179,43 @@ def mem_read_gb_s(megabytes: int = 512, repeats: int = 7) -> float:
     return best
 
 
+AGREEMENT_PROMPTS = [
+    f"{stem} {topic}"
+    for stem in (
+        "Write a short paragraph about",
+        "Explain to a child",
+        "List three facts about",
+        "Question: what is the most important thing to know about",
+    )
+    for topic in (
+        "the water cycle.",
+        "prime numbers.",
+        "how a bicycle works.",
+        "the history of Rome.",
+        "sorting a list in Python.",
+        "photosynthesis.",
+        "the moon.",
+        "compound interest.",
+    )
+]
+
+
+def greedy_agreement(ref: Any, other: Any, tokenizer: Any, max_tokens: int = 64) -> dict[str, float]:
+    """Greedy tokens of `other` vs `ref` on AGREEMENT_PROMPTS: the fraction generated before the first
+    difference (what a user sees unchanged) and the fraction equal position by position."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    reqs = [GenerationRequest(tokenizer(p)["input_ids"], params) for p in AGREEMENT_PROMPTS]
+    a = [o.completions[0].token_ids for o in ref.generate(reqs)]
+    b = [o.completions[0].token_ids for o in other.generate(reqs)]
+    total = sum(len(x) for x in a)
+    prefix = sum(
+        next((i for i, (s, t) in enumerate(zip(x, y, strict=True)) if s != t), len(x))
+        for x, y in zip(a, b, strict=True)
+    )
+    same = sum(s == t for x, y in zip(a, b, strict=True) for s, t in zip(x, y, strict=True))
+    return {"prefix": prefix / total, "positional": same / total}
+
+
 def run_once(engine: Any, reqs: list[GenerationRequest]) -> dict:
     t = time.perf_counter()
     outs = engine.generate(reqs)
@@ -213,6 +253,7 @@ def main(opts: Any) -> dict:
     table = Table(title=f"engine benchmark ({opts.model}, medians of {opts.repeats})")
     for col in (
         "dtype",
+        "weights",
         "workload",
         "paged tok/s",
         "HF tok/s",
@@ -244,9 +285,65 @@ def main(opts: Any) -> dict:
         )
         hf = HFGenerate(model, tokenizer, max_batch_size=64)
         warm = [GenerationRequest([5, 6, 7, 8], SamplingParams(max_tokens=4, ignore_eos=True))]
-        paged.generate(warm)
         if not opts.no_hf:
             hf.generate(warm)
+        _run_dtype(opts, model, tokenizer, paged, hf, dtype_name, chosen, result, table, console)
+        del paged, hf, model
+    console.print(table)
+    console.print(
+        f"matmul GFLOP/s: fp32 {result.get('matmul_gflops', 0):.0f}, bf16 {result.get('matmul_gflops_bf16', 0):.0f}; "
+        f"memory read GB/s: {result.get('mem_read_gb_s', result.get('mem_read_gb_s_bf16', 0)):.1f}; "
+        "the machine is shared with other work, so figures are noisy"
+    )
+    return result
+
+
+def _run_dtype(
+    opts: Any,
+    model: Any,
+    tokenizer: Any,
+    base: PagedEngine,
+    hf: HFGenerate,
+    dtype_name: str,
+    chosen: set[str],
+    result: dict[str, Any],
+    table: Any,
+    console: Any,
+) -> None:
+    """The chosen workloads on one dtype: the unquantized engine (vs HF), then each --weight-quants variant."""
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
+    dsfx = "" if dtype_name == "float32" else "_bf16"
+    quants = [q for q in getattr(opts, "weight_quants", "none").split(",") if q]
+    if "none" not in quants:
+        quants = ["none", *quants]  # the baseline of the ratios
+    params = result["params"]
+    gflops = result[f"matmul_gflops{dsfx}"]
+    warm = [GenerationRequest([5, 6, 7, 8], SamplingParams(max_tokens=4, ignore_eos=True))]
+    for wq in quants:
+        sfx = dsfx if wq == "none" else f"{dsfx}_{wq}"
+        if wq == "none":
+            paged = base
+        else:
+            paged = PagedEngine(
+                model,
+                tokenizer,
+                dtype=dtype_name,
+                weight_quant=wq,
+                num_blocks=2048,
+                max_num_seqs=64,
+                max_num_batched_tokens=2048,
+                max_model_len=2048,
+                seed=opts.seed,
+            )
+            agree = greedy_agreement(base, paged, tokenizer)
+            result[f"greedy_agree_prefix{sfx}"] = agree["prefix"]
+            result[f"greedy_agree_positional{sfx}"] = agree["positional"]
+            console.print(
+                f"  {dtype_name} {wq} vs {dtype_name}: greedy agreement {agree['prefix']:.1%} before the first "
+                f"difference, {agree['positional']:.1%} position by position (32 prompts x 64 tokens)"
+            )
+        paged.generate(warm)
+        run_hf = wq == "none" and not opts.no_hf
         for w in workloads(opts.quick, opts.seed):
             if w.name not in chosen:
                 continue
@@ -255,7 +352,7 @@ def main(opts: Any) -> dict:
             for _ in range(opts.repeats):
                 paged.reset_stats()
                 ours.append(run_once(paged, reqs))
-                if not opts.no_hf:
+                if run_hf:
                     theirs.append(run_once(hf, reqs))
             med = {
                 k: statistics.median(r[k] for r in ours)
@@ -264,8 +361,12 @@ def main(opts: Any) -> dict:
             key = {"decode_1": "1", "decode_64": "64"}.get(w.name, w.name)
             result[f"paged_tok_s_{key}{sfx}"] = med["tok_s"]
             result[f"paged_ttft_s_{key}{sfx}"] = med["ttft_s"]
-            row = [dtype_name, w.name, f"{med['tok_s']:.1f}"]
-            if theirs:
+            row = [dtype_name, wq, w.name, f"{med['tok_s']:.1f}"]
+            if wq != "none" and f"paged_tok_s_{key}{dsfx}" in result:
+                ratio = med["tok_s"] / result[f"paged_tok_s_{key}{dsfx}"]
+                result[f"ratio_vs_unquantized_{key}{sfx}"] = ratio
+                row += ["-", f"{ratio:.2f}x vs {dtype_name}", f"{med['ttft_s']:.2f}", "-"]
+            elif theirs:
                 hf_tok_s = statistics.median(r["tok_s"] for r in theirs)
                 hf_wall = statistics.median(r["wall_s"] for r in theirs)
                 result[f"hf_tok_s_{key}{sfx}"] = hf_tok_s
@@ -282,7 +383,11 @@ def main(opts: Any) -> dict:
             if w.name == "decode_1":
                 # batch 1 reads every weight once per token: its roofline is memory bandwidth / weight bytes
                 bw = mem_read_gb_s()
-                weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+                weight_bytes = (
+                    sum(p.numel() * p.element_size() for p in model.parameters())
+                    if wq == "none"
+                    else paged.runner.weight_bytes()  # the GEMM weights a token reads, quantized
+                )
                 bw_tok_s = bw * 1e9 / weight_bytes
                 result[f"mem_read_gb_s{sfx}"] = bw
                 result[f"weight_bytes{sfx}"] = weight_bytes
@@ -321,14 +426,8 @@ def main(opts: Any) -> dict:
                 result[f"rollout_fork_shared_blocks{sfx}"] = stats["fork_shared_blocks"]
             table.add_row(*row)
             console.print(
-                f"  {dtype_name} {w.name}: paged {med['tok_s']:.1f} tok/s"
+                f"  {dtype_name} {wq} {w.name}: paged {med['tok_s']:.1f} tok/s"
                 + (f", HF {result[f'hf_tok_s_{key}{sfx}']:.1f} tok/s" if theirs else "")
             )
-        del paged, hf, model
-    console.print(table)
-    console.print(
-        f"matmul GFLOP/s: fp32 {result.get('matmul_gflops', 0):.0f}, bf16 {result.get('matmul_gflops_bf16', 0):.0f}; "
-        f"memory read GB/s: {result.get('mem_read_gb_s', result.get('mem_read_gb_s_bf16', 0)):.1f}; "
-        "the machine is shared with other work, so figures are noisy"
-    )
-    return result
+        if paged is not base:
+            del paged

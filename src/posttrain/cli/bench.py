@@ -83,6 +83,12 @@ def engine(
     quick: bool = typer.Option(False, "--quick", help="fewer prompts and tokens (a minute or two)"),
     dtypes: str = typer.Option("float32,bfloat16", "--dtypes", help="comma list of float32, bfloat16"),
     workloads: str = typer.Option("rollout,serving,decode_1,decode_64", "--workloads", help="comma list"),
+    weight_quants: str = typer.Option(
+        "none",
+        "--weight-quants",
+        help="comma list of none, int8, int4: the engine also on quantized weights (engine.weight_quant), "
+        "with its ratio to the unquantized engine and its greedy agreement with it",
+    ),
     repeats: int = typer.Option(1, "--repeats", min=1, help="interleaved repeats; medians are reported"),
     no_hf: bool = typer.Option(
         False, "--no-hf", help="skip the HF generate baseline (ratios are then absent)"
@@ -98,6 +104,7 @@ def engine(
         quick=quick,
         dtypes=dtypes,
         workloads=workloads,
+        weight_quants=weight_quants,
         repeats=repeats,
         no_hf=no_hf,
         seed=seed,

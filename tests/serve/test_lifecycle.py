@@ -288,7 +288,7 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(tmp_path):
                 pass
             assert time.monotonic() < deadline, "the server never became ready"
             time.sleep(0.2)
-        body = {"model": "tiny:llama", "messages": HI, "max_tokens": 150, "ignore_eos": True, "stream": True}
+        body = {"model": "tiny:llama", "messages": HI, "max_tokens": 900, "ignore_eos": True, "stream": True}
         events: list[str] = []
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as resp:
             lines = resp.iter_lines()
@@ -297,7 +297,7 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(tmp_path):
                 if line:
                     events.append(line)
             proc.send_signal(signal.SIGTERM)
-            time.sleep(0.3)
+            time.sleep(0.1)
             late_status = httpx.get(f"{url}/v1/models", timeout=10).status_code
             events.extend(line for line in lines if line)
         assert late_status == 503  # draining: new requests are refused while the stream runs on

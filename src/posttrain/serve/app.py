@@ -468,6 +468,17 @@ class _Observe:
 # ---- the app --------------------------------------------------------------------------------------
 
 
+async def _respond(gen: Any, stream: bool, streamed: Any, whole: Any) -> Response:
+    """Start the generation, then answer as SSE (the stream closes it) or as one JSON body."""
+    await gen.start()
+    if stream:
+        return _SSEResponse(streamed(), gen)
+    try:
+        return JSONResponse(await whole())
+    finally:
+        await gen.close()
+
+
 def create_app(settings: ServeSettings | None = None, state: ServeState | None = None) -> FastAPI:
     """The ASGI app; add models with `app.state.serve.add_model(ModelEntry(...))` (until then: 503)."""
     state = state or ServeState(settings or ServeSettings())
@@ -600,14 +611,13 @@ def create_app(settings: ServeSettings | None = None, state: ServeState | None =
         ids = entry.tokenizer.encode(prompt, add_special_tokens=False)
         params = _sampling(req, entry, settings, len(ids), req.max_completion_tokens or req.max_tokens)
         gen = _Generation(state, entry, [GenerationRequest(ids, params, request_id=rid)], record)
-        await gen.start()
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _SSEResponse(_chat_stream(gen, req, entry, plan, params, rid, include_usage), gen)
-        try:
-            return JSONResponse(await _chat_whole(gen, req, entry, plan, params, rid))
-        finally:
-            await gen.close()
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await _respond(
+            gen,
+            req.stream,
+            lambda: _chat_stream(gen, req, entry, plan, params, rid, include_usage),
+            lambda: _chat_whole(gen, req, entry, plan, params, rid),
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -656,15 +666,14 @@ def create_app(settings: ServeSettings | None = None, state: ServeState | None =
             for i, q in enumerate(id_lists)
         ]
         gen = _Generation(state, entry, reqs, record)
-        await gen.start()
         echo = [entry.tokenizer.decode(q) for q in id_lists] if req.echo else None
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _SSEResponse(_completion_stream(gen, req, entry, reqs, rid, echo, include_usage), gen)
-        try:
-            return JSONResponse(await _completion_whole(gen, req, entry, reqs, rid, echo))
-        finally:
-            await gen.close()
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await _respond(
+            gen,
+            req.stream,
+            lambda: _completion_stream(gen, req, entry, reqs, rid, echo, include_usage),
+            lambda: _completion_whole(gen, req, entry, reqs, rid, echo),
+        )
 
     app.add_middleware(_Observe, state=state)
     return app

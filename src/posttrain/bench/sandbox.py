@@ -185,16 +185,7 @@ def _bwrap_prefix(binds: list) -> list[str] | None:
     if binds:
         argv += ["--setenv", "PYTHONPATH", f"{iso_mod.JAIL_ROOT}/site"]
     if iso.uid_drop:
-        uid = str(iso_mod.JAIL_UID_BASE + 63)
-        argv += [
-            "/usr/bin/setpriv",
-            f"--reuid={uid}",
-            f"--regid={uid}",
-            "--clear-groups",
-            "--inh-caps=-all",
-            "--bounding-set=-all",
-            "--",
-        ]
+        argv += iso_mod.setpriv_argv(iso_mod.JAIL_UID_BASE + 63)
     return [*argv, spec.python.jail_executable, "-I", "-c"]
 
 

@@ -32,6 +32,17 @@ class ExecStatus(enum.StrEnum):
     SANDBOX_ERROR = "sandbox_error"
 
 
+# the Limits fields that must be positive (max_returned_files_bytes may be 0)
+POSITIVE_LIMITS = (
+    "wall_time_s",
+    "cpu_time_s",
+    "memory_bytes",
+    "max_processes",
+    "max_output_bytes",
+    "max_file_bytes",
+)
+
+
 @dataclass
 class Limits:
     """Per-job limits. max_processes counts the job's own process; max_output_bytes applies to stdout
@@ -119,14 +130,7 @@ def validate_job(job: Job, profiles: Any = None, gcc: bool = True) -> None:
         if not isinstance(data, bytes | bytearray):
             raise ValueError(f"Job.files[{name!r}] must be bytes, got {type(data).__name__}")
     lim = job.limits
-    for key in (
-        "wall_time_s",
-        "cpu_time_s",
-        "memory_bytes",
-        "max_processes",
-        "max_output_bytes",
-        "max_file_bytes",
-    ):
+    for key in POSITIVE_LIMITS:
         value = getattr(lim, key)
         if not isinstance(value, int | float) or value <= 0:
             raise ValueError(f"Limits.{key} must be a positive number, got {value!r}")

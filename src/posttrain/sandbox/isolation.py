@@ -438,6 +438,19 @@ def python_install() -> PythonInstall:
     return PythonInstall(Path(sys.base_prefix).resolve(), f"{sys.version_info[0]}.{sys.version_info[1]}")
 
 
+def setpriv_argv(uid: int) -> list[str]:
+    """The command prefix that drops to `uid` (same gid) with no supplementary groups or capabilities."""
+    return [
+        "/usr/bin/setpriv",
+        f"--reuid={uid}",
+        f"--regid={uid}",
+        "--clear-groups",
+        "--inh-caps=-all",
+        "--bounding-set=-all",
+        "--",
+    ]
+
+
 @dataclass
 class JailSpec:
     """Everything that varies between worker jails."""
@@ -532,16 +545,7 @@ class JailSpec:
     def worker_argv(self, bwrap: str, cfg: dict) -> list[str]:
         argv = self.bwrap_argv(bwrap)
         if self.slot_uid is not None:
-            uid = str(self.slot_uid)
-            argv += [
-                "/usr/bin/setpriv",
-                f"--reuid={uid}",
-                f"--regid={uid}",
-                "--clear-groups",
-                "--inh-caps=-all",
-                "--bounding-set=-all",
-                "--",
-            ]
+            argv += setpriv_argv(self.slot_uid)
         # RLIMIT_NPROC counts the jail uid's processes: the worker, plus bwrap's init when it shares the uid
         cfg = dict(
             cfg,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from posttrain.sandbox import isolation as iso_mod
-from posttrain.sandbox.api import ExecResult, ExecStatus, Job, validate_job
+from posttrain.sandbox.api import POSITIVE_LIMITS, ExecResult, ExecStatus, Job, validate_job
 
 log = logging.getLogger(__name__)
 
@@ -139,17 +139,7 @@ class _WorkerProc:
             "language": job.language,
             "argv": list(job.argv),
             "files": [name for name, _ in files],
-            "limits": {
-                k: getattr(job.limits, k)
-                for k in (
-                    "wall_time_s",
-                    "cpu_time_s",
-                    "memory_bytes",
-                    "max_processes",
-                    "max_output_bytes",
-                    "max_file_bytes",
-                )
-            },
+            "limits": {k: getattr(job.limits, k) for k in POSITIVE_LIMITS},
             "max_files_bytes": job.limits.max_returned_files_bytes,
         }
         blobs = [job.code.encode("utf-8", errors="surrogateescape"), job.stdin, *(data for _, data in files)]

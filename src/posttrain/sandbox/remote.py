@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 
 from posttrain.sandbox.api import (
+    POSITIVE_LIMITS,
     ExecResult,
     ExecStatus,
     Job,
@@ -52,15 +53,7 @@ DEFAULT_MAX_LIMITS = Limits(
     max_file_bytes=256 << 20,
     max_returned_files_bytes=16 << 20,
 )
-CAPPED_LIMITS = (
-    "wall_time_s",
-    "cpu_time_s",
-    "memory_bytes",
-    "max_processes",
-    "max_output_bytes",
-    "max_file_bytes",
-    "max_returned_files_bytes",
-)
+CAPPED_LIMITS = (*POSITIVE_LIMITS, "max_returned_files_bytes")
 
 
 def limits_over(limits: Limits, maxima: Limits) -> list[str]:

@@ -81,7 +81,7 @@ class EngineConfig(Section):
         "none",
         description="paged engine on CPU: int8 = per-output-channel int8 weights x per-token int8 activations "
         "on an integer GEMM (fbgemm); int4 = 4-bit weights in groups of 32, bfloat16 activations (less memory, "
-        "not faster than int8 here, larger error); none = the engine dtype",
+        "larger error); none = the engine dtype",
     )
     quantize_lm_head: bool = Field(
         True, description="with weight_quant, quantize the output projection too (a fifth of a 135M model)"
@@ -99,6 +99,20 @@ class EngineConfig(Section):
         description="paged engine: keep each decode group's K/V contiguous across steps (no per-step block gather)",
     )
     device: str = Field("cpu", description="torch device of the paged engine: cpu, cuda, cuda:1, ...")
+    speculative: Literal["none", "ngram"] = Field(
+        "none",
+        description="paged engine: speculative decoding with exact acceptance (greedy output unchanged, "
+        "sampled output from the same distribution); ngram = prompt lookup, drafts copied from what follows "
+        "an earlier occurrence of the sequence's last tokens",
+    )
+    num_speculative_tokens: int = Field(4, ge=1, le=16, description="draft tokens verified per step")
+    prompt_lookup_min: int = Field(2, ge=1, description="ngram: the shortest suffix matched")
+    prompt_lookup_max: int = Field(4, ge=1, description="ngram: the longest suffix matched (tried first)")
+    speculative_max_batch: int = Field(
+        4,
+        ge=1,
+        description="speculate only while at most this many sequences decode (above, it does not pay)",
+    )
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     max_new_tokens: int = Field(64, ge=1, description="per assistant turn")
@@ -108,6 +122,36 @@ class EngineConfig(Section):
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if native_bf16(self.device) else "float32"
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> EngineConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"engine.prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
+                f"engine.prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        return self
+
+
+class ServeConfig(Section):
+    """`posttrain serve`: what its fast mode changes in the engine (standard mode is `engine` as it is)."""
+
+    fast: dict[str, Any] = Field(
+        default_factory=lambda: {"weight_quant": "int4", "speculative": "ngram"},
+        description="engine keys that --mode fast (and the NAME-fast model of --mode both) sets over engine",
+    )
+
+    @field_validator("fast")
+    @classmethod
+    def _engine_keys(cls, v: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(v) - set(EngineConfig.model_fields))
+        if unknown:
+            raise ValueError(f"serve.fast names keys that are not engine keys: {unknown}")
+        return v
+
+    def fast_engine(self, engine: EngineConfig) -> EngineConfig:
+        """`engine` with the fast-mode keys set (validated as one engine section)."""
+        return EngineConfig.model_validate({**engine.model_dump(), **self.fast})
 
 
 class DomainConfig(Section):
@@ -497,6 +541,60 @@ class SFTConfig(Section):
         return self
 
 
+class PairsConfig(Section):
+    """Preference pairs and the length of a pair-training run (`posttrain rm train`, `posttrain dpo`).
+    The optimizer settings are trainer.* and the micro-batch size batch.micro_batch_tokens, as in RL."""
+
+    data: str | None = Field(
+        None,
+        description='a JSONL file of {"prompt", "chosen", "rejected"} rows (prompt: a string or a messages list)',
+    )
+    from_env: str | None = Field(
+        None,
+        description="a task domain: sample samples_per_task completions per task, pair a verifier success "
+        "with a failure",
+    )
+    levels: list[int] = Field([0], min_length=1, description="from_env: the difficulties to draw tasks from")
+    n: int = Field(64, ge=1, description="from_env: training tasks sampled (round-robin over levels)")
+    samples_per_task: int = Field(8, ge=2, description="from_env: completions sampled per task")
+    pairs_per_task: int = Field(
+        1, ge=1, description="from_env: most (success, failure) pairs taken from one task's samples"
+    )
+    sampler_spec: str | None = Field(
+        None, description="from_env: the model that samples the completions; unset = model.spec"
+    )
+    temperature: float = Field(1.0, gt=0.0, description="from_env: sampling temperature")
+    heldout_frac: float = Field(
+        0.2,
+        ge=0.0,
+        lt=1.0,
+        description="held-out share for the held-out accuracy (from_env: that share of n tasks from the "
+        "domain's heldout split; data: rows set aside by a seeded shuffle)",
+    )
+    epochs: int = Field(1, ge=1, description="passes over the training pairs")
+    steps: int = Field(0, ge=0, description="optimizer steps; 0 = epochs x ceil(pairs / batch_size)")
+    batch_size: int = Field(8, ge=1, description="pairs per optimizer step")
+    eval_every: int = Field(
+        10, ge=0, description="held-out figures every this many steps (and at the end); 0 = off"
+    )
+    checkpoint_every: int = Field(0, ge=0, description="checkpoint period in steps; 0 = only at the end")
+    max_seq_tokens: int = Field(
+        2048, ge=2, description="a pair with a longer sequence is skipped (counted), never cut"
+    )
+    chat_format: Literal["smollm2", "hermes"] = Field(
+        "smollm2", description="the tool-call syntax that assistant tool_calls in data are written in"
+    )
+    rm_margin: float = Field(
+        0.0, ge=0.0, description="rm: the Bradley-Terry margin m in -log sigmoid(r_chosen - r_rejected - m)"
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> PairsConfig:
+        if self.data is not None and self.from_env is not None:
+            raise ValueError("give pairs.data or pairs.from_env, not both")
+        return self
+
+
 class RunConfig(Section):
     seed: int = 0
     model: ModelConfig = ModelConfig()
@@ -511,6 +609,8 @@ class RunConfig(Section):
     sandbox: SandboxConfig = SandboxConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
     sft: SFTConfig = SFTConfig()
+    pairs: PairsConfig = PairsConfig()
+    serve: ServeConfig = ServeConfig()
 
     @field_validator("envs")
     @classmethod
@@ -524,6 +624,11 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
         self.engine.dtype = self.engine.resolved_dtype()
+        try:
+            self.serve.fast_engine(self.engine)
+        except ValidationError as err:
+            first = err.errors()[0]
+            raise ValueError(f"serve.fast: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
         if self.trainer.bf16_autocast is None:
             self.trainer.bf16_autocast = self.engine.dtype == "bfloat16"
         if self.algorithm.loss_agg == "seq_mean_token_sum_norm" and self.algorithm.loss_norm_tokens is None:

@@ -1,5 +1,5 @@
 """The math of post-training as pure tensor functions: advantages, policy/value losses, KL, importance,
-the supervised NLL and preference losses (DPO, IPO, SimPO).
+the supervised NLL, preference losses (DPO, IPO, SimPO) and the reward model's Bradley-Terry loss.
 
 Estimators, policy losses and preference losses are registered by name (`@register_advantage("grpo")`,
 `@register_policy_loss("ppo_clip")`, `@register_preference_loss("dpo")`) and looked up with
@@ -46,6 +46,7 @@ from posttrain.algos.registry import (
     register_preference_loss,
     uses_group_baseline,
 )
+from posttrain.algos.reward import bradley_terry, mix_rewards, pairwise_accuracy
 from posttrain.algos.supervised import masked_nll
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
     "PreferenceLossOutput",
     "aggregate",
     "aggregation_weights",
+    "bradley_terry",
     "discounted_returns",
     "dpo",
     "entropy_from_logits",
@@ -75,7 +77,9 @@ __all__ = [
     "masked_mean",
     "masked_nll",
     "masked_whiten",
+    "mix_rewards",
     "mismatch_metrics",
+    "pairwise_accuracy",
     "preference_needs_reference",
     "ratio_mask",
     "register_advantage",

@@ -1,5 +1,5 @@
-"""The `posttrain` command line: train | eval | export | serve | sandbox | tasks | bench | report |
-config | models. Each group lives in its own module and imports heavy packages only when run."""
+"""The `posttrain` command line: train | eval | export | serve | sft | rm | sandbox | tasks | bench |
+report | config | models. Each group lives in its own module and imports heavy packages only when run."""
 
 from __future__ import annotations
 
@@ -62,6 +62,7 @@ def _add_commands(module: str) -> None:
 _add_commands("run_cmds")  # train, eval, export, report
 _add_commands("serve_cmd")
 _add_commands("sft_cmd")  # sft
+_add_commands("rm_cmd")  # rm train | rm serve
 _add_group("sandbox_cmd", "sandbox")
 _add_group("tasks_cmd", "tasks")
 _add_group("config_cmd", "config")

@@ -80,7 +80,7 @@ def _convert_gguf_to_folder(gguf: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     quiet = os.environ.get("POSTTRAIN_VERBOSE") is None
-    with _quiet_transformers(quiet):
+    with quiet_transformers(quiet):
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         gguf_model = AutoModelForCausalLM.from_pretrained(
             gguf.parent, gguf_file=gguf.name, dtype=torch.float32
@@ -118,7 +118,8 @@ def save_hf_folder_atomically(model: Any, tokenizer: Any, out: Path) -> Path:
 
 
 @contextlib.contextmanager
-def _quiet_transformers(quiet: bool = True):
+def quiet_transformers(quiet: bool = True) -> Any:
+    """Silence transformers' warnings and progress bars inside the block (when `quiet`)."""
     if not quiet:
         yield
         return
@@ -206,7 +207,7 @@ def load_tokenizer(spec: str = DEFAULT_SPEC) -> Any:
     from transformers import AutoTokenizer
 
     info = resolve(spec)
-    with _quiet_transformers():
+    with quiet_transformers():
         if info.kind in ("embedded", "tiny"):
             tok = AutoTokenizer.from_pretrained(ensure_embedded())
         elif info.kind == "gguf":
@@ -226,7 +227,7 @@ def load_policy(spec: str = DEFAULT_SPEC, dtype: str = "float32", seed: int = 0)
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     info = resolve(spec)
-    with _quiet_transformers():
+    with quiet_transformers():
         if info.kind == "tiny":
             tok = load_tokenizer(spec)
             config = _tiny_config(

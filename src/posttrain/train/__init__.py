@@ -21,6 +21,8 @@ API used by the RL loop::
     learner.update(batch) -> dict                           # the optimisation on a prepared Batch
     learner.sft_step(samples) -> dict                       # one supervised step: token-mean NLL of the mask
     learner.sft_loss(samples) -> dict                       # that NLL without training (held-out loss)
+    new_reward_model(spec) / load_reward_model(folder) -> RewardModel   # scalar head, HF seq-cls folder
+    RewardLearner(reward_model, trainer_cfg, batch_cfg).step(chosen_ids, rejected_ids)  # Bradley-Terry
     encode_chat(tokenizer, messages, tools) -> (ids, mask)  # SFT: mask = the assistant tokens + their EOS
     learner.weights() -> dict[str, Tensor]                  # HF names, LoRA merged, for the engine
     learner.state_dict() / learner.load_state_dict(state)   # everything; bit-identical continuation
@@ -59,18 +61,30 @@ skipped.
 
 from posttrain.train.batch import Batch, Sample, build_batch
 from posttrain.train.learner import Learner, lr_factor
+from posttrain.train.reward_model import (
+    RewardLearner,
+    RewardModel,
+    load_reward_model,
+    new_reward_model,
+    tokenizer_fingerprint,
+)
 from posttrain.train.sft import encode_chat, sft_sample
 from posttrain.train.state import load_learner, merged_weights, save_learner
 
 __all__ = [
     "Batch",
     "Learner",
+    "RewardLearner",
+    "RewardModel",
     "Sample",
     "build_batch",
     "encode_chat",
     "load_learner",
+    "load_reward_model",
     "lr_factor",
     "merged_weights",
+    "new_reward_model",
     "save_learner",
     "sft_sample",
+    "tokenizer_fingerprint",
 ]

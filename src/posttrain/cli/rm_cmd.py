@@ -1,0 +1,138 @@
+"""`posttrain rm train` — a reward model (scalar head, Bradley-Terry loss) on preference pairs from a
+JSONL file or sampled from an environment by verifier outcome, into a run directory whose
+reward_model/ is a HF folder; `posttrain rm serve RUN_DIR` — that model behind an HTTP scoring API."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import typer
+
+from posttrain.cli.common import EXIT_USAGE, console, fail, load_config_or_exit
+
+app = typer.Typer(help="Reward models: train on preference pairs, serve over HTTP.", no_args_is_help=True)
+
+
+def pair_sets(data: str | None, from_env: str | None, levels: str | None, n: int | None) -> list[str]:
+    """The pairs.* overrides of the --data / --from-env / --levels / --n options (exits 2 on bad ones)."""
+    if data is not None and from_env is not None:
+        fail("give --data FILE.jsonl or --from-env DOMAIN, not both", EXIT_USAGE)
+    sets = []
+    if data is not None:
+        sets += [f"pairs.data={data}", "pairs.from_env=null"]
+    if from_env is not None:
+        sets += [f"pairs.from_env={from_env}", "pairs.data=null"]
+    if levels is not None:
+        try:
+            parsed = [int(x) for x in levels.split(",") if x.strip()]
+        except ValueError:
+            fail(f"--levels must be comma-separated integers, e.g. 0,1; got {levels!r}", EXIT_USAGE)
+        sets.append(f"pairs.levels={parsed}")
+    if n is not None:
+        sets.append(f"pairs.n={n}")
+    return sets
+
+
+@dataclass
+class PreparedPairs:
+    cfg: Any
+    run: Any
+    tokenizer: Any
+    train: list
+    heldout: list
+    stats: dict
+
+
+def prepare_pair_run(config: str | None, sets: list[str], name: str | None, overwrite: bool) -> PreparedPairs:
+    """Load the config, the tokenizer and the pairs, create the run dir. Exits 2 on a bad config, bad
+    data or an existing run dir."""
+    from posttrain.models import ModelNotFoundError, load_tokenizer, resolve
+    from posttrain.orchestrator.pairs import PairDataError, build_pairs, drop_long, resolve_lr_decay
+    from posttrain.telemetry.rundir import RunDir, check_run_name
+
+    if name is not None:
+        try:
+            check_run_name(name)
+        except ValueError as err:
+            fail(f"--name: {err}", EXIT_USAGE)
+    cfg = load_config_or_exit(config, sets)
+    if cfg.pairs.data is None and cfg.pairs.from_env is None:
+        fail(
+            "no pairs: give --data FILE.jsonl or --from-env DOMAIN (or pairs.data / pairs.from_env)",
+            EXIT_USAGE,
+        )
+    try:
+        resolve(cfg.model.spec)
+        tokenizer = load_tokenizer(cfg.model.spec)
+        train, heldout, stats = build_pairs(cfg, tokenizer)
+    except PairDataError as err:
+        fail(str(err), EXIT_USAGE)
+    except (KeyError, ValueError, ModelNotFoundError) as err:
+        fail(f"cannot build the pairs: {err}", EXIT_USAGE)
+    train, skipped = drop_long(train, cfg.pairs.max_seq_tokens)
+    heldout, skipped_held = drop_long(heldout, cfg.pairs.max_seq_tokens)
+    if not train:
+        fail(
+            f"no training pair fits pairs.max_seq_tokens={cfg.pairs.max_seq_tokens} ({skipped} skipped)",
+            EXIT_USAGE,
+        )
+    stats = {**stats, "pairs/skipped_long": float(skipped + skipped_held)}
+    resolve_lr_decay(cfg, len(train))
+    try:
+        run = RunDir.create(cfg.telemetry.run_dir, name or cfg.telemetry.name, overwrite=overwrite)
+    except (FileExistsError, ValueError) as err:
+        fail(str(err), EXIT_USAGE)
+    return PreparedPairs(cfg, run, tokenizer, train, heldout, stats)
+
+
+def report(summary: dict, run: Any, what: str) -> None:
+    """Print a pair run's outcome; exit 128 + signal when it was stopped."""
+    if summary["interrupted"]:
+        sig = summary["signal"]
+        console.print(
+            f"stopped by signal {sig} at step {summary['step']}; checkpoint saved in {run.checkpoints}"
+        )
+        raise typer.Exit(128 + int(sig))
+    last = summary["last"]
+    held = ""
+    if "heldout/accuracy" in last:
+        start = summary["heldout_start"].get("accuracy", 0.0)
+        held = f", held-out pairwise accuracy {start:.3f} -> {last['heldout/accuracy']:.3f} on {summary['heldout_pairs']} pairs"
+    console.print(
+        f"done: {summary['step']} steps on {summary['train_pairs']} pairs, train loss {last['train/loss']:.3f}"
+        f"{held}; {what} at {summary['exported']}; metrics in {run.metrics}"
+    )
+
+
+@app.command("train")
+def train(
+    config: str = typer.Argument(None, help="YAML config; omit for the defaults"),
+    set_: list[str] = typer.Option(None, "--set", help="override, e.g. --set trainer.lr=1e-5"),
+    name: str = typer.Option(None, "--name", help="run name (directory under telemetry.run_dir)"),
+    data: str = typer.Option(None, "--data", help="JSONL preference pairs (pairs.data)"),
+    from_env: str = typer.Option(None, "--from-env", help="sample pairs from this domain (pairs.from_env)"),
+    levels: str = typer.Option(None, "--levels", help="--from-env difficulties, e.g. 0,1 (pairs.levels)"),
+    n: int = typer.Option(None, "--n", min=1, help="--from-env training tasks (pairs.n)"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing run directory"),
+    no_progress: bool = typer.Option(False, "--no-progress", help="no live progress display"),
+) -> None:
+    """Train a reward model: model.spec's decoder with a scalar head, Bradley-Terry loss on pairs.
+
+    Data: --data FILE.jsonl with {"prompt": str or [messages], "chosen": str or [messages], "rejected":
+    likewise} rows; or --from-env DOMAIN [--levels 0] [--n 64]: pairs.samples_per_task completions per
+    task sampled by the engine, a verifier success paired with a failure. Prints the held-out pairwise
+    accuracy before and after; the model goes to RUN_DIR/reward_model (AutoModelForSequenceClassification)."""
+    from posttrain.orchestrator.rm import rm_run
+
+    sets = list(set_ or []) + pair_sets(data, from_env, levels, n)
+    p = prepare_pair_run(config, sets, name, overwrite)
+    try:
+        job = rm_run(p.cfg, p.run, p.tokenizer, show_progress=not no_progress and p.cfg.telemetry.progress)
+    except (KeyError, ValueError) as err:
+        fail(f"cannot start the run: {err}", EXIT_USAGE)
+    report(job.train(p.train, p.heldout, p.stats), p.run, "reward model")
+
+
+def register(app_: typer.Typer) -> None:
+    app_.add_typer(app, name="rm")

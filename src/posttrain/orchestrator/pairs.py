@@ -1,0 +1,421 @@
+"""Preference pairs and the runs that train on them (`posttrain rm train`, `posttrain dpo`): pairs from a
+JSONL file or sampled from an environment (k completions per task, a verifier success paired with a
+failure), their held-out split, and `PairRun`, the loop that feeds a trainer batches of pairs and
+writes the run directory (config.yaml, metrics.jsonl, checkpoints/, the exported model).
+
+A pair's sequences are token ids laid out as the RL loop lays out a trajectory: JSONL rows are encoded
+by `train.encode_chat`, environment pairs are the trajectories' own ids. The losses are `train`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from posttrain.config import RunConfig, save_config
+from posttrain.orchestrator.checkpoint import save_checkpoint
+from posttrain.orchestrator.sft import SFTDataError, batches, parse_row
+from posttrain.orchestrator.signals import stop_on_signals
+from posttrain.telemetry import MetricsLogger, Progress, RunDir
+from posttrain.types import Trajectory
+
+PAIR_STATE = "pairs_state.json"
+ROW_SHAPE = (
+    '{"prompt": "..." or [messages], "chosen": "..." or [assistant messages], "rejected": likewise} '
+    '(optional "system" and "tools" as in sft data)'
+)
+
+
+class PairDataError(ValueError):
+    """Bad pair data; the message names the file and line (or the domain) and what a row must look like."""
+
+
+@dataclass
+class Pair:
+    """A preferred and a dispreferred response to one prompt, each as token ids with its loss mask (1 on
+    the response tokens); `source` says where it came from (`file:line` or a task id)."""
+
+    chosen_ids: list[int]
+    chosen_mask: list[int]
+    rejected_ids: list[int]
+    rejected_mask: list[int]
+    source: str = ""
+
+    @property
+    def max_len(self) -> int:
+        return max(len(self.chosen_ids), len(self.rejected_ids))
+
+
+# ------------------------------------------------------------------------------------------------
+# JSONL pairs
+
+
+def parse_pair(row: Any, where: str, tokenizer: Any, chat_format: str = "smollm2") -> Pair:
+    """One JSONL row -> a `Pair` (the prompt rendered with the chat template, each response as the
+    assistant turn after it, as `posttrain sft` encodes a prompt/completion row)."""
+    from posttrain.train import encode_chat
+
+    if not isinstance(row, dict):
+        raise PairDataError(f"{where}: a row must be a JSON object: {ROW_SHAPE}")
+    missing = [k for k in ("prompt", "chosen", "rejected") if k not in row]
+    if missing:
+        raise PairDataError(f"{where}: the row has no {', '.join(repr(k) for k in missing)}: {ROW_SHAPE}")
+    sides = []
+    for side in ("chosen", "rejected"):
+        extra = {k: row[k] for k in ("system", "tools") if k in row}
+        try:
+            ex = parse_row(
+                {"prompt": row["prompt"], "completion": row[side], **extra}, f"{where}: {side}", chat_format
+            )
+            ids, mask = encode_chat(tokenizer, ex.messages, ex.tools)
+        except (SFTDataError, ValueError) as err:
+            raise PairDataError(
+                str(err) if str(err).startswith(where) else f"{where}: {side}: {err}"
+            ) from None
+        sides.append((ids, mask))
+    (c_ids, c_mask), (r_ids, r_mask) = sides
+    if c_ids == r_ids:
+        raise PairDataError(f"{where}: chosen and rejected are the same response; a pair needs two")
+    return Pair(c_ids, c_mask, r_ids, r_mask, where)
+
+
+def load_pairs_jsonl(path: str | Path, tokenizer: Any, chat_format: str = "smollm2") -> list[Pair]:
+    """Every non-blank line of `path` as a `Pair`; the first bad line raises `PairDataError`."""
+    p = Path(path)
+    if not p.is_file():
+        raise PairDataError(f"{p}: no such file (give a JSONL file with one pair per line: {ROW_SHAPE})")
+    out: list[Pair] = []
+    with open(p, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            where = f"{p}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise PairDataError(
+                    f"{where}: not valid JSON ({err.msg} at column {err.colno}); each line must be {ROW_SHAPE}"
+                ) from None
+            out.append(parse_pair(row, where, tokenizer, chat_format))
+    if not out:
+        raise PairDataError(f"{p}: the file holds no rows")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# pairs from an environment, by verifier outcome
+
+
+def _succeeded(t: Trajectory) -> bool:
+    return bool(t.rewards.get("success", t.reward))
+
+
+def pair_by_outcome(
+    trajectories: list[Trajectory], pairs_per_task: int = 1
+) -> tuple[list[Pair], dict[str, float]]:
+    """Per group (one task's samples): its i-th success paired with its i-th failure, for i below
+    `pairs_per_task` and both counts; infrastructure failures are left out. Returns (pairs, stats)."""
+    groups: dict[int, list[Trajectory]] = {}
+    for t in trajectories:
+        groups.setdefault(t.group_id, []).append(t)
+    pairs: list[Pair] = []
+    infra = paired_tasks = successes = scored = 0
+    for _, members in sorted(groups.items()):
+        ok = [t for t in members if not t.status.is_infra_failure]
+        infra += len(members) - len(ok)
+        good = [t for t in ok if _succeeded(t)]
+        bad = [t for t in ok if not _succeeded(t)]
+        scored += len(ok)
+        successes += len(good)
+        k = min(len(good), len(bad), pairs_per_task)
+        paired_tasks += k > 0
+        for c, r in zip(good[:k], bad[:k], strict=True):
+            pairs.append(Pair(c.token_ids, c.loss_mask, r.token_ids, r.loss_mask, c.task.id))
+    stats = {
+        "tasks": float(len(groups)),
+        "tasks_paired": float(paired_tasks),
+        "success_rate": successes / scored if scored else 0.0,
+        "infra_failures": float(infra),
+        "pairs": float(len(pairs)),
+    }
+    return pairs, stats
+
+
+async def asample_pairs(
+    engine: Any,
+    tokenizer: Any,
+    domain: Any,
+    levels: list[int],
+    n: int,
+    samples_per_task: int,
+    split: str,
+    seed: int,
+    sandbox: Any,
+    sampling: Any,
+    limits: Any,
+    pairs_per_task: int = 1,
+) -> tuple[list[Pair], dict[str, float]]:
+    """Tasks 0..n-1 of `split` (round-robin over `levels`), `samples_per_task` episodes each through the
+    agent loop, paired by `pair_by_outcome`."""
+    from posttrain.rollout import collect_groups
+
+    bad = [lvl for lvl in levels if lvl not in domain.difficulties]
+    if bad:
+        raise PairDataError(
+            f"domain '{domain.name}' has no difficulty {bad[0]} (valid: {domain.difficulties})"
+        )
+    tasks = [(domain, domain.task(split, levels[i % len(levels)], i // len(levels), seed)) for i in range(n)]
+    out = await collect_groups(
+        engine,
+        tokenizer,
+        tasks,
+        samples_per_task,
+        sandbox,
+        sampling,
+        limits,
+        policy_version=0,
+        run_seed=seed,
+        step=0 if split == "train" else 1,
+        share_prefill=getattr(engine, "caches_prefixes", False),
+    )
+    return pair_by_outcome(out.trajectories, pairs_per_task)
+
+
+def split_pairs(pairs: list[Pair], frac: float, seed: int) -> tuple[list[Pair], list[Pair]]:
+    """(train, heldout) by a seeded shuffle: round(frac x len) pairs held out (at least one when frac > 0
+    and there are two or more)."""
+    k = round(frac * len(pairs))
+    if frac > 0 and len(pairs) >= 2:
+        k = max(k, 1)
+    k = min(k, max(len(pairs) - 1, 0))
+    order = list(range(len(pairs)))
+    random.Random(seed).shuffle(order)
+    held = set(order[:k])
+    return [p for i, p in enumerate(pairs) if i not in held], [p for i, p in enumerate(pairs) if i in held]
+
+
+def build_pairs(cfg: RunConfig, tokenizer: Any) -> tuple[list[Pair], list[Pair], dict[str, float]]:
+    """(train, heldout, stats) pairs of `cfg.pairs`' source. Environment pairs are sampled by
+    pairs.sampler_spec (default model.spec) on the engine of cfg.engine, with a sandbox where the domain
+    runs code."""
+    s = cfg.pairs
+    if s.data is not None:
+        train, held = split_pairs(
+            load_pairs_jsonl(s.data, tokenizer, s.chat_format), s.heldout_frac, cfg.seed
+        )
+        return train, held, {}
+    if s.from_env is None:
+        raise PairDataError(
+            "no pairs: give --data FILE.jsonl or --from-env DOMAIN (pairs.data / pairs.from_env)"
+        )
+    from posttrain.engine import SamplingParams, make_engine
+    from posttrain.envs import get_domain
+    from posttrain.models import load_policy, load_tokenizer
+    from posttrain.rollout import EpisodeLimits
+    from posttrain.train import tokenizer_fingerprint
+
+    options = {d.name: d.options for d in cfg.envs.domains}.get(s.from_env, {})
+    domain = get_domain(s.from_env, **options)
+    spec = s.sampler_spec or cfg.model.spec
+    sampler_tok = load_tokenizer(spec)
+    if tokenizer_fingerprint(sampler_tok) != tokenizer_fingerprint(tokenizer):
+        raise PairDataError(
+            f"pairs.sampler_spec={spec} has another tokenizer than model.spec={cfg.model.spec}; the pairs' "
+            "token ids must be the trained model's"
+        )
+    n_held = math.ceil(s.heldout_frac * s.n) if s.heldout_frac > 0 and "heldout" in domain.splits else 0
+    e = cfg.engine
+    stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    sampling = SamplingParams(
+        temperature=s.temperature,
+        top_p=e.top_p,
+        top_k=e.top_k,
+        max_tokens=e.max_new_tokens,
+        stop_token_ids=stop,
+    )
+    limits = EpisodeLimits(cfg.envs.max_turns, cfg.envs.max_episode_tokens, e.max_new_tokens)
+    engine = make_engine(e, load_policy(spec, dtype=e.dtype, seed=cfg.seed), sampler_tok)
+
+    async def run() -> tuple[list[Pair], list[Pair], dict[str, float]]:
+        sandbox = None
+        if domain.requires_sandbox:
+            from posttrain.sandbox import make_sandbox
+
+            sandbox = make_sandbox(cfg.sandbox)
+        try:
+            args = (engine, tokenizer, domain, s.levels)
+            train, st = await asample_pairs(
+                *args, s.n, s.samples_per_task, "train", cfg.seed, sandbox, sampling, limits, s.pairs_per_task
+            )
+            held, sh = (
+                await asample_pairs(
+                    *args,
+                    n_held,
+                    s.samples_per_task,
+                    "heldout",
+                    cfg.seed,
+                    sandbox,
+                    sampling,
+                    limits,
+                    s.pairs_per_task,
+                )
+                if n_held
+                else ([], {})
+            )
+        finally:
+            if sandbox is not None:
+                await sandbox.close()
+        stats = {f"env/train_{k}": v for k, v in st.items()} | {f"env/heldout_{k}": v for k, v in sh.items()}
+        return train, held, stats
+
+    train, held, stats = asyncio.run(run())
+    if not train:
+        raise PairDataError(
+            f"{s.from_env}: no task of {s.n} had both a success and a failure in {s.samples_per_task} samples "
+            f"(success rate {stats.get('env/train_success_rate', 0.0):.2f}); try other pairs.levels, more "
+            "pairs.n or pairs.samples_per_task, or a higher pairs.temperature"
+        )
+    if not held and s.heldout_frac > 0:  # no heldout split (or no pair in it): hold out training pairs
+        train, held = split_pairs(train, s.heldout_frac, cfg.seed)
+    return train, held, stats
+
+
+def drop_long(pairs: list[Pair], max_tokens: int) -> tuple[list[Pair], int]:
+    kept = [p for p in pairs if p.max_len <= max_tokens]
+    return kept, len(pairs) - len(kept)
+
+
+# ------------------------------------------------------------------------------------------------
+# the run
+
+
+class PairTrainer(Protocol):
+    """What `PairRun` trains: a step and an evaluation on pairs, checkpoint contents, the exported model."""
+
+    def step(self, pairs: list[Pair]) -> dict[str, float]: ...
+
+    def evaluate(self, pairs: list[Pair]) -> dict[str, float]: ...
+
+    def save(self, directory: Path) -> None: ...
+
+    def export(self, out: Path) -> Path: ...
+
+
+def pair_steps(cfg: RunConfig, n_train: int) -> int:
+    """Optimizer steps of a pair run on `n_train` pairs: pairs.steps, or epochs x batches per epoch."""
+    s = cfg.pairs
+    return s.steps or s.epochs * math.ceil(n_train / s.batch_size)
+
+
+def resolve_lr_decay(cfg: RunConfig, n_train: int) -> None:
+    """trainer.lr_decay_steps defaults to the run's steps under a cosine or linear schedule."""
+    if cfg.trainer.lr_schedule != "constant" and cfg.trainer.lr_decay_steps == 0:
+        cfg.trainer.lr_decay_steps = pair_steps(cfg, n_train)
+
+
+class PairRun:
+    """`PairRun(cfg, run_dir, trainer, export_name).train(train, heldout)` -> summary: trains for
+    pairs.steps (or epochs), logs train/* every step and heldout/* every pairs.eval_every steps and at
+    the end, checkpoints, and exports the model to `run_dir/export_name`. Stops checkpointed (no
+    export) on SIGINT/SIGTERM."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        run_dir: RunDir,
+        trainer: PairTrainer,
+        export_name: str,
+        *,
+        kind: str = "pairs",
+        show_progress: bool | None = None,
+    ) -> None:
+        self.cfg, self.run_dir, self.trainer = cfg, run_dir, trainer
+        self.export_name, self.kind = export_name, kind
+        self.show_progress = cfg.telemetry.progress if show_progress is None else show_progress
+        self.step = 0
+        self.stop_signal: int | None = None
+
+    def _record_stop(self, signum: int) -> None:
+        self.stop_signal = signum
+
+    def save(self, steps: int) -> Path:
+        def write(tmp: Path) -> None:
+            self.trainer.save(tmp)
+            (tmp / PAIR_STATE).write_text(json.dumps({"step": self.step, "steps": steps}))
+
+        return save_checkpoint(
+            self.run_dir.checkpoints, self.step, write, keep=self.cfg.orchestrator.keep_checkpoints
+        )
+
+    def train(
+        self, train: list[Pair], heldout: list[Pair], extra: dict[str, float] | None = None
+    ) -> dict[str, Any]:
+        cfg, s = self.cfg, self.cfg.pairs
+        if not train:
+            raise PairDataError("no training pairs")
+        steps = pair_steps(cfg, len(train))
+        save_config(cfg, self.run_dir.config)
+        logger = MetricsLogger(
+            self.run_dir.metrics if cfg.telemetry.jsonl else None,
+            self.run_dir.tb if cfg.telemetry.tensorboard else None,
+        )
+
+        def held() -> dict[str, float]:
+            return {f"heldout/{k}": v for k, v in self.trainer.evaluate(heldout).items()} if heldout else {}
+
+        plan = batches(len(train), s.batch_size, steps, cfg.seed)
+        initial = held()
+        last: dict[str, float] = {}
+        t0 = time.perf_counter()
+        with (
+            stop_on_signals(self._record_stop),
+            Progress(steps, self.kind, enabled=self.show_progress) as progress,
+        ):
+            try:
+                for rows in plan:
+                    m = self.trainer.step([train[i] for i in rows])
+                    self.step += 1
+                    metrics = {f"train/{k}": v for k, v in m.items()}
+                    metrics["epoch"] = self.step * s.batch_size / len(train)
+                    if self.step == 1:
+                        metrics.update(extra or {})
+                        metrics.update(
+                            {k.replace("heldout/", "heldout_start/"): v for k, v in initial.items()}
+                        )
+                    if s.eval_every and (self.step % s.eval_every == 0 or self.step == steps):
+                        metrics.update(held())
+                    metrics["time/elapsed_s"] = time.perf_counter() - t0
+                    logger.log(self.step, metrics)
+                    last = metrics
+                    due = s.checkpoint_every and self.step % s.checkpoint_every == 0
+                    if due or self.step == steps or self.stop_signal is not None:
+                        self.save(steps)
+                    figures = {"loss": m["loss"], "acc": m["accuracy"]}
+                    if "heldout/accuracy" in metrics:
+                        figures["heldout acc"] = metrics["heldout/accuracy"]
+                    progress.advance(1, figures)
+                    if self.stop_signal is not None:
+                        break
+            finally:
+                logger.close()
+        exported = None
+        if self.stop_signal is None:
+            exported = self.trainer.export(self.run_dir.path / self.export_name)
+        return {
+            "step": self.step,
+            "steps": steps,
+            "interrupted": self.stop_signal is not None,
+            "signal": self.stop_signal,
+            "train_pairs": len(train),
+            "heldout_pairs": len(heldout),
+            "heldout_start": initial,
+            "last": last,
+            "exported": exported,
+            "wall_s": time.perf_counter() - t0,
+        }

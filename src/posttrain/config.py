@@ -595,6 +595,27 @@ class PairsConfig(Section):
         return self
 
 
+class DPOConfig(Section):
+    """`posttrain dpo`: which registered preference loss and its hyperparameters (algos.preference).
+    The reference is the initial policy: the base with adapters off under LoRA, a frozen copy otherwise."""
+
+    loss: str = Field("dpo", description="dpo | ipo | simpo")
+    beta: float = Field(0.1, gt=0.0, description="dpo: the KL strength beta")
+    label_smoothing: float = Field(
+        0.0, ge=0.0, lt=0.5, description="dpo: the chance eps that a label is wrong (conservative DPO)"
+    )
+    tau: float = Field(0.1, gt=0.0, description="ipo: the target log-ratio gap is 1 / (2 tau)")
+    simpo_beta: float = Field(2.0, gt=0.0, description="simpo: the scale of the length-normalised logprob")
+    simpo_gamma: float = Field(1.0, ge=0.0, description="simpo: the target reward margin")
+
+    @field_validator("loss")
+    @classmethod
+    def _known_loss(cls, v: str) -> str:
+        from posttrain.algos import list_preference_losses
+
+        return _registered("preference loss", v, list_preference_losses())
+
+
 class RunConfig(Section):
     seed: int = 0
     model: ModelConfig = ModelConfig()
@@ -610,6 +631,7 @@ class RunConfig(Section):
     telemetry: TelemetryConfig = TelemetryConfig()
     sft: SFTConfig = SFTConfig()
     pairs: PairsConfig = PairsConfig()
+    dpo: DPOConfig = DPOConfig()
     serve: ServeConfig = ServeConfig()
 
     @field_validator("envs")

@@ -1,4 +1,4 @@
-"""The `posttrain` command line: train | eval | export | serve | sft | rm | sandbox | tasks | bench |
+"""The `posttrain` command line: train | eval | export | serve | sft | rm | dpo | sandbox | tasks | bench |
 report | config | models. Each group lives in its own module and imports heavy packages only when run."""
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ _add_commands("run_cmds")  # train, eval, export, report
 _add_commands("serve_cmd")
 _add_commands("sft_cmd")  # sft
 _add_commands("rm_cmd")  # rm train | rm serve
+_add_commands("dpo_cmd")  # dpo
 _add_group("sandbox_cmd", "sandbox")
 _add_group("tasks_cmd", "tasks")
 _add_group("config_cmd", "config")

@@ -21,6 +21,8 @@ API used by the RL loop::
     learner.update(batch) -> dict                           # the optimisation on a prepared Batch
     learner.sft_step(samples) -> dict                       # one supervised step: token-mean NLL of the mask
     learner.sft_loss(samples) -> dict                       # that NLL without training (held-out loss)
+    learner.preference_step(chosen, rejected, "dpo", beta=0.1) -> dict  # DPO/IPO/SimPO step on pairs
+    learner.preference_eval(chosen, rejected, "dpo", beta=0.1) -> dict  # its loss/margin/accuracy, no step
     new_reward_model(spec) / load_reward_model(folder) -> RewardModel   # scalar head, HF seq-cls folder
     RewardLearner(reward_model, trainer_cfg, batch_cfg).step(chosen_ids, rejected_ids)  # Bradley-Terry
     encode_chat(tokenizer, messages, tools) -> (ids, mask)  # SFT: mask = the assistant tokens + their EOS

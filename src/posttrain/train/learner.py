@@ -20,11 +20,13 @@ from posttrain.algos import (
     aggregation_weights,
     get_advantage,
     get_policy_loss,
+    get_preference_loss,
     kl_estimate,
     make_kl_controller,
     masked_mean,
     masked_nll,
     mismatch_metrics,
+    preference_needs_reference,
     ratio_mask,
     tis_weights,
     value_loss,
@@ -93,7 +95,10 @@ class Learner:
         model: Any = None,
         critic_model: Any = None,
         batch_cfg: BatchConfig | None = None,
+        keep_reference: bool = False,
     ) -> None:
+        """`keep_reference`: full fine-tuning keeps a frozen copy of the initial policy even when
+        algorithm.kl_coef is 0 (preference losses compare with it); LoRA's reference is always the base."""
         from posttrain.models import load_policy, wrap_lora
 
         self.model_cfg, self.trainer_cfg, self.algo_cfg, self.seed = model_cfg, trainer_cfg, algo_cfg, seed
@@ -134,7 +139,7 @@ class Learner:
             hidden_size = causal_lm(cm).config.hidden_size
 
         self.reference: Any = None
-        if not self.lora and algo_cfg.kl_coef > 0:
+        if not self.lora and (algo_cfg.kl_coef > 0 or keep_reference):
             self.reference = copy.deepcopy(model).eval()
             for p in self.reference.parameters():
                 p.requires_grad_(False)
@@ -260,25 +265,32 @@ class Learner:
             out[idx, : sub.token_ids.shape[1]] = fn(sub)
         return out
 
-    def compute_logprobs(self, batch: Batch | list[Sample], model: Any = None) -> Tensor:
-        """Learner logprobs `[B, L]` of the tokens where `loss_mask` is 1 (0 elsewhere), no grad."""
+    def compute_logprobs(
+        self, batch: Batch | list[Sample], model: Any = None, temperature: float | None = None
+    ) -> Tensor:
+        """Learner logprobs `[B, L]` of the tokens where `loss_mask` is 1 (0 elsewhere), no grad;
+        logits divided by `temperature` (None: algorithm.temperature)."""
         if isinstance(batch, list):
             batch = build_batch(batch, self.device)
         model = self.model if model is None else model
-        return self._no_grad_map(batch, lambda sub: self._policy_forward(model, sub, sub.loss_mask)[0])
+        extra = {} if temperature is None else {"temperature": temperature}
+        return self._no_grad_map(
+            batch, lambda sub: self._policy_forward(model, sub, sub.loss_mask, **extra)[0]
+        )
 
-    def compute_ref_logprobs(self, batch: Batch | list[Sample]) -> Tensor:
+    def compute_ref_logprobs(self, batch: Batch | list[Sample], temperature: float | None = None) -> Tensor:
         """Reference logprobs: LoRA adapters disabled, or the frozen copy for full fine-tuning."""
         if isinstance(batch, list):
             batch = build_batch(batch, self.device)
         if self.lora:
             with self.model.disable_adapter():
-                return self.compute_logprobs(batch)
+                return self.compute_logprobs(batch, temperature=temperature)
         if self.reference is None:
             raise RuntimeError(
-                "no reference model: full fine-tuning keeps a frozen copy only when algorithm.kl_coef > 0"
+                "no reference model: full fine-tuning keeps a frozen copy only when algorithm.kl_coef > 0 "
+                "(or keep_reference=True)"
             )
-        return self.compute_logprobs(batch, model=self.reference)
+        return self.compute_logprobs(batch, model=self.reference, temperature=temperature)
 
     def compute_values(self, batch: Batch) -> Tensor:
         if self.critic is None:
@@ -645,6 +657,118 @@ class Learner:
             batch.lengths.tolist(), self.batch_cfg.micro_batch_tokens, self.trainer_cfg.packing
         )
         return [(batch.select(rows), rows) for rows in plan]
+
+    # ------------------------------------------------------------------------------------------
+    # preference optimisation (DPO, IPO, SimPO)
+
+    def preference_step(
+        self, chosen: list[Sample], rejected: list[Sample], loss: str, **params: Any
+    ) -> dict[str, float]:
+        """One optimizer step of the registered preference loss `loss` (algos.preference) on the pairs
+        (chosen[i], rejected[i]): per-sequence logprobs summed over each loss mask at temperature 1,
+        the reference's from the base with adapters off (LoRA) or the frozen copy (full), the pair
+        losses averaged; micro-batched by pairs (batch.micro_batch_tokens), clipped, AdamW.
+
+        Metrics: loss, chosen_reward, rejected_reward, margin (their mean gap), accuracy (share of pairs
+        whose chosen response has the higher implicit reward), pairs, tokens, grad_norm, lr, step_s,
+        optimizer_steps, version. The figures are of the policy before the step."""
+        t0 = time.perf_counter()
+        fn, batch, ref, tokens = self._preference_inputs(chosen, rejected, loss)
+        if self.optimizer_offloaded:
+            self.reload_optimizer()
+        lr = self._set_lr()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.train()
+        try:
+            sums = self._preference_pass(fn, batch, ref, tokens, params, backward=True)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.trainer_cfg.max_grad_norm)
+            self.optimizer.step()
+        finally:
+            self.model.eval()
+        self.optimizer_steps += 1
+        self.version += 1
+        return {
+            **sums,
+            "grad_norm": float(grad_norm),
+            "lr": lr,
+            "step_s": time.perf_counter() - t0,
+            "optimizer_steps": float(self.optimizer_steps),
+            "version": float(self.version),
+        }
+
+    @torch.no_grad()
+    def preference_eval(
+        self, chosen: list[Sample], rejected: list[Sample], loss: str, **params: Any
+    ) -> dict[str, float]:
+        """`preference_step`'s loss, rewards, margin and accuracy on the pairs, without training."""
+        fn, batch, ref, tokens = self._preference_inputs(chosen, rejected, loss)
+        return self._preference_pass(fn, batch, ref, tokens, params, backward=False)
+
+    def _preference_inputs(
+        self, chosen: list[Sample], rejected: list[Sample], loss: str
+    ) -> tuple[Any, Batch, Tensor | None, Tensor]:
+        if len(chosen) != len(rejected) or not chosen:
+            raise ValueError(
+                f"preference pairs: need as many chosen as rejected samples, at least one; got "
+                f"{len(chosen)} and {len(rejected)}"
+            )
+        fn = get_preference_loss(loss)
+        batch = build_batch(chosen + rejected, self.device)
+        ref = None
+        if preference_needs_reference(loss):
+            ref = self.compute_ref_logprobs(batch, temperature=1.0).sum(-1)
+        return fn, batch, ref, batch.loss_mask.sum(-1)
+
+    def _preference_pass(
+        self,
+        fn: Any,
+        batch: Batch,
+        ref: Tensor | None,
+        tokens: Tensor,
+        params: dict[str, Any],
+        backward: bool,
+    ) -> dict[str, float]:
+        n = batch.size // 2
+        lengths = batch.lengths.tolist()
+        pair_len = [max(lengths[i], lengths[i + n]) for i in range(n)]
+        # a pair is two padded rows: plan on half the budget
+        plan = plan_micro_batches(pair_len, max(1, self.batch_cfg.micro_batch_tokens // 2), False)
+        loss_sum = margin_sum = chosen_sum = rejected_sum = correct = 0.0
+        for pairs in plan:
+            rows = pairs + [i + n for i in pairs]
+            sub = batch.select(rows)
+            lp, _ = self._policy_forward(self.model, sub, sub.loss_mask, temperature=1.0)
+            seq = lp.sum(-1)
+            k = len(pairs)
+            idx_c = torch.as_tensor(pairs, device=self.device)
+            ref_c = ref[idx_c] if ref is not None else None
+            ref_r = ref[idx_c + n] if ref is not None else None
+            out = fn(
+                seq[:k],
+                seq[k:],
+                ref_c,
+                ref_r,
+                chosen_tokens=tokens[idx_c],
+                rejected_tokens=tokens[idx_c + n],
+                **params,
+            )
+            loss = out.loss.sum() / n
+            if backward:
+                loss.backward()
+            loss_sum += float(loss.item())
+            margin_sum += float(out.reward_margin.sum().item())
+            chosen_sum += float(out.chosen_rewards.sum().item())
+            rejected_sum += float(out.rejected_rewards.sum().item())
+            correct += float((out.chosen_rewards > out.rejected_rewards).sum().item())
+        return {
+            "loss": loss_sum,
+            "chosen_reward": chosen_sum / n,
+            "rejected_reward": rejected_sum / n,
+            "margin": margin_sum / n,
+            "accuracy": correct / n,
+            "pairs": float(n),
+            "tokens": float(batch.loss_mask.sum().item()),
+        }
 
     # ------------------------------------------------------------------------------------------
     # weights and state

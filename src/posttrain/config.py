@@ -616,6 +616,33 @@ class DPOConfig(Section):
         return _registered("preference loss", v, list_preference_losses())
 
 
+class RewardConfig(Section):
+    """A learned reward in RL runs: a reward model scores every training rollout, and the step trains on
+    verifier_weight x the verifier's reward + model_weight x the model's score (both logged apart, as
+    reward_component/DOMAIN/verifier and .../reward_model). Held-out probes and eval stay on the verifier.
+    A reward server that fails marks the rollouts it should have scored as infrastructure failures."""
+
+    model: str | None = Field(
+        None, description="a `posttrain rm train` run dir or its reward_model/ HF folder, loaded in process"
+    )
+    url: str | None = Field(None, description="http://host:port of a `posttrain rm serve` reward server")
+    verifier_weight: float = Field(1.0, ge=0.0, description="weight of the environment's verifier reward")
+    model_weight: float = Field(1.0, ge=0.0, description="weight of the reward model's score")
+    batch_size: int = Field(16, ge=1, description="sequences per reward-model forward or server request")
+    max_concurrent_requests: int = Field(4, ge=1, description="url: requests in flight at once")
+    timeout_s: float = Field(60.0, gt=0.0, description="url: bound on one request")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> RewardConfig:
+        if self.model is not None and self.url is not None:
+            raise ValueError("give reward.model or reward.url, not both")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.model is not None or self.url is not None
+
+
 class RunConfig(Section):
     seed: int = 0
     model: ModelConfig = ModelConfig()
@@ -632,6 +659,7 @@ class RunConfig(Section):
     sft: SFTConfig = SFTConfig()
     pairs: PairsConfig = PairsConfig()
     dpo: DPOConfig = DPOConfig()
+    reward: RewardConfig = RewardConfig()
     serve: ServeConfig = ServeConfig()
 
     @field_validator("envs")

@@ -83,10 +83,15 @@ class TrajectoryStatus(enum.StrEnum):
     TRUNCATED = "truncated"  # hit the turn or token budget; still scored
     SANDBOX_ERROR = "sandbox_error"
     ENGINE_ERROR = "engine_error"
+    REWARD_ERROR = "reward_error"  # the learned reward model (or its server) failed to score it
 
     @property
     def is_infra_failure(self) -> bool:
-        return self in (TrajectoryStatus.SANDBOX_ERROR, TrajectoryStatus.ENGINE_ERROR)
+        return self in (
+            TrajectoryStatus.SANDBOX_ERROR,
+            TrajectoryStatus.ENGINE_ERROR,
+            TrajectoryStatus.REWARD_ERROR,
+        )
 
 
 @dataclass

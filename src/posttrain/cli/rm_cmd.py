@@ -134,5 +134,33 @@ def train(
     report(job.train(p.train, p.heldout, p.stats), p.run, "reward model")
 
 
+@app.command("serve")
+def serve(
+    run_dir: str = typer.Argument(..., help="a `posttrain rm train` run dir, or a reward model HF folder"),
+    host: str = typer.Option("127.0.0.1", "--host", help="address to bind"),
+    port: int = typer.Option(8001, "--port", min=0, max=65535, help="TCP port"),
+    max_batch: int = typer.Option(
+        256, "--max-batch", min=1, help="most sequences in one request (413 above)"
+    ),
+) -> None:
+    """Serve a reward model over HTTP: POST /score {"token_ids": [[...], ...]} -> {"scores": [...]};
+    GET /health gives the tokenizer fingerprint RL runs check (reward.url). Stops on Ctrl-C / SIGTERM."""
+    import uvicorn
+
+    from posttrain.models import load_tokenizer
+    from posttrain.rollout import RewardModelError, make_reward_app
+    from posttrain.rollout.reward_model import reward_model_path
+    from posttrain.train import load_reward_model
+
+    try:
+        folder = reward_model_path(run_dir)
+        model, tokenizer = load_reward_model(folder), load_tokenizer(str(folder))
+    except (RewardModelError, OSError, ValueError) as err:
+        fail(str(err), EXIT_USAGE)
+    app_ = make_reward_app(model, tokenizer, name=str(folder), max_batch=max_batch)
+    console.print(f"reward model {folder} at http://{host}:{port} (POST /score, GET /health)")
+    uvicorn.run(app_, host=host, port=port, log_level="warning")
+
+
 def register(app_: typer.Typer) -> None:
     app_.add_typer(app, name="rm")

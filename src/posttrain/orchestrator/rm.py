@@ -47,15 +47,3 @@ def rm_run(cfg: RunConfig, run_dir: RunDir, tokenizer: Any, *, show_progress: bo
     return PairRun(
         cfg, run_dir, RewardTrainer(cfg, tokenizer), EXPORT_DIR, kind="rm", show_progress=show_progress
     )
-
-
-def reward_model_folder(path: str | Path) -> Path:
-    """The reward model HF folder of a `posttrain rm train` run dir, or `path` itself when it is one."""
-    p = Path(path)
-    if (p / EXPORT_DIR / "config.json").is_file():
-        return p / EXPORT_DIR
-    if (p / "config.json").is_file():
-        return p
-    raise FileNotFoundError(
-        f"{p}: neither a reward model folder (config.json) nor a `posttrain rm train` run dir ({EXPORT_DIR}/)"
-    )

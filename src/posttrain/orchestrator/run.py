@@ -18,7 +18,7 @@ from posttrain.orchestrator.metrics import PhaseLog, progress_figures, step_metr
 from posttrain.orchestrator.pipeline import AsyncPipeline, PreRow, train_sync
 from posttrain.orchestrator.signals import stop_on_signals
 from posttrain.orchestrator.tasks import GroupFeedback, Pick, TaskSource, collect_step
-from posttrain.rollout import EpisodeLimits, RolloutBatch, collect_groups
+from posttrain.rollout import EpisodeLimits, LearnedReward, RolloutBatch, collect_groups, make_learned_reward
 from posttrain.telemetry import MetricsLogger, Progress, RunDir, WandbSink
 from posttrain.types import Trajectory
 
@@ -45,6 +45,7 @@ class RLRun:
             asyncio.new_event_loop()
         )  # drives rollouts and probes (async mode: the rollout thread swaps its own in)
         self.sandbox: Any = None
+        self.reward: LearnedReward | None = None  # the learned reward of cfg.reward, if any
         self._built = False
 
     # ------------------------------------------------------------------ construction
@@ -107,6 +108,7 @@ class RLRun:
         self.engine: Engine = make_engine(cfg.engine, engine_model, self.tokenizer)
         self.sync_weights(self.learner.weights())
         self.sandbox = self.make_sandbox()
+        self.reward = make_learned_reward(cfg.reward, self.tokenizer)
         self.sampling = self.sampling_params(train=True)
         self.limits = EpisodeLimits(
             cfg.envs.max_turns, cfg.envs.max_episode_tokens, cfg.engine.max_new_tokens
@@ -172,7 +174,8 @@ class RLRun:
     # ------------------------------------------------------------------ one step
 
     def rollout(self, picks: list[Pick], step: int, group_offset: int) -> RolloutBatch:
-        """The groups of `picks`, `batch.samples_per_prompt` episodes each, with the engine's current weights."""
+        """The groups of `picks`, `batch.samples_per_prompt` episodes each, with the engine's current weights,
+        scored by the learned reward of `reward.*` too when one is configured."""
         coro = collect_groups(
             self.engine,
             self.tokenizer,
@@ -186,6 +189,7 @@ class RLRun:
             step=step,
             group_offset=group_offset,
             share_prefill=self.engine.caches_prefixes,
+            reward=self.reward,
         )
         return self.loop.run_until_complete(coro)
 

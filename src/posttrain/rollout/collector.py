@@ -15,6 +15,7 @@ from posttrain.types import Task, Trajectory
 
 if TYPE_CHECKING:
     from posttrain.engine import Engine, SamplingParams
+    from posttrain.rollout.reward_model import LearnedReward
 
 
 @dataclass
@@ -42,10 +43,11 @@ async def collect_groups(
     step: int,
     group_offset: int = 0,
     share_prefill: bool = False,
+    reward: LearnedReward | None = None,
 ) -> RolloutBatch:
     """Run `group_size` episodes of each (domain, task) pair concurrently; with `share_prefill` (for
     engines with a prefix cache: pass `engine.caches_prefixes`) each group's prompt is prefilled once
-    (`GroupPrefill`)."""
+    (`GroupPrefill`). With a learned `reward`, the finished trajectories are scored by it too."""
     t0 = time.perf_counter()
     coros = []
     for g, (domain, task) in enumerate(groups):
@@ -68,6 +70,8 @@ async def collect_groups(
                 )
             )
     trajectories = list(await asyncio.gather(*coros))
+    if reward is not None:
+        await reward.apply(trajectories)
     wall = time.perf_counter() - t0
     return RolloutBatch(trajectories, wall, policy_version)
 
@@ -85,6 +89,7 @@ def rollout_stats(trajectories: list[Trajectory], wall_s: float) -> dict[str, fl
         "rollout/mean_response_tokens": generated / n,
         "rollout/max_response_tokens": float(max((t.num_generated for t in trajectories), default=0)),
         "rollout/infra_failures": float(sum(t.status.is_infra_failure for t in trajectories)),
+        "rollout/reward_errors": float(sum(t.status.value == "reward_error" for t in trajectories)),
         "rollout/truncated": float(sum(t.status.value == "truncated" for t in trajectories)),
         # episode-seconds spent awaiting the engine / the environment; their sum over the wall time
         # says how much generation and environment work overlapped across episodes

@@ -1,0 +1,234 @@
+"""Learned rewards for rollouts: a reward model scores each finished trajectory's token ids, in process
+(`LocalRewardScorer`) or behind an HTTP reward server (`make_reward_app`, served by `posttrain rm
+serve`; `RemoteRewardScorer`, its async batched client), and `LearnedReward` mixes the score with the
+environment's verifier reward, keeping both in `Trajectory.rewards` ("verifier", "reward_model").
+
+A sequence the reward model cannot score (server down, timeout, bad answer) marks its trajectory
+`REWARD_ERROR`, an infrastructure failure: excluded from training and counted, never scored 0. The
+model and its forward are `train`'s; the scores are read on the engine's exact token ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import httpx
+
+from posttrain.algos import mix_rewards
+from posttrain.types import Trajectory, TrajectoryStatus
+
+
+class RewardModelError(RuntimeError):
+    """A reward model or server that cannot be used; the message names it and why."""
+
+
+class RewardScorer(Protocol):
+    """Scores token sequences; a sequence that could not be scored gets the exception that says why."""
+
+    async def score(self, sequences: list[list[int]]) -> list[float | Exception]: ...
+
+
+def _chunks(n: int, size: int) -> list[range]:
+    return [range(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+class LocalRewardScorer:
+    """A `train.RewardModel` in this process, `batch_size` sequences per forward (in a worker thread)."""
+
+    def __init__(self, model: Any, batch_size: int = 16) -> None:
+        self.model, self.batch_size = model, batch_size
+        self._lock = asyncio.Lock()
+
+    async def score(self, sequences: list[list[int]]) -> list[float | Exception]:
+        out: list[float | Exception] = [0.0] * len(sequences)
+        for rows in _chunks(len(sequences), self.batch_size):
+            try:
+                scores = await asyncio.to_thread(self.model.score, [sequences[i] for i in rows])
+                for i, s in zip(rows, scores, strict=True):
+                    out[i] = s
+            except Exception as err:  # noqa: BLE001 - a forward that fails is infrastructure
+                for i in rows:
+                    out[i] = RewardModelError(f"reward model forward failed: {type(err).__name__}: {err}")
+        return out
+
+
+class RemoteRewardScorer:
+    """Client of a reward server (`make_reward_app`): `POST {url}/score` with `{"token_ids": [[...]]}` in
+    requests of `batch_size` sequences, at most `max_concurrent` in flight, each bounded by `timeout_s`.
+    A request that fails (connection, timeout, non-200, malformed reply) fails only its sequences."""
+
+    def __init__(
+        self, url: str, batch_size: int = 16, max_concurrent: int = 4, timeout_s: float = 60.0
+    ) -> None:
+        self.url, self.batch_size, self.timeout_s = url.rstrip("/"), batch_size, timeout_s
+        self.max_concurrent = max_concurrent
+
+    def health(self) -> dict[str, Any]:
+        """The server's /health reply; raises RewardModelError when it does not answer."""
+        try:
+            r = httpx.get(f"{self.url}/health", timeout=self.timeout_s)
+            r.raise_for_status()
+            return r.json()
+        except (httpx.HTTPError, ValueError) as err:
+            raise RewardModelError(f"reward.url={self.url}: no reward server answers ({err})") from None
+
+    async def _request(
+        self, client: httpx.AsyncClient, gate: asyncio.Semaphore, batch: list[list[int]]
+    ) -> list[float]:
+        async with gate:
+            r = await client.post(f"{self.url}/score", json={"token_ids": batch})
+        if r.status_code != 200:
+            raise RewardModelError(f"reward server {self.url} answered {r.status_code}: {r.text[:200]}")
+        scores = r.json().get("scores")
+        if not isinstance(scores, list) or len(scores) != len(batch):
+            raise RewardModelError(
+                f"reward server {self.url} sent {scores!r:.100} for {len(batch)} sequences"
+            )
+        values = [float(s) for s in scores]
+        if not all(math.isfinite(v) for v in values):
+            raise RewardModelError(f"reward server {self.url} sent a score that is not a finite number")
+        return values
+
+    async def score(self, sequences: list[list[int]]) -> list[float | Exception]:
+        out: list[float | Exception] = [0.0] * len(sequences)
+        chunks = _chunks(len(sequences), self.batch_size)
+        gate = asyncio.Semaphore(self.max_concurrent)
+        async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+            results = await asyncio.gather(
+                *(self._request(client, gate, [sequences[i] for i in rows]) for rows in chunks),
+                return_exceptions=True,
+            )
+        for rows, res in zip(chunks, results, strict=True):
+            for k, i in enumerate(rows):
+                if isinstance(res, BaseException):
+                    err = (
+                        res
+                        if isinstance(res, RewardModelError)
+                        else RewardModelError(f"reward server {self.url}: {type(res).__name__}: {res}")
+                    )
+                    out[i] = err
+                else:
+                    out[i] = res[k]
+        return out
+
+
+@dataclass
+class LearnedReward:
+    """Scores trajectories with `scorer` and sets reward = verifier_weight x verifier + model_weight x score."""
+
+    scorer: RewardScorer
+    verifier_weight: float = 1.0
+    model_weight: float = 1.0
+
+    async def apply(self, trajectories: list[Trajectory]) -> None:
+        """Score the scored trajectories in place (infrastructure failures are left as they are)."""
+        todo = [t for t in trajectories if not t.status.is_infra_failure]
+        if not todo:
+            return
+        results = await self.scorer.score([t.token_ids for t in todo])
+        for t, res in zip(todo, results, strict=True):
+            if isinstance(res, Exception):
+                t.status = TrajectoryStatus.REWARD_ERROR
+                t.info["reward_error"] = str(res)
+                continue
+            t.rewards["verifier"] = t.reward
+            t.rewards["reward_model"] = float(res)
+            t.reward = mix_rewards(t.reward, float(res), self.verifier_weight, self.model_weight)
+
+
+def make_learned_reward(
+    reward_cfg: Any, tokenizer: Any, micro_batch_tokens: int = 4096
+) -> LearnedReward | None:
+    """The `reward` config section's learned reward (None when it names neither a model nor a server).
+    Checks that the reward model reads the policy's token ids (same tokenizer fingerprint)."""
+    from posttrain.train import tokenizer_fingerprint
+
+    if reward_cfg.model is None and reward_cfg.url is None:
+        return None
+    want = tokenizer_fingerprint(tokenizer)
+    scorer: RewardScorer
+    if reward_cfg.url is not None:
+        remote = RemoteRewardScorer(
+            reward_cfg.url, reward_cfg.batch_size, reward_cfg.max_concurrent_requests, reward_cfg.timeout_s
+        )
+        got = remote.health().get("tokenizer")
+        where = f"reward.url={reward_cfg.url}"
+        scorer = remote
+    else:
+        from posttrain.models import load_tokenizer
+        from posttrain.train import load_reward_model
+
+        folder = reward_model_path(reward_cfg.model)
+        got = tokenizer_fingerprint(load_tokenizer(str(folder)))
+        where = f"reward.model={reward_cfg.model}"
+        scorer = LocalRewardScorer(load_reward_model(folder), reward_cfg.batch_size)
+    if got != want:
+        raise RewardModelError(
+            f"{where}: the reward model's tokenizer (fingerprint {got}) is not the policy's ({want}); it must "
+            "score the policy's token ids (train it from the same model family)"
+        )
+    return LearnedReward(scorer, reward_cfg.verifier_weight, reward_cfg.model_weight)
+
+
+def reward_model_path(path: str) -> Any:
+    """The HF folder of a `posttrain rm train` run dir (its reward_model/) or `path` itself."""
+    from pathlib import Path
+
+    p = Path(path)
+    for folder in (p / "reward_model", p):
+        if (folder / "config.json").is_file():
+            return folder
+    raise RewardModelError(
+        f"{path}: neither a reward model folder (config.json) nor a `posttrain rm train` run dir (reward_model/)"
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# the reward server
+
+
+def make_reward_app(model: Any, tokenizer: Any, name: str = "reward-model", max_batch: int = 256) -> Any:
+    """A FastAPI app over a `train.RewardModel`: `GET /health` -> {status, model, tokenizer (fingerprint),
+    max_batch}; `POST /score` {"token_ids": [[int, ...], ...]} -> {"scores": [float, ...]} (400 naming
+    what is malformed, 413 over `max_batch` sequences). One forward runs at a time, in a worker thread."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse
+
+    from posttrain.train import tokenizer_fingerprint
+
+    app = FastAPI(title="posttrain reward model")
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    vocab = len(tokenizer)
+    lock = asyncio.Lock()
+
+    def bad(code: int, message: str) -> JSONResponse:
+        return JSONResponse({"error": message}, status_code=code)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": name, "tokenizer": fingerprint, "max_batch": max_batch}
+
+    async def score(request: Request) -> Any:
+        try:
+            body = await request.json()
+        except ValueError:
+            return bad(400, 'the body must be JSON: {"token_ids": [[int, ...], ...]}')
+        seqs = body.get("token_ids") if isinstance(body, dict) else None
+        if not isinstance(seqs, list) or not all(isinstance(s, list) and s for s in seqs):
+            return bad(400, "'token_ids' must be a list of non-empty lists of token ids")
+        if len(seqs) > max_batch:
+            return bad(413, f"{len(seqs)} sequences in one request; at most {max_batch}")
+        for i, s in enumerate(seqs):
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in s):
+                return bad(400, f"token_ids[{i}] holds a value that is not a token id in [0, {vocab})")
+        async with lock:
+            scores = await asyncio.to_thread(model.score, seqs)
+        return {"scores": scores}
+
+    # the annotation as the class itself: FastAPI cannot resolve the postponed string of a local import
+    score.__annotations__["request"] = Request
+    app.post("/score")(score)
+    return app

@@ -1,4 +1,4 @@
-"""`posttrain bench sandbox|engine|learner|rl|curriculum [OPTIONS] [--json]`: benchmarks that measure their
+"""`posttrain bench sandbox|engine|learner|rl|curriculum|serve [OPTIONS] [--json]`: benchmarks that measure their
 baseline in the same run. Each is a command with its own options (`posttrain bench NAME --help`); the
 benchmarks themselves live in `posttrain.bench`, one module each, and return their named figures, which
 `--json` prints as one object on stdout's last line.
@@ -387,4 +387,52 @@ def curriculum(
         pool=_pooled(pool, results),
         pool_any_config=pool_any_config,
         compare=list(compare) if compare else None,
+    )
+
+
+@app.command("serve")
+def serve(
+    model: str = typer.Option(
+        "smollm2-135m", "--model", help="what `posttrain serve` serves (spec, folder, run)"
+    ),
+    clients: str = typer.Option("1,8,32", "--clients", help="comma list of concurrent client counts"),
+    requests_per_client: int = typer.Option(
+        2, "--requests-per-client", min=1, help="requests each client sends per level (closed loop)"
+    ),
+    max_tokens: int = typer.Option(128, "--max-tokens", min=1, help="max_tokens of every load request"),
+    workloads: str = typer.Option("serving,agentic", "--workloads", help="comma list of serving, agentic"),
+    repeats: int = typer.Option(1, "--repeats", min=1, help="interleaved repeats; medians are reported"),
+    overrides: list[str] = typer.Option(
+        [], "--set", metavar="KEY=VALUE", help="config override for the server, e.g. engine.max_num_seqs=32"
+    ),
+    skip_quality: bool = typer.Option(False, "--skip-quality", help="leave out agreement and accuracy"),
+    quality_n: int = typer.Option(16, "--quality-n", min=1, help="held-out tasks per domain and difficulty"),
+    suite: str = typer.Option(None, "--suite", help="held-out domains, comma list (default: the config's)"),
+    agreement_prompts: int = typer.Option(32, "--agreement-prompts", min=1, help="greedy agreement prompts"),
+    agreement_tokens: int = typer.Option(64, "--agreement-tokens", min=1, help="tokens per agreement prompt"),
+    timeout_s: float = typer.Option(300.0, "--timeout-s", min=1.0, help="per-request limit (an error after)"),
+    startup_timeout_s: float = typer.Option(600.0, "--startup-timeout-s", min=1.0, help="server load limit"),
+    seed: int = typer.Option(0, "--seed", help="seed of the workloads' prompts"),
+    json_out: bool = JSON,
+) -> dict[str, Any]:
+    """Output tok/s, TTFT, ITL and errors of `posttrain serve --mode both`, fast vs standard, under 1-32
+    concurrent clients; greedy agreement, held-out accuracy delta; llama.cpp at batch 1 if installed."""
+    return _run(
+        "serve",
+        json_out,
+        model=model,
+        clients=clients,
+        requests_per_client=requests_per_client,
+        max_tokens=max_tokens,
+        workloads=workloads,
+        repeats=repeats,
+        overrides=list(overrides),
+        skip_quality=skip_quality,
+        quality_n=quality_n,
+        suite=suite,
+        agreement_prompts=agreement_prompts,
+        agreement_tokens=agreement_tokens,
+        timeout_s=timeout_s,
+        startup_timeout_s=startup_timeout_s,
+        seed=seed,
     )

@@ -114,7 +114,9 @@ def train(
     )
 
 
-def _arms_for(cfg: RunConfig, suite: str | None) -> tuple[dict[str, Any], list[Any]]:
+def eval_arms(cfg: RunConfig, suite: str | None) -> tuple[dict[str, Any], list[Any]]:
+    """The domains and (domain, difficulty) arms `posttrain eval` scores: the --suite domains (comma list;
+    each at its configured difficulties, else its first), or the config's domains."""
     from posttrain.curriculum import Arm
     from posttrain.envs import get_domain
 
@@ -190,7 +192,7 @@ def eval_(
         fail("--api-base needs --model NAME", EXIT_USAGE)
     n = n or cfg.orchestrator.eval_n
     try:
-        domains, arms = _arms_for(cfg, suite)
+        domains, arms = eval_arms(cfg, suite)
     except (KeyError, ValueError) as err:
         fail(str(err), EXIT_USAGE)
     sandbox = None

@@ -25,6 +25,7 @@ from posttrain.engine.registry import register_engine
 from posttrain.engine.sampling import sample, seed_for
 from posttrain.engine.scheduler import Scheduler
 from posttrain.engine.sequence import Sequence
+from posttrain.engine.speculative import NgramIndex, can_speculate, verify
 from posttrain.engine.stops import end_of_turn_ids
 from posttrain.engine.types import (
     BadRequestError,
@@ -38,6 +39,8 @@ from posttrain.engine.types import (
 
 if TYPE_CHECKING:
     from posttrain.config import EngineConfig
+
+SPECULATIVE_METHODS = ("none", "ngram")
 
 
 @dataclass
@@ -92,6 +95,11 @@ class PagedEngine(Engine):
         device: str = "cpu",
         weight_quant: str = "none",
         quantize_lm_head: bool = True,
+        speculative: str = "none",
+        num_speculative_tokens: int = 4,
+        prompt_lookup_min: int = 2,
+        prompt_lookup_max: int = 4,
+        speculative_max_batch: int = 4,
         seed: int = 0,
     ) -> None:
         for name, value in (
@@ -100,9 +108,14 @@ class PagedEngine(Engine):
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
             ("max_model_len", max_model_len),
+            ("num_speculative_tokens", num_speculative_tokens),
+            ("speculative_max_batch", speculative_max_batch),
         ):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative must be one of {list(SPECULATIVE_METHODS)}, got '{speculative}'")
+        NgramIndex(prompt_lookup_min, prompt_lookup_max)  # validates the range
         config, state = _hf_config_and_state(model)
         self.runner = ModelRunner(
             config,
@@ -135,6 +148,11 @@ class PagedEngine(Engine):
             if decode_staging
             else None
         )
+        self.speculative = speculative
+        self.num_speculative_tokens = num_speculative_tokens
+        self.prompt_lookup = (prompt_lookup_min, prompt_lookup_max)
+        self.speculative_max_batch = speculative_max_batch
+        self.spec_counts = {"verify_steps": 0, "draft_tokens": 0, "accepted_tokens": 0}
         self.eos_ids = set(end_of_turn_ids(model, tokenizer))
         self.version = 0
         self._seed_rng = torch.Generator().manual_seed(seed)
@@ -204,11 +222,15 @@ class PagedEngine(Engine):
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def _build_batch(self, work: list[tuple[Sequence, int]]) -> tuple[StepBatch, list[Sequence]]:
+    def _build_batch(
+        self, work: list[tuple[Sequence, int]]
+    ) -> tuple[StepBatch, list[tuple[Sequence, int]], list[tuple[Sequence, int]]]:
+        """The step's flat batch; (sequence, logit row) of each that samples one token, and (sequence,
+        first logit row) of each that verifies a draft (one row per position from its last token on)."""
         bs = self.block_size
         dev = self.runner.device
         decodes = [s for s, n in work if n == 1]
-        prefills = [(s, n) for s, n in work if n > 1]
+        prefills = [(s, n) for s, n in work if n > 1]  # prompt chunks, and drafts to verify
         if self.stager is not None:
             staged = self.stager.plan(
                 [(s.kv_key, s.num_computed, s.block_table) for s in decodes],
@@ -239,21 +261,26 @@ class PagedEngine(Engine):
         pos: list[int] = []
         slots: list[int] = []
         logit_rows: list[int] = []
-        samplers: list[Sequence] = []
+        samplers: list[tuple[Sequence, int]] = []
+        verifiers: list[tuple[Sequence, int]] = []
         chunks: list[PrefillChunk] = []
         for seq, n in [(s, 1) for s in decodes] + prefills:
             start = seq.num_computed
             row = len(ids)
-            ids.extend(seq.token_ids[start : start + n])
+            src = seq.token_ids + seq.draft if seq.draft else seq.token_ids
+            ids.extend(src[start : start + n])
             pos.extend(range(start, start + n))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             if n > 1:
                 nb = -(-(start + n) // bs)
                 chunks.append(PrefillChunk(row, n, start, torch.tensor(table[:nb], device=dev)))
-            if start + n == len(seq):
+            if seq.draft:
+                verifiers.append((seq, len(logit_rows)))
+                logit_rows.extend(range(row, row + n))
+            elif start + n == len(seq):
+                samplers.append((seq, len(logit_rows)))
                 logit_rows.append(row + n - 1)
-                samplers.append(seq)
         batch = StepBatch(
             input_ids=torch.tensor(ids, device=dev),
             positions=torch.tensor(pos, device=dev),
@@ -262,7 +289,7 @@ class PagedEngine(Engine):
             prefills=chunks,
             logit_rows=torch.tensor(logit_rows, device=dev, dtype=torch.long),
         )
-        return batch, samplers
+        return batch, samplers, verifiers
 
     def _decode_groups(
         self, seqs: list[Sequence], max_groups: int = 4, slack: float = 1.25
@@ -309,6 +336,7 @@ class PagedEngine(Engine):
     def _step(self) -> list[tuple[_RequestState, Sequence, int, float, str | None]]:
         """Run one scheduled forward and sample; returns (state, seq, token, logprob, finish_reason) events."""
         with self._step_lock:
+            self._propose_drafts()
             work = self.scheduler.schedule()
             if not work:
                 if self.scheduler.has_work():
@@ -320,22 +348,24 @@ class PagedEngine(Engine):
             self.runner.zero_blocks(self.bm.drain_taken())  # before copy-on-write fills some of them
             self.runner.copy_blocks(self.bm.pending_copies)
             self.bm.pending_copies = []
-            batch, samplers = self._build_batch(work)
+            batch, samplers, verifiers = self._build_batch(work)
             logits = self.runner.forward(batch)
             for seq, n in work:
-                seq.num_computed += n
-                self.bm.register_full_blocks(seq)
+                if not seq.draft:  # a verified draft's computed tokens are known after acceptance
+                    seq.num_computed += n
+                    self.bm.register_full_blocks(seq)
             self.num_steps += 1
             self._track_peak()
+            events = [self._accept(seq, logits[r : r + len(seq.draft) + 1]) for seq, r in verifiers]
             if not samplers:
-                return []
+                return events
             rows: list[int] = []
             seqs: list[Sequence] = []
-            for r, seq in enumerate(samplers):
+            for seq, r in samplers:
                 group = [seq] + (self._fork(seq) if seq.num_forks > 1 else [])
                 rows.extend([r] * len(group))
                 seqs.extend(group)
-            if len(rows) != len(samplers):
+            if rows != list(range(logits.shape[0])):
                 logits = logits.index_select(0, torch.tensor(rows))
             tokens, logprobs = sample(
                 logits,
@@ -344,7 +374,6 @@ class PagedEngine(Engine):
                 [s.generator for s in seqs],
             )
             now = time.perf_counter()
-            events = []
             for seq, tok, lp in zip(seqs, tokens, logprobs, strict=True):
                 seq.token_ids.append(tok)
                 seq.logprobs.append(lp)
@@ -358,6 +387,53 @@ class PagedEngine(Engine):
             if self.stager is not None and not self.scheduler.running:
                 self.stager.clear()  # idle: hand the staged copies' memory back
             return events
+
+    def _propose_drafts(self) -> None:
+        """Give each decoding sequence a prompt-lookup draft while few enough decode for it to pay."""
+        if self.speculative == "none":
+            return
+        decoding = [s for s in self.scheduler.running if s.is_decoding]
+        small = len(decoding) <= self.speculative_max_batch
+        for seq in decoding:
+            seq.draft = []
+            if not small or not can_speculate(seq.params):
+                continue
+            room = min(
+                self.num_speculative_tokens,
+                seq.params.max_tokens - len(seq.output_ids) - 1,  # every accepted token is emitted
+                self.max_model_len - len(seq),  # positions written: len(seq) - 1 .. len(seq) - 1 + k
+            )
+            if room <= 0:
+                continue
+            if seq.ngram is None:
+                seq.ngram = NgramIndex(*self.prompt_lookup)
+            seq.ngram.sync(seq.token_ids)
+            seq.draft = seq.ngram.propose(room)
+
+    def _accept(
+        self, seq: Sequence, logits: torch.Tensor
+    ) -> tuple[_RequestState, Sequence, int, float, str | None]:
+        """Verify seq's draft against its logit rows; append what is accepted plus one target token."""
+        state = self._seq_state[id(seq)]
+        draft, seq.draft = seq.draft, []
+        tokens, logprobs, accepted = verify(logits, draft, seq.params, seq.generator)
+        c = self.spec_counts
+        c["verify_steps"] += 1
+        c["draft_tokens"] += len(draft)
+        c["accepted_tokens"] += accepted
+        start = seq.num_computed  # the K/V of positions start .. start + accepted now hold the real tokens
+        reason = None
+        for tok, lp in zip(tokens, logprobs, strict=True):
+            seq.token_ids.append(tok)
+            seq.logprobs.append(lp)
+            reason = self._stop_reason(seq)
+            if reason is not None:
+                break
+        seq.num_computed = min(start + 1 + accepted, len(seq.token_ids))
+        self.bm.register_full_blocks(seq)
+        if reason is not None:
+            self._finish_seq(seq, reason)
+        return state, seq, seq.token_ids[-1], seq.logprobs[-1], reason
 
     def _track_peak(self) -> None:
         used = self.bm.num_blocks - self.bm.num_free
@@ -547,7 +623,13 @@ class PagedEngine(Engine):
             "decode_stage_bytes": self.stager.nbytes() if self.stager is not None else 0,
         }
 
+    def speculation_stats(self) -> dict[str, int]:
+        """Counts since the last reset: steps that verified a draft, draft tokens, accepted ones."""
+        return dict(self.spec_counts)
+
     def reset_stats(self) -> None:
+        for key in self.spec_counts:
+            self.spec_counts[key] = 0
         self._peak = None
         self.bm.prefix_hit_tokens = 0
         self.bm.shared_fork_blocks = 0
@@ -572,5 +654,10 @@ def build_paged(engine_cfg: EngineConfig, model: Any, tokenizer: Any, *, seed: i
         device=engine_cfg.device,
         weight_quant=engine_cfg.weight_quant,
         quantize_lm_head=engine_cfg.quantize_lm_head,
+        speculative=engine_cfg.speculative,
+        num_speculative_tokens=engine_cfg.num_speculative_tokens,
+        prompt_lookup_min=engine_cfg.prompt_lookup_min,
+        prompt_lookup_max=engine_cfg.prompt_lookup_max,
+        speculative_max_batch=engine_cfg.speculative_max_batch,
         seed=seed,
     )

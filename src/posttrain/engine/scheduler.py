@@ -1,9 +1,10 @@
 """Continuous batching: which sequences run in the next step, and how many of their tokens.
 
 Owns the waiting and running queues, the per-step token budget (chunked prefill: a long prompt is
-split over steps; running decodes always go first), preemption by recompute when blocks run out (the most
-recently admitted sequence goes first, back to the front of the queue, so the oldest always
-progresses: no starvation). Does not run the model or sample.
+split over steps; running decodes always go first, each with its speculative draft if it has one),
+preemption by recompute when blocks run out (the most recently admitted sequence goes first, back to
+the front of the queue, so the oldest always progresses: no starvation). Does not run the model or
+sample.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         self.bm.free_seq(seq)
+        seq.draft = []
         seq.status = Status.WAITING
         self.running.remove(seq)
         self.waiting.appendleft(seq)
@@ -45,13 +47,16 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         out: list[tuple[Sequence, int]] = []
         preempted = False
-        decodes = [s for s in self.running if s.num_uncomputed == 1]
-        for seq in decodes + [s for s in self.running if s.num_uncomputed != 1]:
+        decodes = [s for s in self.running if s.is_decoding]
+        for seq in decodes + [s for s in self.running if not s.is_decoding]:
             if budget <= 0:
                 break
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this step
-            n = min(seq.num_uncomputed, budget)
+            if seq.draft and not seq.is_decoding:
+                seq.draft = []
+            n = min(seq.num_uncomputed + len(seq.draft), budget)
+            del seq.draft[max(0, n - 1) :]  # a draft verifies after the last token, as far as the budget goes
             while not self.bm.ensure(seq, seq.num_computed + n):
                 victim = self.running[-1]
                 self.preempt(victim)

@@ -11,6 +11,7 @@ import itertools
 
 import torch
 
+from posttrain.engine.speculative import NgramIndex
 from posttrain.engine.types import SamplingParams
 
 _UIDS = itertools.count()
@@ -53,6 +54,8 @@ class Sequence:
         self.num_emitted = 0  # completion tokens already handed to a stream
         self.uid = next(_UIDS)  # unique for the process's lifetime (id() may be reused)
         self.num_frees = 0  # times its blocks were freed (preemption): cached K/V from before are stale
+        self.draft: list[int] = []  # speculative tokens to verify after the last one (never in token_ids)
+        self.ngram: NgramIndex | None = None  # prompt-lookup index over token_ids (speculative engines)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -70,6 +73,11 @@ class Sequence:
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
 
+    @property
+    def is_decoding(self) -> bool:
+        """One token (the last sampled) lacks K/V: the next step decodes (or verifies a draft after it)."""
+        return len(self.token_ids) - self.num_computed == 1
+
     def fork(self, index: int, generator: torch.Generator) -> Sequence:
         """A sibling sharing this sequence's tokens so far (the block table is shared by the block manager)."""
         child = Sequence(self.request_id, index, self.token_ids, self.params, generator, self.arrival_s)
@@ -78,4 +86,5 @@ class Sequence:
         child.block_hashes = list(self.block_hashes)
         child.logprobs = list(self.logprobs)
         child.status = self.status
+        child.ngram = self.ngram.copy() if self.ngram is not None else None
         return child

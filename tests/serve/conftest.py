@@ -1,5 +1,6 @@
 """Fixtures for the server tests: a live uvicorn server on a free 127.0.0.1 port in a background thread,
-serving the tiny random model on the paged engine ("tiny") and a scripted engine double ("scripted")
+serving the tiny random model on the paged engine ("tiny", and "tiny-fast": int4 weights and prompt-lookup
+speculation) and a scripted engine double ("scripted")
 whose reply is whatever follows `SAY:` in the last user message (for tool-call content)."""
 
 from __future__ import annotations
@@ -100,6 +101,17 @@ def live(tokenizer, tiny_model):
         ModelEntry("tiny", tiny_engine(tiny_model, tokenizer), tokenizer, max_model_len=MAX_MODEL_LEN)
     )
     state.add_model(ModelEntry("scripted", ScriptedEngine(tokenizer), tokenizer, max_model_len=MAX_MODEL_LEN))
+    fast = PagedEngine(
+        tiny_model,
+        tokenizer,
+        block_size=16,
+        num_blocks=256,
+        max_model_len=MAX_MODEL_LEN,
+        weight_quant="int4",
+        speculative="ngram",
+        prompt_lookup_min=1,
+    )
+    state.add_model(ModelEntry("tiny-fast", fast, tokenizer, mode="fast", max_model_len=MAX_MODEL_LEN))
     srv = start_server(state)
     yield srv
     srv.stop()

@@ -214,8 +214,9 @@ def test_completions_endpoint(client, tiny_model, tokenizer):
 
 def test_models_lists_each_served_model_with_its_mode(client):
     models = {m.id: m for m in client.models.list().data}
-    assert set(models) == {"tiny", "scripted"}
+    assert set(models) == {"tiny", "scripted", "tiny-fast"}
     assert models["tiny"].model_dump()["mode"] == "standard"
+    assert models["tiny-fast"].model_dump()["mode"] == "fast"
     assert models["tiny"].model_dump()["max_model_len"] == MAX_MODEL_LEN
 
 

@@ -120,6 +120,21 @@ def test_metrics_count_the_tokens_the_replies_report_and_tool_outcomes(live, cli
     assert value(after, "posttrain_serve_kv_cache_usage_ratio", **tiny) == 0
 
 
+def test_speculation_counters_are_the_fast_engines_counts(live, client):
+    engine = live.state.models["tiny-fast"].engine
+    # the tiny random model mostly repeats its last token, so prompt lookup drafts and is accepted
+    r = client.completions.create(model="tiny-fast", prompt="a b a b a b a b", max_tokens=24, temperature=0)
+    assert r.usage.completion_tokens > 0
+    m, stats = scrape(live.url), engine.speculation_stats()
+    fast = {"model": "tiny-fast", "mode": "fast"}
+    assert stats["draft_tokens"] > 0
+    assert value(m, "posttrain_serve_spec_draft_tokens_total", **fast) == stats["draft_tokens"]
+    assert value(m, "posttrain_serve_spec_accepted_tokens_total", **fast) == stats["accepted_tokens"]
+    ratio = stats["accepted_tokens"] / stats["draft_tokens"]
+    assert value(m, "posttrain_serve_spec_acceptance_ratio", **fast) == pytest.approx(ratio)
+    assert ("posttrain_serve_spec_draft_tokens_total", (("mode", "standard"), ("model", "tiny"))) not in m
+
+
 def test_the_grafana_dashboard_queries_only_exported_metrics(live):
     dash = json.loads((ROOT / "docs" / "grafana-posttrain.json").read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
@@ -246,13 +261,31 @@ def test_503_while_loading_then_ready(tokenizer):
         srv.stop()
 
 
-def test_serve_refuses_the_fast_mode_until_it_exists():
+def test_mode_both_serves_name_and_name_fast_from_one_load():
+    from posttrain.config import load_config
+    from posttrain.serve import load_entries, resolve_source
+
+    cfg = load_config(None, ["engine.dtype=float32", "engine.num_kv_blocks=64", "engine.max_model_len=256"])
+    source = resolve_source("tiny:llama", cfg, [])
+    both = load_entries(source, "both")
+    assert [(e.name, e.mode) for e in both] == [("tiny:llama", "standard"), ("tiny:llama-fast", "fast")]
+    std, fast = (e.engine for e in both)
+    assert (std.runner.weight_quant, std.speculative) == ("none", "none")
+    assert (fast.runner.weight_quant, fast.speculative) == ("int4", "ngram")  # serve.fast's defaults
+    assert std.runner.embed is not fast.runner.embed  # two engines, each its own copy of the weights
+    (only_fast,) = load_entries(source, "fast")
+    assert (only_fast.name, only_fast.mode) == ("tiny:llama", "fast")
+    with pytest.raises(ValueError, match="mode must be one of standard, fast, both"):
+        load_entries(source, "turbo")
+
+
+def test_serve_rejects_an_unknown_mode():
     from typer.testing import CliRunner
 
     from posttrain.cli import app
 
-    out = CliRunner().invoke(app, ["serve", "tiny:llama", "--mode", "fast"])
-    assert out.exit_code == 2 and "fast is not yet available" in out.output
+    out = CliRunner().invoke(app, ["serve", "tiny:llama", "--mode", "turbo"])
+    assert out.exit_code == 2 and "--mode must be one of standard, fast, both" in out.output
 
 
 def _free_port() -> int:

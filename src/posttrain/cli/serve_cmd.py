@@ -23,7 +23,10 @@ def serve(
         None, "--max-running", min=1, help="requests in the engine at once (default: engine.max_num_seqs)"
     ),
     mode: str = typer.Option(
-        "standard", "--mode", help="standard (the paged engine); fast is not yet available"
+        "standard",
+        "--mode",
+        help="standard (engine as configured), fast (serve.fast over it: int4 weights, prompt-lookup "
+        "speculation by default), or both (NAME and NAME-fast from one process)",
     ),
     name: str = typer.Option(
         None, "--served-model-name", help="the `model` clients send (default: MODEL_OR_RUN)"
@@ -44,19 +47,17 @@ def serve(
     from posttrain.config import ConfigError
     from posttrain.models import ModelNotFoundError
     from posttrain.serve import (
-        MODES,
+        SERVE_MODES,
         ServeSettings,
         ServeState,
         create_app,
-        load_entry,
+        load_entries,
         resolve_source,
         run_server,
     )
 
-    if mode not in MODES:
-        fail(f"--mode must be one of {', '.join(MODES)}, got '{mode}'", EXIT_USAGE)
-    if mode == "fast":
-        fail("--mode fast is not yet available in this version of posttrain; use --mode standard", EXIT_USAGE)
+    if mode not in SERVE_MODES:
+        fail(f"--mode must be one of {', '.join(SERVE_MODES)}, got '{mode}'", EXIT_USAGE)
     cfg = load_config_or_exit(config, set_)
     try:
         source = resolve_source(model, cfg, set_ or [], name)
@@ -72,7 +73,7 @@ def serve(
     )
     state = ServeState(settings)
     server = run_server(
-        create_app(state=state), state, host, port, lambda: load_entry(source, mode), log_level
+        create_app(state=state), state, host, port, lambda: load_entries(source, mode), log_level
     )
     if state.status == "failed":
         fail(f"serving stopped: {state.error}", EXIT_RUNTIME)

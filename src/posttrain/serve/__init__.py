@@ -7,19 +7,26 @@ format (protocol.py), chat/tool rendering and parsing (chat.py), Prometheus metr
     state.add_model(ModelEntry("tiny:llama", engine, tokenizer, mode="standard"))
 """
 
-from posttrain.serve.app import AVAILABLE_MODES, MODES, ModelEntry, ServeSettings, ServeState, create_app
-from posttrain.serve.server import DrainingServer, ModelSource, load_entry, resolve_source, run_server
+from posttrain.serve.app import MODES, ModelEntry, ServeSettings, ServeState, create_app
+from posttrain.serve.server import (
+    SERVE_MODES,
+    DrainingServer,
+    ModelSource,
+    load_entries,
+    resolve_source,
+    run_server,
+)
 
 __all__ = [
-    "AVAILABLE_MODES",
     "MODES",
+    "SERVE_MODES",
     "DrainingServer",
     "ModelEntry",
     "ModelSource",
     "ServeSettings",
     "ServeState",
     "create_app",
-    "load_entry",
+    "load_entries",
     "resolve_source",
     "run_server",
 ]

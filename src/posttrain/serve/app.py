@@ -47,7 +47,6 @@ from posttrain.serve.protocol import (
 log = logging.getLogger("posttrain.serve")
 
 MODES = ("standard", "fast")
-AVAILABLE_MODES = ("standard",)
 
 
 @dataclass
@@ -107,7 +106,9 @@ class ServeState:
         if entry.name in self.models:
             raise ValueError(f"a model named '{entry.name}' is already served")
         self.models[entry.name] = entry
-        self.metrics.add_model(entry.name, entry.mode, kv_usage_of(entry.engine))
+        speculates = getattr(entry.engine, "speculative", "none") != "none"
+        spec = entry.engine.speculation_stats if speculates else None  # type: ignore[attr-defined]
+        self.metrics.add_model(entry.name, entry.mode, kv_usage_of(entry.engine), spec)
         if self.status == "loading":
             self.status = "ready"
 

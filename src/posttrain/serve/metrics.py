@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from posttrain.serve.chat import TOOL_OUTCOMES
 
@@ -89,9 +90,18 @@ class ServeMetrics:
             ["endpoint", "status"],
             registry=r,
         )
+        self.speculation = SpeculationCollector()
+        r.register(self.speculation)
 
-    def add_model(self, model: str, mode: str, kv_usage: Callable[[], float]) -> None:
-        """Create a model's series at zero (so dashboards show them before traffic) and its KV gauge."""
+    def add_model(
+        self,
+        model: str,
+        mode: str,
+        kv_usage: Callable[[], float],
+        speculation: Callable[[], dict[str, int]] | None = None,
+    ) -> None:
+        """Create a model's series at zero (so dashboards show them before traffic), its KV gauge and,
+        for an engine that speculates, its draft counters (`speculation()` -> the engine's counts)."""
         for c in (self.prompt_tokens, self.generation_tokens):
             c.labels(model, mode)
         for outcome in TOOL_OUTCOMES:
@@ -101,12 +111,55 @@ class ServeMetrics:
         for h in (self.ttft, self.itl, self.e2e, self.queue_time):
             h.labels(model, mode)
         self.kv_usage.labels(model, mode).set_function(kv_usage)
+        if speculation is not None:
+            self.speculation.sources.append((model, mode, speculation))
 
     def http_response(self, path: str, status: int) -> None:
         self.http.labels(path if path in ENDPOINTS else "other", str(status)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class SpeculationCollector:
+    """Draft tokens proposed and accepted per model, read from the engines at scrape time (the engine
+    counts them; a Prometheus counter cannot be set), and their ratio since the server started."""
+
+    def __init__(self) -> None:
+        self.sources: list[tuple[str, str, Callable[[], dict[str, int]]]] = []
+
+    def describe(self) -> list[Any]:
+        return list(self._families({}))
+
+    def collect(self) -> list[Any]:
+        counts = {}
+        for model, mode, read in self.sources:
+            try:
+                counts[(model, mode)] = read()
+            except Exception:  # a scrape must never fail because an engine is mid-reload
+                continue
+        return list(self._families(counts))
+
+    @staticmethod
+    def _families(counts: dict[tuple[str, str], dict[str, int]]) -> tuple[Any, ...]:
+        mm = ["model", "mode"]
+        drafted = CounterMetricFamily(
+            "posttrain_serve_spec_draft_tokens", "Speculative draft tokens verified", labels=mm
+        )
+        accepted = CounterMetricFamily(
+            "posttrain_serve_spec_accepted_tokens", "Speculative draft tokens accepted", labels=mm
+        )
+        ratio = GaugeMetricFamily(
+            "posttrain_serve_spec_acceptance_ratio",
+            "Accepted / verified draft tokens since the server started",
+            labels=mm,
+        )
+        for (model, mode), c in counts.items():
+            d, a = c.get("draft_tokens", 0), c.get("accepted_tokens", 0)
+            drafted.add_metric([model, mode], d)
+            accepted.add_metric([model, mode], a)
+            ratio.add_metric([model, mode], a / d if d else 0.0)
+        return drafted, accepted, ratio
 
 
 def kv_usage_of(engine: Any) -> Callable[[], float]:

@@ -50,17 +50,33 @@ def resolve_source(
     return ModelSource(model_or_run, name or model_or_run, cfg)
 
 
-def load_entry(source: ModelSource, mode: str = "standard") -> ModelEntry:
-    """Load weights and tokenizer and build the engine (`engine.backend`, the paged one by default)."""
+SERVE_MODES = ("standard", "fast", "both")
+
+
+def load_entries(source: ModelSource, mode: str = "standard") -> list[ModelEntry]:
+    """Load weights and tokenizer once and build the engine (`engine.backend`, the paged one by default)
+    per mode: standard runs `engine` as configured, fast runs it with `serve.fast` set over it, both
+    serves the two from one process as NAME and NAME-fast."""
     from posttrain.engine import make_engine
     from posttrain.models import load_policy, load_tokenizer
 
+    if mode not in SERVE_MODES:
+        raise ValueError(f"mode must be one of {', '.join(SERVE_MODES)}, got '{mode}'")
     cfg = source.cfg
     tokenizer = load_tokenizer(source.spec)
     model = load_policy(source.spec, dtype=cfg.engine.dtype, seed=cfg.seed)
-    engine = make_engine(cfg.engine, model, tokenizer, seed=cfg.seed)
-    max_len = getattr(engine, "max_model_len", cfg.engine.max_model_len)
-    return ModelEntry(source.name, engine, tokenizer, mode=mode, max_model_len=max_len)
+    wanted = [
+        ("standard", source.name, cfg.engine),
+        ("fast", f"{source.name}-fast", cfg.serve.fast_engine(cfg.engine)),
+    ]
+    if mode != "both":
+        wanted = [(m, source.name, e) for m, _, e in wanted if m == mode]
+    entries = []
+    for m, name, engine_cfg in wanted:
+        engine = make_engine(engine_cfg, model, tokenizer, seed=cfg.seed)
+        max_len = getattr(engine, "max_model_len", engine_cfg.max_model_len)
+        entries.append(ModelEntry(name, engine, tokenizer, mode=m, max_model_len=max_len))
+    return entries
 
 
 class DrainingServer(uvicorn.Server):
@@ -97,7 +113,7 @@ def run_server(
     loader: Any = None,
     log_level: str = "info",
 ) -> DrainingServer:
-    """Serve `app` until drained; `loader()` (-> ModelEntry) runs in a thread once the socket is bound.
+    """Serve `app` until drained; `loader()` (-> list of ModelEntry) runs in a thread once the socket is bound.
     Returns the server (its `serve_state.status` says whether loading failed)."""
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=30
@@ -107,7 +123,8 @@ def run_server(
 
         def load() -> None:
             try:
-                state.add_model(loader())
+                for entry in loader():
+                    state.add_model(entry)
                 log.info("ready: %s", ", ".join(state.models))
             except Exception as err:
                 log.exception("loading the model failed")

@@ -86,6 +86,12 @@ class EngineConfig(Section):
     quantize_lm_head: bool = Field(
         True, description="with weight_quant, quantize the output projection too (a fifth of a 135M model)"
     )
+    weight_quant_max_rows: int = Field(
+        0,
+        ge=0,
+        description="with weight_quant: forwards of more rows than this (prefill, large batches) run on the "
+        "float weights, then kept as well (more memory); 0 = every forward on the quantized weights",
+    )
     block_size: int = Field(16, ge=1)
     num_kv_blocks: int = Field(2048, ge=1)
     max_num_seqs: int = Field(64, ge=1)
@@ -137,7 +143,7 @@ class ServeConfig(Section):
     """`posttrain serve`: what its fast mode changes in the engine (standard mode is `engine` as it is)."""
 
     fast: dict[str, Any] = Field(
-        default_factory=lambda: {"weight_quant": "int4", "speculative": "ngram"},
+        default_factory=lambda: {"weight_quant": "int4", "weight_quant_max_rows": 8, "speculative": "ngram"},
         description="engine keys that --mode fast (and the NAME-fast model of --mode both) sets over engine",
     )
 

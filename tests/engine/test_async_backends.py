@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -30,6 +31,14 @@ def test_concurrent_agenerate_callers_are_batched_by_one_loop(tokenizer):
     ]
     steps_before = engine.num_steps
     ticks = 0
+    step_threads: set[int] = set()
+    step = engine._step
+
+    def recording_step():
+        step_threads.add(threading.get_ident())
+        return step()
+
+    engine._step = recording_step
 
     async def ticker(done: asyncio.Event):
         nonlocal ticks
@@ -57,6 +66,8 @@ def test_concurrent_agenerate_callers_are_batched_by_one_loop(tokenizer):
     steps = engine.num_steps - steps_before
     assert steps < 2 * 12 * len(prompts) / 2  # sequential serving would need >= 144 steps
     assert ticks >= steps / 2  # the event loop kept running between steps
+    # every async step on one thread, not the event loop's (one OpenMP team: see PagedEngine._stepper)
+    assert len(step_threads) == 1 and threading.get_ident() not in step_threads
 
 
 def test_stream_yields_the_completion_in_pieces(tokenizer):

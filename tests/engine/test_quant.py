@@ -120,6 +120,25 @@ def test_quantized_logits_are_close_to_the_float_model(weight_quant, kv, max_tol
     assert float((got.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.9
 
 
+def test_forwards_above_weight_quant_max_rows_run_on_the_float_weights():
+    """max_rows 16: a 16-row chunk runs quantized, chunks of more rows on the float weights."""
+    model = tiny("llama")
+    prompt = random_prompts([40], seed=3, vocab=model.config.vocab_size)[0]
+    ref = _prefill_logits(_runner(model), prompt, split=16)
+    int4 = _prefill_logits(_runner(model, weight_quant="int4"), prompt, split=16)
+    hybrid_runner = _runner(model, weight_quant="int4", weight_quant_max_rows=16)
+    hybrid = _prefill_logits(hybrid_runner, prompt, split=16)
+    assert torch.equal(hybrid[:16], int4[:16]) and not torch.equal(hybrid[:16], ref[:16])
+    # the second chunk attends to the first's (int4-computed) K/V, so it equals neither reference
+    # exactly; its own rows' linears are float: closer to the float model than int4's are
+    assert (hybrid[16:] - ref[16:]).abs().mean() < (int4[16:] - ref[16:]).abs().mean()
+    # two chunks of 20 rows, both above the limit: the float model's logits exactly
+    float_rows = _prefill_logits(_runner(model, weight_quant="int4", weight_quant_max_rows=16), prompt, 20)
+    assert torch.equal(float_rows, _prefill_logits(_runner(model), prompt, split=20))
+    with pytest.raises(ValueError, match="weight_quant_max_rows must be >= 0"):
+        _runner(model, weight_quant="int4", weight_quant_max_rows=-1)
+
+
 def _greedy(engine: PagedEngine, prompts: list[list[int]], steps: int) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
     return [

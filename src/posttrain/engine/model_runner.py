@@ -185,6 +185,7 @@ class ModelRunner:
         device: str = "cpu",
         weight_quant: str = "none",
         quantize_lm_head: bool = True,
+        weight_quant_max_rows: int = 0,
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got '{dtype}'")
@@ -206,8 +207,13 @@ class ModelRunner:
             why = weight_quant_works(weight_quant, self.device)
             if why is not None:
                 raise ValueError(f"{why}; use weight_quant 'none'")
+        if weight_quant_max_rows < 0:
+            raise ValueError(f"weight_quant_max_rows must be >= 0, got {weight_quant_max_rows}")
         self.weight_quant = weight_quant
         self.quantize_lm_head = quantize_lm_head
+        # > 0: forwards of more rows (prefill, big batches) use the float weights, kept alongside: the
+        # quantized kernels win while weight bytes bound the step and lose once compute does
+        self.quant_max_rows = weight_quant_max_rows if weight_quant != "none" else 0
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
@@ -367,9 +373,9 @@ class ModelRunner:
     def _pack(self) -> None:
         """Re-pack for oneDNN every GEMM weight not quantized (after each load: the packed copies are not views)."""
         pack = torch.ops.mkldnn._reorder_linear_weight
-        if self.quantized is None:
+        if self.quantized is None or self.quant_max_rows:
             self.packed = [{k: pack(layer[k], _PACK_BATCH_HINT) for k in _PACKED} for layer in self.layers]
-        if self.quantized_lm_head is None:
+        if self.quantized_lm_head is None or self.quant_max_rows:
             self.packed_lm_head = pack(self.lm_head, _PACK_BATCH_HINT)
 
     def weight_bytes(self) -> int:
@@ -392,7 +398,7 @@ class ModelRunner:
         bias: torch.Tensor | None = None,
         quantized: QuantLinear | None = None,
     ) -> torch.Tensor:
-        if quantized is not None:
+        if quantized is not None and (not self.quant_max_rows or x.shape[0] <= self.quant_max_rows):
             return quantized(x, bias)
         if packed is not None and (self.dtype == torch.float32 or x.shape[0] <= _BF16_PACKED_MAX_ROWS):
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

@@ -66,7 +66,7 @@ def test_concurrent_agenerate_callers_are_batched_by_one_loop(tokenizer):
     steps = engine.num_steps - steps_before
     assert steps < 2 * 12 * len(prompts) / 2  # sequential serving would need >= 144 steps
     assert ticks >= steps / 2  # the event loop kept running between steps
-    # every async step on one thread, not the event loop's (one OpenMP team: see PagedEngine._stepper)
+    # every async step on one thread, not the event loop's (one OpenMP team: see paged.step_thread)
     assert len(step_threads) == 1 and threading.get_ident() not in step_threads
 
 

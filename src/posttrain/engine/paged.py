@@ -13,7 +13,6 @@ import itertools
 import threading
 import time
 from collections.abc import AsyncIterator, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +34,7 @@ from posttrain.engine.types import (
     GenerationOutput,
     GenerationRequest,
     StreamDelta,
+    step_thread,
     validate_request,
 )
 
@@ -166,7 +166,6 @@ class PagedEngine(Engine):
         self._pending: list[tuple[_RequestState, list[Sequence]]] = []
         self._aborts: list[str] = []
         self._driver: asyncio.Task | None = None
-        self._executor: ThreadPoolExecutor | None = None
         self._peak: dict | None = None
         self.num_steps = 0
 
@@ -559,20 +558,12 @@ class PagedEngine(Engine):
                 if not self.scheduler.has_work():
                     return
                 loop = asyncio.get_running_loop()
-                events = await loop.run_in_executor(self._stepper(), self._step)
+                events = await loop.run_in_executor(step_thread(), self._step)
                 self._deliver(events)
         except BaseException as err:
             self._abort_all(err)
             if not isinstance(err, Exception):
                 raise
-
-    def _stepper(self) -> ThreadPoolExecutor:
-        """The one thread every async step runs on: each thread that calls into torch gets its own OpenMP
-        team, and steps hopping between pool threads left idle teams spinning against the working one
-        (async decoding ran about 30% slower than the same steps on one thread)."""
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="posttrain-engine-step")
-        return self._executor
 
     def _deliver(self, events: list[tuple[_RequestState, Sequence, int, float, str | None]]) -> None:
         for state, seq, _tok, _lp, reason in events:

@@ -77,14 +77,15 @@ class EngineConfig(Section):
         description="paged engine K/V pool; auto = the engine dtype; int8 = symmetric int8 with a float32 scale "
         "per token and KV head (about half the bytes of bfloat16), dequantized when attention reads it",
     )
-    weight_quant: Literal["none", "int8", "int4"] = Field(
+    weight_quant: Literal["none", "int8", "int8_weight_only", "int4"] = Field(
         "none",
         description="paged engine on CPU: int8 = per-output-channel int8 weights x per-token int8 activations "
-        "on an integer GEMM (fbgemm); int4 = 4-bit weights in groups of 32, bfloat16 activations (less memory, "
-        "larger error); none = the engine dtype",
+        "on an integer GEMM (fbgemm); int8_weight_only = int8 weights, bfloat16 activations; int4 = 4-bit "
+        "weights in groups of 32, bfloat16 activations (least memory, largest error); none = the engine dtype",
     )
-    quantize_lm_head: bool = Field(
-        True, description="with weight_quant, quantize the output projection too (a fifth of a 135M model)"
+    lm_head_quant: Literal["same", "none", "int8", "int8_weight_only", "int4"] = Field(
+        "same",
+        description="with weight_quant, the output projection's (a fifth of a 135M model): same = weight_quant",
     )
     weight_quant_max_rows: int = Field(
         0,
@@ -143,7 +144,12 @@ class ServeConfig(Section):
     """`posttrain serve`: what its fast mode changes in the engine (standard mode is `engine` as it is)."""
 
     fast: dict[str, Any] = Field(
-        default_factory=lambda: {"weight_quant": "int4", "weight_quant_max_rows": 8, "speculative": "ngram"},
+        default_factory=lambda: {
+            "weight_quant": "int4",
+            "lm_head_quant": "int8",
+            "weight_quant_max_rows": 8,
+            "speculative": "ngram",
+        },
         description="engine keys that --mode fast (and the NAME-fast model of --mode both) sets over engine",
     )
 
@@ -710,6 +716,10 @@ def _registered(kind: str, name: str, names: list[str]) -> str:
 
 # keys that existed once and do nothing now: where their job went (or why there is none)
 REMOVED_KEYS: dict[str, tuple[str | None, str]] = {
+    "engine.quantize_lm_head": (
+        "engine.lm_head_quant",
+        "the output projection has its own choice: same (as weight_quant), none, int8, int8_weight_only, int4",
+    ),
     "engine.temperature": (
         "algorithm.temperature",
         "the rollout sampling temperature is algorithm.temperature, which the learner divides by",

@@ -16,6 +16,7 @@ from posttrain.engine.paged import PagedEngine
 from posttrain.engine.quant import (
     Int4Linear,
     Int8Linear,
+    Int8WeightOnlyLinear,
     dequantize_kv,
     quantize_kv,
     weight_quant_works,
@@ -61,7 +62,37 @@ def test_int4_linear_matches_float64_within_4_bit_error():
         Int4Linear(torch.randn(8, 48))
 
 
+def test_int8_weight_only_linear_equals_its_dequantized_weights_in_bfloat16():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(64, 128, generator=g) * 0.05
+    x = torch.randn(5, 128, generator=g)
+    lin = Int8WeightOnlyLinear(w)
+    # the same function as a bf16 matmul against the int8 weights times their scales (hand-dequantized)
+    deq = lin.weight.float() * lin.scale.float()[:, None]
+    want = F.linear(x.bfloat16().double(), deq.double())
+    got = lin(x)
+    assert float(_row_rel_err(got, want).max()) < 0.02
+    err = _row_rel_err(got, F.linear(x.double(), w.double()))
+    assert 0.001 < float(err.max()) < 0.03, err  # 8 bits per weight (not a float fallback)
+    assert lin.nbytes() == 64 * 128 + 2 * 64
+
+
+def test_the_output_projection_takes_its_own_quantization():
+    model = tiny("llama")
+    mixed = _runner(model, weight_quant="int4", lm_head_quant="int8")
+    assert isinstance(mixed.quantized[0]["wgu"], Int4Linear)
+    assert isinstance(mixed.quantized_lm_head, Int8Linear)
+    assert _runner(model, weight_quant="int4").quantized_lm_head.__class__ is Int4Linear
+    assert _runner(model, weight_quant="int4", lm_head_quant="none").quantized_lm_head is None
+    assert _runner(model, lm_head_quant="int8").quantized_lm_head is None  # no body quantization: none
+    with pytest.raises(ValueError, match="lm_head_quant must be one of"):
+        _runner(model, weight_quant="int4", lm_head_quant="fp8")
+    with pytest.raises(ConfigError, match="engine.lm_head_quant"):
+        load_config(overrides=["engine.quantize_lm_head=false"])
+
+
 def test_weight_kernels_are_checked_on_this_machine():
+    assert weight_quant_works("int8_weight_only", torch.device("cpu")) is None
     assert weight_quant_works("int8", torch.device("cpu")) is None
     assert weight_quant_works("int4", torch.device("cpu")) is None
     assert "CPU kernels only" in weight_quant_works("int8", torch.device("cuda"))
@@ -107,7 +138,12 @@ def _prefill_logits(runner: ModelRunner, prompt: list[int], split: int) -> torch
 # 0.009, int4 weights 0.67-0.73 and 0.08-0.09, int8 K/V 0.007-0.009 and 0.0005
 @pytest.mark.parametrize(
     ("weight_quant", "kv", "max_tol", "mean_tol"),
-    [("int8", "auto", 0.15, 0.02), ("int4", "auto", 1.0, 0.15), ("none", "int8", 0.02, 0.002)],
+    [
+        ("int8", "auto", 0.15, 0.02),
+        ("int8_weight_only", "auto", 0.15, 0.02),
+        ("int4", "auto", 1.0, 0.15),
+        ("none", "int8", 0.02, 0.002),
+    ],
 )
 def test_quantized_logits_are_close_to_the_float_model(weight_quant, kv, max_tol, mean_tol):
     model = tiny("llama")
@@ -223,7 +259,7 @@ def test_quantized_weights_are_smaller():
     assert _runner(model, weight_quant="int8").weight_bytes() < 0.27 * fp32
     assert _runner(model, weight_quant="int4").weight_bytes() < 0.17 * fp32
     assert (
-        _runner(model, weight_quant="int8", quantize_lm_head=False).weight_bytes()
+        _runner(model, weight_quant="int8", lm_head_quant="none").weight_bytes()
         > _runner(model, weight_quant="int8").weight_bytes()
     )
 

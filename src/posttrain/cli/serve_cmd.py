@@ -25,8 +25,8 @@ def serve(
     mode: str = typer.Option(
         "standard",
         "--mode",
-        help="standard (engine as configured), fast (serve.fast over it: int4 weights, prompt-lookup "
-        "speculation by default), or both (NAME and NAME-fast from one process)",
+        help="standard (engine as configured), fast (serve.fast over it: int4 weights, an int8 head, "
+        "prompt-lookup speculation by default), or both (NAME and NAME-fast from one process)",
     ),
     name: str = typer.Option(
         None, "--served-model-name", help="the `model` clients send (default: MODEL_OR_RUN)"

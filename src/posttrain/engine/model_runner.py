@@ -184,7 +184,7 @@ class ModelRunner:
         max_model_len: int = 4096,
         device: str = "cpu",
         weight_quant: str = "none",
-        quantize_lm_head: bool = True,
+        lm_head_quant: str = "same",
         weight_quant_max_rows: int = 0,
     ) -> None:
         if dtype not in DTYPES:
@@ -210,7 +210,17 @@ class ModelRunner:
         if weight_quant_max_rows < 0:
             raise ValueError(f"weight_quant_max_rows must be >= 0, got {weight_quant_max_rows}")
         self.weight_quant = weight_quant
-        self.quantize_lm_head = quantize_lm_head
+        if lm_head_quant not in ("same", *WEIGHT_QUANTS):
+            raise ValueError(
+                f"lm_head_quant must be one of {['same', *WEIGHT_QUANTS]}, got '{lm_head_quant}'"
+            )
+        # the head's own quantization only applies when the body is quantized
+        head = weight_quant if lm_head_quant == "same" else lm_head_quant
+        self.lm_head_quant = head if weight_quant != "none" else "none"
+        if self.lm_head_quant not in ("none", weight_quant):
+            why = weight_quant_works(self.lm_head_quant, self.device)
+            if why is not None:
+                raise ValueError(f"{why}; choose another lm_head_quant")
         # > 0: forwards of more rows (prefill, big batches) use the float weights, kept alongside: the
         # quantized kernels win while weight bytes bound the step and lose once compute does
         self.quant_max_rows = weight_quant_max_rows if weight_quant != "none" else 0
@@ -368,7 +378,8 @@ class ModelRunner:
         """Re-quantize every GEMM weight (after each load, like `_pack`: the quantized copies are not views)."""
         q = self.weight_quant
         self.quantized = [{k: quantize_linear(layer[k], q) for k in _PACKED} for layer in self.layers]
-        self.quantized_lm_head = quantize_linear(self.lm_head, q) if self.quantize_lm_head else None
+        head = self.lm_head_quant
+        self.quantized_lm_head = quantize_linear(self.lm_head, head) if head != "none" else None
 
     def _pack(self) -> None:
         """Re-pack for oneDNN every GEMM weight not quantized (after each load: the packed copies are not views)."""

@@ -95,7 +95,7 @@ class PagedEngine(Engine):
         decode_staging: bool = True,
         device: str = "cpu",
         weight_quant: str = "none",
-        quantize_lm_head: bool = True,
+        lm_head_quant: str = "same",
         weight_quant_max_rows: int = 0,
         speculative: str = "none",
         num_speculative_tokens: int = 4,
@@ -129,7 +129,7 @@ class PagedEngine(Engine):
             max_model_len=max_model_len,
             device=device,
             weight_quant=weight_quant,
-            quantize_lm_head=quantize_lm_head,
+            lm_head_quant=lm_head_quant,
             weight_quant_max_rows=weight_quant_max_rows,
         )
         self.tokenizer = tokenizer
@@ -657,7 +657,7 @@ def build_paged(engine_cfg: EngineConfig, model: Any, tokenizer: Any, *, seed: i
         decode_staging=engine_cfg.decode_staging,
         device=engine_cfg.device,
         weight_quant=engine_cfg.weight_quant,
-        quantize_lm_head=engine_cfg.quantize_lm_head,
+        lm_head_quant=engine_cfg.lm_head_quant,
         weight_quant_max_rows=engine_cfg.weight_quant_max_rows,
         speculative=engine_cfg.speculative,
         num_speculative_tokens=engine_cfg.num_speculative_tokens,

@@ -1,10 +1,11 @@
 """Quantized weights and KV cache of the paged engine (its "fast mode"), on integer or packed CPU kernels.
 
 Owns the int8 linear (per-output-channel symmetric int8 weights x dynamically quantized int8 activations,
-one scale per token, on fbgemm's integer GEMM via `torch.ops.quantized.linear_dynamic`), the int4 linear
-(group-wise asymmetric 4-bit weights, bf16 activations, `_weight_int4pack_mm_for_cpu`), checks that each
-kernel runs and is accurate on this machine, and per-token-per-head int8 K/V (de)quantization. Does not
-decide which layers are quantized or run the model: model_runner.py does.
+one scale per token, on fbgemm's integer GEMM via `torch.ops.quantized.linear_dynamic`), the weight-only
+int8 linear (bf16 activations, `_weight_int8pack_mm`), the int4 linear (group-wise asymmetric 4-bit
+weights, bf16 activations, `_weight_int4pack_mm_for_cpu`), checks that each kernel runs and is accurate
+on this machine, and per-token-per-head int8 K/V (de)quantization. Does not decide which layers are
+quantized or run the model: model_runner.py does.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-WEIGHT_QUANTS = ("none", "int8", "int4")
+WEIGHT_QUANTS = ("none", "int8", "int8_weight_only", "int4")
 INT4_GROUP_SIZE = 32  # divides the hidden sizes of the supported small models (576 = 18 x 32)
 KV_INT8 = "int8"
 
@@ -97,7 +98,26 @@ class Int4Linear:
         return y if bias is None else y.add_(bias)
 
 
-QuantLinear = Int8Linear | Int4Linear
+class Int8WeightOnlyLinear:
+    """Weight-only int8: symmetric per-output-channel int8 weights, activations stay bfloat16; the packed
+    kernel (`_weight_int8pack_mm`) scales in registers, so no float copy of the weights is read."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.out_features, self.in_features = weight.shape
+        w = weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+        self.weight = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+        self.scale = scale.bfloat16()
+
+    def nbytes(self) -> int:
+        return self.out_features * self.in_features + 2 * self.out_features
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x.bfloat16(), self.weight, self.scale).to(x.dtype)
+        return y if bias is None else y.add_(bias)
+
+
+QuantLinear = Int8Linear | Int4Linear | Int8WeightOnlyLinear
 
 
 def quantize_linear(weight: torch.Tensor, method: str) -> QuantLinear:
@@ -105,6 +125,8 @@ def quantize_linear(weight: torch.Tensor, method: str) -> QuantLinear:
         return Int8Linear(weight)
     if method == "int4":
         return Int4Linear(weight)
+    if method == "int8_weight_only":
+        return Int8WeightOnlyLinear(weight)
     raise ValueError(f"weight_quant must be one of {list(WEIGHT_QUANTS[1:])} here, got '{method}'")
 
 
@@ -120,7 +142,7 @@ def weight_quant_works(method: str, device: torch.device) -> str | None:
         (torch.randn(64, 128, generator=g) * 0.05, torch.randn(5, 128, generator=g)),
         (torch.full((64, 128), 0.02), torch.ones(3, 128)),
     ]
-    tol = {"int8": 0.03, "int4": 0.2}[method]
+    tol = {"int8": 0.03, "int8_weight_only": 0.03, "int4": 0.2}[method]
     for w, x in cases:
         try:
             got = quantize_linear(w, method)(x)

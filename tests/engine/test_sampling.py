@@ -6,11 +6,12 @@ from __future__ import annotations
 import copy
 import math
 
+import pytest
 import torch
 
 from engine.helpers import random_prompts, tiny
-from posttrain.engine import GenerationRequest, PagedEngine, SamplingParams
-from posttrain.engine.sampling import apply_repetition_penalty, sample, truncate
+from posttrain.engine import BadRequestError, GenerationRequest, PagedEngine, SamplingParams
+from posttrain.engine.sampling import apply_repetition_penalty, sample, sample_row, truncate
 
 # chi-square critical values at alpha = 0.001, by degrees of freedom
 CHI2_CRIT_001 = {
@@ -79,7 +80,7 @@ def test_repetition_penalty_hand_computed():
 
 def _sample_counts(params: SamplingParams, logits: torch.Tensor, n: int, seed: int = 0) -> list[int]:
     gens = [torch.Generator().manual_seed(seed * 100_000 + i) for i in range(n)]
-    tokens, _ = sample(logits.expand(n, -1).clone(), [params] * n, [[]] * n, gens)
+    tokens, _, _ = sample(logits.expand(n, -1).clone(), [params] * n, [[]] * n, gens)
     return torch.bincount(torch.tensor(tokens), minlength=logits.shape[-1]).tolist()
 
 
@@ -150,3 +151,92 @@ def test_n_samples_differ_and_repeat_with_the_seed(tokenizer):
     second = [c.token_ids for c in engine.generate([req])[0].completions]
     assert first == second
     assert len({tuple(t) for t in first}) == 3
+
+
+def _reference_top(
+    logits: torch.Tensor, params: SamplingParams, history: list[int]
+) -> list[tuple[int, float]]:
+    """By hand: repetition penalty (HF semantics), temperature (none when greedy), log_softmax, sort."""
+    row = logits.clone()
+    for t in set(history):
+        row[t] = row[t] / params.repetition_penalty if row[t] > 0 else row[t] * params.repetition_penalty
+    if params.temperature > 0.0:
+        row = row / params.temperature
+    lp = row - torch.logsumexp(row, -1)
+    order = sorted(range(row.shape[0]), key=lambda t: -float(lp[t]))
+    return [(t, float(lp[t])) for t in order[: params.top_logprobs]]
+
+
+def test_top_logprobs_equal_a_hand_log_softmax_in_every_sampling_path():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 50, generator=g) * 3
+    params = [
+        SamplingParams(temperature=0.0, top_logprobs=5),  # the batched greedy argmax
+        SamplingParams(temperature=0.0, repetition_penalty=1.5, top_logprobs=3),  # greedy, penalised
+        SamplingParams(temperature=0.7, top_logprobs=4),  # untruncated sampling
+        SamplingParams(temperature=1.3, top_k=5, top_p=0.9, top_logprobs=20),  # truncated: not in the top
+        SamplingParams(temperature=0.9, repetition_penalty=0.8, min_p=0.1, top_logprobs=1),
+        SamplingParams(temperature=1.0),  # none asked for
+    ]
+    histories = [[], [int(logits[1].argmax()), 7, 7], [], [], [int(logits[4].argmax()), 2], []]
+    gens = [torch.Generator().manual_seed(i) for i in range(6)]
+    tokens, logprobs, tops = sample(logits.clone(), params, histories, gens)
+    assert tops[5] is None
+    for i in range(5):
+        want = _reference_top(logits[i], params[i], histories[i])
+        got = tops[i]
+        assert got is not None and len(got) == params[i].top_logprobs
+        assert [t for t, _ in got] == [t for t, _ in want]
+        assert [v for _, v in got] == pytest.approx([v for _, v in want], abs=1e-5)
+        assert all(a[1] >= b[1] for a, b in zip(got, got[1:], strict=False))
+        # the reported logprob of the chosen token is its entry among the top ones, when it is there
+        by_token = dict(got)
+        if params[i].temperature == 0.0:
+            assert got[0][0] == tokens[i] and got[0][1] == pytest.approx(logprobs[i], abs=1e-6)
+        elif tokens[i] in by_token:
+            assert by_token[tokens[i]] == pytest.approx(logprobs[i], abs=1e-5)
+    # sample_row gives one row what sample gives it in a batch
+    for i in (0, 1, 3):
+        tok, lp, top = sample_row(
+            logits[i].clone(), params[i], histories[i], torch.Generator().manual_seed(i)
+        )
+        assert tok == tokens[i] and lp == pytest.approx(logprobs[i], abs=1e-6)
+        assert top is not None and [t for t, _ in top] == [t for t, _ in tops[i]]
+    assert sample_row(logits[5], params[5], [], torch.Generator())[2] is None
+
+
+def test_top_logprobs_validated_to_zero_through_twenty():
+    SamplingParams(top_logprobs=0).validate()
+    SamplingParams(top_logprobs=20).validate()
+    for bad in (-1, 21, 1.5, True):
+        with pytest.raises(BadRequestError, match="top_logprobs"):
+            SamplingParams(top_logprobs=bad).validate()
+
+
+def test_engine_completions_carry_top_logprobs_per_token(tokenizer):
+    model = tiny("llama")
+    engine = PagedEngine(model, tokenizer, block_size=4, num_blocks=64)
+    prompts = random_prompts([9, 12], seed=5)
+    reqs = [
+        GenerationRequest(
+            prompts[0], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, top_logprobs=3)
+        ),
+        GenerationRequest(
+            prompts[1],
+            SamplingParams(temperature=0.8, max_tokens=4, n=2, seed=1, ignore_eos=True, top_logprobs=2),
+        ),
+        GenerationRequest(prompts[1], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)),
+    ]
+    out = engine.generate(reqs)
+    assert out[2].completions[0].top_logprobs is None
+    with torch.no_grad():
+        ref = model(torch.tensor([prompts[0] + out[0].completions[0].token_ids])).logits[0].float()
+    comp = out[0].completions[0]
+    assert comp.top_logprobs is not None and len(comp.top_logprobs) == len(comp.token_ids) == 5
+    for i, (tok, top) in enumerate(zip(comp.token_ids, comp.top_logprobs, strict=True)):
+        want = torch.log_softmax(ref[len(prompts[0]) - 1 + i], -1).topk(3)
+        assert [t for t, _ in top] == want.indices.tolist() and top[0][0] == tok
+        assert [v for _, v in top] == pytest.approx(want.values.tolist(), abs=1e-4)
+    for c in out[1].completions:
+        assert c.top_logprobs is not None and len(c.top_logprobs) == len(c.token_ids) == 4
+        assert all(len(top) == 2 and top[0][1] >= top[1][1] for top in c.top_logprobs)

@@ -40,13 +40,13 @@ def test_greedy_verification_accepts_the_argmax_prefix_then_corrects():
     g = torch.Generator().manual_seed(0)
     greedy = SamplingParams(temperature=0.0)
     rows = _logits([[0, 5, 1, 0], [0, 0, 0, 4], [3, 0, 0, 0], [0, 0, 2, 0]])  # argmaxes 1, 3, 0, 2
-    tokens, lps, accepted = verify(rows, [1, 3, 2], greedy, g)
-    assert (tokens, accepted) == ([1, 3, 0], 2)
+    tokens, lps, accepted, tops = verify(rows, [1, 3, 2], greedy, g)
+    assert (tokens, accepted, tops) == ([1, 3, 0], 2, None)
     expected = torch.log_softmax(rows, -1)
     assert lps == pytest.approx([float(expected[0, 1]), float(expected[1, 3]), float(expected[2, 0])])
-    tokens, _, accepted = verify(rows, [1, 3, 0], greedy, g)  # all accepted: the bonus token follows
+    tokens, _, accepted, _ = verify(rows, [1, 3, 0], greedy, g)  # all accepted: the bonus token follows
     assert (tokens, accepted) == ([1, 3, 0, 2], 3)
-    tokens, _, accepted = verify(rows[:1], [], greedy, g)
+    tokens, _, accepted, _ = verify(rows[:1], [], greedy, g)
     assert (tokens, accepted) == ([1], 0)
     with pytest.raises(ValueError, match="needs 3 logit rows"):
         verify(rows, [1, 2], greedy, g)
@@ -78,7 +78,7 @@ def test_sampled_verification_emits_exactly_the_target_distribution(params, draf
     accepted_total = 0
     g = torch.Generator().manual_seed(1234)
     for _ in range(12000):
-        tokens, lps, accepted = verify(rows, [draft_token], params, g)
+        tokens, lps, accepted, _ = verify(rows, [draft_token], params, g)
         counts[tokens[0]] += 1
         accepted_total += accepted
         assert lps[0] == pytest.approx(float(torch.log_softmax(rows[0] / params.temperature, -1)[tokens[0]]))
@@ -186,3 +186,50 @@ def test_sampling_with_drafts_keeps_the_distribution(tokenizer, monkeypatch):
         table += [rest] if sum(rest) else []
         chi = sum((x - (x + y) / 2) ** 2 / ((x + y) / 2) * 2 for x, y in table)
         assert 2 <= len(table) <= 21 and chi < critical[len(table) - 2], (pos, table)
+
+
+def test_verification_reports_top_logprobs_of_every_emitted_token():
+    g = torch.Generator().manual_seed(0)
+    rows = _logits([[0, 5, 1, 0], [0, 0, 0, 4], [3, 0, 0, 0], [0, 0, 2, 0]])  # argmaxes 1, 3, 0, 2
+    tokens, lps, accepted, tops = verify(rows, [1, 3, 2], SamplingParams(temperature=0.0, top_logprobs=2), g)
+    assert (tokens, accepted) == ([1, 3, 0], 2) and tops is not None and len(tops) == 3
+    ref = torch.log_softmax(rows, -1)
+    for i, (tok, top) in enumerate(zip(tokens, tops, strict=True)):
+        want = ref[i].topk(2)
+        assert [t for t, _ in top] == want.indices.tolist() and top[0][0] == tok
+        assert [v for _, v in top] == pytest.approx(want.values.tolist()) and top[0][1] == pytest.approx(
+            lps[i]
+        )
+    sampled = SamplingParams(temperature=0.5, top_logprobs=4)
+    tokens, lps, accepted, tops = verify(rows, [1, 3, 2], sampled, g)
+    assert tops is not None and len(tops) == len(tokens) == accepted + 1
+    ref = torch.log_softmax(rows / 0.5, -1)
+    for i, (tok, top) in enumerate(zip(tokens, tops, strict=True)):
+        assert [t for t, _ in top] == ref[i].topk(4).indices.tolist()
+        assert [v for _, v in top] == pytest.approx(ref[i].topk(4).values.tolist())
+        assert dict(top)[tok] == pytest.approx(lps[i])  # 4 of 4 tokens: the emitted one is there
+
+
+def test_greedy_top_logprobs_with_drafts_equal_those_without(tokenizer):
+    model = lively(3)
+    prompts = [LOOP, LOOP[5:], [7, 8, 9, 7, 8]]
+    reqs = [
+        GenerationRequest(
+            prompt_token_ids=p,
+            params=SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, top_logprobs=5),
+        )
+        for p in prompts
+        for m in (1, 17, 40)
+    ]
+    plain = _engine(model, tokenizer).generate(reqs)
+    spec = _engine(model, tokenizer, speculative="ngram", speculative_max_batch=64, prompt_lookup_min=1)
+    got = spec.generate(reqs)
+    assert spec.speculation_stats()["accepted_tokens"] > 0
+    for a, b in zip(plain, got, strict=True):
+        ca, cb = a.completions[0], b.completions[0]
+        assert cb.token_ids == ca.token_ids
+        assert ca.top_logprobs is not None and cb.top_logprobs is not None
+        assert len(cb.top_logprobs) == len(cb.token_ids)
+        for tok, ta, tb in zip(ca.token_ids, ca.top_logprobs, cb.top_logprobs, strict=True):
+            assert [t for t, _ in tb] == [t for t, _ in ta] and tb[0][0] == tok
+            assert [v for _, v in tb] == pytest.approx([v for _, v in ta], abs=1e-4)

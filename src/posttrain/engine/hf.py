@@ -2,7 +2,7 @@
 
 Batches requests with identical sampling parameters into one left-padded `generate` call (n samples
 as n rows). Logprobs come from the raw logits after temperature and repetition penalty, like the
-paged engine's. Sampling draws each row from its own torch.Generator (`seed_for(seed, index)`, as the
+paged engine's, and so do top logprobs (`top_logprobs` N > 0). Sampling draws each row from its own torch.Generator (`seed_for(seed, index)`, as the
 paged engine does) inside a logits processor, never from the global generator, so a seeded request
 gives the same tokens whatever runs in other threads. Does not page, share prefixes or batch
 continuously: that is what it is the baseline for.
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from posttrain.engine.registry import register_engine
-from posttrain.engine.sampling import apply_repetition_penalty, sample_row, seed_for
+from posttrain.engine.sampling import apply_repetition_penalty, sample_row, seed_for, top_of_logprobs
 from posttrain.engine.stops import end_of_turn_ids
 from posttrain.engine.types import (
     Completion,
@@ -47,7 +47,7 @@ class _RowSampler:
         out = torch.full_like(scores, -float("inf"))
         for row in range(scores.shape[0]):
             history = self.prompts[row] + input_ids[row, self.width :].tolist()
-            token, _ = sample_row(scores[row].float(), self.params, history, self.generators[row])
+            token, _, _ = sample_row(scores[row].float(), self.params, history, self.generators[row])
             out[row, token] = 0.0
         return out
 
@@ -91,6 +91,7 @@ class HFEngine(Engine):
             p.seed,
             p.n,
             p.ignore_eos,
+            p.top_logprobs,
         )
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
@@ -160,6 +161,7 @@ class HFEngine(Engine):
                 row = i * p.n + j
                 toks: list[int] = []
                 lps: list[float] = []
+                tops: list[list[tuple[int, float]]] = []
                 reason = "length"
                 history = list(r.prompt_token_ids)
                 for t in range(new.shape[1]):
@@ -168,7 +170,10 @@ class HFEngine(Engine):
                     if p.temperature > 0.0:
                         logits = logits / p.temperature
                     toks.append(tok)
-                    lps.append(float(torch.log_softmax(logits, -1)[tok]))
+                    row_lps = torch.log_softmax(logits, -1)
+                    lps.append(float(row_lps[tok]))
+                    if p.top_logprobs > 0:
+                        tops.append(top_of_logprobs(row_lps[None, :], [p.top_logprobs])[0])
                     history.append(tok)
                     if tok in stop_ids:
                         reason = "stop"
@@ -177,7 +182,8 @@ class HFEngine(Engine):
                         reason = "stop"
                         break
                 text_ids = toks[:-1] if reason == "stop" and toks and toks[-1] in stop_ids else toks
-                comps.append(Completion(toks, lps, self.tokenizer.decode(text_ids), reason))
+                top = tops[: len(toks)] if p.top_logprobs > 0 else None
+                comps.append(Completion(toks, lps, self.tokenizer.decode(text_ids), reason, top))
             rid = r.request_id if r.request_id is not None else f"hf-{next(self._ids)}"
             results.append(GenerationOutput(rid, list(r.prompt_token_ids), comps, ttft))
         return results

@@ -202,7 +202,8 @@ class PagedEngine(Engine):
         self.scheduler.finish(seq)
         ids = seq.output_ids
         text_ids = ids[:-1] if reason == "stop" and ids and self._is_stop_token(seq, ids[-1]) else ids
-        comp = Completion(list(ids), list(seq.logprobs), self.tokenizer.decode(text_ids), reason)
+        tops = list(seq.top_logprobs) if seq.params.top_logprobs > 0 else None
+        comp = Completion(list(ids), list(seq.logprobs), self.tokenizer.decode(text_ids), reason, tops)
         state.completions[seq.index] = comp
         return comp
 
@@ -370,16 +371,18 @@ class PagedEngine(Engine):
                 seqs.extend(group)
             if rows != list(range(logits.shape[0])):
                 logits = logits.index_select(0, torch.tensor(rows))
-            tokens, logprobs = sample(
+            tokens, logprobs, tops = sample(
                 logits,
                 [s.params for s in seqs],
                 [s.token_ids if s.params.repetition_penalty != 1.0 else [] for s in seqs],
                 [s.generator for s in seqs],
             )
             now = time.perf_counter()
-            for seq, tok, lp in zip(seqs, tokens, logprobs, strict=True):
+            for seq, tok, lp, top in zip(seqs, tokens, logprobs, tops, strict=True):
                 seq.token_ids.append(tok)
                 seq.logprobs.append(lp)
+                if top is not None:
+                    seq.top_logprobs.append(top)
                 state = self._seq_state[id(seq)]
                 if state.first_token_s is None:
                     state.first_token_s = now
@@ -419,16 +422,18 @@ class PagedEngine(Engine):
         """Verify seq's draft against its logit rows; append what is accepted plus one target token."""
         state = self._seq_state[id(seq)]
         draft, seq.draft = seq.draft, []
-        tokens, logprobs, accepted = verify(logits, draft, seq.params, seq.generator)
+        tokens, logprobs, accepted, tops = verify(logits, draft, seq.params, seq.generator)
         c = self.spec_counts
         c["verify_steps"] += 1
         c["draft_tokens"] += len(draft)
         c["accepted_tokens"] += accepted
         start = seq.num_computed  # the K/V of positions start .. start + accepted now hold the real tokens
         reason = None
-        for tok, lp in zip(tokens, logprobs, strict=True):
+        for i, (tok, lp) in enumerate(zip(tokens, logprobs, strict=True)):
             seq.token_ids.append(tok)
             seq.logprobs.append(lp)
+            if tops is not None:
+                seq.top_logprobs.append(tops[i])
             reason = self._stop_reason(seq)
             if reason is not None:
                 break
@@ -578,10 +583,13 @@ class PagedEngine(Engine):
                 prev = state.emitted_text.get(seq.index, "")
                 new_ids = ids[seq.num_emitted :]
                 new_lps = seq.logprobs[seq.num_emitted :]
+                new_tops = seq.top_logprobs[seq.num_emitted :] if seq.params.top_logprobs > 0 else None
                 seq.num_emitted = len(ids)
                 state.emitted_text[seq.index] = text
                 state.queue.put_nowait(
-                    StreamDelta(state.request_id, seq.index, new_ids, new_lps, text[len(prev) :], reason)
+                    StreamDelta(
+                        state.request_id, seq.index, new_ids, new_lps, text[len(prev) :], reason, new_tops
+                    )
                 )
             if state.future is not None and state.done and not state.future.done():
                 state.future.set_result(self._output(state))

@@ -2,7 +2,8 @@
 
 Order (as transformers applies it): repetition penalty, temperature, then top-k, top-p, min-p.
 The logprob returned is that of the sampled token under the distribution after repetition penalty
-and temperature, before truncation (for temperature 0, greedy, under the untempered softmax). Each
+and temperature, before truncation (for temperature 0, greedy, under the untempered softmax); a request's `top_logprobs`
+N > 0 adds the N most likely (token, logprob) pairs under that same distribution. Each
 row draws from its own torch.Generator, so a seeded sequence samples the same tokens whatever else
 is in the batch. Does not decide when to stop (paged.py does).
 """
@@ -12,6 +13,8 @@ from __future__ import annotations
 import torch
 
 from posttrain.engine.types import SamplingParams
+
+TopLogprobs = list[tuple[int, float]]  # (token id, logprob), most likely first
 
 _MIX = 0x9E3779B97F4A7C15
 
@@ -51,7 +54,47 @@ def truncate(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> to
     return logits
 
 
+def reported_logits(logits: torch.Tensor, params: SamplingParams, history: list[int]) -> torch.Tensor:
+    """One row of logits `[vocab]` whose log_softmax is the distribution logprobs are reported under:
+    after repetition penalty and temperature (greedy: untempered)."""
+    logits = apply_repetition_penalty(logits, history, params.repetition_penalty)
+    return logits if params.temperature == 0.0 else logits / params.temperature
+
+
+def top_logprobs_of(rows: torch.Tensor, ns: list[int]) -> list[TopLogprobs]:
+    """The `ns[i]` most likely (token, logprob) pairs of each row of reported logits `rows` `[B, vocab]`
+    (see `reported_logits`), in one batched topk; ties keep topk's order."""
+    if not ns:
+        return []
+    return top_of_logprobs(torch.log_softmax(rows, -1), ns)
+
+
+def top_of_logprobs(logprobs: torch.Tensor, ns: list[int]) -> list[TopLogprobs]:
+    """The `ns[i]` largest (token, logprob) pairs of each row of log-probabilities `[B, vocab]`, one topk."""
+    if not ns:
+        return []
+    k = min(max(ns), logprobs.shape[-1])
+    values, ids = logprobs.topk(k, dim=-1)
+    vals, toks = values.tolist(), ids.tolist()
+    return [list(zip(toks[i][:n], vals[i][:n], strict=True)) for i, n in enumerate(ns)]
+
+
 def sample_row(
+    logits: torch.Tensor, params: SamplingParams, history: list[int], generator: torch.Generator
+) -> tuple[int, float, TopLogprobs | None]:
+    """One token, its logprob and (for `params.top_logprobs` > 0, else None) the top-N (token, logprob)
+    pairs, from one row of float32 logits `[vocab]`."""
+    token, lp = _sample_row(logits, params, history, generator)
+    if params.top_logprobs <= 0:
+        return token, lp, None
+    return (
+        token,
+        lp,
+        top_logprobs_of(reported_logits(logits, params, history)[None, :], [params.top_logprobs])[0],
+    )
+
+
+def _sample_row(
     logits: torch.Tensor, params: SamplingParams, history: list[int], generator: torch.Generator
 ) -> tuple[int, float]:
     """One token and its logprob from one row of float32 logits `[vocab]`."""
@@ -110,8 +153,11 @@ def sample(
     params: list[SamplingParams],
     histories: list[list[int]],
     generators: list[torch.Generator],
-) -> tuple[list[int], list[float]]:
-    """Tokens and logprobs for a batch `[B, vocab]`; greedy rows without penalties go through one argmax."""
+) -> tuple[list[int], list[float], list[TopLogprobs | None]]:
+    """Tokens, logprobs and top logprobs for a batch `[B, vocab]`; greedy rows without penalties go
+    through one argmax. `tops[i]` is None for a row whose `top_logprobs` is 0, else its top-N
+    (token, logprob) pairs under the distribution `logprobs[i]` is reported under (one batched topk over
+    those rows)."""
     B = logits.shape[0]
     tokens: list[int] = [0] * B
     logprobs: list[float] = [0.0] * B
@@ -141,5 +187,11 @@ def sample(
     done = set(simple_greedy) | set(plain)
     for i in range(B):
         if i not in done:
-            tokens[i], logprobs[i] = sample_row(logits[i], params[i], histories[i], generators[i])
-    return tokens, logprobs
+            tokens[i], logprobs[i] = _sample_row(logits[i], params[i], histories[i], generators[i])
+    tops: list[TopLogprobs | None] = [None] * B
+    want = [i for i, p in enumerate(params) if p.top_logprobs > 0]
+    if want:
+        rows = torch.stack([reported_logits(logits[i], params[i], histories[i]) for i in want])
+        for i, top in zip(want, top_logprobs_of(rows, [params[i].top_logprobs for i in want]), strict=True):
+            tops[i] = top
+    return tokens, logprobs, tops

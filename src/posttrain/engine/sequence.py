@@ -48,6 +48,8 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chain hashes of this sequence's full, computed blocks
         self.logprobs: list[float] = []
+        # per generated token, the top-N (token, logprob) pairs; filled only when params.top_logprobs > 0
+        self.top_logprobs: list[list[tuple[int, float]]] = []
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.first_token_s: float | None = None
@@ -85,6 +87,7 @@ class Sequence:
         child.num_computed = self.num_computed
         child.block_hashes = list(self.block_hashes)
         child.logprobs = list(self.logprobs)
+        child.top_logprobs = list(self.top_logprobs)
         child.status = self.status
         child.ngram = self.ngram.copy() if self.ngram is not None else None
         return child

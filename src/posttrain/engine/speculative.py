@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from posttrain.engine.sampling import truncate
+from posttrain.engine.sampling import TopLogprobs, top_of_logprobs, truncate
 from posttrain.engine.types import SamplingParams
 
 
@@ -73,14 +73,15 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def verify(
     logits: torch.Tensor, draft: list[int], params: SamplingParams, generator: torch.Generator
-) -> tuple[list[int], list[float], int]:
+) -> tuple[list[int], list[float], int, list[TopLogprobs] | None]:
     """Tokens to append after checking `draft` against the target logits `[len(draft) + 1, vocab]` (row i
     predicts the token at draft position i; the last row follows the whole draft).
 
-    Returns (tokens, their logprobs, drafts accepted): the accepted draft tokens, then one token from
-    the target (the correction at the first rejection, or the bonus token after a fully accepted
-    draft). Logprobs are those `sample()` reports: under the tempered, untruncated distribution (greedy:
-    the untempered one)."""
+    Returns (tokens, their logprobs, drafts accepted, top logprobs): the accepted draft tokens, then one
+    token from the target (the correction at the first rejection, or the bonus token after a fully
+    accepted draft). Logprobs are those `sample()` reports: under the tempered, untruncated distribution
+    (greedy: the untempered one); top logprobs (None unless `params.top_logprobs` > 0) are the top-N
+    (token, logprob) pairs of every emitted token under that same distribution, as `sample()` gives them."""
     k = len(draft)
     if logits.shape[0] != k + 1:
         raise ValueError(f"verify needs {k + 1} logit rows for {k} draft tokens, got {logits.shape[0]}")
@@ -111,4 +112,5 @@ def verify(
         tokens = draft[:a] + [last]
         lps = torch.log_softmax(logits[: a + 1] / params.temperature, -1)
     rows = torch.arange(a + 1)
-    return tokens, lps[rows, torch.tensor(tokens)].tolist(), a
+    tops = top_of_logprobs(lps, [params.top_logprobs] * (a + 1)) if params.top_logprobs > 0 else None
+    return tokens, lps[rows, torch.tensor(tokens)].tolist(), a, tops

@@ -17,6 +17,9 @@ class BadRequestError(ValueError):
     """A request the engine cannot serve; the message names the field and what would be right."""
 
 
+MAX_TOP_LOGPROBS = 20  # as OpenAI's API allows
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request.
@@ -24,7 +27,8 @@ class SamplingParams:
     temperature 0 is greedy. top_k 0 and top_p 1 and min_p 0 mean no truncation. `stop` strings and
     `stop_token_ids` end a completion (the model's EOS ids always do, unless `ignore_eos`). `seed`
     makes the completions reproducible whatever else is in the batch; `n` completions share the
-    prompt's KV blocks.
+    prompt's KV blocks. `top_logprobs` N in [0, 20] also reports, for every generated token, the N most
+    likely (token, logprob) pairs under the distribution its logprob is reported under.
     """
 
     temperature: float = 1.0
@@ -38,6 +42,7 @@ class SamplingParams:
     seed: int | None = None
     n: int = 1
     ignore_eos: bool = False
+    top_logprobs: int = 0
 
     def validate(self) -> None:
         if not self.temperature >= 0.0:
@@ -54,6 +59,12 @@ class SamplingParams:
             raise BadRequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.n < 1:
             raise BadRequestError(f"n must be >= 1, got {self.n}")
+        if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int):
+            raise BadRequestError(
+                f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}"
+            )
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise BadRequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise BadRequestError(f"stop must be a list of non-empty strings, got {self.stop!r}")
 
@@ -74,12 +85,15 @@ class Completion:
     `token_ids[i]` under the distribution it was sampled from: after repetition penalty and
     temperature, before top-k/top-p/min-p truncation (for temperature 0: the untempered softmax).
     `text` decodes `token_ids` without a trailing stop token. `finish_reason` is "stop" or "length".
+    `top_logprobs[i]` (None unless the request asked for `top_logprobs` > 0) holds the N most likely
+    (token id, logprob) pairs at position i under that same distribution, most likely first.
     """
 
     token_ids: list[int]
     logprobs: list[float]
     text: str
     finish_reason: str
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
@@ -92,7 +106,8 @@ class GenerationOutput:
 
 @dataclass
 class StreamDelta:
-    """New tokens of one completion (`index` of n) since the last delta; the last one has a finish_reason."""
+    """New tokens of one completion (`index` of n) since the last delta; the last one has a finish_reason.
+    `top_logprobs` is one list of (token id, logprob) pairs per new token, or None (see Completion)."""
 
     request_id: str
     index: int
@@ -100,6 +115,7 @@ class StreamDelta:
     logprobs: list[float]
     text: str
     finish_reason: str | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 def validate_request(req: GenerationRequest, vocab_size: int, max_model_len: int) -> None:
@@ -173,7 +189,9 @@ class Engine(Protocol):
         completion in one delta, once `agenerate` returns."""
         out = await self.agenerate(request)
         for j, c in enumerate(out.completions):
-            yield StreamDelta(out.request_id, j, c.token_ids, c.logprobs, c.text, c.finish_reason)
+            yield StreamDelta(
+                out.request_id, j, c.token_ids, c.logprobs, c.text, c.finish_reason, c.top_logprobs
+            )
 
     def release_kv_cache(self) -> None:
         """Free the KV cache (a colocated learner is about to train); the next step re-allocates it.

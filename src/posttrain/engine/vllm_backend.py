@@ -77,7 +77,7 @@ class VLLMEngine(Engine):
             stop_token_ids=list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_ids),
             seed=p.seed,
             ignore_eos=p.ignore_eos,
-            logprobs=0,
+            logprobs=p.top_logprobs,  # vLLM returns the top N plus the sampled token
             include_stop_str_in_output=True,
             skip_special_tokens=True,
         )
@@ -95,8 +95,17 @@ class VLLMEngine(Engine):
             comps = []
             for c in out.outputs:
                 ids = list(c.token_ids)
-                lps = [float(step[t].logprob) for step, t in zip(c.logprobs or [], ids, strict=False)]
-                comps.append(Completion(ids, lps, c.text, "stop" if c.finish_reason == "stop" else "length"))
+                steps = list(c.logprobs or [])
+                lps = [float(step[t].logprob) for step, t in zip(steps, ids, strict=False)]
+                tops = None
+                if r.params.top_logprobs > 0:
+                    n = r.params.top_logprobs
+                    tops = [
+                        sorted(((int(t), float(v.logprob)) for t, v in step.items()), key=lambda e: -e[1])[:n]
+                        for step in steps
+                    ]
+                reason = "stop" if c.finish_reason == "stop" else "length"
+                comps.append(Completion(ids, lps, c.text, reason, tops))
             ttft = 0.0
             metrics = getattr(out, "metrics", None)
             if (

@@ -42,3 +42,26 @@ def load_config_or_exit(path: str | None, overrides: list[str] | None) -> RunCon
 def print_json_last(obj: Any) -> None:
     """The benchmark/eval contract: one JSON object on the last line of stdout."""
     print(json.dumps(obj, default=lambda v: v.item() if hasattr(v, "item") else str(v)), flush=True)
+
+
+def source_sets(
+    section: str, data: str | None, from_env: str | None, levels: str | None, n: int | None
+) -> list[str]:
+    """The `section.*` overrides of the --data / --from-env / --levels / --n options that `sft`, `rm train`
+    and `dpo` share (exits 2 on bad ones)."""
+    if data is not None and from_env is not None:
+        fail("give --data FILE.jsonl or --from-env DOMAIN, not both", EXIT_USAGE)
+    sets = []
+    if data is not None:
+        sets += [f"{section}.data={data}", f"{section}.from_env=null"]
+    if from_env is not None:
+        sets += [f"{section}.from_env={from_env}", f"{section}.data=null"]
+    if levels is not None:
+        try:
+            parsed = [int(x) for x in levels.split(",") if x.strip()]
+        except ValueError:
+            fail(f"--levels must be comma-separated integers, e.g. 0,1; got {levels!r}", EXIT_USAGE)
+        sets.append(f"{section}.levels={parsed}")
+    if n is not None:
+        sets.append(f"{section}.n={n}")
+    return sets

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import typer
 
-from posttrain.cli.common import EXIT_USAGE, fail
-from posttrain.cli.rm_cmd import pair_sets, prepare_pair_run, report
+from posttrain.cli.common import EXIT_USAGE, fail, source_sets
+from posttrain.cli.rm_cmd import prepare_pair_run, report
 
 
 def dpo(
@@ -30,7 +30,7 @@ def dpo(
     margin and the pairwise accuracy, on the training batches and the held-out pairs."""
     from posttrain.orchestrator.dpo import dpo_run
 
-    sets = list(set_ or []) + pair_sets(data, from_env, levels, n)
+    sets = list(set_ or []) + source_sets("pairs", data, from_env, levels, n)
     if loss is not None:
         sets.append(f"dpo.loss={loss}")
     p = prepare_pair_run(config, sets, name, overwrite)

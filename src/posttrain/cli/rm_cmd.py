@@ -9,29 +9,9 @@ from typing import Any
 
 import typer
 
-from posttrain.cli.common import EXIT_USAGE, console, fail, load_config_or_exit
+from posttrain.cli.common import EXIT_USAGE, console, fail, load_config_or_exit, source_sets
 
 app = typer.Typer(help="Reward models: train on preference pairs, serve over HTTP.", no_args_is_help=True)
-
-
-def pair_sets(data: str | None, from_env: str | None, levels: str | None, n: int | None) -> list[str]:
-    """The pairs.* overrides of the --data / --from-env / --levels / --n options (exits 2 on bad ones)."""
-    if data is not None and from_env is not None:
-        fail("give --data FILE.jsonl or --from-env DOMAIN, not both", EXIT_USAGE)
-    sets = []
-    if data is not None:
-        sets += [f"pairs.data={data}", "pairs.from_env=null"]
-    if from_env is not None:
-        sets += [f"pairs.from_env={from_env}", "pairs.data=null"]
-    if levels is not None:
-        try:
-            parsed = [int(x) for x in levels.split(",") if x.strip()]
-        except ValueError:
-            fail(f"--levels must be comma-separated integers, e.g. 0,1; got {levels!r}", EXIT_USAGE)
-        sets.append(f"pairs.levels={parsed}")
-    if n is not None:
-        sets.append(f"pairs.n={n}")
-    return sets
 
 
 @dataclass
@@ -125,7 +105,7 @@ def train(
     accuracy before and after; the model goes to RUN_DIR/reward_model (AutoModelForSequenceClassification)."""
     from posttrain.orchestrator.rm import rm_run
 
-    sets = list(set_ or []) + pair_sets(data, from_env, levels, n)
+    sets = list(set_ or []) + source_sets("pairs", data, from_env, levels, n)
     p = prepare_pair_run(config, sets, name, overwrite)
     try:
         job = rm_run(p.cfg, p.run, p.tokenizer, show_progress=not no_progress and p.cfg.telemetry.progress)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import typer
 
-from posttrain.cli.common import EXIT_USAGE, console, fail, load_config_or_exit
+from posttrain.cli.common import EXIT_USAGE, console, fail, load_config_or_exit, source_sets
 
 
 def sft(
@@ -34,26 +34,12 @@ def sft(
     from posttrain.orchestrator.sft import SFTDataError, SFTRun, build_examples
     from posttrain.telemetry.rundir import RunDir, check_run_name
 
-    if data is not None and from_env is not None:
-        fail("give --data FILE.jsonl or --from-env DOMAIN, not both", EXIT_USAGE)
     if name is not None:
         try:
             check_run_name(name)
         except ValueError as err:
             fail(f"--name: {err}", EXIT_USAGE)
-    sets = list(set_ or [])
-    if data is not None:
-        sets += [f"sft.data={data}", "sft.from_env=null"]
-    if from_env is not None:
-        sets += [f"sft.from_env={from_env}", "sft.data=null"]
-    if levels is not None:
-        try:
-            parsed = [int(x) for x in levels.split(",") if x.strip()]
-        except ValueError:
-            fail(f"--levels must be comma-separated integers, e.g. 0,1; got {levels!r}", EXIT_USAGE)
-        sets.append(f"sft.levels={parsed}")
-    if n is not None:
-        sets.append(f"sft.n={n}")
+    sets = list(set_ or []) + source_sets("sft", data, from_env, levels, n)
     cfg = load_config_or_exit(config, sets)
     if cfg.sft.data is None and cfg.sft.from_env is None:
         fail(

@@ -212,6 +212,71 @@ def test_completions_endpoint(client, tiny_model, tokenizer):
     assert "".join(c.choices[0].text for c in streamed if c.choices) == ref.text
 
 
+def _check_top(content, n: int) -> None:
+    for entry in content:
+        top = entry.top_logprobs
+        assert len(top) == n
+        assert all(a.logprob >= b.logprob for a, b in zip(top, top[1:], strict=False))
+        assert top[0].token == entry.token and top[0].logprob == pytest.approx(entry.logprob, abs=1e-6)
+        assert all(t.bytes == list(t.token.encode("utf-8")) for t in top)
+
+
+def test_top_logprobs_in_chat_whole_and_streamed(client, tiny_model, tokenizer):
+    r = client.chat.completions.create(
+        model="tiny", messages=HI, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = r.choices[0].logprobs.content
+    ids, ref = _greedy_reference(tiny_model, tokenizer, HI, 8)
+    assert len(content) == len(ref.token_ids) == r.usage.completion_tokens
+    _check_top(content, 3)
+    assert [e.token for e in content] == [tokenizer.decode([t]) for t in ref.token_ids]
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny", messages=HI, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3, stream=True
+        )
+    )
+    streamed = [
+        e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+    ]
+    assert [[t.token for t in e.top_logprobs] for e in streamed] == [
+        [t.token for t in e.top_logprobs] for e in content
+    ]
+    flat = lambda es: [t.logprob for e in es for t in e.top_logprobs]  # noqa: E731
+    assert flat(streamed) == pytest.approx(flat(content), abs=1e-5)
+    _check_top(streamed, 3)
+    plain = client.chat.completions.create(
+        model="tiny", messages=HI, max_tokens=4, temperature=0, logprobs=True
+    )
+    assert all(e.top_logprobs == [] for e in plain.choices[0].logprobs.content)
+    # the speculative engine reports them for every emitted token too
+    fast = client.chat.completions.create(
+        model="tiny-fast", messages=HI, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2
+    )
+    assert len(fast.choices[0].logprobs.content) == fast.usage.completion_tokens
+    _check_top(fast.choices[0].logprobs.content, 2)
+
+
+def test_completions_logprobs_n_gives_top_logprobs_per_position(client, tokenizer):
+    r = client.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=6, temperature=0, logprobs=3
+    )
+    lp = r.choices[0].logprobs
+    assert len(lp.top_logprobs) == len(lp.tokens) == len(lp.token_logprobs) == r.usage.completion_tokens
+    for tok, tlp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert 1 <= len(top) <= 3  # distinct ids may decode to one text
+        best = max(top, key=top.get)
+        assert best == tok and top[best] == pytest.approx(tlp, abs=1e-6)
+    streamed = list(
+        client.completions.create(
+            model="tiny", prompt="Once upon a time", max_tokens=6, temperature=0, logprobs=3, stream=True
+        )
+    )
+    parts = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert [t for p in parts for t in p.tokens] == lp.tokens
+    assert [t for p in parts for t in p.top_logprobs] == lp.top_logprobs
+    assert [o for p in parts for o in p.text_offset] == lp.text_offset
+
+
 def test_models_lists_each_served_model_with_its_mode(client):
     models = {m.id: m for m in client.models.list().data}
     assert set(models) == {"tiny", "scripted", "tiny-fast"}
@@ -249,8 +314,10 @@ def test_invalid_requests_get_400_in_openai_shape(live):
     assert post({"model": "tiny", "messages": HI, "presence_penalty": 0, "max_tokens": 1}).status_code == 200
     err = _error(post({"model": "tiny", "messages": HI, "response_format": {"type": "json_object"}}), 400)
     assert "constrained decoding" in err["message"]
-    err = _error(post({"model": "tiny", "messages": HI, "logprobs": True, "top_logprobs": 3}), 400)
+    err = _error(post({"model": "tiny", "messages": HI, "logprobs": True, "top_logprobs": 21}), 400)
     assert err["param"] == "top_logprobs"
+    err = _error(post({"model": "tiny", "messages": HI, "top_logprobs": 3}), 400)  # without logprobs: true
+    assert err["param"] == "top_logprobs" and "logprobs: true" in err["message"]
     err = _error(
         post(
             {

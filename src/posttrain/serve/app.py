@@ -5,11 +5,12 @@ registry: served name -> `ModelEntry(engine, tokenizer, mode)`, so a `fast` engi
 
 Supported: chat completions with tools (tool_choice none/auto/required/named, parallel_tool_calls),
 streaming with usage, n, seed, stop, temperature/top_p (and the extensions top_k, min_p,
-repetition_penalty, ignore_eos), logprobs of the sampled tokens; legacy completions; models; health;
-metrics. Refused with a 400 that says why: image/audio parts, presence/frequency penalties and
-logit_bias (the engine has none), top_logprobs > 0 (the engine reports the sampled token's logprob
-only), and response_format json_object/json_schema: the engine has no constrained decoding, so JSON
-output cannot be enforced. A named tool_choice is applied by prefilling the call's opening
+repetition_penalty, ignore_eos), logprobs of the sampled tokens and top_logprobs (0 to 20 per token,
+under the same distribution: after repetition penalty and temperature, before truncation); legacy
+completions (logprobs: N, top_logprobs as {token: logprob} per position); models; health; metrics.
+Refused with a 400 that says why: image/audio parts, presence/frequency penalties and logit_bias (the
+engine has none), top_logprobs without logprobs: true, and response_format json_object/json_schema:
+the engine has no constrained decoding, so JSON output cannot be enforced. A named tool_choice is applied by prefilling the call's opening
 (`<tool_call>[{"name": "NAME", "arguments": `), which fixes the tool's name but not its arguments;
 `required` is asked for in the tools prompt only (a reply without a call is returned as text). The
 tool-call outcome metric says which happened.
@@ -180,7 +181,12 @@ def _stops(stop: str | list[str] | None) -> list[str]:
 
 
 def _sampling(
-    req: Any, entry: ModelEntry, settings: ServeSettings, prompt_len: int, max_tokens: int | None
+    req: Any,
+    entry: ModelEntry,
+    settings: ServeSettings,
+    prompt_len: int,
+    max_tokens: int | None,
+    top_logprobs: int = 0,
 ) -> SamplingParams:
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name):
@@ -223,6 +229,7 @@ def _sampling(
         seed=req.seed,
         n=req.n,
         ignore_eos=req.ignore_eos,
+        top_logprobs=top_logprobs,
     )
     try:
         params.validate()
@@ -231,12 +238,41 @@ def _sampling(
     return params
 
 
-def _token_logprobs(tokenizer: Any, ids: list[int], lps: list[float]) -> list[dict[str, Any]]:
+def _token_entry(tokenizer: Any, token: int, logprob: float) -> dict[str, Any]:
+    s = tokenizer.decode([token])
+    return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+
+
+def _token_logprobs(
+    tokenizer: Any, ids: list[int], lps: list[float], tops: list[list[tuple[int, float]]] | None = None
+) -> list[dict[str, Any]]:
+    """Chat `logprobs.content`: one entry per token, its `top_logprobs` as {token, logprob, bytes}."""
     out = []
-    for t, lp in zip(ids, lps, strict=True):
-        s = tokenizer.decode([t])
-        out.append({"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")), "top_logprobs": []})
+    for i, (t, lp) in enumerate(zip(ids, lps, strict=True)):
+        entry = _token_entry(tokenizer, t, lp)
+        entry["top_logprobs"] = (
+            [_token_entry(tokenizer, a, v) for a, v in tops[i]] if tops is not None else []
+        )
+        out.append(entry)
     return out
+
+
+def _legacy_logprobs(
+    tokenizer: Any,
+    ids: list[int],
+    lps: list[float],
+    tops: list[list[tuple[int, float]]] | None,
+    offset: int,
+) -> dict[str, Any]:
+    """Legacy completions `logprobs`: tokens, token_logprobs, text_offset (from `offset`) and, for
+    `logprobs: N` > 0, top_logprobs as one {token text: logprob} dict per position."""
+    toks = [tokenizer.decode([x]) for x in ids]
+    offsets = []
+    for s in toks:
+        offsets.append(offset)
+        offset += len(s)
+    top = [{tokenizer.decode([a]): v for a, v in pos} for pos in tops] if tops is not None else None
+    return {"tokens": toks, "token_logprobs": list(lps), "top_logprobs": top, "text_offset": offsets}
 
 
 def _sse(obj: Any) -> str:
@@ -598,19 +634,14 @@ def create_app(settings: ServeSettings | None = None, state: ServeState | None =
                 param="response_format",
                 code="unsupported_parameter",
             )
-        if req.top_logprobs:
-            raise bad_request(
-                "top_logprobs > 0 is not supported: the engine reports the logprob of the sampled token only "
-                "(send logprobs: true without top_logprobs)",
-                param="top_logprobs",
-                code="unsupported_parameter",
-            )
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
         plan = plan_tools(req, entry.chat_format)
         prompt = render_chat(req, entry.tokenizer, entry.chat_format, plan)
         ids = entry.tokenizer.encode(prompt, add_special_tokens=False)
-        params = _sampling(req, entry, settings, len(ids), req.max_completion_tokens or req.max_tokens)
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        top = (req.top_logprobs or 0) if req.logprobs else 0
+        params = _sampling(req, entry, settings, len(ids), max_tokens, top_logprobs=top)
         gen = _Generation(state, entry, [GenerationRequest(ids, params, request_id=rid)], record)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await _respond(
@@ -636,12 +667,6 @@ def create_app(settings: ServeSettings | None = None, state: ServeState | None =
             raise bad_request(
                 "best_of other than n is not supported", param="best_of", code="unsupported_parameter"
             )
-        if req.logprobs:
-            raise bad_request(
-                "logprobs > 0 is not supported: the engine reports the sampled token's logprob only (send logprobs: 0)",
-                param="logprobs",
-                code="unsupported_parameter",
-            )
         p = req.prompt
         if isinstance(p, str):
             prompts = [p]
@@ -662,7 +687,9 @@ def create_app(settings: ServeSettings | None = None, state: ServeState | None =
             id_lists.append(qids)
         reqs = [
             GenerationRequest(
-                q, _sampling(req, entry, settings, len(q), req.max_tokens), request_id=f"{rid}-{i}"
+                q,
+                _sampling(req, entry, settings, len(q), req.max_tokens, top_logprobs=req.logprobs or 0),
+                request_id=f"{rid}-{i}",
             )
             for i, q in enumerate(id_lists)
         ]
@@ -691,9 +718,11 @@ def _usage(gen: _Generation) -> dict[str, int]:
 async def _collect(gen: _Generation) -> dict[tuple[int, int], dict[str, Any]]:
     acc: dict[tuple[int, int], dict[str, Any]] = {}
     async for i, d in gen.deltas():
-        c = acc.setdefault((i, d.index), {"ids": [], "lps": [], "text": "", "finish": None})
+        c = acc.setdefault((i, d.index), {"ids": [], "lps": [], "tops": None, "text": "", "finish": None})
         c["ids"] += d.token_ids
         c["lps"] += d.logprobs
+        if d.top_logprobs is not None:
+            c["tops"] = (c["tops"] or []) + d.top_logprobs
         c["text"] += d.text
         if d.finish_reason is not None:
             c["finish"] = d.finish_reason
@@ -722,7 +751,7 @@ async def _chat_whole(
             finish = "tool_calls"
         choice: dict[str, Any] = {"index": j, "message": message, "finish_reason": finish, "logprobs": None}
         if req.logprobs:
-            choice["logprobs"] = {"content": _token_logprobs(entry.tokenizer, c["ids"], c["lps"])}
+            choice["logprobs"] = {"content": _token_logprobs(entry.tokenizer, c["ids"], c["lps"], c["tops"])}
         choices.append(choice)
     return {
         "id": rid,
@@ -767,7 +796,7 @@ async def _chat_stream(
             t = texts[d.index]
             piece = t.push(d.text)
             lps = (
-                {"content": _token_logprobs(entry.tokenizer, d.token_ids, d.logprobs)}
+                {"content": _token_logprobs(entry.tokenizer, d.token_ids, d.logprobs, d.top_logprobs)}
                 if req.logprobs
                 else None
             )
@@ -820,12 +849,7 @@ async def _completion_whole(
         text = (echo[i] if echo else "") + t.visible()
         lp = None
         if req.logprobs is not None:
-            toks = [entry.tokenizer.decode([x]) for x in c["ids"]]
-            offsets, pos = [], len(echo[i]) if echo else 0
-            for s in toks:
-                offsets.append(pos)
-                pos += len(s)
-            lp = {"tokens": toks, "token_logprobs": c["lps"], "top_logprobs": None, "text_offset": offsets}
+            lp = _legacy_logprobs(entry.tokenizer, c["ids"], c["lps"], c["tops"], len(echo[i]) if echo else 0)
         choices.append({"index": i * n + j, "text": text, "finish_reason": c["finish"], "logprobs": lp})
     return {
         "id": rid,
@@ -849,13 +873,15 @@ async def _completion_stream(
     base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": entry.name}
     n = req.n
 
-    def chunk(index: int, text: str, finish: str | None = None) -> str:
-        obj = {**base, "choices": [{"index": index, "text": text, "finish_reason": finish, "logprobs": None}]}
+    def chunk(index: int, text: str, finish: str | None = None, logprobs: Any = None) -> str:
+        choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
+        obj = {**base, "choices": [choice]}
         if include_usage:
             obj["usage"] = None
         return _sse(obj)
 
     texts: dict[tuple[int, int], ChoiceText] = {}
+    offsets: dict[tuple[int, int], int] = {}  # text offset of each choice's next token (legacy logprobs)
     try:
         if echo:
             for i, e in enumerate(echo):
@@ -866,8 +892,13 @@ async def _completion_stream(
             piece = t.push(d.text)
             if d.finish_reason is not None:
                 piece += t.visible()[t.sent :]
-            if piece or d.finish_reason is not None:
-                yield chunk(i * n + d.index, piece, d.finish_reason)
+            lp = None
+            if req.logprobs is not None and d.token_ids:
+                start = offsets.get((i, d.index), len(echo[i]) if echo else 0)
+                lp = _legacy_logprobs(entry.tokenizer, d.token_ids, d.logprobs, d.top_logprobs, start)
+                offsets[(i, d.index)] = start + sum(len(s) for s in lp["tokens"])
+            if piece or lp or d.finish_reason is not None:
+                yield chunk(i * n + d.index, piece, d.finish_reason, lp)
         if include_usage:
             yield _sse({**base, "choices": [], "usage": _usage(gen)})
         yield "data: [DONE]\n\n"

@@ -6,11 +6,12 @@ The contract every backend keeps (PagedEngine, HFEngine, VLLMEngine), typed as t
 (`posttrain.engine.types`; members marked * have a default a backend inherits by subclassing it):
 
     engine.generate(requests: list[GenerationRequest]) -> list[GenerationOutput]    # batch, blocking
-    await engine.agenerate(request) -> GenerationOutput   # * default: generate() in a worker thread
+    await engine.agenerate(request) -> GenerationOutput   # * default: generate() on the step thread
         Concurrent callers on one asyncio loop are batched together by ONE background stepping loop
-        (continuous batching); each engine step runs in a worker thread, so other coroutines (sandbox
-        I/O) progress between steps. Do not mix with generate() while async requests are in flight.
-    async for delta in engine.stream(request): ...        # * StreamDelta(request_id, index, token_ids, logprobs, text, finish_reason);
+        (continuous batching); each engine step runs on the process's one step thread (types.step_thread),
+        so other coroutines (sandbox I/O) progress between steps. Do not mix with generate() while async requests are in flight.
+    async for delta in engine.stream(request): ...        # * StreamDelta(request_id, index, token_ids, logprobs, text, finish_reason,
+                                                          # top_logprobs);
                                                           # closing the stream early aborts the request
     engine.load_weights(weights, version=None)            # HF names as in model.state_dict(), a "base_model.model."
                                                           # prefix is stripped; in place; bumps engine.version

@@ -11,7 +11,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -129,6 +129,27 @@ class EngineConfig(Section):
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if native_bf16(self.device) else "float32"
+
+    PAGED_ONLY: ClassVar[tuple[str, ...]] = (
+        "kv_cache_dtype",
+        "weight_quant",
+        "lm_head_quant",
+        "weight_quant_max_rows",
+        "speculative",
+        "num_speculative_tokens",
+        "prompt_lookup_min",
+        "prompt_lookup_max",
+        "speculative_max_batch",
+        "decode_staging",
+    )
+
+    def paged_only_settings(self) -> list[str]:
+        """The keys set away from their defaults that only the paged engine runs (another backend must
+        refuse them rather than ignore them)."""
+        fields = type(self).model_fields
+        return [
+            f"engine.{k}={getattr(self, k)}" for k in self.PAGED_ONLY if getattr(self, k) != fields[k].default
+        ]
 
     @model_validator(mode="after")
     def _lookup_range(self) -> EngineConfig:

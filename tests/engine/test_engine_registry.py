@@ -140,3 +140,13 @@ def test_a_second_builder_under_a_taken_name_is_refused():
         ValueError, match="engine 'paged' is already registered by posttrain.engine.paged.build_paged"
     ):
         register_engine("paged")(other)
+
+
+def test_another_backend_refuses_the_paged_engines_keys(tokenizer):
+    cfg = EngineConfig(backend="hf", speculative="ngram", weight_quant="int4")
+    with pytest.raises(
+        ValueError, match=r"engine.backend=hf does not run engine.weight_quant=int4, engine.speculative=ngram"
+    ):
+        make_engine(cfg, tiny("llama"), tokenizer)
+    assert EngineConfig(backend="hf").paged_only_settings() == []
+    make_engine(EngineConfig(backend="hf", dtype="float32"), tiny("llama"), tokenizer)  # defaults: builds

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from posttrain.engine.registry import register_engine
+from posttrain.engine.registry import refuse_paged_only, register_engine
 from posttrain.engine.sampling import apply_repetition_penalty, sample_row, seed_for, top_of_logprobs
 from posttrain.engine.stops import end_of_turn_ids
 from posttrain.engine.types import (
@@ -211,6 +211,7 @@ class HFEngine(Engine):
 @register_engine("hf")
 def build_hf(engine_cfg: EngineConfig, model: Any, tokenizer: Any, *, seed: int = 0) -> HFEngine:
     """engine.backend=hf: transformers' generate, the baseline (max_num_seqs caps a generate call's rows)."""
+    refuse_paged_only("hf", engine_cfg)
     return HFEngine(
         model,
         tokenizer,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import difflib
 import importlib
 from collections.abc import Callable
+from typing import Any
 
 from posttrain.engine.types import Engine
 
@@ -60,3 +61,13 @@ def engine_builder(name: str) -> EngineBuilder:
         hint = f"; did you mean '{close[0]}'?" if close else ""
         raise UnknownEngineError(f"unknown engine backend '{name}'{hint} (registered: {', '.join(names)})")
     return _REGISTRY[name]
+
+
+def refuse_paged_only(backend: str, engine_cfg: Any) -> None:
+    """Raise for engine keys only the paged engine runs, set on another backend (never ignore them)."""
+    unsupported = engine_cfg.paged_only_settings()
+    if unsupported:
+        raise ValueError(
+            f"engine.backend={backend} does not run {', '.join(unsupported)}: those are the paged engine's "
+            "(engine.backend=paged); leave them at their defaults"
+        )

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from posttrain.engine.registry import register_engine
+from posttrain.engine.registry import refuse_paged_only, register_engine
 from posttrain.engine.stops import end_of_turn_ids
 from posttrain.engine.types import (
     Completion,
@@ -138,4 +138,5 @@ class VLLMEngine(Engine):
 @register_engine("vllm")
 def build_vllm(engine_cfg: Any, model: Any, tokenizer: Any, *, seed: int = 0) -> VLLMEngine:
     """engine.backend=vllm (the `[vllm]` extra; GPU machines): vLLM's offline LLM serving `model`."""
+    refuse_paged_only("vllm", engine_cfg)
     return VLLMEngine(model, tokenizer, engine_cfg, seed=seed)

@@ -22,7 +22,6 @@ from posttrain.cli.common import (
 )
 from posttrain.config import (
     ConfigError,
-    RunConfig,
     apply_overrides,
     config_from_dict,
     config_to_dict,
@@ -114,25 +113,6 @@ def train(
     )
 
 
-def eval_arms(cfg: RunConfig, suite: str | None) -> tuple[dict[str, Any], list[Any]]:
-    """The domains and (domain, difficulty) arms `posttrain eval` scores: the --suite domains (comma list;
-    each at its configured difficulties, else its first), or the config's domains."""
-    from posttrain.curriculum import Arm
-    from posttrain.envs import get_domain
-
-    wanted = [s.strip() for s in suite.split(",")] if suite else None
-    domains: dict[str, Any] = {}
-    arms: list[Any] = []
-    configured = {d.name: d for d in cfg.envs.domains}
-    for name in wanted or list(configured):
-        d = configured.get(name)
-        domain = get_domain(name, **(d.options if d else {}))
-        domains[name] = domain
-        for lvl in d.difficulties if d else domain.difficulties[:1]:
-            arms.append(Arm(name, lvl))
-    return domains, arms
-
-
 def eval_(
     model: str = typer.Argument(None, help="model spec, HF folder or run directory (omit with --api-base)"),
     baseline: str = typer.Option(None, "--baseline", help="compare against this model on the same tasks"),
@@ -192,6 +172,8 @@ def eval_(
         fail("--api-base needs --model NAME", EXIT_USAGE)
     n = n or cfg.orchestrator.eval_n
     try:
+        from posttrain.orchestrator.evaluate import eval_arms
+
         domains, arms = eval_arms(cfg, suite)
     except (KeyError, ValueError) as err:
         fail(str(err), EXIT_USAGE)

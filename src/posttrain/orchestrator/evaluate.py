@@ -484,3 +484,22 @@ def paired_delta(
     if pass_at:
         out["pass_at"] = {str(k): _delta(v, seed) for k, v in all_pass.items()}
     return out
+
+
+def eval_arms(cfg: Any, suite: str | None) -> tuple[dict[str, Any], list[Any]]:
+    """The domains and (domain, difficulty) arms `posttrain eval` scores: the --suite domains (comma list;
+    each at its configured difficulties, else its first), or the config's domains."""
+    from posttrain.curriculum import Arm
+    from posttrain.envs import get_domain
+
+    wanted = [s.strip() for s in suite.split(",")] if suite else None
+    domains: dict[str, Any] = {}
+    arms: list[Any] = []
+    configured = {d.name: d for d in cfg.envs.domains}
+    for name in wanted or list(configured):
+        d = configured.get(name)
+        domain = get_domain(name, **(d.options if d else {}))
+        domains[name] = domain
+        for lvl in d.difficulties if d else domain.difficulties[:1]:
+            arms.append(Arm(name, lvl))
+    return domains, arms

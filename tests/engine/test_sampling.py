@@ -11,7 +11,7 @@ import torch
 
 from engine.helpers import random_prompts, tiny
 from posttrain.engine import BadRequestError, GenerationRequest, PagedEngine, SamplingParams
-from posttrain.engine.sampling import apply_repetition_penalty, sample, sample_row, truncate
+from posttrain.engine.sampling import apply_penalties, apply_repetition_penalty, sample, sample_row, truncate
 
 # chi-square critical values at alpha = 0.001, by degrees of freedom
 CHI2_CRIT_001 = {
@@ -240,3 +240,43 @@ def test_engine_completions_carry_top_logprobs_per_token(tokenizer):
     for c in out[1].completions:
         assert c.top_logprobs is not None and len(c.top_logprobs) == len(c.token_ids) == 4
         assert all(len(top) == 2 and top[0][1] >= top[1][1] for top in c.top_logprobs)
+
+
+def test_presence_and_frequency_penalties_hand_computed():
+    logits = torch.tensor([1.0, 2.0, 3.0, 4.0, -1.0])
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    # token 1 generated twice, token 3 once: 2 - (0.5 + 2 x 0.25) = 1.0 and 4 - (0.5 + 0.25) = 3.25
+    got = apply_penalties(logits, p, history=[], output=[1, 3, 1])
+    assert got.tolist() == [1.0, 1.0, 3.0, 3.25, -1.0]
+    # after the repetition penalty (over prompt + completion): token 4 (in the prompt) -1 x 2 = -2
+    both = SamplingParams(repetition_penalty=2.0, presence_penalty=0.5)
+    got = apply_penalties(logits, both, history=[4, 1], output=[1])
+    assert got.tolist() == [1.0, 0.5, 3.0, 4.0, -2.0]
+    assert apply_penalties(logits, SamplingParams(), [1], [1]) is logits  # off: the same tensor
+    with pytest.raises(BadRequestError, match=r"frequency_penalty must be in \[-2, 2\]"):
+        SamplingParams(frequency_penalty=2.5).validate()
+
+
+def test_engine_penalties_match_a_hand_loop_over_full_forwards(tokenizer):
+    """Greedy with presence and frequency penalties: each token is the argmax of the full-sequence
+    forward's last logits minus the penalties counted by hand over the completion so far; the
+    speculative engine decodes penalised requests one token a step, with the same result."""
+    model = tiny("llama", seed=4)
+    prompt = random_prompts([12], seed=9, vocab=model.config.vocab_size)[0]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=10, ignore_eos=True, presence_penalty=1.5, frequency_penalty=0.7
+    )
+    out: list[int] = []
+    with torch.inference_mode():
+        for _ in range(10):
+            logits = model(torch.tensor([prompt + out])).logits[0, -1].float().clone()
+            for tok in set(out):
+                logits[tok] -= 1.5 + 0.7 * out.count(tok)
+            out.append(int(logits.argmax()))
+    assert len(set(out)) > 3  # the penalties bite: the tiny model alone repeats its last token
+    engine = PagedEngine(model, tokenizer, block_size=8, num_blocks=64, max_model_len=256)
+    got = engine.generate([GenerationRequest(prompt, params)])[0].completions[0].token_ids
+    assert got == out
+    spec = PagedEngine(model, tokenizer, block_size=8, num_blocks=64, max_model_len=256, speculative="ngram")
+    assert spec.generate([GenerationRequest(prompt, params)])[0].completions[0].token_ids == out
+    assert spec.speculation_stats()["verify_steps"] == 0

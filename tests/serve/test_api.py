@@ -277,6 +277,18 @@ def test_completions_logprobs_n_gives_top_logprobs_per_position(client, tokenize
     assert [o for p in parts for o in p.text_offset] == lp.text_offset
 
 
+def test_presence_and_frequency_penalties_reach_the_engine(live, client, tokenizer, tiny_model):
+    body = dict(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0)
+    plain = client.completions.create(**body)
+    penalised = client.completions.create(**body, presence_penalty=1.5, frequency_penalty=0.7)
+    prompt = tokenizer.encode("Once upon a time", add_special_tokens=False)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=8, presence_penalty=1.5, frequency_penalty=0.7, stop_token_ids=[]
+    )
+    want = tiny_engine(tiny_model, tokenizer).generate([GenerationRequest(prompt, params)])[0].completions[0]
+    assert penalised.choices[0].text == want.text != plain.choices[0].text
+
+
 def test_models_lists_each_served_model_with_its_mode(client):
     models = {m.id: m for m in client.models.list().data}
     assert set(models) == {"tiny", "scripted", "tiny-fast"}
@@ -309,9 +321,11 @@ def test_invalid_requests_get_400_in_openai_shape(live):
     assert "unknown field" in _error(post({"model": "tiny", "messages": HI, "bogus": 1}), 400)["message"]
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
     assert "text-only" in _error(post({"model": "tiny", "messages": image}), 400)["message"]
-    err = _error(post({"model": "tiny", "messages": HI, "presence_penalty": 0.5}), 400)
-    assert err["param"] == "presence_penalty" and "not supported" in err["message"]
-    assert post({"model": "tiny", "messages": HI, "presence_penalty": 0, "max_tokens": 1}).status_code == 200
+    err = _error(post({"model": "tiny", "messages": HI, "presence_penalty": 2.5}), 400)
+    assert err["param"] == "presence_penalty"
+    assert (
+        post({"model": "tiny", "messages": HI, "presence_penalty": 0.5, "max_tokens": 1}).status_code == 200
+    )
     err = _error(post({"model": "tiny", "messages": HI, "response_format": {"type": "json_object"}}), 400)
     assert "constrained decoding" in err["message"]
     err = _error(post({"model": "tiny", "messages": HI, "logprobs": True, "top_logprobs": 21}), 400)

@@ -22,6 +22,7 @@ from posttrain.engine.registry import refuse_paged_only, register_engine
 from posttrain.engine.sampling import apply_repetition_penalty, sample_row, seed_for, top_of_logprobs
 from posttrain.engine.stops import end_of_turn_ids
 from posttrain.engine.types import (
+    BadRequestError,
     Completion,
     Engine,
     GenerationOutput,
@@ -97,6 +98,11 @@ class HFEngine(Engine):
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
         for r in requests:
             validate_request(r, self.model.config.vocab_size, self.max_model_len)
+            if r.params.presence_penalty or r.params.frequency_penalty:
+                raise BadRequestError(
+                    "the hf backend has no presence_penalty/frequency_penalty (transformers' generate has "
+                    "only repetition_penalty); use the paged engine or leave them at 0"
+                )
         outputs: list[GenerationOutput | None] = [None] * len(requests)
         groups: dict[tuple, list[int]] = {}
         for i, r in enumerate(requests):

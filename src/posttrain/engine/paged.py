@@ -376,6 +376,7 @@ class PagedEngine(Engine):
                 [s.params for s in seqs],
                 [s.token_ids if s.params.repetition_penalty != 1.0 else [] for s in seqs],
                 [s.generator for s in seqs],
+                [s.output_ids if s.params.penalised else [] for s in seqs],
             )
             now = time.perf_counter()
             for seq, tok, lp, top in zip(seqs, tokens, logprobs, tops, strict=True):

@@ -35,6 +35,19 @@ def apply_repetition_penalty(logits: torch.Tensor, token_ids: list[int], penalty
     return logits
 
 
+def apply_penalties(
+    logits: torch.Tensor, params: SamplingParams, history: list[int], output: list[int]
+) -> torch.Tensor:
+    """The repetition penalty over `history` (prompt and completion), then OpenAI's presence and
+    frequency penalties over `output` (the completion's tokens)."""
+    logits = apply_repetition_penalty(logits, history, params.repetition_penalty)
+    if not output or (params.presence_penalty == 0.0 and params.frequency_penalty == 0.0):
+        return logits
+    ids, counts = torch.tensor(output, dtype=torch.long, device=logits.device).unique(return_counts=True)
+    cut = params.presence_penalty + params.frequency_penalty * counts.to(logits.dtype)
+    return logits.index_add(-1, ids, -cut)
+
+
 def truncate(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
     """Mask (to -inf) what top-k, then top-p, then min-p exclude from one row of tempered logits."""
     neg = torch.finfo(logits.dtype).min
@@ -54,10 +67,12 @@ def truncate(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> to
     return logits
 
 
-def reported_logits(logits: torch.Tensor, params: SamplingParams, history: list[int]) -> torch.Tensor:
+def reported_logits(
+    logits: torch.Tensor, params: SamplingParams, history: list[int], output: list[int] = ()
+) -> torch.Tensor:
     """One row of logits `[vocab]` whose log_softmax is the distribution logprobs are reported under:
-    after repetition penalty and temperature (greedy: untempered)."""
-    logits = apply_repetition_penalty(logits, history, params.repetition_penalty)
+    after the penalties and temperature (greedy: untempered)."""
+    logits = apply_penalties(logits, params, history, list(output))
     return logits if params.temperature == 0.0 else logits / params.temperature
 
 
@@ -80,25 +95,34 @@ def top_of_logprobs(logprobs: torch.Tensor, ns: list[int]) -> list[TopLogprobs]:
 
 
 def sample_row(
-    logits: torch.Tensor, params: SamplingParams, history: list[int], generator: torch.Generator
+    logits: torch.Tensor,
+    params: SamplingParams,
+    history: list[int],
+    generator: torch.Generator,
+    output: list[int] = (),
 ) -> tuple[int, float, TopLogprobs | None]:
     """One token, its logprob and (for `params.top_logprobs` > 0, else None) the top-N (token, logprob)
-    pairs, from one row of float32 logits `[vocab]`."""
-    token, lp = _sample_row(logits, params, history, generator)
+    pairs, from one row of float32 logits `[vocab]`; `history` feeds the repetition penalty, `output`
+    (the completion so far) the presence and frequency penalties."""
+    token, lp = _sample_row(logits, params, history, generator, output)
     if params.top_logprobs <= 0:
         return token, lp, None
     return (
         token,
         lp,
-        top_logprobs_of(reported_logits(logits, params, history)[None, :], [params.top_logprobs])[0],
+        top_logprobs_of(reported_logits(logits, params, history, output)[None, :], [params.top_logprobs])[0],
     )
 
 
 def _sample_row(
-    logits: torch.Tensor, params: SamplingParams, history: list[int], generator: torch.Generator
+    logits: torch.Tensor,
+    params: SamplingParams,
+    history: list[int],
+    generator: torch.Generator,
+    output: list[int] = (),
 ) -> tuple[int, float]:
     """One token and its logprob from one row of float32 logits `[vocab]`."""
-    logits = apply_repetition_penalty(logits, history, params.repetition_penalty)
+    logits = apply_penalties(logits, params, history, list(output))
     if params.temperature == 0.0:
         token = int(torch.argmax(logits))
         return token, float(torch.log_softmax(logits, -1)[token])
@@ -153,6 +177,7 @@ def sample(
     params: list[SamplingParams],
     histories: list[list[int]],
     generators: list[torch.Generator],
+    outputs: list[list[int]] | None = None,
 ) -> tuple[list[int], list[float], list[TopLogprobs | None]]:
     """Tokens, logprobs and top logprobs for a batch `[B, vocab]`; greedy rows without penalties go
     through one argmax. `tops[i]` is None for a row whose `top_logprobs` is 0, else its top-N
@@ -161,7 +186,8 @@ def sample(
     B = logits.shape[0]
     tokens: list[int] = [0] * B
     logprobs: list[float] = [0.0] * B
-    simple_greedy = [i for i, p in enumerate(params) if p.temperature == 0.0 and p.repetition_penalty == 1.0]
+    outs = outputs if outputs is not None else [[] for _ in range(B)]
+    simple_greedy = [i for i, p in enumerate(params) if p.temperature == 0.0 and not p.penalised]
     if simple_greedy:
         rows = logits if len(simple_greedy) == B else logits.index_select(0, torch.tensor(simple_greedy))
         top = rows.argmax(-1)
@@ -171,9 +197,7 @@ def sample(
     plain = [
         i
         for i, p in enumerate(params)
-        if p.temperature > 0.0
-        and p.repetition_penalty == 1.0
-        and not (p.top_k or p.top_p < 1.0 or p.min_p > 0.0)
+        if p.temperature > 0.0 and not p.penalised and not (p.top_k or p.top_p < 1.0 or p.min_p > 0.0)
     ]
     if plain:
         rows = logits if len(plain) == B else logits.index_select(0, torch.tensor(plain))
@@ -187,11 +211,11 @@ def sample(
     done = set(simple_greedy) | set(plain)
     for i in range(B):
         if i not in done:
-            tokens[i], logprobs[i] = _sample_row(logits[i], params[i], histories[i], generators[i])
+            tokens[i], logprobs[i] = _sample_row(logits[i], params[i], histories[i], generators[i], outs[i])
     tops: list[TopLogprobs | None] = [None] * B
     want = [i for i, p in enumerate(params) if p.top_logprobs > 0]
     if want:
-        rows = torch.stack([reported_logits(logits[i], params[i], histories[i]) for i in want])
+        rows = torch.stack([reported_logits(logits[i], params[i], histories[i], outs[i]) for i in want])
         for i, top in zip(want, top_logprobs_of(rows, [params[i].top_logprobs for i in want]), strict=True):
             tops[i] = top
     return tokens, logprobs, tops

@@ -58,9 +58,9 @@ class NgramIndex:
 
 
 def can_speculate(params: SamplingParams) -> bool:
-    """Whether a request's sampling allows exact verification here (a repetition penalty changes each
-    position's distribution with the tokens before it, so those requests decode one token a step)."""
-    return params.repetition_penalty == 1.0
+    """Whether a request's sampling allows exact verification here (a penalty changes each position's
+    distribution with the tokens before it, so those requests decode one token a step)."""
+    return not params.penalised
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -27,7 +27,10 @@ class SamplingParams:
     temperature 0 is greedy. top_k 0 and top_p 1 and min_p 0 mean no truncation. `stop` strings and
     `stop_token_ids` end a completion (the model's EOS ids always do, unless `ignore_eos`). `seed`
     makes the completions reproducible whatever else is in the batch; `n` completions share the
-    prompt's KV blocks. `top_logprobs` N in [0, 20] also reports, for every generated token, the N most
+    prompt's KV blocks. `presence_penalty` and `frequency_penalty` (OpenAI's, in [-2, 2]) subtract
+    presence x [t was generated] + frequency x (times t was generated) from token t's logit, over the
+    completion's tokens (after the multiplicative `repetition_penalty`, HF's, over prompt and completion).
+    `top_logprobs` N in [0, 20] also reports, for every generated token, the N most
     likely (token, logprob) pairs under the distribution its logprob is reported under.
     """
 
@@ -43,6 +46,13 @@ class SamplingParams:
     n: int = 1
     ignore_eos: bool = False
     top_logprobs: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @property
+    def penalised(self) -> bool:
+        """Whether a penalty changes the logits with the tokens before them."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def validate(self) -> None:
         if not self.temperature >= 0.0:
@@ -55,6 +65,10 @@ class SamplingParams:
             raise BadRequestError(f"min_p must be in [0, 1), got {self.min_p}")
         if not self.repetition_penalty > 0.0:
             raise BadRequestError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise BadRequestError(f"{name} must be in [-2, 2] (0 = off), got {value}")
         if self.max_tokens <= 0:
             raise BadRequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.n < 1:

@@ -4,13 +4,13 @@ registry: served name -> `ModelEntry(engine, tokenizer, mode)`, so a `fast` engi
 (loading, ready, draining: 503), auth, body caps, SSE framing, usage, metrics and access logs.
 
 Supported: chat completions with tools (tool_choice none/auto/required/named, parallel_tool_calls),
-streaming with usage, n, seed, stop, temperature/top_p (and the extensions top_k, min_p,
-repetition_penalty, ignore_eos), logprobs of the sampled tokens and top_logprobs (0 to 20 per token,
-under the same distribution: after repetition penalty and temperature, before truncation); legacy
+streaming with usage, n, seed, stop, temperature/top_p, presence/frequency penalties (and the extensions
+top_k, min_p, repetition_penalty, ignore_eos), logprobs of the sampled tokens and top_logprobs (0 to 20
+per token, under the same distribution: after the penalties and temperature, before truncation); legacy
 completions (logprobs: N, top_logprobs as {token: logprob} per position); models; health; metrics.
-Refused with a 400 that says why: image/audio parts, presence/frequency penalties and logit_bias (the
-engine has none), top_logprobs without logprobs: true, and response_format json_object/json_schema:
-the engine has no constrained decoding, so JSON output cannot be enforced. A named tool_choice is applied by prefilling the call's opening
+Refused with a 400 that says why: image/audio parts, logit_bias (the engine has none), top_logprobs
+without logprobs: true, and response_format json_object/json_schema: the engine has no constrained
+decoding, so JSON output cannot be enforced. A named tool_choice is applied by prefilling the call's opening
 (`<tool_call>[{"name": "NAME", "arguments": `), which fixes the tool's name but not its arguments;
 `required` is asked for in the tools prompt only (a reply without a call is returned as text). The
 tool-call outcome metric says which happened.
@@ -188,14 +188,6 @@ def _sampling(
     max_tokens: int | None,
     top_logprobs: int = 0,
 ) -> SamplingParams:
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise bad_request(
-                f"{name} is not supported by this engine (it has a multiplicative repetition_penalty instead); "
-                "send 0 or leave it out",
-                param=name,
-                code="unsupported_parameter",
-            )
     if req.logit_bias:
         raise bad_request(
             "logit_bias is not supported by this engine", param="logit_bias", code="unsupported_parameter"
@@ -224,6 +216,8 @@ def _sampling(
         top_k=req.top_k or 0,
         min_p=req.min_p or 0.0,
         repetition_penalty=req.repetition_penalty or 1.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
         max_tokens=max_tokens,
         stop=_stops(req.stop),
         seed=req.seed,

@@ -189,6 +189,34 @@ def test_a_client_gone_mid_stream_aborts_the_request_and_frees_its_blocks(live):
     assert 0 < generated < 400
 
 
+def test_a_client_gone_before_its_whole_reply_aborts_the_request(live):
+    engine = live.state.models["tiny"].engine
+    before = scrape(live.url)
+    body = {"model": "tiny", "messages": HI, "max_tokens": 450, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+        httpx.post(f"{live.url}/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
+    deadline = time.monotonic() + 20
+    while (
+        engine.kv_stats()["blocks_allocated"] or engine.scheduler.has_work()
+    ) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine.kv_stats()["blocks_allocated"] == 0 and not engine.scheduler.has_work()
+    after = scrape(live.url)
+    tiny = {"model": "tiny", "mode": "standard"}
+    aborted = "posttrain_serve_requests_total"
+    assert (
+        value(after, aborted, **tiny, finish="aborted") - value(before, aborted, **tiny, finish="aborted")
+        == 1
+    )
+    generated = value(after, "posttrain_serve_generation_tokens_total", **tiny) - value(
+        before, "posttrain_serve_generation_tokens_total", **tiny
+    )
+    assert 0 < generated < 450
+    http = "posttrain_serve_http_responses_total"
+    closed = {"endpoint": "/v1/chat/completions", "status": "499"}
+    assert value(after, http, **closed) - value(before, http, **closed) == 1
+
+
 def test_an_api_key_is_required_when_set(tokenizer):
     state = ServeState(ServeSettings(api_key="s3cret"))
     state.add_model(ModelEntry("scripted", ScriptedEngine(tokenizer), tokenizer))

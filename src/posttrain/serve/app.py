@@ -499,14 +499,31 @@ class _Observe:
 # ---- the app --------------------------------------------------------------------------------------
 
 
-async def _respond(gen: Any, stream: bool, streamed: Any, whole: Any) -> Response:
-    """Start the generation, then answer as SSE (the stream closes it) or as one JSON body."""
+_DISCONNECT_POLL_S = 0.25
+CLIENT_CLOSED = 499  # nginx's "client closed request": the status a request whose client left is logged with
+
+
+async def _respond(request: Request, gen: Any, stream: bool, streamed: Any, whole: Any) -> Response:
+    """Start the generation, then answer as SSE (the stream closes it) or as one JSON body. A client
+    that disconnects while its whole body is being generated aborts the request in the engine (closing
+    the generation frees its blocks), as a closed stream does."""
     await gen.start()
     if stream:
         return _SSEResponse(streamed(), gen)
+    body = asyncio.ensure_future(whole())
     try:
-        return JSONResponse(await whole())
+        while True:
+            done, _ = await asyncio.wait({body}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return JSONResponse(body.result())
+            if await request.is_disconnected():
+                body.cancel()
+                await asyncio.gather(body, return_exceptions=True)
+                return Response(status_code=CLIENT_CLOSED)
     finally:
+        if not body.done():
+            body.cancel()
+            await asyncio.gather(body, return_exceptions=True)
         await gen.close()
 
 
@@ -639,6 +656,7 @@ def create_app(settings: ServeSettings | None = None, state: ServeState | None =
         gen = _Generation(state, entry, [GenerationRequest(ids, params, request_id=rid)], record)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await _respond(
+            request,
             gen,
             req.stream,
             lambda: _chat_stream(gen, req, entry, plan, params, rid, include_usage),
@@ -691,6 +709,7 @@ def create_app(settings: ServeSettings | None = None, state: ServeState | None =
         echo = [entry.tokenizer.decode(q) for q in id_lists] if req.echo else None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await _respond(
+            request,
             gen,
             req.stream,
             lambda: _completion_stream(gen, req, entry, reqs, rid, echo, include_usage),

@@ -160,6 +160,29 @@ def test_each_request_writes_one_json_access_log_line(client, caplog):
     assert line["ttft_s"] > 0 and line["latency_s"] >= line["ttft_s"] and line["tool_call_outcome"] is None
 
 
+def _aborted_and_freed(live, engine, before: dict, asked: int) -> dict:
+    """Wait until the engine holds no blocks and no work; check one aborted request that generated fewer
+    tokens than `asked`; return the metrics after."""
+    deadline = time.monotonic() + 20
+    while (
+        engine.kv_stats()["blocks_allocated"] or engine.scheduler.has_work()
+    ) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine.kv_stats()["blocks_allocated"] == 0 and not engine.scheduler.has_work()
+    after = scrape(live.url)
+    tiny = {"model": "tiny", "mode": "standard"}
+    aborted = "posttrain_serve_requests_total"
+    assert (
+        value(after, aborted, **tiny, finish="aborted") - value(before, aborted, **tiny, finish="aborted")
+        == 1
+    )
+    generated = value(after, "posttrain_serve_generation_tokens_total", **tiny) - value(
+        before, "posttrain_serve_generation_tokens_total", **tiny
+    )
+    assert 0 < generated < asked
+    return after
+
+
 def test_a_client_gone_mid_stream_aborts_the_request_and_frees_its_blocks(live):
     engine = live.state.models["tiny"].engine
     before = scrape(live.url)
@@ -170,23 +193,7 @@ def test_a_client_gone_mid_stream_aborts_the_request_and_frees_its_blocks(live):
         got = [next(lines) for _ in range(8)]
         assert any('"content"' in g for g in got)
         assert engine.kv_stats()["blocks_allocated"] > 0
-    deadline = time.monotonic() + 20
-    while (
-        engine.kv_stats()["blocks_allocated"] or engine.scheduler.has_work()
-    ) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert engine.kv_stats()["blocks_allocated"] == 0 and not engine.scheduler.has_work()
-    after = scrape(live.url)
-    tiny = {"model": "tiny", "mode": "standard"}
-    aborted = "posttrain_serve_requests_total"
-    assert (
-        value(after, aborted, **tiny, finish="aborted") - value(before, aborted, **tiny, finish="aborted")
-        == 1
-    )
-    generated = value(after, "posttrain_serve_generation_tokens_total", **tiny) - value(
-        before, "posttrain_serve_generation_tokens_total", **tiny
-    )
-    assert 0 < generated < 400
+    _aborted_and_freed(live, engine, before, 400)
 
 
 def test_a_client_gone_before_its_whole_reply_aborts_the_request(live):
@@ -195,23 +202,7 @@ def test_a_client_gone_before_its_whole_reply_aborts_the_request(live):
     body = {"model": "tiny", "messages": HI, "max_tokens": 450, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
         httpx.post(f"{live.url}/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
-    deadline = time.monotonic() + 20
-    while (
-        engine.kv_stats()["blocks_allocated"] or engine.scheduler.has_work()
-    ) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert engine.kv_stats()["blocks_allocated"] == 0 and not engine.scheduler.has_work()
-    after = scrape(live.url)
-    tiny = {"model": "tiny", "mode": "standard"}
-    aborted = "posttrain_serve_requests_total"
-    assert (
-        value(after, aborted, **tiny, finish="aborted") - value(before, aborted, **tiny, finish="aborted")
-        == 1
-    )
-    generated = value(after, "posttrain_serve_generation_tokens_total", **tiny) - value(
-        before, "posttrain_serve_generation_tokens_total", **tiny
-    )
-    assert 0 < generated < 450
+    after = _aborted_and_freed(live, engine, before, 450)
     http = "posttrain_serve_http_responses_total"
     closed = {"endpoint": "/v1/chat/completions", "status": "499"}
     assert value(after, http, **closed) - value(before, http, **closed) == 1

@@ -661,6 +661,12 @@ class RewardConfig(Section):
     url: str | None = Field(None, description="http://host:port of a `posttrain rm serve` reward server")
     verifier_weight: float = Field(1.0, ge=0.0, description="weight of the environment's verifier reward")
     model_weight: float = Field(1.0, ge=0.0, description="weight of the reward model's score")
+    length_penalty: float = Field(
+        0.0,
+        ge=0.0,
+        description="subtracted per generated token from the mixed reward (a guard against a reward model "
+        "that pays for length); logged as rewards.length_penalty",
+    )
     batch_size: int = Field(16, ge=1, description="sequences per reward-model forward or server request")
     max_concurrent_requests: int = Field(4, ge=1, description="url: requests in flight at once")
     timeout_s: float = Field(60.0, gt=0.0, description="url: bound on one request")
@@ -669,6 +675,10 @@ class RewardConfig(Section):
     def _one_source(self) -> RewardConfig:
         if self.model is not None and self.url is not None:
             raise ValueError("give reward.model or reward.url, not both")
+        if self.length_penalty and not self.enabled:
+            raise ValueError(
+                "reward.length_penalty applies to a learned reward: set reward.model or reward.url"
+            )
         return self
 
     @property

@@ -15,7 +15,7 @@ import pytest
 import torch
 import uvicorn
 
-from posttrain.config import load_config
+from posttrain.config import ConfigError, load_config
 from posttrain.models import load_tokenizer
 from posttrain.orchestrator import RLRun
 from posttrain.rollout import (
@@ -64,6 +64,19 @@ def test_mixed_reward_and_failed_scores_are_infrastructure_failures():
     assert failed.reward == 0.0 and "reward_model" not in failed.rewards
     assert failed.info["reward_error"] == "server down"
     assert infra.status is TrajectoryStatus.SANDBOX_ERROR and "verifier" not in infra.rewards
+
+
+def test_the_length_penalty_is_per_generated_token():
+    long, short = _traj(1.0), _traj(1.0)
+    long.loss_mask = [0] + [1] * 40  # 40 generated tokens
+    long.token_ids = list(range(41))
+    scorer = FixedScorer([3.0, 2.0])
+    asyncio.run(LearnedReward(scorer, length_penalty=0.05).apply([long, short]))
+    assert long.reward == pytest.approx(1.0 + 3.0 - 0.05 * 40)  # 2.0: the longer reply loses its lead
+    assert short.reward == pytest.approx(1.0 + 2.0 - 0.05 * 2)  # 2.9
+    assert long.rewards["length_penalty"] == pytest.approx(-2.0)
+    with pytest.raises(ConfigError, match="reward.length_penalty applies to a learned reward"):
+        load_config(overrides=["reward.length_penalty=0.1"])
 
 
 def _free_port() -> int:

@@ -117,11 +117,14 @@ class RemoteRewardScorer:
 
 @dataclass
 class LearnedReward:
-    """Scores trajectories with `scorer` and sets reward = verifier_weight x verifier + model_weight x score."""
+    """Scores trajectories with `scorer` and sets reward = verifier_weight x verifier + model_weight x score
+    - length_penalty x (tokens the policy generated: the loss-mask tokens), a guard against a reward model
+    that pays for length; each part is kept in `rewards`."""
 
     scorer: RewardScorer
     verifier_weight: float = 1.0
     model_weight: float = 1.0
+    length_penalty: float = 0.0
 
     async def apply(self, trajectories: list[Trajectory]) -> None:
         """Score the scored trajectories in place (infrastructure failures are left as they are)."""
@@ -137,6 +140,9 @@ class LearnedReward:
             t.rewards["verifier"] = t.reward
             t.rewards["reward_model"] = float(res)
             t.reward = mix_rewards(t.reward, float(res), self.verifier_weight, self.model_weight)
+            if self.length_penalty:
+                t.rewards["length_penalty"] = -self.length_penalty * sum(t.loss_mask)
+                t.reward += t.rewards["length_penalty"]
 
 
 def make_learned_reward(
@@ -170,7 +176,9 @@ def make_learned_reward(
             f"{where}: the reward model's tokenizer (fingerprint {got}) is not the policy's ({want}); it must "
             "score the policy's token ids (train it from the same model family)"
         )
-    return LearnedReward(scorer, reward_cfg.verifier_weight, reward_cfg.model_weight)
+    return LearnedReward(
+        scorer, reward_cfg.verifier_weight, reward_cfg.model_weight, reward_cfg.length_penalty
+    )
 
 
 def reward_model_path(path: str) -> Any:

@@ -30,7 +30,7 @@ def reward_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
         by_domain.setdefault(t.task.domain, []).append(t)
     all_r = [t.reward for t in trajectories]
     out["reward/mean"] = float(np.mean(all_r)) if all_r else 0.0
-    for comp in ("verifier", "reward_model"):  # a learned reward's two parts, side by side
+    for comp in ("verifier", "reward_model", "length_penalty"):  # a learned reward's parts, side by side
         vals = [t.rewards[comp] for t in trajectories if comp in t.rewards]
         if vals:
             out[f"reward/{comp}"] = float(np.mean(vals))

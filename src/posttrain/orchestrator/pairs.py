@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from posttrain.config import RunConfig, save_config
 from posttrain.orchestrator.checkpoint import save_checkpoint
-from posttrain.orchestrator.sft import SFTDataError, batches, parse_row
+from posttrain.orchestrator.sft import SFTDataError, batches, jsonl_rows, parse_row
 from posttrain.orchestrator.signals import stop_on_signals
 from posttrain.telemetry import MetricsLogger, Progress, RunDir
 from posttrain.types import Trajectory
@@ -87,25 +87,8 @@ def parse_pair(row: Any, where: str, tokenizer: Any, chat_format: str = "smollm2
 
 def load_pairs_jsonl(path: str | Path, tokenizer: Any, chat_format: str = "smollm2") -> list[Pair]:
     """Every non-blank line of `path` as a `Pair`; the first bad line raises `PairDataError`."""
-    p = Path(path)
-    if not p.is_file():
-        raise PairDataError(f"{p}: no such file (give a JSONL file with one pair per line: {ROW_SHAPE})")
-    out: list[Pair] = []
-    with open(p, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            where = f"{p}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise PairDataError(
-                    f"{where}: not valid JSON ({err.msg} at column {err.colno}); each line must be {ROW_SHAPE}"
-                ) from None
-            out.append(parse_pair(row, where, tokenizer, chat_format))
-    if not out:
-        raise PairDataError(f"{p}: the file holds no rows")
-    return out
+    rows = jsonl_rows(path, PairDataError, "pair", ROW_SHAPE)
+    return [parse_pair(row, where, tokenizer, chat_format) for row, where in rows]
 
 
 # ------------------------------------------------------------------------------------------------

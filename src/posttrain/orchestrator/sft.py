@@ -159,28 +159,35 @@ def parse_row(row: Any, where: str, chat_format: str = "smollm2") -> ChatExample
     return ChatExample(messages, tools, where)
 
 
-def load_jsonl(path: str | Path, chat_format: str = "smollm2") -> list[ChatExample]:
-    """Every non-blank line of `path` as a `ChatExample`; the first bad line raises `SFTDataError`."""
+def jsonl_rows(path: str | Path, error: type[ValueError], what: str, shape: str) -> list[tuple[Any, str]]:
+    """Every non-blank line of the JSONL file `path`, parsed, with its `file:line`; a missing file, a line
+    that is not JSON or a file without rows raises `error` naming the file (and line), `what` one line
+    holds and the row `shape`."""
     p = Path(path)
     if not p.is_file():
-        raise SFTDataError(f"{p}: no such file (give a JSONL file with one conversation per line)")
-    out: list[ChatExample] = []
+        raise error(f"{p}: no such file (give a JSONL file with one {what} per line: {shape})")
+    out: list[tuple[Any, str]] = []
     with open(p, encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue
             where = f"{p}:{lineno}"
             try:
-                row = json.loads(line.strip())
+                out.append((json.loads(line), where))
             except json.JSONDecodeError as err:
-                raise SFTDataError(
+                raise error(
                     f"{where}: not valid JSON ({err.msg} at column {err.colno}); each line must be one JSON "
-                    f"object: {ROW_SHAPES}"
+                    f"object: {shape}"
                 ) from None
-            out.append(parse_row(row, where, chat_format))
     if not out:
-        raise SFTDataError(f"{p}: the file holds no rows")
+        raise error(f"{p}: the file holds no rows")
     return out
+
+
+def load_jsonl(path: str | Path, chat_format: str = "smollm2") -> list[ChatExample]:
+    """Every non-blank line of `path` as a `ChatExample`; the first bad line raises `SFTDataError`."""
+    rows = jsonl_rows(path, SFTDataError, "conversation", ROW_SHAPES)
+    return [parse_row(row, where, chat_format) for row, where in rows]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -114,10 +114,14 @@ def register_profile(profile: Profile) -> None:
 
 
 def package_dirs(packages: tuple[str, ...]) -> list[Path]:
-    """Directories to expose for `packages`: the package itself and its bundled `<name>.libs`."""
+    """Paths to expose for `packages`: the package directory and its bundled `<name>.libs`, or the file
+    of a single-file module."""
     dirs: list[Path] = []
     for name in packages:
         spec = importlib.util.find_spec(name)
+        if spec is not None and not spec.submodule_search_locations and spec.origin:
+            dirs.append(Path(spec.origin).resolve())  # a single-file module (e.g. pytest's py.py)
+            continue
         if spec is None or not spec.submodule_search_locations:
             raise SandboxUnavailable(f"profile package '{name}' is not installed in {sys.prefix}")
         pkg = Path(next(iter(spec.submodule_search_locations))).resolve()

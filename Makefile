@@ -13,8 +13,9 @@ SMOLLM2_VERSION ?= 0.1.2
 
 setup: system-deps $(STAMP)
 
-# bubblewrap is the sandbox's namespace layer; chromium renders the run report in its browser test.
-DEBIAN_PACKAGES := bubblewrap:bwrap chromium:chromium
+# bubblewrap is the sandbox's namespace layer; chromium renders the run report in its browser test;
+# redis-server and postgresql back the document pipeline's tests (started on loopback by the tests).
+DEBIAN_PACKAGES := bubblewrap:bwrap chromium:chromium redis-server:redis-server postgresql:pg_ctlcluster
 system-deps:
 	@missing=""; for pair in $(DEBIAN_PACKAGES); do \
 	  pkg=$${pair%%:*}; cmd=$${pair##*:}; command -v $$cmd >/dev/null 2>&1 || missing="$$missing $$pkg"; \

@@ -95,11 +95,16 @@ def load_run(run: RLRun) -> list[str]:
     run.sync_weights(run.learner.weights())
     # the run goes on with this config (a resume may override settings): config.yaml says so
     save_config(run.cfg, run.run_dir.config)
-    # metrics after the checkpoint belong to the interrupted tail; the resumed run rewrites them
-    if run.run_dir.metrics.exists():
-        kept = [r for r in read_metrics(run.run_dir.metrics) if r.get("step", 0) <= run.step]
-        run.run_dir.metrics.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    keep_metrics_until(run.run_dir.metrics, run.step)
     return warnings
+
+
+def keep_metrics_until(metrics: Path, step: int) -> None:
+    """Drop the rows of `metrics` (a JSONL file, if it exists) logged after `step`: they belong to the
+    interrupted tail of a run resumed at `step`, which logs them again."""
+    if metrics.exists():
+        kept = [r for r in read_metrics(metrics) if r.get("step", 0) <= step]
+        metrics.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
 
 def py_random_state() -> list:

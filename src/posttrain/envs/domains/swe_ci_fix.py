@@ -27,7 +27,6 @@ from __future__ import annotations
 import ast
 import json
 import random
-import re
 from functools import lru_cache
 from typing import Any
 
@@ -36,11 +35,11 @@ from posttrain.envs.domains import swe_repos as repos
 from posttrain.envs.harness import build_job, module_name, module_tests, parse_result, run_locally
 from posttrain.envs.parsers import get_parser
 from posttrain.envs.registry import register_env
+from posttrain.envs.repo_tools import TOOL_SPECS, RepoFiles, fix_prompt
 from posttrain.envs.tool_env import ToolEnvironment
-from posttrain.envs.tools import InfraError, Tool, ToolError, fn_schema
-from posttrain.types import Message, Task, ToolSpec
+from posttrain.envs.tools import InfraError, Tool, ToolError
+from posttrain.types import Message, Task
 
-MAX_FILE_CHARS = 50_000
 MAX_FILES = 60
 STEERING_FILES = frozenset(
     {
@@ -53,41 +52,10 @@ STEERING_FILES = frozenset(
         "usercustomize.py",
     }
 )
-_PATH = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*(/[A-Za-z0-9_][A-Za-z0-9_.\-]*)*$")
 LEVELS = {
     0: ((3, 3), ("wrong_operator", "off_by_one")),
     1: ((4, 5), repos.MUTATION_KINDS),
     2: ((6, 8), repos.MUTATION_KINDS),
-}
-
-SYSTEM = (
-    "You are fixing a failing build in a Python repository. Use the tools to read files, write the "
-    "fixed file (write_file replaces the whole file), run the tests, and call submit when done. "
-    "Do not modify the tests."
-)
-
-TOOL_SPECS = {
-    s.name: s
-    for s in [
-        ToolSpec(
-            "read_file",
-            "Read a file of the repository.",
-            fn_schema({"path": {"type": "string", "maxLength": 200}}, ["path"]),
-        ),
-        ToolSpec(
-            "write_file",
-            "Replace (or create) a file with the given full content.",
-            fn_schema(
-                {
-                    "path": {"type": "string", "maxLength": 200},
-                    "content": {"type": "string", "maxLength": MAX_FILE_CHARS},
-                },
-                ["path", "content"],
-            ),
-        ),
-        ToolSpec("run_tests", "Run the test suite and report failures.", fn_schema({})),
-        ToolSpec("submit", "Finish: submit the repository as it is now.", fn_schema({})),
-    ]
 }
 
 
@@ -116,6 +84,17 @@ def is_steering_file(path: str) -> bool:
     """A file that changes how tests are collected or how Python starts, wherever it sits."""
     name = path.rsplit("/", 1)[-1]
     return name in STEERING_FILES or name.endswith(".pth")
+
+
+def refuse_steering(path: str) -> str | None:
+    """Why `write_file`/`apply_patch` refuse `path` (None: allowed; test edits are allowed and score 0)."""
+    if is_steering_file(path):
+        return (
+            f"'{path}' steers the test run (conftest.py, pytest.ini, pyproject.toml, "
+            "setup.cfg, tox.ini, sitecustomize.py, usercustomize.py and .pth files are protected); "
+            "fix the code under app/ instead"
+        )
+    return None
 
 
 def touched_protected(files: dict[str, str], original: dict[str, str]) -> list[str]:
@@ -210,38 +189,30 @@ class CiFixEnv(ToolEnvironment):
         return ids, report.results
 
     async def setup(self, task: Task) -> tuple[list[Message], dict[str, Tool]]:
-        self.files: dict[str, str] = dict(task.meta["files"])
+        self.repo = RepoFiles(task.meta["files"], refuse_steering, max_files=MAX_FILES)
         self.max_turns = int(task.meta.get("max_turns", self.max_turns))
-        tools = {
-            "read_file": Tool(TOOL_SPECS["read_file"], self.read_file),
-            "write_file": Tool(TOOL_SPECS["write_file"], self.write_file),
-            "run_tests": Tool(TOOL_SPECS["run_tests"], self.run_tests),
-            "submit": Tool(TOOL_SPECS["submit"], self.submit),
+        fns = {
+            "read_file": self.repo.read_file,
+            "search": self.repo.search,
+            "list_dir": self.repo.list_dir,
+            "apply_patch": self.repo.apply_patch,
+            "write_file": self.repo.write_file,
+            "run_tests": self.run_tests,
+            "submit": self.submit,
         }
-        return list(task.prompt), tools
+        return list(task.prompt), {name: Tool(TOOL_SPECS[name], fn) for name, fn in fns.items()}
 
-    def read_file(self, path: str) -> str:
-        if path not in self.files:
-            raise ToolError("not_found", f"no file '{path}' (files: {', '.join(sorted(self.files))})")
-        return self.files[path]
+    @property
+    def files(self) -> dict[str, str]:
+        return self.repo.files
 
-    def write_file(self, path: str, content: str) -> str:
-        if not _PATH.match(path) or ".." in path.split("/"):
-            raise ToolError("invalid_argument", f"'{path}' is not a relative path inside the repository")
-        if is_steering_file(path):
-            raise ToolError(
-                "protected",
-                f"'{path}' steers the test run (conftest.py, pytest.ini, pyproject.toml, "
-                "setup.cfg, tox.ini, sitecustomize.py, usercustomize.py and .pth files are protected); "
-                "fix the code under app/ instead",
-            )
-        if path not in self.files and len(self.files) >= MAX_FILES:
-            raise ToolError("invalid_argument", f"too many files (limit {MAX_FILES})")
-        self.files[path] = content
-        return f"wrote {len(content)} characters to {path}"
-
-    async def run_tests(self) -> str:
+    async def run_tests(self, tests: list[str] | None = None) -> str:
         ids, results = await self._run(self.files)
+        if tests:
+            chosen = [i for i, t in enumerate(ids) if any(t == s or t.startswith(s + "::") for s in tests)]
+            if not chosen:
+                raise ToolError("not_found", f"no test matches {tests} (tests look like {ids[0]})")
+            ids, results = [ids[i] for i in chosen], [results[i] for i in chosen]
         return format_test_log(ids, results)
 
     def submit(self) -> str:
@@ -319,13 +290,7 @@ class CiFixDomain(Domain):
                     "fixed_source": files[path],
                     "max_turns": self.max_turns,
                 }
-                listing = "\n".join(sorted(buggy))
-                user = (
-                    f"The CI build is failing. Repository files:\n{listing}\n\nTest log:\n"
-                    f"{format_test_log(ids, results)}\n\nFind and fix the bug in the code under app/, "
-                    "then call submit."
-                )
-                prompt = [Message("system", SYSTEM), Message("user", user)]
+                prompt = fix_prompt(format_test_log(ids, results), buggy)
                 return Task(
                     id="",
                     domain=self.name,

@@ -10,7 +10,9 @@ from posttrain.sandbox import isolation as iso_mod
 
 
 def test_bench_reports_the_contract_keys():
-    out = run_bench("sandbox", ["--seconds", "0.2", "--repeats", "1", "--skip-numpy"])
+    out = run_bench(
+        "sandbox", ["--seconds", "0.2", "--repeats", "1", "--skip-numpy", "--service-clients", "8"]
+    )
     for key in (
         "trivial_per_s",
         "trivial_p99_ms",
@@ -27,6 +29,8 @@ def test_bench_reports_the_contract_keys():
     assert out["trivial_errors"] == 0 and out["asserts_errors"] == 0 and out["sandbox_errors"] == 0
     assert "seccomp" in out["isolation"] and out["trivial_p50_ms"] <= out["trivial_p99_ms"]
     assert "numpy_per_s" not in out
+    assert out["service_clients"] == 8 and out["service_errors"] == 0 and out["fleet_errors"] == 0
+    assert out["fleet_ratio_vs_pool"] == pytest.approx(out["fleet_per_s"] / out["service_pool_per_s"])
     if "trivial_cpu_ms_per_exec" in out:  # cpuacct available: per-execution CPU and the capacity from it
         assert out["trivial_capacity_per_s"] == pytest.approx(
             out["cpu_count"] * 1000 / out["trivial_cpu_ms_per_exec"]

@@ -189,6 +189,54 @@ def _bwrap_prefix(binds: list) -> list[str] | None:
     return [*argv, spec.python.jail_executable, "-I", "-c"]
 
 
+def _service_rows(sb: LocalSandbox, opts: Any, limits: Limits, meter: _CpuMeter) -> dict[str, dict]:
+    """The trivial job at `opts.service_clients` concurrent clients: in process (the baseline), through
+    one HTTP service over the same pool, and through a fleet of two services over it (both on
+    127.0.0.1), interleaved over the repeats. A reply other than the job's right output is an error."""
+    from posttrain.sandbox.fleet import SandboxFleet
+    from posttrain.sandbox.remote import RemoteSandbox, make_server
+
+    token = "bench"
+    servers = [make_server(sb, "127.0.0.1", 0, token, max_concurrent=opts.service_clients) for _ in range(2)]
+    threads = [threading.Thread(target=srv.serve_forever, daemon=True) for srv in servers]
+    for thread in threads:
+        thread.start()
+    job = Job(code=TRIVIAL, limits=limits)
+    want = b"45\n"
+
+    def measure(make_client: Callable[[], Any] | None) -> dict:
+        async def go() -> dict:
+            client = make_client() if make_client is not None else sb
+
+            async def one() -> bool:
+                res = await client.run(job)
+                return res.status == ExecStatus.OK and res.stdout == want
+
+            try:
+                return await _closed_loop_async(one, opts.service_clients, opts.seconds)
+            finally:
+                if client is not sb:
+                    await client.close()
+
+        return asyncio.run(go())
+
+    runners: dict[str, Callable[[], dict]] = {
+        "pool": lambda: measure(None),
+        "service": lambda: measure(lambda: RemoteSandbox(servers[0].url, token, timeout_s=60.0)),
+        "fleet": lambda: measure(lambda: SandboxFleet([s.url for s in servers], token, timeout_s=60.0)),
+    }
+    samples: dict[str, list[dict]] = {r: [] for r in runners}
+    try:
+        for _ in range(opts.repeats):
+            for runner, fn in runners.items():
+                samples[runner].append(_metered(meter, fn))
+    finally:
+        for srv in servers:
+            srv.shutdown()
+            srv.server_close()
+    return {runner: _median_summary(runs) for runner, runs in samples.items()}
+
+
 def main(opts: Any) -> dict:
     """Run the benchmark with the options of `posttrain bench sandbox` (see its --help)."""
     from rich.console import Console
@@ -253,6 +301,9 @@ def main(opts: Any) -> dict:
                 for runner, measure in runners.items():
                     samples[runner].append(_metered(meter, measure))
             rows[name] = {runner: _median_summary(runs) for runner, runs in samples.items()}
+        if opts.service_clients:
+            console.print(f"[dim]measuring the HTTP service at {opts.service_clients} clients ...[/]")
+            rows["service"] = _service_rows(sb, opts, limits, meter)
     finally:
         sb.close_blocking()
         meter.close()
@@ -290,6 +341,18 @@ def main(opts: Any) -> dict:
         "bwrap_available": shutil.which("bwrap") is not None,
         "sandbox_errors": sb.stats.get("sandbox_errors", 0),
     }
+    service = rows.pop("service", None)
+    if service is not None:
+        out["service_clients"] = opts.service_clients
+        for runner, figures in service.items():
+            key = "service_pool" if runner == "pool" else runner
+            out[f"{key}_per_s"] = figures["per_s"]
+            out[f"{key}_p50_ms"] = figures["p50_ms"]
+            out[f"{key}_p99_ms"] = figures["p99_ms"]
+            out[f"{key}_errors"] = figures["errors"]
+        for runner in ("service", "fleet"):
+            pool_rate = service["pool"]["per_s"]
+            out[f"{runner}_ratio_vs_pool"] = service[runner]["per_s"] / pool_rate if pool_rate else None
     for name, runners in rows.items():
         prefix = "" if name == "trivial" else f"{name}_"
         pool = runners["pool"]

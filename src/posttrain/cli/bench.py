@@ -63,9 +63,13 @@ def sandbox(
     clients: int = typer.Option(0, "--clients", min=0, help="concurrent clients (0: 2 x pool size)"),
     pool_size: int = typer.Option(0, "--pool-size", min=0, help="workers per profile (0: the CPU count)"),
     skip_numpy: bool = typer.Option(False, "--skip-numpy", help="leave out the numpy-import workload"),
+    service_clients: int = typer.Option(
+        64, "--service-clients", min=0, help="clients of the HTTP service and fleet load test (0: skip it)"
+    ),
     json_out: bool = JSON,
 ) -> dict[str, Any]:
-    """Executions/s and latency of the warm jailed pool vs one bwrap per execution and plain subprocess."""
+    """Executions/s and latency of the warm jailed pool vs one bwrap per execution and plain subprocess,
+    and of the pool behind the HTTP service and a fleet of two services."""
     return _run(
         "sandbox",
         json_out,
@@ -74,6 +78,7 @@ def sandbox(
         clients=clients,
         pool_size=pool_size,
         skip_numpy=skip_numpy,
+        service_clients=service_clients,
     )
 
 

@@ -1,5 +1,6 @@
 """Isolated execution of untrusted code: the contract (`api`), warm jailed worker pools (`pool`),
-isolation layers (`isolation`, `jailed/`), graders (`grading`) and an HTTP service (`remote`).
+isolation layers (`isolation`, `jailed/`), graders (`grading`), an HTTP service and its client (`remote`)
+and a client over several services (`fleet`).
 Must not import torch.
 """
 
@@ -14,17 +15,25 @@ from posttrain.sandbox.pool import LocalSandbox
 
 
 def make_sandbox(cfg: Any = None) -> ConfiguredSandbox:
-    """The sandbox a run config asks for: `LocalSandbox` (mode local) or `RemoteSandbox` (mode remote),
+    """The sandbox a run config asks for: `LocalSandbox` (mode local), or in mode remote `RemoteSandbox`
+    (one URL) or `SandboxFleet` (several, comma-separated),
     wrapped so that every job gets the config's wall-time ceiling and memory limit."""
     from posttrain.config import SandboxConfig
 
     cfg = cfg if cfg is not None else SandboxConfig()
     if cfg.mode == "remote":
+        from posttrain.sandbox.fleet import SandboxFleet, parse_urls
         from posttrain.sandbox.remote import RemoteSandbox
 
         if not cfg.url:
             raise ValueError("sandbox.mode is 'remote' but sandbox.url is not set")
-        return ConfiguredSandbox(RemoteSandbox(cfg.url, cfg.token, timeout_s=cfg.remote_timeout_s), cfg)
+        try:
+            urls = parse_urls(cfg.url)
+        except ValueError as err:
+            raise ValueError(f"sandbox.url: {err}") from None
+        if len(urls) > 1:
+            return ConfiguredSandbox(SandboxFleet(urls, cfg.token, timeout_s=cfg.remote_timeout_s), cfg)
+        return ConfiguredSandbox(RemoteSandbox(urls[0], cfg.token, timeout_s=cfg.remote_timeout_s), cfg)
     return ConfiguredSandbox(LocalSandbox(cfg), cfg)
 
 

@@ -1,6 +1,6 @@
 """Remote mode: an HTTP JSON service in front of a `LocalSandbox`, and `RemoteSandbox`, its client.
 
-Server (stdlib `http.server`, one thread per connection): `POST /run` (a job) and `POST /run_batch`
+Server (FastAPI on uvicorn, one event loop; jobs run on the sandbox's workers): `POST /run` (a job) and `POST /run_batch`
 (`{"jobs": [...]}`), `GET /health` (which also reports the service's limit maxima); bearer-token auth
 (401), a request size limit (413, checked on Content-Length before reading), a deadline on reading
 each request and on writing each reply (408 / connection closed: a stalled client holds no thread for
@@ -23,10 +23,14 @@ import logging
 import socket
 import threading
 from collections.abc import Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from posttrain.sandbox.api import (
     POSITIVE_LIMITS,
@@ -73,8 +77,9 @@ class RemoteSandboxError(RuntimeError):
         self.status_code = status_code
 
 
-class SandboxServer(ThreadingHTTPServer):
-    daemon_threads = True
+class SandboxServer:
+    """The service: a FastAPI app on uvicorn, bound at construction (port 0 picks a free port, so `url` is
+    known before `serve_forever()`), stopped by `shutdown()` from another thread."""
 
     def __init__(
         self,
@@ -90,173 +95,214 @@ class SandboxServer(ThreadingHTTPServer):
             raise ValueError("the sandbox service needs a non-empty token")
         if request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
-        super().__init__(addr, _Handler)
+        if max_concurrent < 1:
+            raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
         self.sandbox = sandbox
         self.token = token
         self.max_request_bytes = max_request_bytes
+        self.max_concurrent = max_concurrent
         self.max_limits = max_limits if max_limits is not None else DEFAULT_MAX_LIMITS
         self.request_timeout_s = request_timeout_s
-        self.slots = threading.BoundedSemaphore(max_concurrent)  # one per job in flight
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        log.debug("sandbox service: connection from %s failed", client_address, exc_info=True)
-
-    def run_jobs(self, jobs: list[Job]) -> list[ExecResult]:
-        """Admit each job against `max_concurrent` (a slot per job, freed as that job finishes), then wait."""
-        futures = []
-        for job in jobs:
-            self.slots.acquire()
-            try:
-                fut = self.sandbox.submit(job)
-            except BaseException:
-                self.slots.release()
-                raise
-            fut.add_done_callback(lambda _f: self.slots.release())
-            futures.append(fut)
-        return [f.result() for f in futures]
+        self.socket = socket.create_server(addr, reuse_port=False)
+        self.server_address = self.socket.getsockname()
+        protocol = type("_Protocol", (_DeadlineProtocol,), {"request_timeout_s": request_timeout_s})
+        config = uvicorn.Config(
+            build_app(self),
+            http=protocol,
+            lifespan="off",
+            log_level="warning",
+            access_log=False,
+            timeout_keep_alive=max(1, int(request_timeout_s)),
+            timeout_graceful_shutdown=5,
+        )
+        self._server = uvicorn.Server(config)
+        self._stopped = threading.Event()
+        self._stopped.set()
 
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
         return f"http://{host}:{port}"
 
+    def serve_forever(self) -> None:
+        self._stopped.clear()
+        try:
+            self._server.run(sockets=[self.socket])
+        finally:
+            self._stopped.set()
 
-class _Deadline:
-    """Shuts the connection down if a read or write phase outlasts the server's request timeout: per-
-    operation socket timeouts alone let a client that trickles one byte at a time hold a thread."""
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Ask the server to stop and wait until `serve_forever()` has returned."""
+        self._server.should_exit = True
+        self._stopped.wait(timeout_s)
 
-    def __init__(self, handler: _Handler) -> None:
-        self.handler = handler
-        self.timer: threading.Timer | None = None
+    def server_close(self) -> None:
+        self.socket.close()
 
-    def start(self) -> None:
-        self.cancel()
-        self.timer = threading.Timer(self.handler.server.request_timeout_s, self._expire)
-        self.timer.daemon = True
-        self.timer.start()
 
-    def cancel(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+class _DeadlineProtocol(H11Protocol):
+    """uvicorn's h11 protocol with the deadlines a service facing untrusted clients needs: the request
+    line and headers (and an idle keep-alive wait) must arrive within `request_timeout_s` of the
+    connection or of the previous reply, and a reply the client stops reading is dropped after as long.
+    Per-read socket timeouts alone let a client that trickles one byte at a time hold the connection.
+    The body's deadline is the app's (it answers 408)."""
+
+    request_timeout_s = 30.0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_deadline: asyncio.TimerHandle | None = None
+        self._write_deadline: asyncio.TimerHandle | None = None
+        self._arm_head()
+
+    def _arm_head(self) -> None:
+        self._cancel_head()
+        self._head_deadline = self.loop.call_later(self.request_timeout_s, self._expire)
+
+    def _cancel_head(self) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
 
     def _expire(self) -> None:
-        try:
-            self.handler.connection.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.cycle is not None and not self.cycle.response_complete:
+            self._cancel_head()  # a request is in: its body and its run are the app's to bound
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm_head()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_deadline is None:
+            self._write_deadline = self.loop.call_later(self.request_timeout_s, self._expire)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._write_deadline is not None:
+            self._write_deadline.cancel()
+            self._write_deadline = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head()
+        if self._write_deadline is not None:
+            self._write_deadline.cancel()
+        super().connection_lost(exc)
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: SandboxServer
-    protocol_version = "HTTP/1.1"
+def _error(code: int, message: str, close: bool = False) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=code, headers={"Connection": "close"} if close else None)
 
-    def setup(self) -> None:
-        self.timeout = self.server.request_timeout_s  # per socket operation, set by StreamRequestHandler
-        super().setup()
-        self.deadline = _Deadline(self)
 
-    def handle_one_request(self) -> None:
-        self.deadline.start()  # request line, headers and body (and an idle keep-alive wait)
-        try:
-            super().handle_one_request()
-        finally:
-            self.deadline.cancel()
+def build_app(server: SandboxServer) -> FastAPI:
+    """The service's routes over `server.sandbox`; every job holds one of `max_concurrent` slots while it
+    runs (a batch of N holds N, each freed as its job finishes; excess jobs wait their turn)."""
+    app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+    slots: dict[int, asyncio.Semaphore] = {}  # per event loop
 
-    def log_message(self, format: str, *args: Any) -> None:  # quiet: the trainer owns stdout
-        pass
+    def authorized(request: Request) -> bool:
+        got = request.headers.get("authorization", "")
+        return hmac.compare_digest(got.encode(), f"Bearer {server.token}".encode())
 
-    def _send(self, code: int, obj: dict, close: bool = False) -> None:
-        body = json.dumps(obj).encode()
-        self.deadline.start()  # a client that stops reading the reply is dropped too
-        try:
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            if close:
-                self.send_header("Connection", "close")
-                self.close_connection = True
-            self.end_headers()
-            self.wfile.write(body)
-            self.wfile.flush()
-        except OSError:
-            self.close_connection = True
-        finally:
-            self.deadline.cancel()
+    async def run_jobs(jobs: list[Job]) -> list[ExecResult]:
+        loop = asyncio.get_running_loop()
+        sem = slots.setdefault(id(loop), asyncio.Semaphore(server.max_concurrent))
+        futures = []
+        for job in jobs:
+            await sem.acquire()
+            try:
+                fut = asyncio.wrap_future(server.sandbox.submit(job))
+            except BaseException:
+                sem.release()
+                raise
+            fut.add_done_callback(lambda _f: sem.release())
+            futures.append(fut)
+        return list(await asyncio.gather(*futures))
 
-    def _read_body(self, length: int) -> bytes | None:
-        """The body, or None (after answering 408) when it did not arrive within the request timeout."""
-        try:
-            body = self.rfile.read(length)
-        except OSError:
-            body = b""
-        self.deadline.cancel()  # the jobs' run time is not the client's to account for
-        if len(body) < length:
-            self._send(
-                408,
-                {"error": f"request body not received within {self.server.request_timeout_s} s"},
-                close=True,
-            )
-            return None
-        return body
-
-    def _authorized(self) -> bool:
-        got = self.headers.get("Authorization", "")
-        return hmac.compare_digest(got.encode(), f"Bearer {self.server.token}".encode())
-
-    def do_GET(self) -> None:
-        if not self._authorized():
-            return self._send(401, {"error": "missing or wrong bearer token"})
-        if self.path != "/health":
-            return self._send(404, {"error": f"no such endpoint {self.path}"})
-        sb = self.server.sandbox
-        self._send(
-            200,
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        if not authorized(request):
+            return _error(401, "missing or wrong bearer token")
+        sb = server.sandbox
+        return JSONResponse(
             {
                 "ok": True,
                 "isolation": list(getattr(sb, "layers", [])),
                 "stats": dict(getattr(sb, "stats", {})),
-                "max_limits": dataclasses.asdict(self.server.max_limits),
-            },
+                "max_limits": dataclasses.asdict(server.max_limits),
+            }
         )
 
-    def do_POST(self) -> None:
-        if not self._authorized():
-            return self._send(401, {"error": "missing or wrong bearer token"}, close=True)
-        if self.path not in ("/run", "/run_batch"):
-            return self._send(404, {"error": f"no such endpoint {self.path}"}, close=True)
-        length = self.headers.get("Content-Length")
+    async def read_jobs(request: Request, batch: bool) -> list[Job] | JSONResponse:
+        if not authorized(request):
+            return _error(401, "missing or wrong bearer token", close=True)
+        length = request.headers.get("content-length")
         if length is None or not length.isdigit():
-            return self._send(411, {"error": "Content-Length required"}, close=True)
-        if int(length) > self.server.max_request_bytes:
-            return self._send(
-                413,
-                {"error": f"request of {length} bytes exceeds the limit of {self.server.max_request_bytes}"},
-                close=True,
+            return _error(411, "Content-Length required", close=True)
+        if int(length) > server.max_request_bytes:
+            return _error(
+                413, f"request of {length} bytes exceeds the limit of {server.max_request_bytes}", close=True
             )
-        raw = self._read_body(int(length))
-        if raw is None:
-            return None
+        try:
+            async with asyncio.timeout(server.request_timeout_s):
+                raw = await request.body()
+        except TimeoutError:
+            return _error(408, f"request body not received within {server.request_timeout_s} s", close=True)
+        except ClientDisconnect:
+            return _error(400, "client disconnected", close=True)
         try:
             body = json.loads(raw)
-            jobs = [job_from_dict(body)] if self.path == "/run" else [job_from_dict(j) for j in body["jobs"]]
-            check = getattr(self.server.sandbox, "check", None)
+            jobs = [job_from_dict(j) for j in body["jobs"]] if batch else [job_from_dict(body)]
+            check = getattr(server.sandbox, "check", None)
             for i, job in enumerate(jobs):  # the whole request is refused before any of it runs
-                over = limits_over(job.limits, self.server.max_limits)
+                over = limits_over(job.limits, server.max_limits)
                 if over:
-                    raise ValueError(("" if self.path == "/run" else f"jobs[{i}]: ") + "; ".join(over))
+                    raise ValueError((f"jobs[{i}]: " if batch else "") + "; ".join(over))
                 if check is not None:
                     check(job)
-        except (ValueError, KeyError, TypeError) as err:
-            return self._send(400, {"error": f"bad job: {err}"})
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            return _error(400, f"bad job: {err}")
+        return jobs
+
+    async def execute(request: Request, batch: bool) -> JSONResponse:
+        jobs = await read_jobs(request, batch)
+        if isinstance(jobs, JSONResponse):
+            return jobs
         try:
-            results = self.server.run_jobs(jobs)
+            results = await run_jobs(jobs)
         except ValueError as err:
-            return self._send(400, {"error": f"bad job: {err}"})
-        if self.path == "/run":
-            self._send(200, result_to_dict(results[0]))
-        else:
-            self._send(200, {"results": [result_to_dict(r) for r in results]})
+            return _error(400, f"bad job: {err}")
+        if batch:
+            return JSONResponse({"results": [result_to_dict(r) for r in results]})
+        return JSONResponse(result_to_dict(results[0]))
+
+    @app.post("/run")
+    async def run(request: Request) -> JSONResponse:
+        return await execute(request, batch=False)
+
+    @app.post("/run_batch")
+    async def run_batch(request: Request) -> JSONResponse:
+        return await execute(request, batch=True)
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, exc: Exception) -> JSONResponse:
+        if not authorized(request):
+            return _error(401, "missing or wrong bearer token", close=True)
+        return _error(404, f"no such endpoint {request.url.path}", close=True)
+
+    @app.exception_handler(405)
+    async def not_allowed(request: Request, exc: Exception) -> JSONResponse:
+        if not authorized(request):
+            return _error(401, "missing or wrong bearer token", close=True)
+        return _error(404, f"no such endpoint {request.method} {request.url.path}", close=True)
+
+    return app
 
 
 def make_server(
@@ -269,7 +315,7 @@ def make_server(
     max_limits: Limits | None = None,
     request_timeout_s: float = 30.0,
 ) -> SandboxServer:
-    """A ready (not yet serving) server; call `serve_forever()` (port 0 picks a free port).
+    """A ready (bound, not yet serving) server; call `serve_forever()` (port 0 picks a free port).
 
     `max_concurrent` counts jobs in flight; `max_limits` (default `DEFAULT_MAX_LIMITS`) bounds every
     job's limits; `request_timeout_s` bounds reading a request and writing its reply."""
@@ -323,6 +369,16 @@ class RemoteSandbox:
             raise RemoteSandboxError(resp.status_code, message)
         return resp.json(), ""
 
+    async def try_batch(self, jobs: Sequence[Job]) -> tuple[list[ExecResult] | None, str]:
+        """The jobs' results, or (None, why) when the service could not be reached or did not answer
+        (nothing is known about the jobs then); raises `RemoteSandboxError` for a refused request."""
+        if not jobs:
+            return [], ""
+        data, error = await self._post("/run_batch", {"jobs": [job_to_dict(j) for j in jobs]})
+        if data is None:
+            return None, error
+        return [result_from_dict(r) for r in data["results"]], ""
+
     async def run(self, job: Job) -> ExecResult:
         data, error = await self._post("/run", job_to_dict(job))
         if data is None:
@@ -330,15 +386,13 @@ class RemoteSandbox:
         return result_from_dict(data)
 
     async def run_batch(self, jobs: Sequence[Job]) -> list[ExecResult]:
-        if not jobs:
-            return []
-        data, error = await self._post("/run_batch", {"jobs": [job_to_dict(j) for j in jobs]})
-        if data is None:
+        results, error = await self.try_batch(jobs)
+        if results is None:
             return [ExecResult(status=ExecStatus.SANDBOX_ERROR, error=error) for _ in jobs]
-        return [result_from_dict(r) for r in data["results"]]
+        return results
 
-    async def health(self) -> dict:
-        async with asyncio.timeout(self.timeout_s):
+    async def health(self, timeout_s: float | None = None) -> dict:
+        async with asyncio.timeout(timeout_s if timeout_s is not None else self.timeout_s):
             resp = await self._client().get(self.url + "/health")
         if resp.status_code != 200:
             raise RemoteSandboxError(resp.status_code, resp.text[:200])

@@ -31,6 +31,7 @@ _BUILTIN: dict[str, str] = {
     "tools.apis": "posttrain.envs.domains.tools_apis",
     "swe.ci_fix": "posttrain.envs.domains.swe_ci_fix",
     "dataset": "posttrain.envs.domains.dataset",
+    "docs.financial": "posttrain.envs.domains.docs_financial",
 }
 ENTRY_POINT_GROUP = "posttrain.domains"
 

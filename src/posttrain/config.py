@@ -30,10 +30,56 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class RopeScaling(Section):
+    """RoPE scaling applied to the loaded model (transformers' `rope_parameters`): linear, dynamic NTK,
+    YaRN or Llama-3. Only the keys of the chosen type may be set away from their defaults."""
+
+    TYPE_KEYS: ClassVar[dict[str, set[str]]] = {
+        "linear": set(),
+        "dynamic": set(),
+        "yarn": {"original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor"},
+        "llama3": {"original_max_position_embeddings", "low_freq_factor", "high_freq_factor"},
+    }
+
+    type: Literal["linear", "dynamic", "yarn", "llama3"]
+    factor: float = Field(..., gt=1.0, description="how many times the trained window is stretched")
+    original_max_position_embeddings: int | None = Field(
+        None, gt=0, description="yarn/llama3: the trained window; default the model's max_position_embeddings"
+    )
+    beta_fast: float = Field(32.0, gt=0.0, description="yarn: rotations above which a dimension is kept")
+    beta_slow: float = Field(
+        1.0, gt=0.0, description="yarn: rotations below which a dimension is interpolated"
+    )
+    attention_factor: float | None = Field(None, gt=0.0, description="yarn: default 0.1 ln(factor) + 1")
+    low_freq_factor: float = Field(
+        1.0, gt=0.0, description="llama3: wavelengths above window/this are scaled"
+    )
+    high_freq_factor: float = Field(4.0, gt=0.0, description="llama3: wavelengths below window/this are kept")
+
+    @model_validator(mode="after")
+    def _keys_of_type(self) -> RopeScaling:
+        fields = type(self).model_fields
+        foreign = sorted(
+            k
+            for k in self.model_fields_set - {"type", "factor"} - self.TYPE_KEYS[self.type]
+            if getattr(self, k) != fields[k].default  # a dumped config repeats every default
+        )
+        if foreign:
+            raise ValueError(f"{foreign} do not apply to rope type '{self.type}'")
+        if self.type == "yarn" and self.beta_fast <= self.beta_slow:
+            raise ValueError("yarn needs beta_fast > beta_slow")
+        if self.type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError("llama3 needs high_freq_factor > low_freq_factor")
+        return self
+
+
 class ModelConfig(Section):
     """Which weights: `smollm2-135m`, a HF folder, a .gguf path, or `tiny:<family>`."""
 
     spec: str = "smollm2-135m"
+    rope_scaling: RopeScaling | None = Field(
+        None, description="stretch RoPE past the trained window, e.g. {type: yarn, factor: 4}"
+    )
     dtype: Literal["float32", "bfloat16"] = "float32"
     lora_rank: int = Field(0, ge=0, description="0 = full fine-tune")
     lora_alpha: float = 32.0

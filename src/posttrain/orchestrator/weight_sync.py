@@ -1,0 +1,374 @@
+"""Weight sync: how the learner's weights reach an engine, behind one interface.
+
+A `WeightUpdate` is what crosses: a policy version and either full HF-named tensors or, for a LoRA
+learner, only the adapters (A, B and the scaling per module: a few MB instead of the model), merged
+into the engine's base weights on the receiving side. Transports:
+
+- `InProcess`: the engine lives in this process; the tensors are handed over as they are.
+- `SharedFile`: a directory (``/dev/shm`` by default: shared memory) that engines in other processes on
+  this host read. A push writes safetensors buckets of at most `bucket_bytes` into a temporary
+  directory, fsyncs them, writes a manifest with each bucket's size and CRC-32, renames the directory
+  to ``v{version}`` and only then points ``LATEST`` at it (atomic rename). A push interrupted half-way
+  is never referenced; a bucket whose size or checksum does not match the manifest is refused by name
+  and nothing of that version is applied.
+- `Broadcast`: torch.distributed from the learner's rank to engine workers (NCCL on GPUs, gloo on
+  CPUs): a header, then one flat buffer per bucket and dtype. A sender that fails mid-push makes the
+  collective fail on the receivers, which apply nothing.
+
+Every receiver checks versions: an update older than what it holds raises `StaleUpdate`, one equal to
+it is not applied twice. `apply()` is the single place an update enters an engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+LORA_A, LORA_B = ".lora_A", ".lora_B"
+
+
+class StaleUpdate(RuntimeError):
+    """An update older than the weights the receiver already holds."""
+
+
+class PartialUpdate(RuntimeError):
+    """An update that did not arrive whole (a missing or corrupt bucket); nothing of it was applied."""
+
+
+@dataclass
+class WeightUpdate:
+    """One push. `kind="full"`: HF-named weights. `kind="lora"`: per module ``{module}.lora_A`` /
+    ``{module}.lora_B`` tensors and `scaling[module]`; the receiver adds ``scaling * B @ A`` (transposed
+    for fan-in-fan-out modules, listed in `transposed`) to its base ``{module}.weight``."""
+
+    version: int
+    kind: Literal["full", "lora"]
+    tensors: dict[str, torch.Tensor]
+    scaling: dict[str, float] = field(default_factory=dict)
+    transposed: list[str] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def full_update(weights: dict[str, torch.Tensor], version: int) -> WeightUpdate:
+    return WeightUpdate(version=int(version), kind="full", tensors=dict(weights))
+
+
+def lora_update(model: Any, version: int) -> WeightUpdate:
+    """The active LoRA adapters of a peft model, HF-named by module (``base_model.model.`` stripped)."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    tensors: dict[str, torch.Tensor] = {}
+    scaling: dict[str, float] = {}
+    transposed: list[str] = []
+    for name, module in base.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        adapters = [ad for ad in module.active_adapters if ad in module.lora_A]
+        if len(adapters) != 1:
+            raise ValueError(f"LoRA sync expects one active adapter per module; {name} has {adapters}")
+        ad = adapters[0]
+        if module.use_dora.get(ad, False):
+            raise ValueError("syncing DoRA adapters is not supported; use plain LoRA")
+        tensors[name + LORA_A] = module.lora_A[ad].weight.detach()
+        tensors[name + LORA_B] = module.lora_B[ad].weight.detach()
+        scaling[name] = float(module.scaling[ad])
+        if getattr(module, "fan_in_fan_out", False):
+            transposed.append(name)
+    if not tensors:
+        raise ValueError("the model has no LoRA layers to sync")
+    return WeightUpdate(int(version), "lora", tensors, scaling, transposed)
+
+
+# -- the receiving side --------------------------------------------------------------------------------
+
+
+class Receiver:
+    """What an engine-side process holds: the version it has and, for LoRA updates, the base weights
+    of the adapted modules (copied once, from the engine's first full load or the model files)."""
+
+    def __init__(self, engine: Any, base: dict[str, torch.Tensor] | None = None) -> None:
+        self.engine = engine
+        self.version: int | None = None
+        self.base = base  # module.weight -> base tensor; needed only for LoRA updates
+        self.last_bytes = 0
+
+    def check(self, version: int) -> bool:
+        """True if `version` is new; False if already held; raises StaleUpdate if older."""
+        if self.version is not None and version < self.version:
+            raise StaleUpdate(f"weight update v{version} is older than the v{self.version} already loaded")
+        return self.version is None or version > self.version
+
+    def apply(self, update: WeightUpdate) -> bool:
+        """Load `update` into the engine unless it is not new; True if it was loaded."""
+        if not self.check(update.version):
+            return False
+        if update.kind == "full":
+            self.engine.load_weights(update.tensors, version=update.version)
+        else:
+            self.engine.load_weights(self._merged(update), version=update.version)
+        self.version = update.version
+        self.last_bytes = update.nbytes
+        return True
+
+    def _merged(self, update: WeightUpdate) -> dict[str, torch.Tensor]:
+        if self.base is None:
+            raise ValueError("a LoRA weight update needs the base weights: give the Receiver `base`")
+        out: dict[str, torch.Tensor] = {}
+        for module, scale in update.scaling.items():
+            key = module + ".weight"
+            if key not in self.base:
+                raise ValueError(f"LoRA update for '{module}', which has no base weight '{key}'")
+            a = update.tensors[module + LORA_A].float()
+            b = update.tensors[module + LORA_B].float()
+            delta = b @ a
+            if module in update.transposed:
+                delta = delta.T
+            w = self.base[key]
+            out[key] = (w.float() + scale * delta).to(w.dtype)
+        return out
+
+
+def base_weights_for(weights: dict[str, torch.Tensor], modules: list[str]) -> dict[str, torch.Tensor]:
+    """Copies of ``{module}.weight`` for each adapted module (what a LoRA `Receiver` keeps)."""
+    return {m + ".weight": weights[m + ".weight"].detach().clone() for m in modules}
+
+
+# -- transports ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class PushStats:
+    version: int
+    nbytes: int
+    seconds: float
+
+
+class InProcess:
+    """The engine is in this process: `push` hands the update to the receiver directly."""
+
+    name = "in_process"
+
+    def __init__(self, receiver: Receiver) -> None:
+        self.receiver = receiver
+
+    def push(self, update: WeightUpdate) -> PushStats:
+        t0 = time.perf_counter()
+        self.receiver.apply(update)
+        return PushStats(update.version, update.nbytes, time.perf_counter() - t0)
+
+
+def _buckets(tensors: dict[str, torch.Tensor], bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+    """Consecutive groups of tensors of at most `bucket_bytes` each (a bigger tensor alone)."""
+    group: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if group and size + n > bucket_bytes:
+            yield group
+            group, size = {}, 0
+        group[name] = t
+        size += n
+    if group:
+        yield group
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class SharedFile:
+    """Pushes into `directory` (writer) and reads from it (reader): see the module docstring.
+    `keep` versions are kept so that a reader still loading the previous one is not cut off."""
+
+    name = "shared_file"
+
+    def __init__(self, directory: str | Path, bucket_bytes: int = 256 << 20, keep: int = 2) -> None:
+        if bucket_bytes < 1 or keep < 1:
+            raise ValueError("bucket_bytes and keep must be >= 1")
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.bucket_bytes = bucket_bytes
+        self.keep = keep
+
+    # writer ------------------------------------------------------------------------------------------
+
+    def push(self, update: WeightUpdate) -> PushStats:
+        from safetensors.torch import save
+
+        t0 = time.perf_counter()
+        latest = self.latest()
+        if latest is not None and update.version <= latest:
+            raise StaleUpdate(f"push of v{update.version}: v{latest} is already published in {self.dir}")
+        tmp = self.dir / f".v{update.version}.partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        buckets = []
+        for i, group in enumerate(_buckets(update.tensors, self.bucket_bytes)):
+            path = tmp / f"bucket-{i:05d}.safetensors"
+            data = save({k: v.detach().contiguous() for k, v in group.items()})
+            with open(path, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            buckets.append({"file": path.name, "bytes": len(data), "crc32": zlib.crc32(data)})
+        manifest = {
+            "version": update.version,
+            "kind": update.kind,
+            "scaling": update.scaling,
+            "transposed": update.transposed,
+            "buckets": buckets,
+            "nbytes": update.nbytes,
+        }
+        with open(tmp / "manifest.json", "w") as f:
+            json.dump(manifest, f)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        final = self.dir / f"v{update.version}"
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        pointer = self.dir / ".LATEST.tmp"
+        pointer.write_text(str(update.version))
+        pointer.rename(self.dir / "LATEST")
+        _fsync_dir(self.dir)
+        self._prune(update.version)
+        return PushStats(update.version, update.nbytes, time.perf_counter() - t0)
+
+    def _prune(self, newest: int) -> None:
+        versions = sorted(int(p.name[1:]) for p in self.dir.glob("v*") if p.name[1:].isdigit())
+        for v in versions:
+            if v <= newest - self.keep:
+                shutil.rmtree(self.dir / f"v{v}", ignore_errors=True)
+
+    # reader ------------------------------------------------------------------------------------------
+
+    def latest(self) -> int | None:
+        try:
+            return int((self.dir / "LATEST").read_text())
+        except FileNotFoundError:
+            return None
+
+    def read(self, version: int | None = None) -> WeightUpdate:
+        """The published update `version` (default: the latest), verified whole before it is returned."""
+        from safetensors.torch import load
+
+        version = self.latest() if version is None else version
+        if version is None:
+            raise FileNotFoundError(f"no weight update published in {self.dir}")
+        folder = self.dir / f"v{version}"
+        try:
+            manifest = json.loads((folder / "manifest.json").read_text())
+        except FileNotFoundError:
+            raise PartialUpdate(f"weight update v{version} in {self.dir} has no manifest") from None
+        tensors: dict[str, torch.Tensor] = {}
+        for b in manifest["buckets"]:
+            try:
+                data = (folder / b["file"]).read_bytes()
+            except FileNotFoundError:
+                raise PartialUpdate(f"weight update v{version}: bucket {b['file']} is missing") from None
+            if len(data) != b["bytes"] or zlib.crc32(data) != b["crc32"]:
+                raise PartialUpdate(
+                    f"weight update v{version}: bucket {b['file']} has {len(data)} bytes and CRC-32 "
+                    f"{zlib.crc32(data)}, the manifest says {b['bytes']} and {b['crc32']}"
+                )
+            tensors.update(load(data))
+        return WeightUpdate(
+            version=int(manifest["version"]),
+            kind=manifest["kind"],
+            tensors=tensors,
+            scaling={k: float(v) for k, v in manifest["scaling"].items()},
+            transposed=list(manifest["transposed"]),
+        )
+
+    def pull(self, receiver: Receiver) -> bool:
+        """Apply the latest published update if it is newer than the receiver's; True if applied."""
+        latest = self.latest()
+        if latest is None or not receiver.check(latest):
+            return False
+        return receiver.apply(self.read(latest))
+
+
+class Broadcast:
+    """torch.distributed broadcast from rank `src` of `group` (already initialised) to the others.
+    Every rank calls `push` (the source with the update, the others with None) in the same order."""
+
+    name = "broadcast"
+
+    def __init__(
+        self, src: int = 0, group: Any = None, device: str = "cpu", bucket_bytes: int = 256 << 20
+    ) -> None:
+        self.src = src
+        self.group = group
+        self.device = torch.device(device)
+        self.bucket_bytes = bucket_bytes
+
+    def push(self, update: WeightUpdate | None, receiver: Receiver | None = None) -> PushStats:
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
+        is_src = (
+            dist.get_rank(self.group) == self.src if self.group is not None else dist.get_rank() == self.src
+        )
+        header: list[Any] = [None]
+        if is_src:
+            if update is None:
+                raise ValueError("the source rank must push an update")
+            header = [
+                {
+                    "version": update.version,
+                    "kind": update.kind,
+                    "scaling": update.scaling,
+                    "transposed": update.transposed,
+                    "layout": [
+                        [(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in g.items()]
+                        for g in _buckets(update.tensors, self.bucket_bytes)
+                    ],
+                }
+            ]
+        dist.broadcast_object_list(header, src=self.src, group=self.group)
+        meta = header[0]
+        if receiver is not None and not is_src:
+            receiver.check(meta["version"])  # a stale push is refused before its bytes are read
+        tensors: dict[str, torch.Tensor] = {}
+        for bucket in meta["layout"]:
+            by_dtype: dict[str, list[tuple[str, list[int]]]] = {}
+            for name, dtype, shape in bucket:
+                by_dtype.setdefault(dtype, []).append((name, shape))
+            for dtype, entries in by_dtype.items():
+                dt = getattr(torch, dtype)
+                sizes = [int(torch.Size(s).numel()) for _, s in entries]
+                if is_src:
+                    flat = torch.cat(
+                        [update.tensors[n].detach().reshape(-1).to(self.device) for n, _ in entries]
+                    )
+                else:
+                    flat = torch.empty(sum(sizes), dtype=dt, device=self.device)
+                dist.broadcast(flat, src=self.src, group=self.group)
+                if not is_src:
+                    for (name, shape), part in zip(entries, flat.split(sizes), strict=True):
+                        tensors[name] = part.view(shape)
+        nbytes = sum(
+            int(torch.Size(s).numel()) * getattr(torch, d).itemsize for b in meta["layout"] for _, d, s in b
+        )
+        if not is_src and receiver is not None:
+            receiver.apply(
+                WeightUpdate(meta["version"], meta["kind"], tensors, meta["scaling"], meta["transposed"])
+            )
+        return PushStats(meta["version"], nbytes, time.perf_counter() - t0)

@@ -1,0 +1,210 @@
+"""Weight-sync transports: after a push the engine holds exactly the learner's weights (full and LoRA);
+versions only move forward; a push interrupted half-way or a corrupt bucket is refused and reported,
+and nothing of it is applied; the broadcast transport between two gloo processes."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from posttrain.models import load_policy
+from posttrain.models.lora import wrap_lora
+from posttrain.orchestrator import weight_sync as ws
+from posttrain.train.state import merged_weights
+
+
+class RecordingEngine:
+    """Holds what `load_weights` gave it, merged over what it had."""
+
+    def __init__(self) -> None:
+        self.weights: dict[str, torch.Tensor] = {}
+        self.version = 0
+        self.loads = 0
+
+    def load_weights(self, weights, version=None):
+        self.weights.update({k: v.clone() for k, v in weights.items()})
+        self.version = version
+        self.loads += 1
+
+
+def some_weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model.embed_tokens.weight": torch.randn(50, 8, generator=g),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(8, 8, generator=g).to(torch.bfloat16),
+        "model.layers.0.mlp.up_proj.weight": torch.randn(16, 8, generator=g),
+        "model.norm.weight": torch.ones(8),
+    }
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+def test_shared_file_round_trip_is_bit_exact_in_buckets(tmp_path):
+    t = ws.SharedFile(tmp_path, bucket_bytes=1024)
+    w = some_weights()
+    stats = t.push(ws.full_update(w, version=3))
+    assert stats.nbytes == sum(x.numel() * x.element_size() for x in w.values()) and stats.version == 3
+    assert len(list((tmp_path / "v3").glob("bucket-*.safetensors"))) == 2  # 1600 B alone, then 128 + 512 + 32
+    engine = RecordingEngine()
+    rx = ws.Receiver(engine)
+    assert t.pull(rx) is True and engine.version == 3 and rx.version == 3
+    assert_same(engine.weights, w)
+    assert t.pull(rx) is False and engine.loads == 1  # nothing new: not applied twice
+
+
+def test_versions_only_move_forward(tmp_path):
+    t = ws.SharedFile(tmp_path, keep=2)
+    for v in (1, 2, 3):
+        t.push(ws.full_update(some_weights(v), version=v))
+    with pytest.raises(ws.StaleUpdate, match="push of v2: v3 is already published"):
+        t.push(ws.full_update(some_weights(), version=2))
+    assert sorted(p.name for p in tmp_path.glob("v*")) == ["v2", "v3"]  # keep=2: v1 pruned
+    rx = ws.Receiver(RecordingEngine())
+    rx.apply(ws.full_update(some_weights(5), version=5))
+    with pytest.raises(ws.StaleUpdate, match="v3 is older than the v5 already loaded"):
+        t.pull(rx)
+    assert rx.apply(ws.full_update(some_weights(5), version=5)) is False
+
+
+def test_an_interrupted_push_is_never_applied(tmp_path, monkeypatch):
+    t = ws.SharedFile(tmp_path, bucket_bytes=1024)
+    t.push(ws.full_update(some_weights(1), version=1))
+    import safetensors.torch
+
+    real_save = safetensors.torch.save
+    calls = []
+
+    def dying_save(tensors, metadata=None):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError("disk gone mid-push")
+        return real_save(tensors, metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save", dying_save)
+    with pytest.raises(OSError, match="disk gone"):
+        t.push(ws.full_update(some_weights(2), version=2))
+    monkeypatch.setattr(safetensors.torch, "save", real_save)
+    assert t.latest() == 1 and (tmp_path / ".v2.partial").exists() and not (tmp_path / "v2").exists()
+    engine = RecordingEngine()
+    t.pull(ws.Receiver(engine))
+    assert engine.version == 1
+    assert_same(engine.weights, some_weights(1))
+
+
+def test_a_corrupt_or_missing_bucket_is_refused_by_name(tmp_path):
+    t = ws.SharedFile(tmp_path, bucket_bytes=1024)
+    t.push(ws.full_update(some_weights(), version=4))
+    bucket = tmp_path / "v4" / "bucket-00001.safetensors"
+    data = bytearray(bucket.read_bytes())
+    data[-1] ^= 0xFF
+    bucket.write_bytes(bytes(data))
+    engine = RecordingEngine()
+    rx = ws.Receiver(engine)
+    with pytest.raises(
+        ws.PartialUpdate,
+        match=r"v4: bucket bucket-00001.safetensors has (\d+) bytes and CRC-32 \d+, the manifest says \1 and",
+    ):
+        t.pull(rx)
+    bucket.unlink()
+    with pytest.raises(ws.PartialUpdate, match="bucket bucket-00001.safetensors is missing"):
+        t.pull(rx)
+    assert engine.loads == 0 and rx.version is None
+
+
+def test_lora_adapters_sync_as_adapters_and_merge_to_the_learners_weights(tmp_path):
+    model = wrap_lora(
+        copy.deepcopy(load_policy("tiny:llama")),
+        rank=4,
+        alpha=8.0,
+        dropout=0.0,
+        target_modules=["q_proj", "v_proj"],
+    )
+    g = torch.Generator().manual_seed(0)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # peft starts B at 0: make the delta real
+            p.data = torch.randn(p.shape, generator=g) * 0.1
+    full = merged_weights(model)
+    update = ws.lora_update(model, version=7)
+    assert update.kind == "lora" and set(update.scaling.values()) == {2.0}  # alpha / rank
+    assert update.nbytes < sum(v.numel() * v.element_size() for v in full.values()) / 4
+    base_model_weights = {
+        k.replace(".base_layer.", "."): v for k, v in model.get_base_model().state_dict().items()
+    }
+    base = ws.base_weights_for(base_model_weights, list(update.scaling))
+    t = ws.SharedFile(tmp_path)
+    t.push(update)
+    engine = RecordingEngine()
+    t.pull(ws.Receiver(engine, base=base))
+    assert engine.version == 7 and sorted(engine.weights) == sorted(k + ".weight" for k in update.scaling)
+    for k, v in engine.weights.items():
+        assert torch.equal(v, full[k]), k
+    with pytest.raises(ValueError, match="needs the base weights"):
+        ws.Receiver(RecordingEngine()).apply(update)
+
+
+def _broadcast_worker(rank: int, port: int, out: dict) -> None:
+    """Rank 0 pushes v1 and v2, then sends the header of v3 and dies before its bucket; rank 1 receives."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=20),
+    )
+    t = ws.Broadcast(src=0, bucket_bytes=1024)
+    if rank == 0:
+        t.push(ws.full_update(some_weights(1), version=1))
+        t.push(ws.full_update(some_weights(2), version=2))
+        header = {"version": 3, "kind": "full", "scaling": {}, "transposed": []}
+        header["layout"] = [[("model.norm.weight", "float32", [8])]]
+        dist.broadcast_object_list([header], src=0)
+        os._exit(0)
+    engine = RecordingEngine()
+    rx = ws.Receiver(engine)
+    t.push(None, rx)
+    out["v1_equal"] = all(torch.equal(engine.weights[k], v) for k, v in some_weights(1).items())
+    out["v1_version"] = engine.version
+    t.push(None, rx)
+    out["v2_equal"] = all(torch.equal(engine.weights[k], v) for k, v in some_weights(2).items())
+    try:
+        t.push(None, rx)
+        out["error"] = None
+    except Exception as err:  # the collective fails: the sender is gone
+        out["error"] = type(err).__name__
+    out["version"] = engine.version
+    out["after_equal"] = all(torch.equal(engine.weights[k], v) for k, v in some_weights(2).items())
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_broadcast_between_two_gloo_processes_and_a_sender_dying_mid_push():
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        out = manager.dict()
+        port = _free_port()
+        procs = [ctx.Process(target=_broadcast_worker, args=(r, port, out)) for r in (0, 1)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+        result = dict(out)
+    assert result["v1_equal"] is True and result["v1_version"] == 1 and result["v2_equal"] is True
+    assert result["error"] is not None  # v3 never arrived whole ...
+    assert result["version"] == 2 and result["after_equal"] is True  # ... and nothing of it was applied

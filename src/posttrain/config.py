@@ -510,14 +510,26 @@ class PlacementConfig(Section):
     """Where the roles run. Only `local` (one process) exists yet; the engine's device is engine.device."""
 
     backend: Literal["local", "ray"] = "local"
-    weight_sync: Literal["in_process", "shared_file", "nccl"] = "in_process"
+    weight_sync: Literal["in_process", "shared_file", "nccl"] = Field(
+        "in_process",
+        description="how weights reach the engine: in_process (handed over), shared_file (bucketed, "
+        "checksummed pushes through weight_sync_dir, as engines in other processes read them), nccl "
+        "(needs backend ray)",
+    )
+    weight_sync_dir: str | None = Field(
+        None, description="shared_file: the folder pushes go through; unset = a fresh one in /dev/shm"
+    )
 
 
 class SandboxConfig(Section):
     """Where untrusted code runs: a local warm pool of jailed workers, or a remote sandbox service."""
 
     mode: Literal["local", "remote"] = "local"
-    url: str | None = Field(None, description="remote mode: http://host:port of `posttrain sandbox serve`")
+    url: str | None = Field(
+        None,
+        description="remote mode: http://host:port of `posttrain sandbox serve`; several, comma-separated, "
+        "make a fleet (least-loaded first, a failed service's jobs retried on another)",
+    )
     token: str | None = Field(None, description="remote mode: the service's bearer token")
     pool_size: int = Field(0, ge=0, description="workers per profile; 0 = follow the CPU count")
     recycle_after: int = Field(500, ge=1, description="replace a worker after this many jobs")

@@ -1,5 +1,5 @@
 """The `posttrain` command line: train | eval | export | serve | sft | rm | dpo | sandbox | tasks | bench |
-report | config | models. Each group lives in its own module and imports heavy packages only when run."""
+report | config | models | agent. Each group lives in its own module and imports heavy packages only when run."""
 
 from __future__ import annotations
 
@@ -69,6 +69,7 @@ _add_group("tasks_cmd", "tasks")
 _add_group("config_cmd", "config")
 _add_group("models_cmd", "models")
 _add_group("bench", "bench")
+_add_group("agent_cmd", "agent")  # agent ci-fix
 
 
 def main() -> None:

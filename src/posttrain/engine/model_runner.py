@@ -29,6 +29,7 @@ from posttrain.engine.quant import (
     quantize_linear,
     weight_quant_works,
 )
+from posttrain.longctx.rope import RopeTables
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -79,32 +80,6 @@ class ModelSpec:
             qkv_bias=mt == "qwen2" or bool(getattr(config, "attention_bias", False)),
             qk_norm=mt == "qwen3",
         )
-
-
-def rope_tables(config: Any, head_dim: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin `[max_len, head_dim]` in float32, as transformers computes them (scaling included)."""
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    if not params:
-        params = dict(getattr(config, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
-        base = float(params["rope_theta"])
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-        scaling = 1.0
-    elif rope_type in ("linear", "llama3", "yarn"):
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
-    else:
-        raise ValueError(f"RoPE type '{rope_type}' is not supported (default, linear, llama3, yarn are)")
-    if inv_freq.numel() * 2 != head_dim:
-        raise ValueError("partial rotary embeddings are not supported")
-    pos = torch.arange(max_len, dtype=torch.float32)
-    freqs = pos[:, None] * inv_freq.float()[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos() * scaling, emb.sin() * scaling
 
 
 # Weights of the CPU GEMMs, pre-packed for oneDNN: on this project's machine (AMD, AVX-512) oneDNN's fp32
@@ -231,11 +206,8 @@ class ModelRunner:
         self.q_size = s.num_heads * s.head_dim
         self.kv_size = s.num_kv_heads * s.head_dim
         self.scale = 1.0 / math.sqrt(s.head_dim)
-        cos, sin = rope_tables(config, s.head_dim, max_model_len)
-        half = s.head_dim // 2
-        self.cos = cos.to(self.device, self.dtype)
-        # rotate_half(x) * sin == roll(x, half) * sin_signed, with the first half of sin negated (exact)
-        self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(self.device, self.dtype)
+        self.rope = RopeTables(config, s.head_dim, max_model_len)
+        self.cos, self.sin_signed = self._rope_rows(self.rope.cos, self.rope.sin)
         self._init_weights()
         self.packed: list[dict[str, torch.Tensor]] | None = None
         self.packed_lm_head: torch.Tensor | None = None
@@ -248,6 +220,26 @@ class ModelRunner:
         # int8 K/V: float32 scales per token and KV head, [layers, blocks, block_size, kv_heads]
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
+
+    def _rope_rows(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and the signed sin in the engine's dtype: rotate_half(x) * sin == roll(x, half) * sin_signed,
+        with the first half of sin negated (exact)."""
+        half = self.spec.head_dim // 2
+        sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        return cos.to(self.device, self.dtype), sin_signed.to(self.device, self.dtype)
+
+    def _dynamic_rope(self, batch: StepBatch, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Dynamic NTK: rows of sequences longer than the trained window get the frequencies of their
+        sequence's length after this step (in place), as transformers does with a KV cache."""
+        seq_lens = batch.positions + 1  # decode rows: one token, the sequence's newest
+        for c in batch.prefills:
+            seq_lens[c.row : c.row + c.num_tokens] = c.start_pos + c.num_tokens
+        if int(seq_lens.max()) <= self.rope.window:
+            return
+        rows, c, s = self.rope.dynamic_rows(batch.positions, seq_lens)
+        c, s = self._rope_rows(c, s)
+        cos.index_copy_(0, rows.to(self.device), c)
+        sin.index_copy_(0, rows.to(self.device), s)
 
     # ---- weights -------------------------------------------------------------------------------
 
@@ -511,8 +503,11 @@ class ModelRunner:
         T = batch.input_ids.shape[0]
         x = F.embedding(batch.input_ids, self.embed)
         # index_select, not advanced indexing: the latter is much slower on large CPU tensors
-        cos = self.cos.index_select(0, batch.positions).unsqueeze(1)
-        sin = self.sin_signed.index_select(0, batch.positions).unsqueeze(1)
+        cos = self.cos.index_select(0, batch.positions)
+        sin = self.sin_signed.index_select(0, batch.positions)
+        if self.rope.dynamic:
+            self._dynamic_rope(batch, cos, sin)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         H, KV, hd = s.num_heads, s.num_kv_heads, s.head_dim
         half = hd // 2
         for li, layer in enumerate(self.layers):

@@ -58,13 +58,16 @@ def load_entries(source: ModelSource, mode: str = "standard") -> list[ModelEntry
     per mode: standard runs `engine` as configured, fast runs it with `serve.fast` set over it, both
     serves the two from one process as NAME and NAME-fast."""
     from posttrain.engine import make_engine
+    from posttrain.longctx.rope import apply_rope_scaling
     from posttrain.models import load_policy, load_tokenizer
 
     if mode not in SERVE_MODES:
         raise ValueError(f"mode must be one of {', '.join(SERVE_MODES)}, got '{mode}'")
     cfg = source.cfg
     tokenizer = load_tokenizer(source.spec)
-    model = load_policy(source.spec, dtype=cfg.engine.dtype, seed=cfg.seed)
+    model = apply_rope_scaling(
+        load_policy(source.spec, dtype=cfg.engine.dtype, seed=cfg.seed), cfg.model.rope_scaling
+    )
     wanted = [
         ("standard", source.name, cfg.engine),
         ("fast", f"{source.name}-fast", cfg.serve.fast_engine(cfg.engine)),

@@ -32,6 +32,7 @@ from posttrain.algos import (
     value_loss,
 )
 from posttrain.config import AlgorithmConfig, BatchConfig, ModelConfig, TrainerConfig
+from posttrain.longctx.rope import apply_rope_scaling, check_rope_scaling, rope_parameters
 from posttrain.train.batch import (
     Batch,
     ModelInputs,
@@ -125,7 +126,12 @@ class Learner:
 
         torch.manual_seed(seed)
         if model is None:
-            model = load_policy(model_cfg.spec, dtype=model_cfg.dtype, seed=seed)
+            model = apply_rope_scaling(
+                load_policy(model_cfg.spec, dtype=model_cfg.dtype, seed=seed), model_cfg.rope_scaling
+            )
+        elif model_cfg.rope_scaling is not None:
+            check_rope_scaling(causal_lm(model), model_cfg.rope_scaling)
+        self.dynamic_rope = rope_parameters(causal_lm(model).config)["rope_type"] == "dynamic"
         self.device = next(model.parameters()).device
         self.lora = model_cfg.lora_rank > 0
 
@@ -134,7 +140,11 @@ class Learner:
             critic_backbone = copy.deepcopy(causal_lm(model).get_decoder())
             hidden_size = causal_lm(model).config.hidden_size
         elif trainer_cfg.critic == "separate":
-            cm = critic_model if critic_model is not None else load_policy(trainer_cfg.critic_spec, seed=seed)
+            cm = critic_model
+            if cm is None:
+                cm = apply_rope_scaling(
+                    load_policy(trainer_cfg.critic_spec, seed=seed), model_cfg.rope_scaling
+                )
             critic_backbone = causal_lm(cm).get_decoder()
             hidden_size = causal_lm(cm).config.hidden_size
 
@@ -244,7 +254,8 @@ class Learner:
     def _micro_batches(self, batch: Batch) -> list[tuple[list[int], int]]:
         """(rows, shared prefix length) per micro-batch; the prefix is 0 unless prompt sharing is on."""
         tc, budget = self.trainer_cfg, self.batch_cfg.micro_batch_tokens
-        if tc.share_prompt_prefix and not tc.gradient_checkpointing:
+        # dynamic NTK rotates a prompt by the length of the whole sequence: a shared prompt is not shared
+        if tc.share_prompt_prefix and not tc.gradient_checkpointing and not self.dynamic_rope:
             return plan_shared_micro_batches(
                 batch.token_ids, batch.loss_mask, batch.lengths, batch.group_ids, budget, tc.packing
             )

@@ -1,0 +1,12 @@
+"""Fixtures for the long-context tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from posttrain.models import load_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return load_tokenizer("tiny:llama")

@@ -1,5 +1,5 @@
 """The `posttrain` command line: train | eval | export | serve | sft | rm | dpo | sandbox | tasks | bench |
-report | config | models | agent. Each group lives in its own module and imports heavy packages only when run."""
+report | config | models | agent | docs. Each group lives in its own module and imports heavy packages only when run."""
 
 from __future__ import annotations
 
@@ -70,6 +70,7 @@ _add_group("config_cmd", "config")
 _add_group("models_cmd", "models")
 _add_group("bench", "bench")
 _add_group("agent_cmd", "agent")  # agent ci-fix
+_add_group("docs_cmd", "docs")  # docs ingest | worker | status | query | export | report | demo
 
 
 def main() -> None:

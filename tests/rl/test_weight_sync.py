@@ -61,6 +61,18 @@ def test_shared_file_round_trip_is_bit_exact_in_buckets(tmp_path):
     assert t.pull(rx) is False and engine.loads == 1  # nothing new: not applied twice
 
 
+def test_tied_weights_travel_once_and_come_back_tied(tmp_path):
+    w = some_weights()
+    w["lm_head.weight"] = w["model.embed_tokens.weight"]  # tied, as in SmolLM2
+    update = ws.full_update(w, version=1)
+    assert update.nbytes == ws.full_update(some_weights(), 1).nbytes  # 1600 B not sent twice
+    t = ws.SharedFile(tmp_path)
+    t.push(update)
+    back = t.read()
+    assert_same(back.tensors, w)
+    assert back.tensors["lm_head.weight"].data_ptr() == back.tensors["model.embed_tokens.weight"].data_ptr()
+
+
 def test_versions_only_move_forward(tmp_path):
     t = ws.SharedFile(tmp_path, keep=2)
     for v in (1, 2, 3):
@@ -166,7 +178,7 @@ def _broadcast_worker(rank: int, port: int, out: dict) -> None:
     if rank == 0:
         t.push(ws.full_update(some_weights(1), version=1))
         t.push(ws.full_update(some_weights(2), version=2))
-        header = {"version": 3, "kind": "full", "scaling": {}, "transposed": []}
+        header = {"version": 3, "kind": "full", "scaling": {}, "transposed": [], "aliases": {}}
         header["layout"] = [[("model.norm.weight", "float32", [8])]]
         dist.broadcast_object_list([header], src=0)
         os._exit(0)
@@ -208,3 +220,70 @@ def test_broadcast_between_two_gloo_processes_and_a_sender_dying_mid_push():
     assert result["v1_equal"] is True and result["v1_version"] == 1 and result["v2_equal"] is True
     assert result["error"] is not None  # v3 never arrived whole ...
     assert result["version"] == 2 and result["after_equal"] is True  # ... and nothing of it was applied
+
+
+# -- through the RL loop -------------------------------------------------------------------------------
+
+
+def _loop_run(tmp_path, name, *extra, resume=False):
+    from .test_loop import _cfg, _run
+
+    return _run(_cfg(tmp_path, *extra), name, resume=resume)
+
+
+def _rows(run):
+    from posttrain.telemetry import read_metrics
+
+    from .test_loop import _untimed
+
+    return [
+        {k: v for k, v in r.items() if k != "timeline/weight_sync_bytes"}
+        for r in _untimed(read_metrics(run.run_dir.metrics))
+    ]
+
+
+def test_shared_file_sync_trains_exactly_as_in_process(tmp_path):
+    a = _loop_run(tmp_path, "inproc", "orchestrator.steps=2")
+    b = _loop_run(tmp_path, "shared", "orchestrator.steps=2", "placement.weight_sync=shared_file")
+    folder = b.weight_transport.dir
+    assert str(folder).startswith("/dev/shm/posttrain-weights-") and (folder / "LATEST").read_text() == "2"
+    wa, wb = a.learner.weights(), b.learner.weights()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert _rows(a) == _rows(b)
+    full = ws.full_update(wa, 0).nbytes  # the tied LM head travels once
+    assert full < sum(t.numel() * t.element_size() for t in wa.values())
+    from posttrain.telemetry import read_metrics
+
+    assert [r["timeline/weight_sync_bytes"] for r in read_metrics(b.run_dir.metrics)] == [full, full]
+    a.close()
+    b.close()
+    assert not folder.exists()  # the run's own /dev/shm folder goes with it
+
+
+def test_lora_adapters_through_shared_file_resume_and_train_exactly_as_in_process(tmp_path):
+    lora = ["model.lora_rank=4", "model.lora_alpha=8"]
+    shared = [*lora, "placement.weight_sync=shared_file", f"placement.weight_sync_dir={tmp_path / 'w'}"]
+    a = _loop_run(tmp_path, "inproc", "orchestrator.steps=2", *lora)
+    first = _loop_run(tmp_path, "shared", "orchestrator.steps=1", *shared)
+    first.close()
+    b = _loop_run(tmp_path, "shared", "orchestrator.steps=2", *shared, resume=True)  # v2 after v1: rewound
+    wa, wb = a.learner.weights(), b.learner.weights()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert _rows(a) == _rows(b)
+    la, lb = a.engine.runner.layers, b.engine.runner.layers  # the engines hold the same weights too
+    assert all(torch.equal(x[k], y[k]) for x, y in zip(la, lb, strict=True) for k in x)
+    from posttrain.telemetry import read_metrics
+
+    sent = read_metrics(b.run_dir.metrics)[-1]["timeline/weight_sync_bytes"]
+    assert 0 < sent < sum(t.numel() * t.element_size() for t in wa.values()) / 10  # adapters only
+    a.close()
+    b.close()
+
+
+def test_nccl_sync_is_refused_before_work(tmp_path):
+    from posttrain.orchestrator import RLRun
+
+    from .test_loop import _cfg
+
+    with pytest.raises(ValueError, match="placement.weight_sync='nccl' needs engine workers in other"):
+        RLRun.check(_cfg(tmp_path, "placement.weight_sync=nccl"))

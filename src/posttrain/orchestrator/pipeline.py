@@ -129,7 +129,7 @@ class AsyncPipeline:
                         self.slot = None
                         cond.notify_all()
                 if pending is not None:
-                    run.engine.load_weights(pending[0], version=pending[1])
+                    run.push_weights(pending[0], version=pending[1])
                     loaded = pending[2]
                 run.tasks.feed_unfed(before=need)
                 old_loop, run.loop = run.loop, loop

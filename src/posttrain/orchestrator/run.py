@@ -59,9 +59,10 @@ class RLRun:
         resolve(cfg.model.spec)
         if cfg.placement.backend != "local":
             raise ValueError(f"placement.backend='{cfg.placement.backend}' is not yet available; use 'local'")
-        if cfg.placement.weight_sync != "in_process":
+        if cfg.placement.weight_sync == "nccl":
             raise ValueError(
-                f"placement.weight_sync='{cfg.placement.weight_sync}' is not yet available; use 'in_process'"
+                "placement.weight_sync='nccl' needs engine workers in other processes (placement.backend="
+                "'ray'), which is not yet available; use 'in_process' or 'shared_file'"
             )
         for d in cfg.envs.domains:
             valid = get_domain(d.name, **d.options).difficulties
@@ -106,6 +107,7 @@ class RLRun:
         self.learner = Learner(cfg.model, cfg.trainer, cfg.algorithm, seed=cfg.seed, batch_cfg=cfg.batch)
         engine_model = load_policy(cfg.model.spec, dtype=cfg.engine.dtype, seed=cfg.seed)
         self.engine: Engine = make_engine(cfg.engine, engine_model, self.tokenizer)
+        self.make_weight_sync()
         self.sync_weights(self.learner.weights())
         self.sandbox = self.make_sandbox()
         self.reward = make_learned_reward(cfg.reward, self.tokenizer)
@@ -165,11 +167,67 @@ class RLRun:
         """A copy that later learner updates cannot change (async hand-off to the rollout thread)."""
         return {k: v.detach().clone() for k, v in self.learner.weights().items()}
 
+    def make_weight_sync(self) -> None:
+        """The transport of placement.weight_sync: in-process hands the tensors over; shared_file pushes
+        them through placement.weight_sync_dir (default: a fresh folder in /dev/shm, removed at close)
+        and loads them back as an engine in another process would, version-checked and verified."""
+        from posttrain.orchestrator import weight_sync as ws
+
+        placement = self.cfg.placement
+        self.sync_bytes = 0
+        self.weight_dir_owned: str | None = None
+        self.weight_transport: ws.SharedFile | None = None
+        if placement.weight_sync != "shared_file":
+            return
+        directory = placement.weight_sync_dir
+        if directory is None:
+            import os
+            import tempfile
+
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            directory = self.weight_dir_owned = tempfile.mkdtemp(prefix="posttrain-weights-", dir=shm)
+        self.weight_transport = ws.SharedFile(directory)
+        self.weight_transport.reset()
+        base = None
+        if self.learner.lora:  # adapters travel alone; the receiver keeps the base weights they adapt
+            base_model = self.learner.model.get_base_model()
+            named = {k.replace(".base_layer.", "."): v for k, v in base_model.state_dict().items()}
+            modules = list(ws.lora_update(self.learner.model, 0).scaling)
+            base = ws.base_weights_for(named, modules)
+        self.weight_receiver = ws.Receiver(self.engine, base=base)
+
+    def rewind_weight_sync(self) -> None:
+        """Forget pushed versions (a resume goes back to the checkpoint's, which may be older)."""
+        if self.weight_transport is not None:
+            self.weight_transport.reset()
+            self.weight_receiver.version = None
+
     def sync_weights(self, weights: dict[str, Any]) -> float:
+        """Load the learner's `weights` into the engine (`push_weights`); returns the seconds it took."""
         t0 = time.perf_counter()
-        self.engine.load_weights(weights, version=self.learner.version)
+        self.push_weights(weights)
         self.phases.add("sync_weights")
         return time.perf_counter() - t0
+
+    def push_weights(self, weights: dict[str, Any], version: int | None = None) -> None:
+        """`weights` of policy `version` (default: the learner's current ones) into the engine through the
+        configured transport. Under LoRA with shared_file, the learner's adapters travel instead of the
+        merged weights when they are the learner's current ones."""
+        from posttrain.orchestrator import weight_sync as ws
+
+        own = version is None
+        version = self.learner.version if version is None else version
+        if self.weight_transport is None:
+            self.engine.load_weights(weights, version=version)
+            self.sync_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+            return
+        if own and self.learner.lora:
+            update = ws.lora_update(self.learner.model, version)
+        else:
+            update = ws.full_update(weights, version)
+        self.weight_transport.push(update)
+        self.weight_transport.pull(self.weight_receiver)
+        self.sync_bytes = update.nbytes
 
     # ------------------------------------------------------------------ one step
 
@@ -263,16 +321,19 @@ class RLRun:
         wall_s: float,
         idle_s: float,
     ) -> dict[str, float]:
-        return step_metrics(
-            trajs,
-            stats,
-            train_metrics,
-            update_s=update_s,
-            sync_s=sync_s,
-            wall_s=wall_s,
-            idle_s=idle_s,
-            policy_version=self.learner.version,
-        )
+        return {
+            **step_metrics(
+                trajs,
+                stats,
+                train_metrics,
+                update_s=update_s,
+                sync_s=sync_s,
+                wall_s=wall_s,
+                idle_s=idle_s,
+                policy_version=self.learner.version,
+            ),
+            "timeline/weight_sync_bytes": float(self.sync_bytes),
+        }
 
     def after_step(
         self,
@@ -405,6 +466,11 @@ class RLRun:
         }
 
     def close(self) -> None:
+        if getattr(self, "weight_dir_owned", None):
+            import shutil
+
+            shutil.rmtree(self.weight_dir_owned, ignore_errors=True)
+            self.weight_dir_owned = None
         if self.sandbox is not None:
             self.loop.run_until_complete(self.sandbox.close())
             self.sandbox = None

@@ -92,6 +92,7 @@ def load_run(run: RLRun) -> list[str]:
         tasks.feed([(by_key[key], pid, rewards, gen) for key, pid, rewards, gen in groups], j)
     set_py_random_state(state["python_random"])
     set_np_random_state(state["numpy_random"])
+    run.rewind_weight_sync()
     run.sync_weights(run.learner.weights())
     # the run goes on with this config (a resume may override settings): config.yaml says so
     save_config(run.cfg, run.run_dir.config)

@@ -58,7 +58,24 @@ class WeightUpdate:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        """Bytes that travel: a tensor tied to another (embeddings and LM head) counts once."""
+        unique, _ = dedupe(self.tensors)
+        return sum(t.numel() * t.element_size() for t in unique.values())
+
+
+def dedupe(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors with each shared storage once, {alias: name it shares with}) for tied weights."""
+    unique: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name, t in tensors.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if t.numel() and key in seen:
+            aliases[name] = seen[key]
+        else:
+            seen[key] = name
+            unique[name] = t
+    return unique, aliases
 
 
 def full_update(weights: dict[str, torch.Tensor], version: int) -> WeightUpdate:
@@ -209,6 +226,13 @@ class SharedFile:
 
     # writer ------------------------------------------------------------------------------------------
 
+    def reset(self) -> None:
+        """Remove every published and partial version (a run's pushes start afresh, a resumed one too)."""
+        (self.dir / "LATEST").unlink(missing_ok=True)
+        for path in self.dir.glob("*v*"):
+            if path.is_dir() and (path.name.startswith("v") or path.name.startswith(".v")):
+                shutil.rmtree(path, ignore_errors=True)
+
     def push(self, update: WeightUpdate) -> PushStats:
         from safetensors.torch import save
 
@@ -220,7 +244,8 @@ class SharedFile:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         buckets = []
-        for i, group in enumerate(_buckets(update.tensors, self.bucket_bytes)):
+        unique, aliases = dedupe(update.tensors)
+        for i, group in enumerate(_buckets(unique, self.bucket_bytes)):
             path = tmp / f"bucket-{i:05d}.safetensors"
             data = save({k: v.detach().contiguous() for k, v in group.items()})
             with open(path, "wb") as f:
@@ -233,6 +258,7 @@ class SharedFile:
             "kind": update.kind,
             "scaling": update.scaling,
             "transposed": update.transposed,
+            "aliases": aliases,
             "buckets": buckets,
             "nbytes": update.nbytes,
         }
@@ -289,6 +315,8 @@ class SharedFile:
                     f"{zlib.crc32(data)}, the manifest says {b['bytes']} and {b['crc32']}"
                 )
             tensors.update(load(data))
+        for alias, name in manifest["aliases"].items():
+            tensors[alias] = tensors[name]
         return WeightUpdate(
             version=int(manifest["version"]),
             kind=manifest["kind"],
@@ -330,15 +358,17 @@ class Broadcast:
         if is_src:
             if update is None:
                 raise ValueError("the source rank must push an update")
+            unique, aliases = dedupe(update.tensors)
             header = [
                 {
                     "version": update.version,
                     "kind": update.kind,
                     "scaling": update.scaling,
                     "transposed": update.transposed,
+                    "aliases": aliases,
                     "layout": [
                         [(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in g.items()]
-                        for g in _buckets(update.tensors, self.bucket_bytes)
+                        for g in _buckets(unique, self.bucket_bytes)
                     ],
                 }
             ]
@@ -367,6 +397,9 @@ class Broadcast:
         nbytes = sum(
             int(torch.Size(s).numel()) * getattr(torch, d).itemsize for b in meta["layout"] for _, d, s in b
         )
+        for alias, name in meta.get("aliases", {}).items():
+            if name in tensors:
+                tensors[alias] = tensors[name]
         if not is_src and receiver is not None:
             receiver.apply(
                 WeightUpdate(meta["version"], meta["kind"], tensors, meta["scaling"], meta["transposed"])

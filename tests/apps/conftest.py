@@ -66,7 +66,7 @@ def sandbox():
     from posttrain.sandbox import LocalSandbox, SandboxUnavailable
 
     try:
-        sb = LocalSandbox(pool_size=1)
+        sb = LocalSandbox(pool_size=2)
     except SandboxUnavailable as err:
         pytest.skip(f"sandbox unavailable on this machine: {err}")
     yield sb

@@ -32,7 +32,18 @@ def last_json(stdout: str) -> dict:
 
 
 def agent_args(repo: Path, tmp_path: Path, *extra: str) -> list[str]:
-    return ["agent", "ci-fix", "--repo", str(repo), "--transcripts", str(tmp_path / "tr"), "--json", *extra]
+    return [
+        "agent",
+        "ci-fix",
+        "--repo",
+        str(repo),
+        "--transcripts",
+        str(tmp_path / "tr"),
+        "--json",
+        "--set",
+        "sandbox.pool_size=1",
+        *extra,
+    ]
 
 
 def test_scripted_policy_fixes_a_planted_bug_through_the_cli(planted, tmp_path, canned_server):

@@ -441,3 +441,70 @@ def serve(
         startup_timeout_s=startup_timeout_s,
         seed=seed,
     )
+
+
+@app.command("scale")
+def scale(
+    model: str = typer.Option("smollm2-135m", "--model", help="model spec"),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16"),
+    repeats: int = typer.Option(5, "--repeats", min=1, help="repeats per transport; medians are reported"),
+    lora_rank: int = typer.Option(16, "--lora-rank", min=1, help="rank of the LoRA adapter push"),
+    skip_broadcast: bool = typer.Option(False, "--skip-broadcast", help="leave out the 2-process gloo run"),
+    json_out: bool = JSON,
+) -> dict[str, Any]:
+    """Weight-sync seconds and bytes/s per transport (in-process, shared file, gloo broadcast, LoRA
+    adapters) against a plain copy of the same bytes, measured in the same run."""
+    if dtype not in ("float32", "bfloat16"):
+        fail(f"--dtype must be float32 or bfloat16, got {dtype!r}", EXIT_USAGE)
+    return _run(
+        "scale",
+        json_out,
+        model=model,
+        dtype=dtype,
+        repeats=repeats,
+        lora_rank=lora_rank,
+        skip_broadcast=skip_broadcast,
+    )
+
+@app.command("ci-fix")
+def ci_fix(
+    models: list[str] = typer.Option(
+        ["smollm2-135m"], "--model", help="in-process model: spec, HF folder or run dir (repeatable)"
+    ),
+    api_base: str = typer.Option(None, "--api-base", help="also score an OpenAI-compatible endpoint"),
+    api_model: str = typer.Option(None, "--api-model", help="model name at --api-base"),
+    api_key: str = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY"),
+    suite: str = typer.Option(
+        None, "--suite", help="the real-project suite folder (default benchmarks/ci_fix)"
+    ),
+    skip_suite: bool = typer.Option(False, "--skip-suite", help="only the held-out swe.ci_fix repositories"),
+    levels: str = typer.Option("0,1,2", "--levels", help="swe.ci_fix levels, comma list"),
+    swe_n: int = typer.Option(4, "--swe-n", min=0, help="held-out swe.ci_fix repositories per level"),
+    max_turns: int = typer.Option(6, "--max-turns", min=1, help="assistant turns per attempt"),
+    max_attempts: int = typer.Option(1, "--max-attempts", min=1, help="attempts per task"),
+    timeout_s: float = typer.Option(300.0, "--timeout-s", min=1.0, help="limit per task"),
+    overrides: list[str] = typer.Option([], "--set", metavar="KEY=VALUE", help="config override"),
+    seed: int = typer.Option(0, "--seed", help="seed of the held-out tasks and the intervals"),
+    json_out: bool = JSON,
+) -> dict[str, Any]:
+    """Fix rate of `posttrain agent ci-fix` (patch verified on a fresh copy) with 95% intervals, attempts
+    and wall time per fix, on held-out swe.ci_fix repos and the committed real-project suite."""
+    from posttrain.bench.ci_fix import SUITE_DIR
+
+    return _run(
+        "ci_fix",
+        json_out,
+        models=list(models),
+        api_base=api_base,
+        api_model=api_model,
+        api_key=api_key,
+        suite=suite or str(SUITE_DIR),
+        skip_suite=skip_suite,
+        levels=levels,
+        swe_n=swe_n,
+        max_turns=max_turns,
+        max_attempts=max_attempts,
+        timeout_s=timeout_s,
+        overrides=list(overrides),
+        seed=seed,
+    )

@@ -151,13 +151,21 @@ async def _extract_chunk(
     return obj2, True
 
 
-def _quote(chunk: Chunk, value: Any) -> str:
-    s = f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)
-    for needle in (s, str(value)):
-        i = chunk.text.find(needle)
-        if i >= 0:
-            return chunk.text[max(0, i - 60) : i + len(needle) + 60].replace("\n", " ")
-    return ""
+def cite(target: str, chunk: Chunk, value: Any) -> Citation:
+    """Where `value` is stated: the page and section of the first block of the chunk that shows it
+    (with a little context), else the chunk's first page and last section."""
+    needles = [str(value)]
+    if isinstance(value, int) and not isinstance(value, bool):
+        needles.insert(0, f"{value:,}")
+    for block in chunk.blocks:
+        for needle in needles:
+            i = block.text.find(needle)
+            if i >= 0:
+                quote = block.text[max(0, i - 60) : i + len(needle) + 60].replace("\n", " ")
+                return Citation(target, block.page, block.section, quote)
+    return Citation(
+        target, chunk.pages[0] if chunk.pages else None, chunk.sections[-1] if chunk.sections else None
+    )
 
 
 async def analyze(
@@ -206,15 +214,7 @@ async def analyze(
             value = outs[i][0].get(name)
             if value is not None and _validation_error(value, props[name]) is None:
                 merged[name] = value
-                c = chunks[i]
-                citations.append(
-                    Citation(
-                        name,
-                        c.pages[0] if c.pages else None,
-                        c.sections[-1] if c.sections else None,
-                        _quote(c, value),
-                    )
-                )
+                citations.append(cite(name, chunks[i], value))
                 break
     if whole:  # keep what the model said, extra keys included: validation below judges it
         merged = {**outs[0][0], **merged}
@@ -242,13 +242,7 @@ async def analyze(
                 break
         answers.append(answer)
         if where is not None:
-            citations.append(
-                Citation(
-                    f"answer:{qi}",
-                    where.pages[0] if where.pages else None,
-                    where.sections[-1] if where.sections else None,
-                )
-            )
+            citations.append(cite(f"answer:{qi}", where, answer))
     return AnalysisResult(
         data=merged,
         valid=_validation_error(merged, schema) is None,
@@ -266,7 +260,9 @@ async def analyze(
 
 def _whole(doc: ParsedDoc) -> Chunk:
     pages = sorted({b.page for b in doc.blocks if b.page is not None})
-    return Chunk(doc.text, pages, list(dict.fromkeys(b.section for b in doc.blocks if b.section)))
+    return Chunk(
+        doc.text, pages, list(dict.fromkeys(b.section for b in doc.blocks if b.section)), list(doc.blocks)
+    )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -142,6 +142,7 @@ class Chunk:
     text: str
     pages: list[int]
     sections: list[str]
+    blocks: list[Block] = field(default_factory=list)
 
 
 def chunk_blocks(blocks: list[Block], max_tokens: int, count_tokens: Any) -> list[Chunk]:
@@ -183,4 +184,4 @@ def chunk_blocks(blocks: list[Block], max_tokens: int, count_tokens: Any) -> lis
 def _chunk(blocks: list[Block]) -> Chunk:
     pages = sorted({b.page for b in blocks if b.page is not None})
     sections = list(dict.fromkeys(b.section for b in blocks if b.section))
-    return Chunk("\n\n".join(b.text for b in blocks), pages, sections)
+    return Chunk("\n\n".join(b.text for b in blocks), pages, sections, list(blocks))

@@ -466,6 +466,7 @@ def scale(
         skip_broadcast=skip_broadcast,
     )
 
+
 @app.command("ci-fix")
 def ci_fix(
     models: list[str] = typer.Option(

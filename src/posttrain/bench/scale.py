@@ -1,0 +1,192 @@
+"""`posttrain bench scale`: weight-sync time per transport for the embedded model, against the memory
+bandwidth measured in the same run.
+
+Transports (`orchestrator.weight_sync`): `in_process` (the tensors copied into a live paged engine),
+`shared_file` (a push into a folder on /dev/shm, then the read, verification and load into the same
+engine, as an engine in another process does), `broadcast` (torch.distributed over gloo between two
+processes on 127.0.0.1: the wire time of the push, process start excluded) and `lora` (a rank-R
+adapter push through shared_file, merged at the receiver). The baseline is a plain copy of the same
+bytes into preallocated buffers (`memcpy`): what moving the weights once costs on this machine. Each
+figure is the median of `--repeats`.
+
+Not measured yet, and reported as null: `ray_overhead_frac`, which needs the Ray placement backend.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from posttrain.orchestrator import weight_sync as ws
+
+
+def _median_s(fn: Any, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _broadcast_worker(
+    rank: int, port: int, weights: dict[str, torch.Tensor] | None, repeats: int, out: Any
+) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    transport = ws.Broadcast(src=0)
+
+    class Sink:  # the receiver's engine: keeps the tensors, as load_weights would copy them
+        def load_weights(self, tensors: dict, version: int | None = None) -> None:
+            self.tensors = tensors
+
+    receiver = ws.Receiver(Sink())
+    times = []
+    for v in range(1, repeats + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            transport.push(ws.full_update(weights or {}, v))
+        else:
+            transport.push(None, receiver)
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    if rank == 1:
+        out["broadcast_s"] = statistics.median(times)
+    dist.destroy_process_group()
+
+
+def _broadcast_s(weights: dict[str, torch.Tensor], repeats: int) -> float:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        out = manager.dict()
+        procs = [
+            ctx.Process(target=_broadcast_worker, args=(r, port, weights if r == 0 else None, repeats, out))
+            for r in (0, 1)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(600)
+        if "broadcast_s" not in out:
+            raise RuntimeError("the broadcast benchmark's processes did not report")
+        return float(out["broadcast_s"])
+
+
+def main(opts: Any) -> dict:
+    """Run the benchmark with the options of `posttrain bench scale` (see its --help)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from posttrain.config import EngineConfig
+    from posttrain.engine import make_engine
+    from posttrain.models import load_policy, load_tokenizer, wrap_lora
+
+    console = Console(stderr=True)
+    model = load_policy(opts.model, dtype=opts.dtype)
+    tokenizer = load_tokenizer(opts.model)
+    engine = make_engine(EngineConfig(dtype=opts.dtype, num_kv_blocks=64), model, tokenizer)
+    weights = {k: v.detach() for k, v in model.state_dict().items()}  # tied tensors stay tied
+    update = ws.full_update(weights, 1)
+    nbytes = update.nbytes
+    unique, _ = ws.dedupe(weights)
+    buffers = {k: torch.empty_like(v) for k, v in unique.items()}
+
+    def memcpy() -> None:
+        for k, v in unique.items():
+            buffers[k].copy_(v)
+
+    version = iter(range(2, 10**9))
+
+    def in_process() -> None:
+        engine.load_weights(weights, version=next(version))
+
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    folder = tempfile.mkdtemp(prefix="posttrain-bench-scale-", dir=shm)
+    try:
+        shared = ws.SharedFile(folder)
+        receiver = ws.Receiver(engine)
+
+        def shared_file() -> None:
+            shared.push(ws.full_update(weights, next(version)))
+            shared.pull(receiver)
+
+        lora_model = wrap_lora(
+            load_policy(opts.model, dtype=opts.dtype),
+            rank=opts.lora_rank,
+            alpha=2.0 * opts.lora_rank,
+            dropout=0.0,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        )
+        lora_probe = ws.lora_update(lora_model, 0)
+        named = {
+            k.replace(".base_layer.", "."): v for k, v in lora_model.get_base_model().state_dict().items()
+        }
+        lora_receiver = ws.Receiver(engine, base=ws.base_weights_for(named, list(lora_probe.scaling)))
+        lora_shared = ws.SharedFile(os.path.join(folder, "lora"))
+
+        def lora() -> None:
+            lora_shared.push(ws.lora_update(lora_model, next(version)))
+            lora_shared.pull(lora_receiver)
+
+        console.print(f"[dim]measuring {nbytes / 1e6:.0f} MB of {opts.model} weights ({opts.dtype}) ...[/]")
+        runners = {"memcpy": memcpy, "in_process": in_process, "shared_file": shared_file, "lora": lora}
+        for fn in runners.values():
+            fn()  # warm: page faults, allocator
+        seconds = {name: _median_s(fn, opts.repeats) for name, fn in runners.items()}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    if not opts.skip_broadcast:
+        console.print("[dim]measuring the gloo broadcast between two processes ...[/]")
+        seconds["broadcast"] = _broadcast_s(weights, opts.repeats)
+    lora_bytes = lora_probe.nbytes
+    moved = {name: (lora_bytes if name == "lora" else nbytes) for name in seconds}
+    rates = {name: moved[name] / s for name, s in seconds.items()}
+    load = os.getloadavg()[0]
+    table = Table(
+        title=f"weight sync: {opts.model} {opts.dtype}, {nbytes / 1e6:.0f} MB (LoRA r={opts.lora_rank}: "
+        f"{lora_bytes / 1e6:.1f} MB), median of {opts.repeats}, load {load:.1f}"
+    )
+    for col in ("transport", "seconds", "GB/s", "vs memcpy"):
+        table.add_column(col)
+    for name, s in seconds.items():
+        table.add_row(name, f"{s:.3f}", f"{rates[name] / 1e9:.2f}", f"{seconds['memcpy'] / s:.2f}x")
+    console.print(table)
+    return {
+        "model": opts.model,
+        "dtype": opts.dtype,
+        "weight_bytes": nbytes,
+        "lora_bytes": lora_bytes,
+        "repeats": opts.repeats,
+        "weight_sync_s": {k: v for k, v in seconds.items() if k != "memcpy"},
+        "memcpy_s": seconds["memcpy"],
+        "bytes_per_s": {k: v for k, v in rates.items() if k != "memcpy"},
+        "memcpy_bytes_per_s": rates["memcpy"],
+        "shared_file_frac_of_memcpy": rates["shared_file"] / rates["memcpy"],
+        "ray_overhead_frac": None,
+        "ray_note": "not measured: the Ray placement backend is not built yet",
+        "load_avg_1m": load,
+        "cpu_count": os.cpu_count(),
+    }

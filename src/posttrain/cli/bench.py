@@ -509,27 +509,3 @@ def ci_fix(
         overrides=list(overrides),
         seed=seed,
     )
-
-
-@app.command("scale")
-def scale(
-    model: str = typer.Option("smollm2-135m", "--model", help="model spec"),
-    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16"),
-    repeats: int = typer.Option(5, "--repeats", min=1, help="repeats per transport; medians are reported"),
-    lora_rank: int = typer.Option(16, "--lora-rank", min=1, help="rank of the LoRA adapter push"),
-    skip_broadcast: bool = typer.Option(False, "--skip-broadcast", help="leave out the 2-process gloo run"),
-    json_out: bool = JSON,
-) -> dict[str, Any]:
-    """Weight-sync seconds and bytes/s per transport (in-process, shared file, gloo broadcast, LoRA
-    adapters) against a plain copy of the same bytes, measured in the same run."""
-    if dtype not in ("float32", "bfloat16"):
-        fail(f"--dtype must be float32 or bfloat16, got {dtype!r}", EXIT_USAGE)
-    return _run(
-        "scale",
-        json_out,
-        model=model,
-        dtype=dtype,
-        repeats=repeats,
-        lora_rank=lora_rank,
-        skip_broadcast=skip_broadcast,
-    )

@@ -53,7 +53,7 @@ class JobQueue(Protocol):
     def lease(self, worker: str) -> Lease | None: ...
     def extend(self, lease: Lease) -> bool: ...
     def ack(self, lease: Lease) -> bool: ...
-    def fail(self, lease: Lease, error: str) -> str: ...  # "retry" | "dead"
+    def fail(self, lease: Lease, error: str) -> str: ...  # "retry" | "dead" | "lost" (re-leased meanwhile)
     def counts(self) -> dict[str, int]: ...
     def dead_letters(self) -> list[dict[str, Any]]: ...
     def close(self) -> None: ...
@@ -302,32 +302,44 @@ class RedisQueue:
                 self.r.xdel(self.stream, msg_id)
                 continue
             attempts = self.r.hincrby(self._job(job_id), "attempts", 1)
-            self.r.hset(self._job(job_id), mapping={"state": "leased", "leased_by": worker})
+            token = f"{msg_id}|{uuid.uuid4().hex}"  # the entry id, plus who holds this delivery of it
+            self.r.hset(self._job(job_id), mapping={"state": "leased", "leased_by": worker, "lease": token})
             payload = json.loads(self.r.hget(self._job(job_id), "payload") or "{}")
-            return Lease(job_id, payload, attempts, msg_id)
+            return Lease(job_id, payload, attempts, token)
 
-    def _owner(self, lease: Lease) -> str | None:
-        pending = self.r.xpending_range(self.stream, self.GROUP, lease.token, lease.token, 1)
-        return pending[0]["consumer"] if pending else None
+    def _holds(self, lease: Lease) -> bool:
+        return self.r.hget(self._job(lease.job_id), "lease") == lease.token
+
+    @staticmethod
+    def _entry(lease: Lease) -> str:
+        return lease.token.split("|", 1)[0]
 
     def extend(self, lease: Lease) -> bool:
-        owner = self._owner(lease)
-        if owner is None:
+        if not self._holds(lease):
             return False
-        self.r.xclaim(self.stream, self.GROUP, owner, 0, [lease.token], justid=True)  # resets the idle time
+        entry = self._entry(lease)
+        pending = self.r.xpending_range(self.stream, self.GROUP, entry, entry, 1)
+        if not pending:
+            return False
+        self.r.xclaim(self.stream, self.GROUP, pending[0]["consumer"], 0, [entry], justid=True)  # resets idle
         return True
 
     def ack(self, lease: Lease) -> bool:
-        n = self.r.xack(self.stream, self.GROUP, lease.token)
-        self.r.xdel(self.stream, lease.token)
-        if n:
-            self.r.hset(self._job(lease.job_id), "state", "done")
+        if not self._holds(lease):  # re-leased meanwhile: the new holder acknowledges
+            return False
+        entry = self._entry(lease)
+        n = self.r.xack(self.stream, self.GROUP, entry)
+        self.r.xdel(self.stream, entry)
+        self.r.hset(self._job(lease.job_id), mapping={"state": "done", "lease": ""})
         return n == 1
 
     def fail(self, lease: Lease, error: str) -> str:
-        if self.r.xack(self.stream, self.GROUP, lease.token) != 1:
+        if not self._holds(lease):
             return "lost"
-        self.r.xdel(self.stream, lease.token)
+        entry = self._entry(lease)
+        self.r.xack(self.stream, self.GROUP, entry)
+        self.r.xdel(self.stream, entry)
+        self.r.hset(self._job(lease.job_id), "lease", "")
         if lease.attempt >= self.policy.max_attempts:
             self._to_dead(lease.job_id, lease.attempt, error)
             return "dead"

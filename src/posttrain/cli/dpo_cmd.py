@@ -7,7 +7,7 @@ from __future__ import annotations
 import typer
 
 from posttrain.cli.common import EXIT_USAGE, fail, source_sets
-from posttrain.cli.rm_cmd import prepare_pair_run, report
+from posttrain.cli.rm_cmd import open_pair_run, prepare_pair_run, run_pairs
 
 
 def dpo(
@@ -19,6 +19,7 @@ def dpo(
     levels: str = typer.Option(None, "--levels", help="--from-env difficulties, e.g. 0,1 (pairs.levels)"),
     n: int = typer.Option(None, "--n", min=1, help="--from-env training tasks (pairs.n)"),
     loss: str = typer.Option(None, "--loss", help="dpo | ipo | simpo (dpo.loss)"),
+    resume: str = typer.Option(None, "--resume", help="continue the run in this directory"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing run directory"),
     no_progress: bool = typer.Option(False, "--no-progress", help="no live progress display"),
 ) -> None:
@@ -27,18 +28,26 @@ def dpo(
     Data as `posttrain rm train`: --data FILE.jsonl of {"prompt", "chosen", "rejected"} rows, or
     --from-env DOMAIN: sampled completions, a verifier success paired with a failure. The loss is
     dpo.loss with dpo.* hyperparameters; metrics log the implicit rewards of both responses, their
-    margin and the pairwise accuracy, on the training batches and the held-out pairs."""
+    margin and the pairwise accuracy, on the training batches and the held-out pairs. --resume RUN_DIR
+    goes on from the run's newest checkpoint, on its saved config and pairs."""
     from posttrain.orchestrator.dpo import dpo_run
 
-    sets = list(set_ or []) + source_sets("pairs", data, from_env, levels, n)
-    if loss is not None:
-        sets.append(f"dpo.loss={loss}")
-    p = prepare_pair_run(config, sets, name, overwrite)
+    prepared = None
+    if resume:
+        given = {"CONFIG": config, "--set": set_, "--name": name, "--data": data, "--from-env": from_env}
+        given |= {"--levels": levels, "--n": n, "--loss": loss, "--overwrite": overwrite}
+        cfg, run = open_pair_run(resume, given)
+    else:
+        sets = list(set_ or []) + source_sets("pairs", data, from_env, levels, n)
+        if loss is not None:
+            sets.append(f"dpo.loss={loss}")
+        prepared = prepare_pair_run(config, sets, name, overwrite)
+        cfg, run = prepared.cfg, prepared.run
     try:
-        job = dpo_run(p.cfg, p.run, show_progress=not no_progress and p.cfg.telemetry.progress)
+        job = dpo_run(cfg, run, show_progress=not no_progress and cfg.telemetry.progress)
     except (KeyError, ValueError) as err:
         fail(f"cannot start the run: {err}", EXIT_USAGE)
-    report(job.train(p.train, p.heldout, p.stats), p.run, "policy")
+    run_pairs(job, prepared, "policy")
 
 
 def register(app: typer.Typer) -> None:

@@ -8,8 +8,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import typer
+from rich.markup import escape
 
-from posttrain.cli.common import EXIT_USAGE, console, fail, load_config_or_exit, source_sets
+from posttrain.cli.common import (
+    EXIT_RUNTIME,
+    EXIT_USAGE,
+    console,
+    err_console,
+    fail,
+    load_config_or_exit,
+    source_sets,
+)
 
 app = typer.Typer(help="Reward models: train on preference pairs, serve over HTTP.", no_args_is_help=True)
 
@@ -66,6 +75,47 @@ def prepare_pair_run(config: str | None, sets: list[str], name: str | None, over
     return PreparedPairs(cfg, run, tokenizer, train, heldout, stats)
 
 
+def open_pair_run(resume: str, given: dict[str, Any]) -> tuple[Any, Any]:
+    """(config, run dir) of the pair run to resume in `resume`. The run goes on with its saved config and
+    pairs, so the options in `given` that would change them exit 2, as does a directory that is not a run."""
+    from posttrain.config import ConfigError, load_config
+    from posttrain.telemetry.rundir import RunDir
+
+    clash = [opt for opt, value in given.items() if value]
+    if clash:
+        fail(
+            f"--resume continues the run with its saved config and pairs; drop {', '.join(clash)}",
+            EXIT_USAGE,
+        )
+    try:
+        run = RunDir.open(resume)
+        cfg = load_config(run.config)
+    except (FileNotFoundError, ConfigError) as err:
+        fail(f"cannot resume the run: {err}", EXIT_USAGE)
+    return cfg, run
+
+
+def run_pairs(job: Any, prepared: PreparedPairs | None, what: str) -> None:
+    """Train `job` on the prepared pairs, or resume it from its run directory's newest valid checkpoint
+    (prepared None: exit 2 without the run's pairs, 1 without a usable checkpoint); print the outcome."""
+    from posttrain.orchestrator import CheckpointError
+    from posttrain.orchestrator.pairs import PairDataError
+
+    if prepared is not None:
+        report(job.train(prepared.train, prepared.heldout, prepared.stats), prepared.run, what)
+        return
+    try:
+        (train, heldout, stats), warnings = job.load()
+    except PairDataError as err:
+        fail(f"cannot resume the run: {err}", EXIT_USAGE)
+    except CheckpointError as err:
+        fail(str(err), EXIT_RUNTIME)
+    for warning in warnings:
+        err_console.print(f"[yellow]warning:[/] {escape(warning)}")
+    console.print(f"resumed {job.run_dir.path} at step {job.step}")
+    report(job.train(train, heldout, stats), job.run_dir, what)
+
+
 def report(summary: dict, run: Any, what: str) -> None:
     """Print a pair run's outcome; exit 128 + signal when it was stopped."""
     if summary["interrupted"]:
@@ -94,6 +144,7 @@ def train(
     from_env: str = typer.Option(None, "--from-env", help="sample pairs from this domain (pairs.from_env)"),
     levels: str = typer.Option(None, "--levels", help="--from-env difficulties, e.g. 0,1 (pairs.levels)"),
     n: int = typer.Option(None, "--n", min=1, help="--from-env training tasks (pairs.n)"),
+    resume: str = typer.Option(None, "--resume", help="continue the run in this directory"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing run directory"),
     no_progress: bool = typer.Option(False, "--no-progress", help="no live progress display"),
 ) -> None:
@@ -102,16 +153,25 @@ def train(
     Data: --data FILE.jsonl with {"prompt": str or [messages], "chosen": str or [messages], "rejected":
     likewise} rows; or --from-env DOMAIN [--levels 0] [--n 64]: pairs.samples_per_task completions per
     task sampled by the engine, a verifier success paired with a failure. Prints the held-out pairwise
-    accuracy before and after; the model goes to RUN_DIR/reward_model (AutoModelForSequenceClassification)."""
+    accuracy before and after; the model goes to RUN_DIR/reward_model (AutoModelForSequenceClassification).
+    --resume RUN_DIR goes on from the run's newest checkpoint, on its saved config and pairs."""
+    from posttrain.models import load_tokenizer
     from posttrain.orchestrator.rm import rm_run
 
-    sets = list(set_ or []) + source_sets("pairs", data, from_env, levels, n)
-    p = prepare_pair_run(config, sets, name, overwrite)
+    prepared = None
+    if resume:
+        given = {"CONFIG": config, "--set": set_, "--name": name, "--data": data, "--from-env": from_env}
+        cfg, run = open_pair_run(resume, {**given, "--levels": levels, "--n": n, "--overwrite": overwrite})
+        tokenizer = load_tokenizer(cfg.model.spec)
+    else:
+        sets = list(set_ or []) + source_sets("pairs", data, from_env, levels, n)
+        prepared = prepare_pair_run(config, sets, name, overwrite)
+        cfg, run, tokenizer = prepared.cfg, prepared.run, prepared.tokenizer
     try:
-        job = rm_run(p.cfg, p.run, p.tokenizer, show_progress=not no_progress and p.cfg.telemetry.progress)
+        job = rm_run(cfg, run, tokenizer, show_progress=not no_progress and cfg.telemetry.progress)
     except (KeyError, ValueError) as err:
         fail(f"cannot start the run: {err}", EXIT_USAGE)
-    report(job.train(p.train, p.heldout, p.stats), p.run, "reward model")
+    run_pairs(job, prepared, "reward model")
 
 
 @app.command("serve")

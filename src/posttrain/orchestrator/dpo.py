@@ -68,6 +68,11 @@ class PreferenceTrainer:
     def save(self, directory: Path) -> None:
         self.learner.save(str(directory / LEARNER_DIR))
 
+    def load(self, directory: Path) -> None:
+        from posttrain.train.state import read_learner_state
+
+        self.learner.load_state_dict(read_learner_state(directory / LEARNER_DIR)[1])
+
     def export(self, out: Path) -> Path:
         from posttrain.orchestrator.export import save_hf_folder
 

@@ -26,6 +26,7 @@ from posttrain.telemetry import MetricsLogger, Progress, RunDir
 from posttrain.types import Trajectory
 
 PAIR_STATE = "pairs_state.json"
+PAIRS_FILE = "pairs.json"
 ROW_SHAPE = (
     '{"prompt": "..." or [messages], "chosen": "..." or [assistant messages], "rejected": likewise} '
     '(optional "system" and "tools" as in sft data)'
@@ -274,18 +275,50 @@ def drop_long(pairs: list[Pair], max_tokens: int) -> tuple[list[Pair], int]:
     return kept, len(pairs) - len(kept)
 
 
+def save_pairs(path: Path, train: list[Pair], heldout: list[Pair], stats: dict[str, float]) -> None:
+    """The run's pairs (token ids and masks) and their sampling stats as JSON, atomically: a resumed run
+    trains on these, not on pairs sampled again."""
+    import os
+
+    def rows(pairs: list[Pair]) -> list[list[Any]]:
+        return [[p.chosen_ids, p.chosen_mask, p.rejected_ids, p.rejected_mask, p.source] for p in pairs]
+
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump({"train": rows(train), "heldout": rows(heldout), "stats": stats}, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def load_saved_pairs(path: Path) -> tuple[list[Pair], list[Pair], dict[str, float]]:
+    """(train, heldout, stats) as `save_pairs` wrote them; a missing or unreadable file raises
+    `PairDataError` naming it."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        train, held = ([Pair(*row) for row in data[k]] for k in ("train", "heldout"))
+        return train, held, dict(data["stats"])
+    except FileNotFoundError:
+        raise PairDataError(f"{path}: no such file; this run directory holds no pairs to resume on") from None
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise PairDataError(f"{path}: not the pairs file a pair run writes ({err})") from None
+
+
 # ------------------------------------------------------------------------------------------------
 # the run
 
 
 class PairTrainer(Protocol):
-    """What `PairRun` trains: a step and an evaluation on pairs, checkpoint contents, the exported model."""
+    """What `PairRun` trains: a step and an evaluation on pairs, checkpoint contents (`save` writes
+    what `load` restores exactly: weights, optimizer, RNG), the exported model."""
 
     def step(self, pairs: list[Pair]) -> dict[str, float]: ...
 
     def evaluate(self, pairs: list[Pair]) -> dict[str, float]: ...
 
     def save(self, directory: Path) -> None: ...
+
+    def load(self, directory: Path) -> None: ...
 
     def export(self, out: Path) -> Path: ...
 
@@ -306,7 +339,8 @@ class PairRun:
     """`PairRun(cfg, run_dir, trainer, export_name).train(train, heldout)` -> summary: trains for
     pairs.steps (or epochs), logs train/* every step and heldout/* every pairs.eval_every steps and at
     the end, checkpoints, and exports the model to `run_dir/export_name`. Stops checkpointed (no
-    export) on SIGINT/SIGTERM."""
+    export) on SIGINT/SIGTERM. To resume, `load()` first and train on the pairs it returns: the run
+    goes on from its newest valid checkpoint as the uninterrupted run would have."""
 
     def __init__(
         self,
@@ -323,14 +357,36 @@ class PairRun:
         self.show_progress = cfg.telemetry.progress if show_progress is None else show_progress
         self.step = 0
         self.stop_signal: int | None = None
+        self.heldout_start: dict[str, float] | None = None
 
     def _record_stop(self, signum: int) -> None:
         self.stop_signal = signum
 
+    @property
+    def pairs_path(self) -> Path:
+        return self.run_dir.path / PAIRS_FILE
+
+    def load(self) -> tuple[tuple[list[Pair], list[Pair], dict[str, float]], list[str]]:
+        """Restore the newest valid checkpoint (trainer state, step, the held-out figures at the start)
+        and drop the metrics logged after it; returns ((train, heldout, stats) of the run, warnings
+        about corrupt checkpoints skipped). Raises CheckpointError when no checkpoint is usable."""
+        from posttrain.orchestrator.checkpoint import latest_valid
+        from posttrain.orchestrator.state import keep_metrics_until
+
+        pairs = load_saved_pairs(self.pairs_path)
+        path, warnings = latest_valid(self.run_dir.checkpoints)
+        state = json.loads((path / PAIR_STATE).read_text())
+        self.trainer.load(path)
+        self.step = int(state["step"])
+        self.heldout_start = dict(state.get("heldout_start", {}))
+        keep_metrics_until(self.run_dir.metrics, self.step)
+        return pairs, warnings
+
     def save(self, steps: int) -> Path:
         def write(tmp: Path) -> None:
             self.trainer.save(tmp)
-            (tmp / PAIR_STATE).write_text(json.dumps({"step": self.step, "steps": steps}))
+            state = {"step": self.step, "steps": steps, "heldout_start": self.heldout_start or {}}
+            (tmp / PAIR_STATE).write_text(json.dumps(state))
 
         return save_checkpoint(
             self.run_dir.checkpoints, self.step, write, keep=self.cfg.orchestrator.keep_checkpoints
@@ -344,6 +400,9 @@ class PairRun:
             raise PairDataError("no training pairs")
         steps = pair_steps(cfg, len(train))
         save_config(cfg, self.run_dir.config)
+        resumed = self.step > 0
+        if not resumed:
+            save_pairs(self.pairs_path, train, heldout, extra or {})
         logger = MetricsLogger(
             self.run_dir.metrics if cfg.telemetry.jsonl else None,
             self.run_dir.tb if cfg.telemetry.tensorboard else None,
@@ -353,15 +412,18 @@ class PairRun:
             return {f"heldout/{k}": v for k, v in self.trainer.evaluate(heldout).items()} if heldout else {}
 
         plan = batches(len(train), s.batch_size, steps, cfg.seed)
-        initial = held()
+        if self.heldout_start is None:
+            self.heldout_start = held()
+        initial = self.heldout_start
         last: dict[str, float] = {}
         t0 = time.perf_counter()
         with (
             stop_on_signals(self._record_stop),
             Progress(steps, self.kind, enabled=self.show_progress) as progress,
         ):
+            progress.set_completed(self.step)
             try:
-                for rows in plan:
+                for rows in plan[self.step :]:
                     m = self.trainer.step([train[i] for i in rows])
                     self.step += 1
                     metrics = {f"train/{k}": v for k, v in m.items()}

@@ -38,6 +38,9 @@ class RewardTrainer:
     def save(self, directory: Path) -> None:
         self.learner.save(directory / EXPORT_DIR, self.tokenizer)
 
+    def load(self, directory: Path) -> None:
+        self.learner.load(directory / EXPORT_DIR)
+
     def export(self, out: Path) -> Path:
         return self.learner.model.save(out, self.tokenizer)
 

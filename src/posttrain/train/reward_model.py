@@ -244,10 +244,36 @@ class RewardLearner:
         return self._pass(chosen, rejected, 0.0, backward=False)
 
     def save(self, directory: str | Path, tokenizer: Any) -> None:
-        """The model as a HF folder in `directory` and the optimizer state beside it (`TRAINER_STATE`)."""
+        """The model as a HF folder in `directory` and the optimizer and torch RNG state beside it
+        (`TRAINER_STATE`): what `load` restores to continue exactly."""
         directory = Path(directory)
         self.model.save(directory, tokenizer)
         torch.save(
-            {"optimizer": self.optimizer.state_dict(), "optimizer_steps": self.optimizer_steps},
+            {
+                "optimizer": self.optimizer.state_dict(),
+                "optimizer_steps": self.optimizer_steps,
+                "torch_rng": torch.get_rng_state(),
+            },
             directory / TRAINER_STATE,
         )
+
+    def load(self, directory: str | Path) -> None:
+        """Restore what `save` wrote into `directory`: the weights into this learner's model (same
+        architecture), the optimizer, its step count and the torch RNG."""
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        state_file = directory / TRAINER_STATE
+        weights = directory / "model.safetensors"
+        if not state_file.is_file() or not weights.is_file():
+            raise FileNotFoundError(
+                f"{directory}: not a reward-model checkpoint (needs model.safetensors and {TRAINER_STATE})"
+            )
+        try:
+            self.model.hf.load_state_dict(load_file(str(weights)), strict=True)
+        except RuntimeError as err:
+            raise ValueError(f"{weights}: does not match this reward model: {err}") from None
+        state = torch.load(state_file, weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer_steps = int(state["optimizer_steps"])
+        torch.set_rng_state(state["torch_rng"])

@@ -103,6 +103,11 @@ class HFEngine(Engine):
                     "the hf backend has no presence_penalty/frequency_penalty (transformers' generate has "
                     "only repetition_penalty); use the paged engine or leave them at 0"
                 )
+            if r.params.json_schema is not None:
+                raise BadRequestError(
+                    "the hf backend has no constrained decoding, so json_schema cannot be enforced; "
+                    "use the paged engine"
+                )
         outputs: list[GenerationOutput | None] = [None] * len(requests)
         groups: dict[tuple, list[int]] = {}
         for i, r in enumerate(requests):

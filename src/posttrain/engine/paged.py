@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from posttrain.engine.block_manager import BlockManager
+from posttrain.engine.constrained import GrammarCompiler, mask_logits
 from posttrain.engine.decode_stage import DecodeStager
 from posttrain.engine.model_runner import DecodeGroup, ModelRunner, PrefillChunk, StepBatch
 from posttrain.engine.registry import register_engine
@@ -157,6 +158,7 @@ class PagedEngine(Engine):
         self.speculative_max_batch = speculative_max_batch
         self.spec_counts = {"verify_steps": 0, "draft_tokens": 0, "accepted_tokens": 0}
         self.eos_ids = set(end_of_turn_ids(model, tokenizer))
+        self.grammars = GrammarCompiler(tokenizer, self.runner.spec.vocab_size, sorted(self.eos_ids))
         self.version = 0
         self._seed_rng = torch.Generator().manual_seed(seed)
         self._ids = itertools.count()
@@ -188,6 +190,8 @@ class PagedEngine(Engine):
         now = time.perf_counter()
         state = _RequestState(rid, req, gens, now, [None] * p.n)
         seq = Sequence(rid, 0, req.prompt_token_ids, p, gens[0], now, num_forks=p.n)
+        if p.json_schema is not None:
+            seq.constraint = self.grammars.matcher(p.json_schema)
         return state, [seq]
 
     def _admit(self, state: _RequestState, seqs: list[Sequence]) -> None:
@@ -371,6 +375,7 @@ class PagedEngine(Engine):
                 seqs.extend(group)
             if rows != list(range(logits.shape[0])):
                 logits = logits.index_select(0, torch.tensor(rows))
+            logits = mask_logits(logits, [s.constraint for s in seqs])
             tokens, logprobs, tops = sample(
                 logits,
                 [s.params for s in seqs],
@@ -390,6 +395,8 @@ class PagedEngine(Engine):
                 reason = self._stop_reason(seq)
                 if reason is not None:
                     self._finish_seq(seq, reason)
+                elif seq.constraint is not None:
+                    seq.constraint.consume(tok)
                 events.append((state, seq, tok, lp, reason))
             if self.stager is not None and not self.scheduler.running:
                 self.stager.clear()  # idle: hand the staged copies' memory back

@@ -85,13 +85,17 @@ def top_logprobs_of(rows: torch.Tensor, ns: list[int]) -> list[TopLogprobs]:
 
 
 def top_of_logprobs(logprobs: torch.Tensor, ns: list[int]) -> list[TopLogprobs]:
-    """The `ns[i]` largest (token, logprob) pairs of each row of log-probabilities `[B, vocab]`, one topk."""
+    """The `ns[i]` largest (token, logprob) pairs of each row of log-probabilities `[B, vocab]`, one topk;
+    impossible tokens (logprob -inf, as a grammar's mask leaves them) are never listed."""
     if not ns:
         return []
     k = min(max(ns), logprobs.shape[-1])
     values, ids = logprobs.topk(k, dim=-1)
     vals, toks = values.tolist(), ids.tolist()
-    return [list(zip(toks[i][:n], vals[i][:n], strict=True)) for i, n in enumerate(ns)]
+    return [
+        [(t, v) for t, v in zip(toks[i][:n], vals[i][:n], strict=True) if v != float("-inf")]
+        for i, n in enumerate(ns)
+    ]
 
 
 def sample_row(

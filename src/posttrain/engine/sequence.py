@@ -11,6 +11,7 @@ import itertools
 
 import torch
 
+from posttrain.engine.constrained import Constraint
 from posttrain.engine.speculative import NgramIndex
 from posttrain.engine.types import SamplingParams
 
@@ -58,6 +59,7 @@ class Sequence:
         self.num_frees = 0  # times its blocks were freed (preemption): cached K/V from before are stale
         self.draft: list[int] = []  # speculative tokens to verify after the last one (never in token_ids)
         self.ngram: NgramIndex | None = None  # prompt-lookup index over token_ids (speculative engines)
+        self.constraint: Constraint | None = None  # the grammar of params.json_schema, at this position
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -90,4 +92,5 @@ class Sequence:
         child.top_logprobs = list(self.top_logprobs)
         child.status = self.status
         child.ngram = self.ngram.copy() if self.ngram is not None else None
+        child.constraint = self.constraint.copy() if self.constraint is not None else None
         return child

@@ -59,8 +59,9 @@ class NgramIndex:
 
 def can_speculate(params: SamplingParams) -> bool:
     """Whether a request's sampling allows exact verification here (a penalty changes each position's
-    distribution with the tokens before it, so those requests decode one token a step)."""
-    return not params.penalised
+    distribution with the tokens before it, and a json_schema grammar masks each position by the tokens
+    before it, so those requests decode one token a step)."""
+    return not params.penalised and params.json_schema is None
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

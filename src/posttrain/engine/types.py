@@ -31,7 +31,11 @@ class SamplingParams:
     presence x [t was generated] + frequency x (times t was generated) from token t's logit, over the
     completion's tokens (after the multiplicative `repetition_penalty`, HF's, over prompt and completion).
     `top_logprobs` N in [0, 20] also reports, for every generated token, the N most
-    likely (token, logprob) pairs under the distribution its logprob is reported under.
+    likely (token, logprob) pairs under the distribution its logprob is reported under. `json_schema`
+    (None = free text) constrains the completion to JSON valid under that schema (`{"type": "object"}`:
+    any JSON object): tokens the grammar forbids get logit -inf before the penalties and temperature, so
+    logprobs and top logprobs are those of the masked distribution actually sampled from; the
+    completion ends with EOS once the JSON is complete (see engine/constrained.py).
     """
 
     temperature: float = 1.0
@@ -48,6 +52,7 @@ class SamplingParams:
     top_logprobs: int = 0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    json_schema: dict[str, Any] | None = None
 
     @property
     def penalised(self) -> bool:
@@ -79,6 +84,15 @@ class SamplingParams:
             )
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise BadRequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if self.json_schema is not None:
+            if not isinstance(self.json_schema, dict):
+                raise BadRequestError(
+                    f"json_schema must be a JSON Schema object (a dict), got {type(self.json_schema).__name__}"
+                )
+            if self.ignore_eos:
+                raise BadRequestError(
+                    "ignore_eos cannot be combined with json_schema: a completed JSON ends with EOS"
+                )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise BadRequestError(f"stop must be a list of non-empty strings, got {self.stop!r}")
 

@@ -19,6 +19,7 @@ import torch
 from posttrain.engine.registry import refuse_paged_only, register_engine
 from posttrain.engine.stops import end_of_turn_ids
 from posttrain.engine.types import (
+    BadRequestError,
     Completion,
     Engine,
     GenerationOutput,
@@ -85,6 +86,11 @@ class VLLMEngine(Engine):
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
         for r in requests:
             validate_request(r, self.vocab_size, self.max_model_len)
+            if r.params.json_schema is not None:
+                raise BadRequestError(
+                    "the vllm backend does not pass json_schema on (vLLM's guided-decoding API differs "
+                    "between versions); use the paged engine for constrained decoding"
+                )
         if self._asleep:
             self.llm.wake_up()
             self._asleep = False

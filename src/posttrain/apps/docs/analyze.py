@@ -282,13 +282,16 @@ class ApiModel:
         tokenizer: str = "smollm2-135m",
         api_key: str | None = None,
         timeout_s: float = 600.0,
+        transport: Any = None,
     ) -> None:
         import httpx
 
         if not api_base.startswith(("http://", "https://")):
             raise UsageError(f"--api-base '{api_base}' is not an http(s):// URL")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = httpx.AsyncClient(base_url=api_base.rstrip("/"), headers=headers, timeout=timeout_s)
+        self.client = httpx.AsyncClient(
+            base_url=api_base.rstrip("/"), headers=headers, timeout=timeout_s, transport=transport
+        )
         self.name = f"{api_base}#{model}"
         self.model = model
         self.context_tokens = context_tokens

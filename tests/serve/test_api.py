@@ -326,8 +326,8 @@ def test_invalid_requests_get_400_in_openai_shape(live):
     assert (
         post({"model": "tiny", "messages": HI, "presence_penalty": 0.5, "max_tokens": 1}).status_code == 200
     )
-    err = _error(post({"model": "tiny", "messages": HI, "response_format": {"type": "json_object"}}), 400)
-    assert "constrained decoding" in err["message"]
+    err = _error(post({"model": "tiny", "messages": HI, "response_format": {"type": "json_schema"}}), 400)
+    assert err["param"] == "response_format.json_schema" and "json_schema.schema" in err["message"]
     err = _error(post({"model": "tiny", "messages": HI, "logprobs": True, "top_logprobs": 21}), 400)
     assert err["param"] == "top_logprobs"
     err = _error(post({"model": "tiny", "messages": HI, "top_logprobs": 3}), 400)  # without logprobs: true

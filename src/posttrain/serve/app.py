@@ -8,9 +8,10 @@ streaming with usage, n, seed, stop, temperature/top_p, presence/frequency penal
 top_k, min_p, repetition_penalty, ignore_eos), logprobs of the sampled tokens and top_logprobs (0 to 20
 per token, under the same distribution: after the penalties and temperature, before truncation); legacy
 completions (logprobs: N, top_logprobs as {token: logprob} per position); models; health; metrics.
-Refused with a 400 that says why: image/audio parts, logit_bias (the engine has none), top_logprobs
-without logprobs: true, and response_format json_object/json_schema: the engine has no constrained
-decoding, so JSON output cannot be enforced. A named tool_choice is applied by prefilling the call's opening
+response_format json_object and json_schema are enforced by the engine's constrained decoding (an
+unenforceable schema keyword is a 400 naming it). Refused with a 400 that says why: image/audio parts,
+logit_bias (the engine has none), top_logprobs without logprobs: true, response_format json_* together
+with active tools. A named tool_choice is applied by prefilling the call's opening
 (`<tool_call>[{"name": "NAME", "arguments": `), which fixes the tool's name but not its arguments;
 `required` is asked for in the tools prompt only (a reply without a call is returned as text). The
 tool-call outcome metric says which happened.
@@ -34,6 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from posttrain.engine.constrained import JSON_OBJECT_SCHEMA, compile_schema
 from posttrain.engine.types import BadRequestError, Engine, GenerationRequest, SamplingParams, StreamDelta
 from posttrain.serve.chat import ChoiceText, ToolPlan, chat_format_for, plan_tools, render_chat, view_reply
 from posttrain.serve.metrics import ServeMetrics, kv_usage_of, log_access
@@ -41,6 +43,7 @@ from posttrain.serve.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    ResponseFormat,
     bad_request,
     from_validation_error,
 )
@@ -187,6 +190,7 @@ def _sampling(
     prompt_len: int,
     max_tokens: int | None,
     top_logprobs: int = 0,
+    json_schema: dict[str, Any] | None = None,
 ) -> SamplingParams:
     if req.logit_bias:
         raise bad_request(
@@ -224,12 +228,41 @@ def _sampling(
         n=req.n,
         ignore_eos=req.ignore_eos,
         top_logprobs=top_logprobs,
+        json_schema=json_schema,
     )
     try:
         params.validate()
     except BadRequestError as err:
         raise bad_request(str(err)) from None
     return params
+
+
+def _response_schema(fmt: ResponseFormat | None, plan: ToolPlan) -> dict[str, Any] | None:
+    """The JSON Schema a chat request's `response_format` asks the engine to enforce (None for text):
+    `json_object` is any JSON object, `json_schema` the schema in `json_schema.schema`."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if plan.active:
+        raise bad_request(
+            f"response_format '{fmt.type}' cannot be combined with tools: the JSON constraint would forbid "
+            "the tool-call markup; drop the tools or set tool_choice to 'none'",
+            param="response_format",
+            code="unsupported_parameter",
+        )
+    if fmt.type == "json_object":
+        return dict(JSON_OBJECT_SCHEMA)
+    spec = (fmt.model_extra or {}).get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise bad_request(
+            "response_format json_schema needs json_schema.schema, a JSON Schema object "
+            '(e.g. {"type": "json_schema", "json_schema": {"name": "reply", "schema": {"type": "object"}}})',
+            param="response_format.json_schema",
+        )
+    try:
+        compile_schema(spec["schema"])
+    except BadRequestError as err:
+        raise bad_request(str(err), param="response_format.json_schema.schema") from None
+    return spec["schema"]
 
 
 def _token_entry(tokenizer: Any, token: int, logprob: float) -> dict[str, Any]:
@@ -638,21 +671,17 @@ def create_app(settings: ServeSettings | None = None, state: ServeState | None =
         entry = entry_of(req.model)
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         record.update({"id": rid, "model": entry.name, "mode": entry.mode, "stream": req.stream})
-        if req.response_format is not None and req.response_format.type != "text":
-            raise bad_request(
-                f"response_format '{req.response_format.type}' is not supported: this engine has no constrained "
-                "decoding, so JSON output cannot be enforced; ask for JSON in the prompt instead",
-                param="response_format",
-                code="unsupported_parameter",
-            )
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
         plan = plan_tools(req, entry.chat_format)
+        json_schema = _response_schema(req.response_format, plan)
         prompt = render_chat(req, entry.tokenizer, entry.chat_format, plan)
         ids = entry.tokenizer.encode(prompt, add_special_tokens=False)
         max_tokens = req.max_completion_tokens or req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else 0
-        params = _sampling(req, entry, settings, len(ids), max_tokens, top_logprobs=top)
+        params = _sampling(
+            req, entry, settings, len(ids), max_tokens, top_logprobs=top, json_schema=json_schema
+        )
         gen = _Generation(state, entry, [GenerationRequest(ids, params, request_id=rid)], record)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await _respond(

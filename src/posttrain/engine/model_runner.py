@@ -495,8 +495,10 @@ class ModelRunner:
     # ---- forward -------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, batch: StepBatch) -> torch.Tensor:
-        """Next-token logits `[len(logit_rows), vocab]` in float32; writes the batch's K/V to the cache."""
+    def forward(self, batch: StepBatch, num_layers: int | None = None) -> torch.Tensor:
+        """Next-token logits `[len(logit_rows), vocab]` in float32; writes the batch's K/V to the cache.
+        `num_layers` runs only the first that many layers before the final norm and head (an early-exit
+        draft: it writes K/V of those layers only)."""
         assert self.k_cache is not None and self.v_cache is not None
         s = self.spec
         eps = s.rms_norm_eps
@@ -510,7 +512,7 @@ class ModelRunner:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         H, KV, hd = s.num_heads, s.num_kv_heads, s.head_dim
         half = hd // 2
-        for li, layer in enumerate(self.layers):
+        for li, layer in enumerate(self.layers[:num_layers]):
             h = _rms_norm(x, layer["in_norm"], eps)
             pk = self.packed[li] if self.packed is not None else {}
             qz = self.quantized[li] if self.quantized is not None else {}

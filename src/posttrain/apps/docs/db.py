@@ -195,10 +195,17 @@ class Database:
 
     # ------------------------------------------------------------------ schema
 
+    def _schema_lock(self, conn: Any) -> None:
+        """Serialise schema changes of concurrent processes (PostgreSQL's CREATE TABLE races otherwise;
+        SQLite's write lock already does it)."""
+        if self.dialect == "postgresql":
+            conn.execute(self.sa.text("SELECT pg_advisory_xact_lock(7305020101)"))
+
     def _migrate(self) -> None:
         sa = self.sa
         try:
             with self.engine.begin() as conn:
+                self._schema_lock(conn)
                 self.meta.create_all(conn, checkfirst=True)
                 row = conn.execute(sa.select(self.schema_version.c.version)).first()
                 if row is None:
@@ -210,8 +217,6 @@ class Database:
                     )
         except sa.exc.OperationalError as err:
             raise RuntimeError(f"cannot open database {self.url}: {err.orig}") from None
-        except sa.exc.IntegrityError:  # another process created the tables at the same moment
-            pass
 
     def field_table(self, key: str, schema: dict[str, Any]) -> Any:
         """The typed column table of a flat schema (created on first use), or None for nested schemas."""
@@ -234,10 +239,9 @@ class Database:
                 *(sa.Column(name, types[t]) for name, t in cols.items()),
                 extend_existing=True,
             )
-            try:
-                table.create(self.engine, checkfirst=True)
-            except (sa.exc.OperationalError, sa.exc.ProgrammingError, sa.exc.IntegrityError):
-                pass  # created concurrently by another worker
+            with self.engine.begin() as conn:
+                self._schema_lock(conn)
+                table.create(conn, checkfirst=True)
         self._field_tables[key] = table
         return table
 

@@ -1,4 +1,4 @@
-"""`posttrain bench sandbox|engine|learner|rl|curriculum|serve|scale [OPTIONS] [--json]`: benchmarks that measure their
+"""`posttrain bench sandbox|engine|learner|rl|curriculum|serve|scale|ci-fix|docs [OPTIONS] [--json]`: benchmarks that measure their
 baseline in the same run. Each is a command with its own options (`posttrain bench NAME --help`); the
 benchmarks themselves live in `posttrain.bench`, one module each, and return their named figures, which
 `--json` prints as one object on stdout's last line.
@@ -507,5 +507,47 @@ def ci_fix(
         max_attempts=max_attempts,
         timeout_s=timeout_s,
         overrides=list(overrides),
+        seed=seed,
+    )
+
+
+@app.command("docs")
+def docs(
+    n: int = typer.Option(8, "--n", min=1, help="generated reports (the issue's figure is 100)"),
+    tokens: str = typer.Option("2048,4096,8192,32768", "--tokens", help="report lengths in tokens, cycled"),
+    model: str = typer.Option("smollm2-135m", "--model", help="model spec of the in-process engine"),
+    workers: int = typer.Option(2, "--workers", min=1, help="worker processes"),
+    concurrency: int = typer.Option(1, "--concurrency", min=1, help="jobs in flight per worker"),
+    backends: str = typer.Option(
+        "sqlite,redis-postgres", "--backends", help="comma list: sqlite, redis-postgres"
+    ),
+    kill: bool = typer.Option(
+        True, "--kill/--no-kill", help="SIGKILL a worker mid-job and start a replacement"
+    ),
+    visibility_s: float = typer.Option(
+        30.0, "--visibility-timeout", min=1.0, help="seconds before a dead worker's job is re-leased"
+    ),
+    max_new_tokens: int = typer.Option(160, "--max-new-tokens", min=16),
+    context_tokens: int = typer.Option(8192, "--context-tokens", min=512),
+    timeout_s: float = typer.Option(3600.0, "--timeout-s", min=10.0, help="limit per backend"),
+    seed: int = typer.Option(0, "--seed"),
+    json_out: bool = JSON,
+) -> dict[str, Any]:
+    """Documents/min, p50/p99 job latency, field F1, lost and duplicates of the document pipeline on
+    SQLite and on Redis + PostgreSQL, with a worker killed mid-run."""
+    return _run(
+        "docs",
+        json_out,
+        n=n,
+        tokens=tokens,
+        model=model,
+        workers=workers,
+        concurrency=concurrency,
+        backends=backends,
+        kill=kill,
+        visibility_s=visibility_s,
+        max_new_tokens=max_new_tokens,
+        context_tokens=context_tokens,
+        timeout_s=timeout_s,
         seed=seed,
     )

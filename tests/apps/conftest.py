@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from envs.conftest import sandbox  # noqa: F401 - the session's warm sandbox, shared with the env tests
 from posttrain.engine import Completion, Engine, GenerationOutput, GenerationRequest
 
 
@@ -59,18 +60,6 @@ FIX_PATCH = "--- a/calc/ops.py\n+++ b/calc/ops.py\n@@ -1,2 +1,2 @@\n def add(a, 
 @pytest.fixture
 def planted(tmp_path) -> Path:
     return make_repo(tmp_path / "planted", PLANTED)
-
-
-@pytest.fixture(scope="session")
-def sandbox():
-    from posttrain.sandbox import LocalSandbox, SandboxUnavailable
-
-    try:
-        sb = LocalSandbox(pool_size=2)
-    except SandboxUnavailable as err:
-        pytest.skip(f"sandbox unavailable on this machine: {err}")
-    yield sb
-    sb.close_blocking()
 
 
 def run(coro: Any) -> Any:

@@ -14,8 +14,9 @@ import difflib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from posttrain.envs.tools import ToolError, fn_schema
+from posttrain.envs.tools import Tool, ToolError, fn_schema
 from posttrain.types import Message, ToolSpec
 
 MAX_FILE_CHARS = 50_000
@@ -341,6 +342,21 @@ class RepoFiles:
         except PatchError as err:
             raise ToolError("patch_does_not_apply", str(err)) from None
         return f"patched {', '.join(paths)}"
+
+
+def repo_tools(repo: RepoFiles, run_tests: Callable[..., Any], submit: Callable[[], str]) -> dict[str, Tool]:
+    """The seven tools of a fixing episode: the file tools over `repo`, and the user's `run_tests`
+    (optional `tests` selection) and `submit`."""
+    fns = {
+        "read_file": repo.read_file,
+        "search": repo.search,
+        "list_dir": repo.list_dir,
+        "apply_patch": repo.apply_patch,
+        "write_file": repo.write_file,
+        "run_tests": run_tests,
+        "submit": submit,
+    }
+    return {name: Tool(TOOL_SPECS[name], fn) for name, fn in fns.items()}
 
 
 # ---- the first prompt ------------------------------------------------------------------------------

@@ -19,7 +19,15 @@ from typing import Any
 
 from posttrain.apps.ci_fix.check import CheckResult, CheckRunner
 from posttrain.envs.domains.swe_ci_fix import is_steering_file
-from posttrain.envs.repo_tools import TOOL_SPECS, RepoFiles, apply_patch, fix_prompt, trim_log, unified_diff
+from posttrain.envs.repo_tools import (
+    TOOL_SPECS,
+    RepoFiles,
+    apply_patch,
+    fix_prompt,
+    repo_tools,
+    trim_log,
+    unified_diff,
+)
 from posttrain.envs.tool_env import ToolEnvironment
 from posttrain.envs.tools import InfraError, Tool
 from posttrain.rollout import EpisodeLimits
@@ -80,16 +88,7 @@ class RepoFixEnv(ToolEnvironment):
 
     async def setup(self, task: Task) -> tuple[list[Message], dict[str, Tool]]:
         self.repo = RepoFiles(self.original, self._refuse)
-        fns = {
-            "read_file": self.repo.read_file,
-            "search": self.repo.search,
-            "list_dir": self.repo.list_dir,
-            "apply_patch": self.repo.apply_patch,
-            "write_file": self.repo.write_file,
-            "run_tests": self.run_tests,
-            "submit": self.submit,
-        }
-        return list(task.prompt), {name: Tool(TOOL_SPECS[name], fn) for name, fn in fns.items()}
+        return list(task.prompt), repo_tools(self.repo, self.run_tests, self.submit)
 
     async def run_tests(self, tests: list[str] | None = None) -> str:
         res = await self.runner.run(self.repo.files, tests)

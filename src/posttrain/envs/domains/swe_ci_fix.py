@@ -35,7 +35,7 @@ from posttrain.envs.domains import swe_repos as repos
 from posttrain.envs.harness import build_job, module_name, module_tests, parse_result, run_locally
 from posttrain.envs.parsers import get_parser
 from posttrain.envs.registry import register_env
-from posttrain.envs.repo_tools import TOOL_SPECS, RepoFiles, fix_prompt
+from posttrain.envs.repo_tools import TOOL_SPECS, RepoFiles, fix_prompt, repo_tools
 from posttrain.envs.tool_env import ToolEnvironment
 from posttrain.envs.tools import InfraError, Tool, ToolError
 from posttrain.types import Message, Task
@@ -191,16 +191,7 @@ class CiFixEnv(ToolEnvironment):
     async def setup(self, task: Task) -> tuple[list[Message], dict[str, Tool]]:
         self.repo = RepoFiles(task.meta["files"], refuse_steering, max_files=MAX_FILES)
         self.max_turns = int(task.meta.get("max_turns", self.max_turns))
-        fns = {
-            "read_file": self.repo.read_file,
-            "search": self.repo.search,
-            "list_dir": self.repo.list_dir,
-            "apply_patch": self.repo.apply_patch,
-            "write_file": self.repo.write_file,
-            "run_tests": self.run_tests,
-            "submit": self.submit,
-        }
-        return list(task.prompt), {name: Tool(TOOL_SPECS[name], fn) for name, fn in fns.items()}
+        return list(task.prompt), repo_tools(self.repo, self.run_tests, self.submit)
 
     @property
     def files(self) -> dict[str, str]:

@@ -15,7 +15,7 @@ setup: system-deps $(STAMP)
 
 # bubblewrap is the sandbox's namespace layer; chromium renders the run report in its browser test;
 # redis-server and postgresql back the document pipeline's tests (started on loopback by the tests).
-DEBIAN_PACKAGES := bubblewrap:bwrap chromium:chromium redis-server:redis-server postgresql:pg_ctlcluster
+DEBIAN_PACKAGES := bubblewrap:bwrap chromium:chromium redis-server:redis-server postgresql:pg_ctlcluster git:git
 system-deps:
 	@missing=""; for pair in $(DEBIAN_PACKAGES); do \
 	  pkg=$${pair%%:*}; cmd=$${pair##*:}; command -v $$cmd >/dev/null 2>&1 || missing="$$missing $$pkg"; \

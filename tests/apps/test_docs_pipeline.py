@@ -31,6 +31,7 @@ from posttrain.cli import app
 from posttrain.envs.domains import docs_financial as df
 
 from .docs_scripted import ScriptedModel
+from .docs_services import postgres_url, redis_url  # noqa: F401 - fixtures
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = df.EXTRACTION_SCHEMA
@@ -41,24 +42,6 @@ MODEL = "scripted-oracle"
 def batch(tmp_path_factory):
     """4 reports of 2048 tokens: report-0000.md, report-0001.pdf, report-0002.md, report-0003.pdf."""
     return write_batch(tmp_path_factory.mktemp("docs") / "store", 4, [2048], seed=7)
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    try:
-        with services.redis_server() as url:
-            yield url
-    except services.ServiceUnavailable as err:
-        pytest.skip(str(err))
-
-
-@pytest.fixture(scope="module")
-def postgres_url():
-    try:
-        with services.postgres_server() as url:
-            yield url
-    except services.ServiceUnavailable as err:
-        pytest.skip(str(err))
 
 
 def _workers(tmp_path, queue_url, db_url, golds, n=2, mode="oracle", delay=0.0, vis=30.0, until_idle=True):
@@ -153,7 +136,7 @@ def test_sqlite_two_worker_processes(tmp_path, batch):
     assert page.startswith("<!doctype html>") and all(g["company"] in page for g in batch.truth.values())
 
 
-def test_redis_and_postgres(tmp_path, batch, redis_url, postgres_url):
+def test_redis_and_postgres(tmp_path, batch, redis_url, postgres_url):  # noqa: F811 - fixtures
     q, _ = _flow(tmp_path, batch, redis_url, postgres_url)
     assert q.counts() == {"ready": 0, "delayed": 0, "leased": 0, "dead": 0}
 

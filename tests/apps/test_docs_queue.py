@@ -9,18 +9,10 @@ import time
 
 import pytest
 
-from posttrain.apps.docs import services
 from posttrain.apps.docs.queue import LOST_LEASE, QueuePolicy, RedisQueue, SQLiteQueue, open_queue
 from posttrain.apps.docs.store import UsageError
 
-
-@pytest.fixture(scope="module")
-def redis_url():
-    try:
-        with services.redis_server() as url:
-            yield url
-    except services.ServiceUnavailable as err:
-        pytest.skip(str(err))
+from .docs_services import redis_url  # noqa: F401 - a fixture
 
 
 @pytest.fixture(params=["sqlite", "redis"])

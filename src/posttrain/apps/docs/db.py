@@ -41,6 +41,13 @@ def flat_columns(schema: dict[str, Any]) -> dict[str, str] | None:
     return out
 
 
+def extraction_ref(**kw: Any) -> Any:
+    """The `extraction_id` column of a table that belongs to an extraction (deleted with it)."""
+    import sqlalchemy as sa
+
+    return sa.Column("extraction_id", sa.Integer, sa.ForeignKey("extractions.id", ondelete="CASCADE"), **kw)
+
+
 @dataclass
 class Citation:
     target: str  # a field name, or "answer:<i>" for the i-th question
@@ -153,12 +160,7 @@ class Database:
             "citations",
             md,
             sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
-            sa.Column(
-                "extraction_id",
-                sa.Integer,
-                sa.ForeignKey("extractions.id", ondelete="CASCADE"),
-                nullable=False,
-            ),
+            extraction_ref(nullable=False),
             sa.Column("target", sa.Text, nullable=False),
             sa.Column("page", sa.Integer),
             sa.Column("section", sa.Text),
@@ -168,12 +170,7 @@ class Database:
             "answers",
             md,
             sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
-            sa.Column(
-                "extraction_id",
-                sa.Integer,
-                sa.ForeignKey("extractions.id", ondelete="CASCADE"),
-                nullable=False,
-            ),
+            extraction_ref(nullable=False),
             sa.Column("question", sa.Text, nullable=False),
             sa.Column("answer", sa.Text, nullable=False),
         )
@@ -181,7 +178,7 @@ class Database:
             "usage",
             md,
             sa.Column("job_id", sa.String(32), primary_key=True),
-            sa.Column("extraction_id", sa.Integer, sa.ForeignKey("extractions.id", ondelete="CASCADE")),
+            extraction_ref(),
             sa.Column("attempt", sa.Integer, nullable=False),
             sa.Column("prompt_tokens", sa.Integer, nullable=False),
             sa.Column("completion_tokens", sa.Integer, nullable=False),
@@ -230,12 +227,7 @@ class Database:
             table = sa.Table(
                 f"fields_{key[:12]}",
                 self.meta,
-                sa.Column(
-                    "extraction_id",
-                    sa.Integer,
-                    sa.ForeignKey("extractions.id", ondelete="CASCADE"),
-                    primary_key=True,
-                ),
+                extraction_ref(primary_key=True),
                 *(sa.Column(name, types[t]) for name, t in cols.items()),
                 extend_existing=True,
             )

@@ -326,6 +326,14 @@ def test_exit_codes(planted, tmp_path):
     )
     assert res.exit_code == 1 and last_json(res.stdout)["attempt_outcomes"] == ["error", "error"]
     assert "ConnectError" in res.output
+    res = cli.invoke(
+        app,
+        agent_args(
+            planted, tmp_path, "--model", "m", "--api-base", "http://127.0.0.1:9/v1", "--timeout", "1"
+        ),
+    )
+    out = last_json(res.stdout)  # the first check alone takes longer than 1 s: no attempt is started
+    assert res.exit_code == 3 and (out["attempts"], out["attempt_outcomes"]) == (0, ["timeout"])
 
 
 def test_pytest_counts_and_repo_loading(planted):

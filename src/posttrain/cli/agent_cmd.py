@@ -119,8 +119,9 @@ def ci_fix(
         asyncio.run(sandbox.close())
     err_console.print(f"check before: {_counts(report.tests_before)}", highlight=False)
     errors = [a for a in report.attempt_log if a["outcome"] == "error"]
-    for a in errors:
-        err_console.print(f"[yellow]attempt {a['attempt']} failed: {a['error']}[/yellow]", highlight=False)
+    for a in report.attempt_log:
+        if a["outcome"] in ("error", "timeout"):
+            err_console.print(f"[yellow]attempt {a['attempt']}: {a['error']}[/yellow]", highlight=False)
     result = {
         **report.summary(),
         "patch": report.patch,
@@ -156,7 +157,7 @@ def ci_fix(
         )
     if json_out:
         print_json_last(result)
-    if report.status == "not_fixed" and errors and len(errors) == report.attempts:
+    if report.status == "not_fixed" and errors and len(errors) == len(report.attempt_log):
         raise typer.Exit(EXIT_RUNTIME)  # every attempt failed in the model endpoint or the sandbox
     if report.status == "not_fixed":
         raise typer.Exit(EXIT_NOT_FIXED)

@@ -112,10 +112,10 @@ class RepoFixEnv(ToolEnvironment):
 
     async def score(self) -> tuple[float, dict[str, float], dict[str, Any]]:
         self.patch = unified_diff(self.original, self.source_files())
-        fresh_files = apply_patch(self.original, self.patch) if self.patch else dict(self.original)
-        self.fresh = await self.runner.run(fresh_files)
         changed = self.patch != ""
-        success = float(changed and self.fresh.passed)
+        # No change: the check already failed on exactly these files, so there is nothing to verify.
+        self.fresh = await self.runner.run(apply_patch(self.original, self.patch)) if changed else None
+        success = float(changed and self.fresh is not None and self.fresh.passed)
         touched_tests = sorted(
             p
             for p in set(self.original) | set(self.source_files())
@@ -123,7 +123,7 @@ class RepoFixEnv(ToolEnvironment):
         )
         info = {
             "patch": self.patch,
-            "fresh_check": self.fresh.summary(),
+            "fresh_check": self.fresh.summary() if self.fresh else None,
             "working_copy_check": self.last_run.summary() if self.last_run else None,
             "submitted": self.called_terminal,
             "test_edits": touched_tests,
@@ -345,7 +345,7 @@ async def fix_repository(
     for attempt in range(1, options.max_attempts + 1):
         left = options.timeout_s - (time.perf_counter() - t0)
         if left <= 0:
-            report.attempt_log.append({"attempt": attempt, "outcome": "timeout"})
+            report.attempt_log.append({"attempt": attempt, "outcome": "timeout", "error": "no time left"})
             break
         messages = list(prompt)
         if feedback:
@@ -362,7 +362,9 @@ async def fix_repository(
         try:
             outcome = await asyncio.wait_for(policy.episode(env, task, sandbox), timeout=left)
         except TimeoutError:
-            outcome = AttemptOutcome(None, [], 0, env.turn, f"timed out after {options.timeout_s:g} s in all")
+            outcome = AttemptOutcome(
+                None, [], 0, env.turn, f"timeout: the run's {options.timeout_s:g} s ran out"
+            )
         except InfraError as err:
             outcome = AttemptOutcome(None, [], 0, env.turn, f"sandbox failure: {err}")
         report.turns += outcome.turns
@@ -374,7 +376,9 @@ async def fix_repository(
             "tokens": outcome.generated_tokens,
         }
         if info is None:
-            entry.update(outcome="error", error=outcome.error)
+            entry.update(
+                outcome="timeout" if outcome.error.startswith("timeout:") else "error", error=outcome.error
+            )
         else:
             ok = bool(info.get("patch")) and bool((info.get("fresh_check") or {}).get("ok"))
             entry.update(
@@ -396,7 +400,7 @@ async def fix_repository(
                 report.patch, env.fresh, runner.command
             )
             break
-        if entry["outcome"] == "error" and "timed out" in entry["error"]:
+        if entry["outcome"] == "timeout":
             break
         feedback = (
             f"Attempt {attempt} did not fix the build: "

@@ -22,12 +22,12 @@ import math
 import random
 import re
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
 
 from posttrain.envs.base import Domain, Environment, Observation, StepResult, stable_hash
 from posttrain.envs.extract import extract_answer
 from posttrain.envs.registry import register_env
+from posttrain.envs.tokens import count_tokens
 from posttrain.types import Message, Task
 
 W_SCORE, W_FORMAT = 0.9, 0.1
@@ -298,17 +298,6 @@ def build_report(facts: dict[str, Any], fillers: list[str]) -> Report:
     for i, para in enumerate(fillers):
         narrative[i % len(narrative)].blocks.append(para)
     return Report(facts, sections)
-
-
-@lru_cache(maxsize=4)
-def _tokenizer(spec: str) -> Any:
-    from posttrain.models.loading import load_tokenizer
-
-    return load_tokenizer(spec)
-
-
-def count_tokens(text: str, tokenizer_spec: str) -> int:
-    return len(_tokenizer(tokenizer_spec)(text, add_special_tokens=False)["input_ids"])
 
 
 def generate_report(seed: int, target_tokens: int, tokenizer_spec: str = "smollm2-135m") -> Report:

@@ -319,3 +319,52 @@ def test_cli_ingest_status_query(tmp_path, batch):
     assert st["jobs"]["queued"] == 4 and st["queue"]["ready"] == 4
     r = _cli("query", "SELECT COUNT(*) AS n FROM documents", "--json", *home)
     assert json.loads(r.output.strip().splitlines()[-1]) == [{"n": 4}]
+
+
+def test_ingest_watch_picks_up_new_objects(tmp_path, batch):
+    store = tmp_path / "store"
+    store.mkdir()
+    first, second = sorted(batch.truth)[:2]
+    src = ObjectStore(str(batch.store_dir))
+    (store / "a.md").write_bytes(src.read(first))
+    home = tmp_path / "h"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    cmd = [
+        sys.executable,
+        "-m",
+        "posttrain",
+        "docs",
+        "ingest",
+        str(store),
+        "--watch",
+        "--interval",
+        "0.2",
+        "--home",
+        str(home),
+    ]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        db_url = f"sqlite:///{home.resolve()}/docs.db"
+        deadline = time.monotonic() + 60
+
+        def jobs() -> int:
+            try:
+                return Database(db_url).select("SELECT COUNT(*) FROM jobs")[1][0][0]
+            except Exception:  # noqa: BLE001 - the database may not exist yet
+                return 0
+
+        while jobs() < 1:
+            assert time.monotonic() < deadline and proc.poll() is None, (
+                proc.stderr.read() if proc.poll() else ""
+            )
+            time.sleep(0.2)
+        (store / "b.pdf").write_bytes(src.read(second))
+        (store / "a-copy.md").write_bytes(src.read(first))  # same content: no new job
+        while jobs() < 2:
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.2)
+        time.sleep(1.0)
+        assert jobs() == 2
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -80,6 +80,7 @@ class RLRun:
         from posttrain.curriculum import Arm, make_sampler
         from posttrain.engine import make_engine
         from posttrain.envs import get_domain
+        from posttrain.longctx.rope import apply_rope_scaling
         from posttrain.models import load_policy, load_tokenizer
         from posttrain.train import Learner
 
@@ -105,7 +106,9 @@ class RLRun:
         )
         self.tasks = TaskSource(sampler, domains, arms, cfg.seed)
         self.learner = Learner(cfg.model, cfg.trainer, cfg.algorithm, seed=cfg.seed, batch_cfg=cfg.batch)
-        engine_model = load_policy(cfg.model.spec, dtype=cfg.engine.dtype, seed=cfg.seed)
+        engine_model = apply_rope_scaling(
+            load_policy(cfg.model.spec, dtype=cfg.engine.dtype, seed=cfg.seed), cfg.model.rope_scaling
+        )
         self.engine: Engine = make_engine(cfg.engine, engine_model, self.tokenizer)
         self.make_weight_sync()
         self.sync_weights(self.learner.weights())

@@ -12,6 +12,7 @@ import pytest
 from posttrain.envs import get_domain, run_episode
 from posttrain.envs.base import split_of
 from posttrain.envs.domains import docs_financial as df
+from posttrain.envs.tokens import count_tokens
 
 from .conftest import run
 from .test_domains_contract import HOSTILE
@@ -26,10 +27,10 @@ def test_report_is_deterministic_and_within_its_token_budget():
     a, b = df.generate_report(11, 2048), df.generate_report(11, 2048)
     assert a.markdown() == b.markdown()
     assert df.generate_report(12, 2048).markdown() != a.markdown()
-    n = df.count_tokens(a.markdown(), "smollm2-135m")
+    n = count_tokens(a.markdown(), "smollm2-135m")
     assert n == a.facts["n_tokens"] and 2048 - 150 < n <= 2048  # one filler paragraph is < 150 tokens
     big = df.generate_report(11, 8192)
-    assert 8192 - 150 < df.count_tokens(big.markdown(), "smollm2-135m") <= 8192
+    assert 8192 - 150 < count_tokens(big.markdown(), "smollm2-135m") <= 8192
     assert big.facts["revenue"] == a.facts["revenue"]  # the length changes filler only
 
 

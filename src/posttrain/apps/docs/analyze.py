@@ -299,7 +299,7 @@ class ApiModel:
         self._tokenizer_spec = tokenizer
 
     def count_tokens(self, text: str) -> int:
-        from posttrain.envs.domains.docs_financial import count_tokens
+        from posttrain.envs.tokens import count_tokens
 
         return count_tokens(text, self._tokenizer_spec)
 

@@ -1,6 +1,8 @@
 """`swe.ci_fix`: "fix the failing build". A generated Python repository (3-8 modules under `app/`, tests
-under `tests/`) with one injected bug; the observation is the failing test log and the file listing;
-tools are `read_file`, `write_file`, `run_tests` and `submit`. All test runs go through the sandbox.
+under `tests/`) with one injected bug. The first prompt and the tools are the ones the CI auto-fix agent
+uses (`envs.repo_tools`): the repository map, the failing test log and the files it names; `read_file`,
+`search`, `list_dir`, `apply_patch`, `write_file`, `run_tests` and `submit`. All test runs go through
+the sandbox.
 
 Reward = fixed * kept, and 0 when a test or a protected file was touched: `fixed` = the fraction of the
 originally failing tests that pass now, `kept` = the fraction of the originally passing tests that

@@ -245,6 +245,8 @@ def test_api_base_against_a_live_tiny_model(planted, tmp_path):
     state = ServeState(ServeSettings())
     state.add_model(ModelEntry("tiny", engine, tok, max_model_len=4096))
     srv = start_server(state)
+    ci_log = tmp_path / "ci.log"
+    ci_log.write_text("CI-RUNNER-42 FAILED tests/test_ops.py::test_add - assert -1 == 5\n")
     try:
         res = cli.invoke(
             app,
@@ -261,6 +263,8 @@ def test_api_base_against_a_live_tiny_model(planted, tmp_path):
                 "2",
                 "--set",
                 "engine.max_new_tokens=8",
+                "--log",
+                str(ci_log),
             ),
         )
     finally:
@@ -272,6 +276,7 @@ def test_api_base_against_a_live_tiny_model(planted, tmp_path):
     assert 1 <= out["turns"] <= 2 and out["turns"] <= out["tokens"] <= 8 * out["turns"] and out["patch"] == ""
     saved = json.loads((tmp_path / "tr" / "attempt-1.json").read_text())
     assert [m["role"] for m in saved["transcript"]][:2] == ["system", "user"]
+    assert "CI-RUNNER-42 FAILED tests/test_ops.py::test_add" in saved["transcript"][1]["content"]  # --log
 
 
 def test_in_process_model(planted, tmp_path):

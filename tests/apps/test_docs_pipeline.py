@@ -24,7 +24,7 @@ from posttrain.apps.docs.db import Database, task_key
 from posttrain.apps.docs.demo import score_batch, write_batch
 from posttrain.apps.docs.parse import ParseError, parse_document
 from posttrain.apps.docs.pipeline import export, html_report, ingest, status
-from posttrain.apps.docs.queue import QueuePolicy, open_queue
+from posttrain.apps.docs.queue import LOST_LEASE, QueuePolicy, open_queue
 from posttrain.apps.docs.store import ObjectStore
 from posttrain.apps.docs.worker import Worker
 from posttrain.cli import app
@@ -199,6 +199,22 @@ def test_redelivery_after_a_written_result_writes_nothing(tmp_path, batch):
     assert asyncio.run(w.process(again, "b")) == "duplicate"
     assert db.select("SELECT COUNT(*) FROM extractions")[1] == [(1,)]
     assert q.lease("c") is None
+
+
+def test_a_job_whose_workers_keep_dying_is_dead_in_the_database_too(tmp_path, batch):
+    q = open_queue(f"sqlite:///{tmp_path}/q.db", QueuePolicy(visibility_s=0.3, max_attempts=1))
+    db = Database(f"sqlite:///{tmp_path}/d.db")
+    ingest(ObjectStore(str(batch.store_dir)), q, db, SCHEMA, [], MODEL, prefix="report-0000.md")
+    (job,) = [r[0] for r in db.select("SELECT job_id FROM jobs")[1]]
+    q.lease("doomed")  # its worker dies without a word
+    db.mark(job, "running", 1, None, "doomed")
+    time.sleep(0.4)
+    stats = asyncio.run(
+        Worker(q, db, ScriptedModel(list(batch.truth.values())), poll_s=0.05).run(until_idle=True)
+    )
+    assert (stats.done, stats.dead) == (0, 1)
+    assert db.select("SELECT state, error FROM jobs")[1] == [("dead", LOST_LEASE.format(n=1))]
+    assert score_batch(db, {next(iter(sorted(batch.truth))): {}}, task_key(SCHEMA, [], MODEL))["lost"] == 0
 
 
 def test_bad_documents_dead_letter_and_the_rest_goes_through(tmp_path, batch):

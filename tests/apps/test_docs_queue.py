@@ -76,7 +76,9 @@ def test_expired_lease_is_released_and_the_old_holder_loses_it(make_queue):
     assert (b.job_id, b.attempt) == (job, 2)
     assert not q.ack(a) and q.fail(a, "late") == "lost" and not q.extend(a)
     time.sleep(0.4)  # b dies too: after max_attempts lost leases the job is dead-lettered
-    assert q.lease("c") is None
+    told = []
+    assert q.lease("c", lambda *args: told.append(args)) is None
+    assert told == [(job, 2, LOST_LEASE.format(n=2))]
     (dead,) = q.dead_letters()
     assert dead["error"] == LOST_LEASE.format(n=2)
 

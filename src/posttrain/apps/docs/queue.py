@@ -14,6 +14,7 @@ import sqlite3
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -28,6 +29,10 @@ class Lease:
     payload: dict[str, Any]
     attempt: int  # 1 for the first delivery
     token: str  # proves ownership to ack/fail/extend (SQLite: a random token; Redis: the stream entry id)
+
+
+# called with (job id, attempts, error) when lease() dead-letters a job whose leases kept expiring
+OnDead = Callable[[str, int, str], None]
 
 
 @dataclass
@@ -50,7 +55,7 @@ class JobQueue(Protocol):
     policy: QueuePolicy
 
     def enqueue(self, payload: dict[str, Any], job_id: str | None = None) -> str: ...
-    def lease(self, worker: str) -> Lease | None: ...
+    def lease(self, worker: str, on_dead: OnDead | None = None) -> Lease | None: ...
     def extend(self, lease: Lease) -> bool: ...
     def ack(self, lease: Lease) -> bool: ...
     def fail(self, lease: Lease, error: str) -> str: ...  # "retry" | "dead" | "lost" (re-leased meanwhile)
@@ -122,7 +127,7 @@ class SQLiteQueue:
         )
 
     @_locked
-    def lease(self, worker: str) -> Lease | None:
+    def lease(self, worker: str, on_dead: OnDead | None = None) -> Lease | None:
         while True:
             now = time.time()
             self._tx()
@@ -139,6 +144,8 @@ class SQLiteQueue:
                 if state == "leased" and attempts >= self.policy.max_attempts:
                     self._dead(job_id, payload, attempts, LOST_LEASE.format(n=attempts), now)
                     self._db.execute("COMMIT")
+                    if on_dead is not None:
+                        on_dead(job_id, attempts, LOST_LEASE.format(n=attempts))
                     continue
                 token = uuid.uuid4().hex
                 self._db.execute(
@@ -277,7 +284,7 @@ class RedisQueue:
         self.r.rpush(self.dead, json.dumps({**entry, "failed_at": time.time()}))
         self.r.hset(self._job(job_id), "state", "dead")
 
-    def lease(self, worker: str) -> Lease | None:
+    def lease(self, worker: str, on_dead: OnDead | None = None) -> Lease | None:
         self._promote_due()
         while True:
             entry = None
@@ -300,6 +307,8 @@ class RedisQueue:
                 self._to_dead(job_id, attempts, LOST_LEASE.format(n=attempts))
                 self.r.xack(self.stream, self.GROUP, msg_id)
                 self.r.xdel(self.stream, msg_id)
+                if on_dead is not None:
+                    on_dead(job_id, attempts, LOST_LEASE.format(n=attempts))
                 continue
             attempts = self.r.hincrby(self._job(job_id), "attempts", 1)
             token = f"{msg_id}|{uuid.uuid4().hex}"  # the entry id, plus who holds this delivery of it

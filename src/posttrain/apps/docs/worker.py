@@ -72,7 +72,7 @@ class Worker:
             nonlocal taken
             name = f"{self.id}/{i}"
             while max_jobs is None or taken < max_jobs:
-                lease = await asyncio.to_thread(self.queue.lease, name)
+                lease = await asyncio.to_thread(self.queue.lease, name, self._lost)
                 if lease is None:
                     if until_idle:
                         c = await asyncio.to_thread(self.queue.counts)
@@ -85,6 +85,11 @@ class Worker:
 
         await asyncio.gather(*(slot(i) for i in range(self.concurrency)))
         return self.stats
+
+    def _lost(self, job_id: str, attempts: int, error: str) -> None:
+        """The queue dead-lettered a job whose workers kept dying: the job row says so too."""
+        self.db.mark(job_id, "dead", attempts, error)
+        self.stats.dead += 1
 
     async def _heartbeat(self, lease: Lease) -> None:
         every = self.queue.policy.visibility_s / 3

@@ -321,6 +321,10 @@ def test_cli_bad_input_exits_2(tmp_path):
     assert r.exit_code == 2 and "query failed" in r.output
     r = _cli("export", "--out", str(tmp_path / "x.xlsx"), "--format", "xlsx", *home)
     assert r.exit_code == 2 and "choose csv or parquet" in r.output
+    (tmp_path / "keep.txt").write_text("mine")
+    r = _cli("demo", "--home", str(tmp_path))
+    assert r.exit_code == 2 and "is not a previous demo's folder" in r.output
+    assert (tmp_path / "keep.txt").read_text() == "mine"
 
 
 def test_cli_ingest_status_query(tmp_path, batch):

@@ -308,8 +308,16 @@ def demo_cmd(
     from posttrain.apps.docs.queue import QueuePolicy, SQLiteQueue
 
     home = home.resolve()
-    if home.exists():
-        shutil.rmtree(home)
+    marker = home / ".posttrain-docs-demo"
+    if home.exists() and any(home.iterdir()):
+        if not marker.is_file():
+            fail(
+                f"--home {home} exists and is not a previous demo's folder; give a new or empty folder",
+                EXIT_USAGE,
+            )
+        shutil.rmtree(home)  # a previous demo: start over
+    home.mkdir(parents=True, exist_ok=True)
+    marker.touch()
     with console.status(f"generating {n} reports of {tokens} tokens"):
         batch = write_batch(home / "store", n, [tokens])
     q = SQLiteQueue(home / "queue.db", QueuePolicy(visibility_s=600, backoff_s=1.0))

@@ -179,3 +179,14 @@ def test_rope_scaling_sets_transformers_rope_parameters():
         "beta_fast": 32.0,
         "beta_slow": 1.0,
     }
+
+
+def test_packing_that_would_leave_each_sequence_alone_keeps_the_2d_mask():
+    from posttrain.train.batch import make_inputs
+
+    ids = torch.arange(30).view(3, 10)
+    alone = make_inputs(ids, torch.tensor([10, 6, 5]), packed=True)  # 6 + 5 > 10: no row shared
+    assert alone.attention_mask.dim() == 2 and alone.input_ids.shape == (3, 10)
+    assert torch.equal(alone.attention_mask.sum(1), torch.tensor([10, 6, 5]))
+    shared = make_inputs(ids, torch.tensor([10, 5, 5]), packed=True)  # 5 + 5 fit one row
+    assert shared.attention_mask.dim() == 4 and shared.input_ids.shape == (2, 10)

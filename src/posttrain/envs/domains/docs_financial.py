@@ -24,7 +24,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from posttrain.envs.base import Domain, Environment, Observation, StepResult, stable_hash
+from posttrain.envs.base import Domain, Environment, stable_hash
+from posttrain.envs.domains.longctx_common import LongContextEnv
 from posttrain.envs.extract import extract_answer
 from posttrain.envs.registry import register_env
 from posttrain.envs.tokens import count_tokens
@@ -520,27 +521,6 @@ def score_answer(text: str, meta: dict[str, Any]) -> tuple[float, dict[str, floa
     return W_SCORE * correct + W_FORMAT * fmt, {"correct": correct, "format": fmt, "success": correct}, info
 
 
-class DocsFinancialEnv(Environment):
-    max_turns = 1
-
-    def __init__(self) -> None:
-        self._task: Task | None = None
-        self._final: StepResult | None = None
-
-    async def reset(self, task: Task) -> Observation:
-        self._task, self._final = task, None
-        return Observation(messages=list(task.prompt), tools=[])
-
-    async def step(self, assistant_text: str) -> StepResult:
-        if self._task is None:
-            raise RuntimeError("step() before reset()")
-        if self._final is None:
-            reward, rewards, info = score_answer(assistant_text, self._task.meta)
-            info.update(turns=1, infra_failure=False)
-            self._final = StepResult(observations=[], reward=reward, done=True, rewards=rewards, info=info)
-        return self._final
-
-
 @register_env("docs.financial")
 class DocsFinancialDomain(Domain):
     description = "long synthetic financial reports (2k-64k tokens): locate, compare, compute, extract JSON"
@@ -598,4 +578,4 @@ class DocsFinancialDomain(Domain):
         return [f"<answer>{task.meta['answer']}</answer>"]
 
     def make_env(self, sandbox: Any = None, chat_format: str = "smollm2") -> Environment:
-        return DocsFinancialEnv()
+        return LongContextEnv(score_answer)  # one turn, scored like the other long-context domains' replies

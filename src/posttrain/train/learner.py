@@ -43,6 +43,7 @@ from posttrain.train.batch import (
     plan_micro_batches,
     plan_shared_micro_batches,
 )
+from posttrain.train.distributed import full_value
 from posttrain.train.forward import (
     ValueModel,
     causal_lm,
@@ -194,6 +195,7 @@ class Learner:
         self.optimizer_steps = 0
         self.optimizer_offloaded = False
         self.pad_id = int(getattr(causal_lm(self.model).config, "pad_token_id", None) or 0)
+        self.dp: Any = None  # a train.distributed.DataParallel once shard_learner() made this a rank
 
     # ------------------------------------------------------------------------------------------
     # forward passes
@@ -217,6 +219,8 @@ class Learner:
         """(logprobs, entropy) as `[b, L]` matrices, nonzero only where `mask` is 1. A micro-batch
         planned with a shared prefix (`batch.meta["shared_prefix"]`) runs that prefix once. Logits are
         divided by `temperature` (None: algorithm.temperature, the RL sampling temperature)."""
+        if self.dp is not None and model is self.model and not self.dp.inside:  # through the FSDP root
+            return self.dp.root(batch, mask, inputs, temperature)
         lm = causal_lm(model)
         prefix = int(batch.meta.get("shared_prefix", 0))
         if prefix > 0:
@@ -400,6 +404,7 @@ class Learner:
         use_kl = self.kl_ctl.value > 0 if use_kl is None else use_kl
         return (
             tc.single_pass_old_logprobs
+            and self.dp is None  # each rank differentiates only its rows: the old logprobs need every row
             and self.batch_cfg.ppo_epochs == 1
             and self.batch_cfg.mini_batches == 1
             and self.critic is None
@@ -469,9 +474,18 @@ class Learner:
         sums: dict[str, float] = {}
         counts: dict[str, float] = {}
 
+        local_sums: dict[
+            str, float
+        ] = {}  # per micro-batch: this rank's share (reduced over ranks at the end)
+        local_counts: dict[str, float] = {}
+
         def add(key: str, value: float, weight: float = 1.0) -> None:
             sums[key] = sums.get(key, 0.0) + value * weight
             counts[key] = counts.get(key, 0.0) + weight
+
+        def add_local(key: str, value: float, weight: float = 1.0) -> None:
+            local_sums[key] = local_sums.get(key, 0.0) + value * weight
+            local_counts[key] = local_counts.get(key, 0.0) + weight
 
         cells = tokens = computed = 0  # positions run (padding included), sequence tokens, real positions run
         ratio_max = 1.0
@@ -493,19 +507,22 @@ class Learner:
                     if self.critic_optimizer is not None:
                         self.critic_optimizer.zero_grad(set_to_none=True)
                     mb_loss = mb_vloss = 0.0
-                    for rows, prefix in self._micro_batches(mb):
+                    micro = self._micro_batches(mb)
+                    shares = [(m, 1.0) for m in micro] if self.dp is None else self.dp.share(micro)
+                    for (rows, prefix), scale in shares:
+                        counted = scale > 0  # a weight-0 repeat only keeps the ranks' collectives in step
                         mi = self._select(mb, rows, prefix)
                         width = mi.token_ids.shape[1]
                         ridx = torch.as_tensor(rows, device=self.device)
                         wp, wt = w_pol[ridx, :width], w_tok[ridx, :width]
                         mmask = mi.train_mask
                         inputs = self._inputs(mi) if (prefix == 0 or self.critic is not None) else None
-                        seq_tokens = int(mi.lengths.sum().item())
+                        seq_tokens = int(mi.lengths.sum().item()) if counted else 0
                         tokens += seq_tokens
-                        if prefix > 0:  # the prefix once, then every row's suffix, packed without padding
+                        if counted and prefix > 0:  # the prefix once, then every row's suffix, unpadded
                             run = seq_tokens - (mi.size - 1) * prefix
                             computed, cells = computed + run, cells + run
-                        else:
+                        elif counted:
                             assert inputs is not None
                             computed += inputs.tokens
                             cells += inputs.cells
@@ -541,22 +558,25 @@ class Learner:
                             kl_tok = kl_estimate(lp, mi.ref_logprobs, a.kl_estimator) * mi.loss_mask
                             kl_term = (kl_tok * wp).sum()
                             loss = loss + self.kl_ctl.value * kl_term
-                            add("kl_loss", float(kl_term.item()))
-                        loss.backward()
+                            if counted:
+                                add_local("kl_loss", float(kl_term.item()))
+                        (loss if scale == 1.0 else loss * scale).backward()
+                        if not counted:
+                            continue
                         mb_loss += pg
                         m = mmask > 0
                         n_mi = float(m.sum().item())
                         with torch.no_grad():
                             lr_ = (lp - mi.old_logprobs)[m]
-                            add(
+                            add_local(
                                 "clipfrac", float(out.clipped[m].float().mean().item()) if n_mi else 0.0, n_mi
                             )
-                            add(
+                            add_local(
                                 "entropy",
                                 float(ent[mi.loss_mask > 0].mean().item()),
                                 float(mi.loss_mask.sum().item()),
                             )
-                            add(
+                            add_local(
                                 "approx_kl",
                                 float((torch.exp(-lr_) - 1 + lr_).mean().item()) if n_mi else 0.0,
                                 n_mi,
@@ -572,7 +592,11 @@ class Learner:
                             (a.value_coef * vloss).backward()
                             mb_vloss += float(vloss.item())
                             nv = float(mi.loss_mask.sum().item())
-                            add("vf_clipfrac", float(vclipped[mi.loss_mask > 0].float().mean().item()), nv)
+                            add_local(
+                                "vf_clipfrac", float(vclipped[mi.loss_mask > 0].float().mean().item()), nv
+                            )
+                    if self.dp is not None:
+                        mb_loss, mb_vloss = self.dp.sum_([mb_loss, mb_vloss])
                     grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, tc.max_grad_norm)
                     self.optimizer.step()
                     if self.critic is not None and self.critic_optimizer is not None:
@@ -584,12 +608,19 @@ class Learner:
                         add("value_loss", mb_vloss)
                     self.optimizer_steps += 1
                     add("policy_loss", mb_loss)
-                    add("grad_norm", float(grad_norm))
+                    add("grad_norm", full_value(grad_norm))
                     add("lr", lr)
         finally:
             self.model.eval()
             if self.critic is not None:
                 self.critic.eval()
+        if self.dp is not None:
+            local_sums, local_counts = self.dp.reduce_weighted(local_sums, local_counts)
+            tokens, computed, cells = (int(x) for x in self.dp.sum_([tokens, computed, cells]))
+            ratio_max = self.dp.max_(ratio_max)
+        for k, v in local_sums.items():
+            sums[k] = sums.get(k, 0.0) + v
+            counts[k] = counts.get(k, 0.0) + local_counts[k]
         wall = time.perf_counter() - t0
         out_metrics = {k: (sums[k] / counts[k] if counts.get(k) else sums[k]) for k in sums}
         out_metrics["loss"] = out_metrics.pop("policy_loss")
@@ -791,6 +822,10 @@ class Learner:
         must stay fixed while the learner trains on."""
         from posttrain.train.state import merged_weights
 
+        if self.dp is not None:
+            from posttrain.train.distributed import full_weights
+
+            return full_weights(self)
         return merged_weights(self.model)
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,222 @@
+"""Data-parallel, sharded Learner ranks: FSDP2 (`fully_shard`) over torch.distributed.
+
+`shard_learner(learner)` turns a `Learner` built in each rank's process (same config and seed, so the
+same initial weights) into one rank of a data-parallel learner: every decoder layer and the root are
+sharded across the ranks (gloo on CPUs, NCCL on GPUs), the optimizer holds only this rank's shards,
+and `Learner.update` gives each rank a share of every mini-batch's micro-batches. All ranks call the
+same methods with the same batch, in the same order. Each rank's loss is scaled by the world size,
+because FSDP averages gradients while a mini-batch's loss weights are already normalised over the whole
+mini-batch: the sum over ranks is then the single-process gradient. When the micro-batches do not
+divide evenly, a rank runs a repeat of one with weight 0 (FSDP's collectives need every rank to
+take part in every forward and backward). Metrics are reduced over the ranks, so every rank reports
+what one process would.
+
+No-grad passes (old and reference logprobs) and the supervised and preference steps run the whole
+batch on every rank: correct (the averaged gradient of identical losses is that loss's gradient) and
+simple, not faster. A critic is not supported under data parallelism yet.
+
+Checkpoints: `save_sharded` writes a torch.distributed.checkpoint folder (each rank its shards of the
+weights and optimizer state, plus the learner's counters), and `load_sharded` reads it on any number
+of ranks, one included (no process group needed).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from posttrain.train.forward import causal_lm
+
+
+@dataclass
+class DataParallel:
+    """This process's place among the learner ranks; `root` is the sharded module the policy forward
+    goes through (see `shard_learner`)."""
+
+    rank: int
+    world: int
+    group: Any = None
+    root: Any = None
+    inside: bool = False  # the root's forward is running the Learner's own forward
+
+    def share(self, micro_batches: list[Any]) -> list[tuple[Any, float]]:
+        """This rank's micro-batches with the loss scale each runs with: round-robin, each scaled by the
+        world size, padded with weight-0 repeats so that every rank runs as many."""
+        n = len(micro_batches)
+        rounds = -(-n // self.world) if n else 0
+        out = []
+        for r in range(rounds):
+            i = r * self.world + self.rank
+            out.append((micro_batches[i], float(self.world)) if i < n else (micro_batches[0], 0.0))
+        return out
+
+    def sum_(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return t.tolist()
+
+    def max_(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return float(t.item())
+
+    def reduce_weighted(
+        self, sums: dict[str, float], counts: dict[str, float]
+    ) -> tuple[dict[str, float], dict[str, float]]:
+        """Sums and counts of weighted-mean metrics added over the ranks (key sets may differ)."""
+        keys: list[Any] = [None] * self.world
+        dist.all_gather_object(keys, sorted(sums), group=self.group)
+        union = sorted({k for ks in keys for k in ks})
+        flat = self.sum_([sums.get(k, 0.0) for k in union] + [counts.get(k, 0.0) for k in union])
+        n = len(union)
+        return dict(zip(union, flat[:n], strict=True)), dict(zip(union, flat[n:], strict=True))
+
+
+def decoder_layers(model: Any) -> list[torch.nn.Module]:
+    """The decoder layers of a causal LM (peft-wrapped or not): the units FSDP shards one by one."""
+    layers = getattr(causal_lm(model).get_decoder(), "layers", None)
+    if layers is None:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard")
+    return list(layers)
+
+
+class _Root(torch.nn.Module):
+    """The FSDP root around the policy. The Learner never calls the model's own forward (it runs the
+    decoder, then its head in chunks), so the parameters outside the decoder layers (embeddings, final
+    norm, head) get their all-gather from this module's forward, which runs the Learner's forward."""
+
+    def __init__(self, policy: torch.nn.Module, learner: Any) -> None:
+        super().__init__()
+        self.policy = policy
+        self._learner = [learner]  # a list: not registered as a submodule
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        learner = self._learner[0]
+        learner.dp.inside = True
+        try:
+            return learner._policy_forward(learner.model, *args, **kwargs)
+        finally:
+            learner.dp.inside = False
+
+
+def shard_learner(learner: Any, group: Any = None) -> DataParallel:
+    """Shard `learner`'s policy over the process group (initialised by the caller) and rebuild its
+    optimizer over this rank's shards; returns the rank's `DataParallel`, also set as `learner.dp`."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from posttrain.train.learner import make_adamw
+
+    if not dist.is_initialized():
+        raise RuntimeError("shard_learner needs torch.distributed initialised (init_process_group)")
+    if learner.critic is not None:
+        raise ValueError("data-parallel learner ranks do not support a critic yet (trainer.critic=none)")
+    if learner.optimizer_steps:
+        raise ValueError("shard a learner before its first update (its optimizer state would be lost)")
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    device_type = learner.device.type
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    mesh = DeviceMesh(device_type, ranks)
+    for layer in decoder_layers(learner.model):
+        fully_shard(layer, mesh=mesh)
+    root = _Root(learner.model, learner)
+    fully_shard(root, mesh=mesh)
+    tc = learner.trainer_cfg
+    learner.trainable = [p for p in learner.model.parameters() if p.requires_grad]
+    learner.optimizer = make_adamw(learner.trainable, tc.lr, tuple(tc.betas), tc.weight_decay)
+    learner.dp = DataParallel(rank, world, group, root=root)
+    return learner.dp
+
+
+def full_value(x: Any) -> float:
+    """A float from a tensor that may be a DTensor (a sharded grad norm)."""
+    full = getattr(x, "full_tensor", None)
+    return float(full() if callable(full) else x)
+
+
+def full_weights(learner: Any) -> dict[str, torch.Tensor]:
+    """HF-named full weights of a sharded policy (every rank gets them), LoRA merged as
+    `train.state.merged_weights` merges them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(learner.model, options=StateDictOptions(full_state_dict=True))
+    get_base = getattr(learner.model, "get_base_model", None)
+    if not callable(get_base):
+        return {k: v.detach() for k, v in sd.items()}
+    from peft.tuners.lora import LoraLayer
+
+    prefix = "base_model.model."
+    sd = {k.removeprefix(prefix): v for k, v in sd.items()}
+    merged: dict[str, torch.Tensor] = {}
+    for name, module in get_base().named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        weight = sd[f"{name}.base_layer.weight"]
+        delta = torch.zeros_like(weight, dtype=torch.float32)
+        for ad in module.active_adapters:
+            if f"{name}.lora_A.{ad}.weight" not in sd:
+                continue
+            d = sd[f"{name}.lora_B.{ad}.weight"].float() @ sd[f"{name}.lora_A.{ad}.weight"].float()
+            delta += (d.T if getattr(module, "fan_in_fan_out", False) else d) * module.scaling[ad]
+        merged[f"{name}.weight"] = (weight.float() + delta).to(weight.dtype)
+    out: dict[str, torch.Tensor] = {}
+    for k, v in sd.items():
+        if ".lora_" in k:
+            continue
+        key = k.replace(".base_layer.", ".")
+        out[key] = merged.get(key, v.detach())
+    return out
+
+
+def _counters(learner: Any) -> dict[str, Any]:
+    return {
+        "version": learner.version,
+        "optimizer_steps": learner.optimizer_steps,
+        "kl": dict(learner.kl_ctl.state_dict()),
+        "generator": learner.generator.get_state().tolist(),
+        "world": learner.dp.world if getattr(learner, "dp", None) is not None else 1,
+    }
+
+
+def save_sharded(learner: Any, directory: str | Path) -> None:
+    """Every rank writes its shards of the weights and optimizer state into `directory` (a
+    torch.distributed.checkpoint folder); rank 0 adds the learner's counters."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(learner.model, learner.optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory))
+    if getattr(learner, "dp", None) is None or learner.dp.rank == 0:
+        (Path(directory) / "learner_counters.json").write_text(json.dumps(_counters(learner)))
+    if dist.is_initialized():
+        dist.barrier(group=getattr(getattr(learner, "dp", None), "group", None))
+
+
+def load_sharded(learner: Any, directory: str | Path) -> None:
+    """Restore a `save_sharded` folder into `learner`, sharded over any number of ranks or none."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    path = Path(directory)
+    if not (path / "learner_counters.json").is_file():
+        raise FileNotFoundError(f"{path} is not a sharded learner checkpoint (no learner_counters.json)")
+    model_sd, optim_sd = get_state_dict(learner.model, learner.optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    with warnings.catch_warnings():  # without a process group DCP loads in one process: what we want
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(
+        learner.model, learner.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    counters = json.loads((path / "learner_counters.json").read_text())
+    learner.version = int(counters["version"])
+    learner.optimizer_steps = int(counters["optimizer_steps"])
+    learner.kl_ctl.load_state_dict(counters["kl"])
+    learner.generator.set_state(torch.tensor(counters["generator"], dtype=torch.uint8))

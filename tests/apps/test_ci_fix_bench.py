@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from posttrain.apps.ci_fix import CheckRunner
-from posttrain.bench.ci_fix import SUITE_DIR, suite_tasks
+from posttrain.bench.ci_fix import SUITE_DIR, suite_tasks, wilson_interval
 from posttrain.cli.bench import run_bench
 from posttrain.envs.repo_tools import apply_patch
 
@@ -73,6 +73,14 @@ def test_bench_ci_fix_json(tmp_path, capsys):
     assert last == json.loads(json.dumps(out))
     assert out["n_tasks"] == 1 and out["n_by_source"] == {"suite": 1}
     assert out["reference_fix_rate"] == 1.0  # the known fixes verify through the same harness
-    assert out["fix_rate"] == {"tiny:llama": 0.0} and out["fix_rate_ci"] == {"tiny:llama": [0.0, 0.0]}
+    assert out["fix_rate"] == {"tiny:llama": 0.0}
+    assert out["fix_rate_ci"]["tiny:llama"] == pytest.approx([0.0, 0.79346], abs=1e-5)  # Wilson, 0 of 1
     assert out["median_wall_s"]["tiny:llama"] > 0 and out["attempts_per_fix"] == {"tiny:llama": None}
     assert [(r["task"], r["status"]) for r in out["tasks"]["tiny:llama"]] == [("temperature", "not_fixed")]
+
+
+def test_wilson_interval_by_hand():
+    # centre (p + z^2/2n) / (1 + z^2/n), half-width z sqrt(p(1-p)/n + z^2/4n^2) / (1 + z^2/n), z = 1.96
+    assert wilson_interval(0, 26) == pytest.approx((0.0, 0.128734), abs=1e-6)
+    assert wilson_interval(5, 10) == pytest.approx((0.236590, 0.763410), abs=1e-6)
+    assert wilson_interval(10, 10) == pytest.approx((0.722460, 1.0), abs=1e-6)

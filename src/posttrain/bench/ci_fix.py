@@ -1,5 +1,5 @@
 """`posttrain bench ci-fix`: the CI auto-fix agent's fix rate (strict: a patch that makes the check pass
-on a fresh copy) with 95% bootstrap intervals, attempts and wall time per fix, on held-out `swe.ci_fix`
+on a fresh copy) with 95% Wilson intervals, attempts and wall time per fix, on held-out `swe.ci_fix`
 repositories (levels 0-2) and on the committed suite of small real projects (`benchmarks/ci_fix/`:
 one real bug class each, with its failing test and its known fix), for the in-process models given
 (the embedded 135M model by default; a training run directory for a trained one) and any
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import statistics
 import sys
 import time
@@ -19,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from rich.console import Console
 from rich.table import Table
 
@@ -94,12 +94,15 @@ class KnownFixPolicy:
         return AttemptOutcome(res.info, [m.to_openai() for m in res.transcript], 0, res.turns)
 
 
-def _rate(fixed: list[bool], seed: int) -> dict[str, Any]:
-    from posttrain.orchestrator.evaluate import bootstrap_ci
-
-    values = np.array([float(f) for f in fixed])
-    lo, hi = bootstrap_ci(values, seed)
-    return {"rate": float(values.mean()) if len(values) else float("nan"), "ci_low": lo, "ci_high": hi}
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95% Wilson score interval of a binomial rate: unlike a bootstrap of the tasks, it does not
+    collapse to [0, 0] (or [1, 1]) when no task (or every task) was fixed."""
+    if n == 0:
+        return (float("nan"), float("nan"))
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (max(0.0, centre - half), min(1.0, centre + half))
 
 
 def _run_arm(
@@ -192,6 +195,7 @@ def summarise(
     sources = list(dict.fromkeys(t.source for t in tasks))
     out: dict[str, Any] = {
         "fix_rate_definition": "strict: the agent's patch makes the check pass on a fresh copy of the repository",
+        "fix_rate_ci_definition": "95% Wilson score interval over the tasks",
         "n_tasks": len(tasks),
         "n_by_source": {s: sum(t.source == s for t in tasks) for s in sources},
         "reference_fix_rate": sum(r["fixed"] for r in reference) / len(reference),
@@ -219,7 +223,9 @@ def summarise(
         table.add_column(col)
     for model, rows in per_arm.items():
         fixed = [r for r in rows if r["fixed"]]
-        rate = _rate([r["fixed"] for r in rows], args.seed)
+        n_fixed = len(fixed)
+        lo, hi = wilson_interval(n_fixed, len(rows))
+        rate = {"rate": n_fixed / len(rows), "ci_low": lo, "ci_high": hi}
         out["fix_rate"][model] = rate["rate"]
         out["fix_rate_ci"][model] = [rate["ci_low"], rate["ci_high"]]
         out["fix_rate_by_source"][model] = {

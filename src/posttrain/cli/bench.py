@@ -1,4 +1,4 @@
-"""`posttrain bench sandbox|engine|learner|rl|curriculum|serve|scale|ci-fix|docs [OPTIONS] [--json]`: benchmarks that measure their
+"""`posttrain bench sandbox|engine|learner|rl|curriculum|serve|scale|ci-fix|docs|longctx [OPTIONS] [--json]`: benchmarks that measure their
 baseline in the same run. Each is a command with its own options (`posttrain bench NAME --help`); the
 benchmarks themselves live in `posttrain.bench`, one module each, and return their named figures, which
 `--json` prints as one object on stdout's last line.
@@ -485,7 +485,7 @@ def ci_fix(
     max_attempts: int = typer.Option(1, "--max-attempts", min=1, help="attempts per task"),
     timeout_s: float = typer.Option(300.0, "--timeout-s", min=1.0, help="limit per task"),
     overrides: list[str] = typer.Option([], "--set", metavar="KEY=VALUE", help="config override"),
-    seed: int = typer.Option(0, "--seed", help="seed of the held-out tasks and the intervals"),
+    seed: int = typer.Option(0, "--seed", help="seed of the held-out swe.ci_fix tasks"),
     json_out: bool = JSON,
 ) -> dict[str, Any]:
     """Fix rate of `posttrain agent ci-fix` (patch verified on a fresh copy) with 95% intervals, attempts
@@ -550,4 +550,27 @@ def docs(
         context_tokens=context_tokens,
         timeout_s=timeout_s,
         seed=seed,
+    )
+
+
+@app.command("longctx")
+def longctx(
+    lengths: str = typer.Option("1k,4k,16k,32k", "--lengths", help="sequence lengths, e.g. 1k,4k,16k,32k"),
+    model: str = typer.Option("smollm2-135m", "--model", help="model spec"),
+    baseline_max_tokens: int = typer.Option(
+        4096, "--baseline-max-tokens", help="longest length also run without the memory features"
+    ),
+    timeout_s: float = typer.Option(3600.0, "--timeout-s", min=10.0, help="limit per measurement"),
+    json_out: bool = JSON,
+) -> dict[str, Any]:
+    """Peak memory and seconds of a training step and of a prefill against length, with the memory
+    features (checkpointing, chunked logprobs, no L x L mask, chunked prefill) and without, measured in
+    the same run."""
+    return _run(
+        "longctx",
+        json_out,
+        lengths=lengths,
+        model=model,
+        baseline_max_tokens=baseline_max_tokens,
+        timeout_s=timeout_s,
     )

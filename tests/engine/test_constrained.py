@@ -14,6 +14,7 @@ import torch
 
 from posttrain.engine import GenerationRequest, PagedEngine, SamplingParams
 from posttrain.engine.constrained import JSON_OBJECT_SCHEMA, compile_schema
+from posttrain.engine.hf import HFEngine
 from posttrain.engine.speculative import can_speculate
 from posttrain.engine.types import BadRequestError
 
@@ -153,3 +154,11 @@ def test_unenforceable_or_malformed_requests_are_refused(engine):
         engine.generate([GenerationRequest(prompt, SamplingParams(json_schema='{"type": "object"}'))])
     with pytest.raises(BadRequestError, match="ignore_eos cannot be combined with json_schema"):
         engine.generate([GenerationRequest(prompt, SamplingParams(json_schema={}, ignore_eos=True))])
+
+
+def test_the_hf_backend_refuses_json_schema(tokenizer):
+    hf = HFEngine(tiny("llama"), tokenizer)
+    with pytest.raises(BadRequestError, match="hf backend has no constrained decoding"):
+        hf.generate(
+            [GenerationRequest([5, 6, 7], SamplingParams(json_schema=JSON_OBJECT_SCHEMA, max_tokens=2))]
+        )

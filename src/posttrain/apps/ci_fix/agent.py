@@ -4,7 +4,7 @@ by running the check on a FRESH copy of the repository with the episode's patch 
 first verified fix or when attempts, turns or time run out; saves every attempt's transcript.
 
 Policies: `EnginePolicy` (our paged engine through `rollout.run_episode`, the training rollout) and
-`ApiPolicy` (any OpenAI-compatible endpoint through `orchestrator.evaluate.api_episode`). The CLI
+`ApiPolicy` (any OpenAI-compatible endpoint through `rollout.api.api_episode`). The CLI
 (`posttrain agent ci-fix`) and `posttrain bench ci-fix` call `fix_repository`.
 """
 
@@ -192,7 +192,7 @@ class ApiPolicy:
     async def episode(self, env: RepoFixEnv, task: Task, sandbox: Any) -> AttemptOutcome:
         import httpx
 
-        from posttrain.orchestrator.evaluate import api_episode
+        from posttrain.rollout.api import api_episode
 
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         async with httpx.AsyncClient(base_url=self.api_base, headers=headers, timeout=300.0) as client:

@@ -1,0 +1,208 @@
+"""`posttrain bench longctx`: peak memory and time of one training step and of one prefill against the
+sequence length, with the memory features on and off, each in its own process.
+
+Training step: `Learner.step` on one sequence of L tokens (the second half generated). Features on:
+gradient checkpointing, logprobs by chunks of 1024 positions, and no `[L, L]` attention mask (a lone
+sequence keeps the padded layout). Off: no checkpointing, the LM head over all L positions at once, and
+the packed layout's 4-D mask (what the Learner did before). Prefill: the paged engine over an L-token
+prompt, one token generated; on: chunked prefill (2048 tokens a step); off: the whole prompt in one step.
+Peak memory is the process's peak RSS (`ru_maxrss`), loaded model included; `*_over_load_bytes`
+subtracts the RSS once the model is loaded. Lengths above `--baseline-max-tokens` run with the features
+only (the baseline's L x L tensors would not fit). `fits_32k` is whether a 32k training step finished
+under the machine's memory, null when 32k was not run. Does not measure ring attention (its memory is
+in tests/longctx/test_ring.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from typing import Any
+
+from posttrain.bench import BenchUsageError
+
+MACHINE_BYTES = 24 * 2**30
+
+
+def parse_lengths(text: str) -> list[int]:
+    """'1k,4k,16384' -> [1024, 4096, 16384]."""
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        try:
+            out.append(int(float(part[:-1]) * 1024) if part.endswith("k") else int(part))
+        except ValueError:
+            raise BenchUsageError(f"--lengths: '{part}' is not a length (e.g. 1k,4k,16k or 4096)") from None
+    if not out or min(out) < 16:
+        raise BenchUsageError(f"--lengths must be lengths of at least 16 tokens, got {text!r}")
+    return out
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def child(kind: str, length: int, features: bool, model: str) -> dict[str, Any]:
+    """One measurement, in this process (the bench runs it in a fresh one)."""
+    import torch
+
+    torch.manual_seed(0)
+    ids = torch.randint(100, 40000, (length,)).tolist()
+    if kind == "train":
+        from posttrain.config import AlgorithmConfig, BatchConfig, ModelConfig, TrainerConfig
+        from posttrain.train import Learner, Sample
+
+        trainer = TrainerConfig(
+            lr=1e-6,
+            gradient_checkpointing=features,
+            logprob_chunk_tokens=1024 if features else length,
+            share_prompt_prefix=False,
+        )
+        learner = Learner(
+            ModelConfig(spec=model),
+            trainer,
+            AlgorithmConfig(),
+            batch_cfg=BatchConfig(micro_batch_tokens=length),
+        )
+        half = length // 2
+        sample = Sample(
+            ids, [0] * half + [1] * (length - half), [0.0] * half + [-10.0] * (length - half), 1.0, 0
+        )
+        if not features:  # the 4-D mask of the packed layout, as before a lone sequence kept the padded one
+            from posttrain.train import batch as batch_mod
+
+            plain = batch_mod.make_inputs
+
+            def packed_mask(token_ids, lengths, packed, pad_id=0):
+                inputs = plain(token_ids, lengths, packed, pad_id)
+                if inputs.attention_mask.dim() == 2:
+                    n = inputs.attention_mask.shape[1]
+                    causal = torch.ones(n, n, dtype=torch.bool).tril()
+                    inputs.attention_mask = (causal[None] & inputs.attention_mask.bool()[:, None, :])[:, None]
+                return inputs
+
+            batch_mod.make_inputs = packed_mask
+            import posttrain.train.learner as learner_mod
+
+            learner_mod.make_inputs = packed_mask
+        loaded = _rss_bytes()
+        t0 = time.perf_counter()
+        learner.step([sample])
+        seconds = time.perf_counter() - t0
+    else:
+        from posttrain.engine import GenerationRequest, PagedEngine, SamplingParams
+        from posttrain.models import load_policy, load_tokenizer
+
+        tok = load_tokenizer(model)
+        engine = PagedEngine(
+            load_policy(model),
+            tok,
+            block_size=16,
+            num_blocks=length // 16 + 8,
+            max_model_len=length + 16,
+            max_num_batched_tokens=2048 if features else length,
+        )
+        loaded = _rss_bytes()
+        t0 = time.perf_counter()
+        engine.generate([GenerationRequest(ids, SamplingParams(temperature=0.0, max_tokens=1))])
+        seconds = time.perf_counter() - t0
+    peak = _peak_bytes()
+    return {"seconds": seconds, "peak_bytes": peak, "over_load_bytes": peak - loaded}
+
+
+def _measure(kind: str, length: int, features: bool, model: str, timeout_s: float) -> dict[str, Any] | None:
+    code = (
+        "import json, sys; from posttrain.bench.longctx import child; "
+        f"print(json.dumps(child({kind!r}, {length}, {features}, {model!r})))"
+    )
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s:.0f} s"}
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return {"error": f"exit {out.returncode}: {last[:200]}"}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(opts: Any) -> dict[str, Any]:
+    from rich.console import Console
+    from rich.table import Table
+
+    lengths = parse_lengths(opts.lengths)
+    if opts.baseline_max_tokens < 0:
+        raise BenchUsageError("--baseline-max-tokens must be >= 0")
+    rows: dict[str, dict[int, Any]] = {}
+    for kind in ("train", "prefill"):
+        for features in (True, False):
+            key = f"{kind}_{'features' if features else 'baseline'}"
+            rows[key] = {}
+            for n in lengths:
+                if not features and n > opts.baseline_max_tokens:
+                    continue
+                rows[key][n] = _measure(kind, n, features, opts.model, opts.timeout_s)
+
+    def figure(key: str, field: str) -> dict[str, Any]:
+        return {str(n): (r.get(field) if r else None) for n, r in rows[key].items()}
+
+    result: dict[str, Any] = {
+        "model": opts.model,
+        "lengths": lengths,
+        "peak_train_bytes": figure("train_features", "peak_bytes"),
+        "peak_train_bytes_baseline": figure("train_baseline", "peak_bytes"),
+        "train_over_load_bytes": figure("train_features", "over_load_bytes"),
+        "train_over_load_bytes_baseline": figure("train_baseline", "over_load_bytes"),
+        "train_s": figure("train_features", "seconds"),
+        "train_s_baseline": figure("train_baseline", "seconds"),
+        "prefill_s": figure("prefill_features", "seconds"),
+        "prefill_s_baseline": figure("prefill_baseline", "seconds"),
+        "peak_prefill_bytes": figure("prefill_features", "peak_bytes"),
+        "peak_prefill_bytes_baseline": figure("prefill_baseline", "peak_bytes"),
+        "errors": {
+            f"{k}@{n}": r["error"] for k, per in rows.items() for n, r in per.items() if r and "error" in r
+        },
+        "load_avg_1m": os.getloadavg()[0],
+    }
+    for key in ("train_over_load_bytes", "train_s", "prefill_s"):
+        base, mine = result[f"{key}_baseline"], result[key]
+        result[f"{key}_baseline_ratio"] = {n: base[n] / mine[n] for n in base if base.get(n) and mine.get(n)}
+    per_token = {n: s / int(n) for n, s in result["prefill_s"].items() if s}
+    if "32768" in per_token and "4096" in per_token:
+        result["prefill_per_token_32k_over_4k"] = per_token["32768"] / per_token["4096"]
+    run32 = rows["train_features"].get(32768)
+    result["fits_32k"] = (
+        None if run32 is None else bool("error" not in run32 and run32["peak_bytes"] < MACHINE_BYTES)
+    )
+
+    table = Table(title=f"long context: {opts.model} (load {result['load_avg_1m']:.1f})")
+    for col in ("tokens", "train peak GB", "baseline", "train s", "baseline", "prefill s", "baseline"):
+        table.add_column(col)
+
+    def cell(v: Any, scale: float = 1.0) -> str:
+        return "-" if v is None else f"{v / scale:.2f}"
+
+    for n in map(str, lengths):
+        table.add_row(
+            n,
+            cell(result["peak_train_bytes"].get(n), 2**30),
+            cell(result["peak_train_bytes_baseline"].get(n), 2**30),
+            cell(result["train_s"].get(n)),
+            cell(result["train_s_baseline"].get(n)),
+            cell(result["prefill_s"].get(n)),
+            cell(result["prefill_s_baseline"].get(n)),
+        )
+    Console().print(table)
+    for where, why in result["errors"].items():
+        Console().print(f"{where}: {why}")
+    return result

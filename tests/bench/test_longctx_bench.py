@@ -1,0 +1,32 @@
+"""`posttrain bench longctx`: lengths parse as the user types them, bad ones are usage errors, and a run
+on a tiny model reports every figure for every length, measured (slow)."""
+
+from __future__ import annotations
+
+import pytest
+
+from posttrain.bench import BenchUsageError
+from posttrain.bench.longctx import parse_lengths
+from posttrain.cli.bench import run_bench
+
+
+def test_lengths_parse_and_bad_ones_are_usage_errors(capsys):
+    assert parse_lengths("1k, 4k,16384,0.5k") == [1024, 4096, 16384, 512]
+    with pytest.raises(BenchUsageError, match="'lots' is not a length"):
+        parse_lengths("1k,lots")
+    with pytest.raises(SystemExit) as exit_info:
+        run_bench("longctx", ["--lengths", "8"])
+    assert exit_info.value.code == 2
+    assert "at least 16 tokens" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_tiny_run_measures_both_variants_at_every_length():
+    out = run_bench(
+        "longctx", ["--model", "tiny:llama", "--lengths", "64,128", "--baseline-max-tokens", "64"]
+    )
+    assert out["errors"] == {}
+    assert set(out["peak_train_bytes"]) == set(out["prefill_s"]) == {"64", "128"}
+    assert set(out["peak_train_bytes_baseline"]) == {"64"}
+    assert all(v > 0 for v in out["peak_train_bytes"].values())
+    assert out["fits_32k"] is None

@@ -5,12 +5,14 @@ the exit codes."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from posttrain.apps.ci_fix import CheckRunner, RepoFixEnv, load_repo, pytest_counts
@@ -356,3 +358,30 @@ def test_pytest_counts_and_repo_loading(planted):
     repo = load_repo(planted / "calc")  # a subfolder resolves to the work tree's root
     assert repo.root == planted and set(repo.files) == {*PLANTED, "notes.txt", ".gitignore"}
     assert repo.binary == {"blob.bin": b"\xff\x00"} and len(repo.head) == 40
+
+
+def test_dependencies_from_host_packages_and_wheels(sandbox, tmp_path):
+    import zipfile
+
+    from posttrain.apps.ci_fix import read_wheels
+
+    uses = {
+        "tests/test_deps.py": "import yaml\nimport tinylib\n\n\ndef test_both():\n"
+        "    assert yaml.safe_load('a: 1') == {'a': 1} and tinylib.VALUE == 7\n"
+    }
+    wheel_dir = tmp_path / "wheels"
+    wheel_dir.mkdir()
+    with zipfile.ZipFile(wheel_dir / "tinylib-1.0-py3-none-any.whl", "w") as whl:
+        whl.writestr("tinylib/__init__.py", "VALUE = 7\n")
+    wheels = read_wheels(wheel_dir)
+
+    async def both():
+        bare = CheckRunner(sandbox, "pytest -q -p no:cacheprovider")
+        deps = CheckRunner(sandbox, "pytest -q -p no:cacheprovider", wheels=wheels, packages=("yaml",))
+        return await asyncio.gather(bare.run(uses), deps.run(uses))
+
+    bare, deps = run(both())
+    assert not bare.passed and "ModuleNotFoundError: No module named 'yaml'" in bare.log
+    assert deps.passed and deps.counts == {"passed": 1}, deps.log
+    with pytest.raises(ValueError, match="no .whl files"):
+        read_wheels(tmp_path)

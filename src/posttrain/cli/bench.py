@@ -561,6 +561,9 @@ def longctx(
         4096, "--baseline-max-tokens", help="longest length also run without the memory features"
     ),
     timeout_s: float = typer.Option(3600.0, "--timeout-s", min=10.0, help="limit per measurement"),
+    ring_tokens: int = typer.Option(
+        4096, "--ring-tokens", min=0, help="ring attention over 1, 2, 4 processes at this length (0: skip)"
+    ),
     json_out: bool = JSON,
 ) -> dict[str, Any]:
     """Peak memory and seconds of a training step and of a prefill against length, with the memory
@@ -573,4 +576,5 @@ def longctx(
         model=model,
         baseline_max_tokens=baseline_max_tokens,
         timeout_s=timeout_s,
+        ring_tokens=ring_tokens,
     )

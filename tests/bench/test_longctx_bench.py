@@ -30,3 +30,6 @@ def test_a_tiny_run_measures_both_variants_at_every_length():
     assert set(out["peak_train_bytes_baseline"]) == {"64"}
     assert all(v > 0 for v in out["peak_train_bytes"].values())
     assert out["fits_32k"] is None
+    ring = out["ring_saved_bytes_per_rank"]  # q, k, v, out and the log-sum-exp of 256 / ranks tokens
+    assert ring["2"] == 4 * (4 * 9 * 128 * 64 + 9 * 128) and ring["4"] == ring["2"] // 2
+    assert ring["1"] > 9 * 256 * 256 * 4  # plain attention keeps the softmax: quadratic

@@ -9,8 +9,9 @@ prompt, one token generated; on: chunked prefill (2048 tokens a step); off: the 
 Peak memory is the process's peak RSS (`ru_maxrss`), loaded model included; `*_over_load_bytes`
 subtracts the RSS once the model is loaded. Lengths above `--baseline-max-tokens` run with the features
 only (the baseline's L x L tensors would not fit). `fits_32k` is whether a 32k training step finished
-under the machine's memory, null when 32k was not run. Does not measure ring attention (its memory is
-in tests/longctx/test_ring.py).
+under the machine's memory, null when 32k was not run. Ring attention (`--ring-tokens N`): the bytes one
+rank keeps for backward and the seconds of forward + backward of causal attention over N tokens with the
+embedded model's heads, in 1 (plain attention), 2 and 4 gloo processes.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 from posttrain.bench import BenchUsageError
 
 MACHINE_BYTES = 24 * 2**30
+RING_HEADS, RING_HEAD_DIM = 9, 64  # the embedded model's attention
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -119,6 +121,72 @@ def child(kind: str, length: int, features: bool, model: str) -> dict[str, Any]:
     return {"seconds": seconds, "peak_bytes": peak, "over_load_bytes": peak - loaded}
 
 
+def _ring_worker(rank: int, world: int, init: str, length: int, out_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from posttrain.longctx.ring import ring_attention, shard
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    q = torch.randn(1, RING_HEADS, length, RING_HEAD_DIM, generator=torch.Generator().manual_seed(0))
+    local = [shard(q, 2, world, rank).requires_grad_() for _ in range(3)]
+    saved = 0
+
+    def pack(t: Any) -> Any:
+        nonlocal saved
+        saved += t.numel() * t.element_size()
+        return t
+
+    t0 = time.perf_counter()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = ring_attention(*local, length=length, causal=True)
+    out.sum().backward()
+    seconds = time.perf_counter() - t0
+    with open(f"{out_dir}/ring{rank}.json", "w") as fh:
+        json.dump({"saved_bytes": saved, "seconds": seconds}, fh)
+    dist.destroy_process_group()
+
+
+def ring_memory(length: int, worlds: list[int]) -> dict[str, Any]:
+    """Bytes one rank keeps for backward (the largest over ranks) and seconds of forward + backward of
+    causal ring attention over `length` tokens, per number of gloo processes; world 1 is plain attention
+    (the softmax kept for backward, as the math kernel does)."""
+    import tempfile
+
+    import torch
+    import torch.multiprocessing as mp
+
+    out: dict[str, Any] = {"saved_bytes_per_rank": {}, "seconds": {}}
+    q = torch.randn(1, RING_HEADS, length, RING_HEAD_DIM).requires_grad_()
+    saved = 0
+
+    def pack(t: Any) -> Any:
+        nonlocal saved
+        saved += t.numel() * t.element_size()
+        return t
+
+    t0 = time.perf_counter()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        scores = (q @ q.transpose(-1, -2)) / RING_HEAD_DIM**0.5
+        mask = torch.ones(length, length, dtype=torch.bool).tril()
+        full = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ q
+    full.sum().backward()
+    out["saved_bytes_per_rank"]["1"], out["seconds"]["1"] = saved, time.perf_counter() - t0
+    for world in worlds:
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.start_processes(
+                _ring_worker,
+                args=(world, f"file://{tmp}/rdv", length, tmp),
+                nprocs=world,
+                start_method="fork",
+            )
+            ranks = [json.loads(open(f"{tmp}/ring{r}.json").read()) for r in range(world)]
+        out["saved_bytes_per_rank"][str(world)] = max(r["saved_bytes"] for r in ranks)
+        out["seconds"][str(world)] = max(r["seconds"] for r in ranks)
+    return out
+
+
 def _measure(kind: str, length: int, features: bool, model: str, timeout_s: float) -> dict[str, Any] | None:
     code = (
         "import json, sys; from posttrain.bench.longctx import child; "
@@ -143,6 +211,7 @@ def main(opts: Any) -> dict[str, Any]:
     lengths = parse_lengths(opts.lengths)
     if opts.baseline_max_tokens < 0:
         raise BenchUsageError("--baseline-max-tokens must be >= 0")
+    ring = ring_memory(opts.ring_tokens, [2, 4]) if opts.ring_tokens else None
     rows: dict[str, dict[int, Any]] = {}
     for kind in ("train", "prefill"):
         for features in (True, False):
@@ -174,6 +243,10 @@ def main(opts: Any) -> dict[str, Any]:
         },
         "load_avg_1m": os.getloadavg()[0],
     }
+    if ring is not None:
+        result["ring_tokens"] = opts.ring_tokens
+        result["ring_saved_bytes_per_rank"] = ring["saved_bytes_per_rank"]
+        result["ring_s"] = ring["seconds"]
     for key in ("train_over_load_bytes", "train_s", "prefill_s"):
         base, mine = result[f"{key}_baseline"], result[key]
         result[f"{key}_baseline_ratio"] = {n: base[n] / mine[n] for n in base if base.get(n) and mine.get(n)}

@@ -111,15 +111,16 @@ class RepoFixEnv(ToolEnvironment):
         return {p: t for p, t in self.repo.files.items() if self.generated.get(p) != t}
 
     async def score(self) -> tuple[float, dict[str, float], dict[str, Any]]:
-        self.patch = unified_diff(self.original, self.source_files())
+        source = self.source_files()
+        self.patch = unified_diff(self.original, source)
         changed = self.patch != ""
         # No change: the check already failed on exactly these files, so there is nothing to verify.
         self.fresh = await self.runner.run(apply_patch(self.original, self.patch)) if changed else None
         success = float(changed and self.fresh is not None and self.fresh.passed)
         touched_tests = sorted(
             p
-            for p in set(self.original) | set(self.source_files())
-            if protected_reason(p) and self.original.get(p) != self.source_files().get(p)
+            for p in set(self.original) | set(source)
+            if protected_reason(p) and self.original.get(p) != source.get(p)
         )
         info = {
             "patch": self.patch,

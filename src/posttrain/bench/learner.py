@@ -1,4 +1,5 @@
-"""`posttrain bench learner`: tokens/s of `Learner.update` on the embedded 135M model.
+"""`posttrain bench learner`: tokens/s of `Learner.update` (the RL step) and of `Learner.sft_step` (the
+supervised step, the same sequences with the same loss mask) on the embedded 135M model.
 
 Variants: full vs LoRA, fp32 vs bf16 autocast, packed vs padded, on one batch (default 32 sequences of
 up to 256 tokens, lengths uniform in [L/4, L]); with `--grpo G`, groups of G sequences sharing a prompt
@@ -110,6 +111,7 @@ def main(opts: Any) -> dict:
     # of them alike; each run starts from a fresh copy of the same weights; medians are reported
     times: dict[str, list[float]] = {name: [] for name in wanted}
     cpu_times: dict[str, list[float]] = {name: [] for name in wanted}
+    sft_times: dict[str, list[float]] = {name: [] for name in wanted if not name.endswith("-shared")}
     pads: dict[str, float] = {}
     for rnd in range(opts.repeats):
         for name in wanted:
@@ -136,6 +138,21 @@ def main(opts: Any) -> dict:
             pads[name] = m["padding_frac"]
             console.print(f"round {rnd + 1}/{opts.repeats} {name}: {tokens / times[name][-1]:.1f} tok/s")
             del learner, batch
+            if name in sft_times:  # the supervised step of the same variant, from the same weights
+                learner = Learner(
+                    mcfg,
+                    tcfg,
+                    AlgorithmConfig(tis_cap=None),
+                    model=copy.deepcopy(base),
+                    batch_cfg=BatchConfig(micro_batch_tokens=opts.micro_batch_tokens),
+                )
+                t0 = time.perf_counter()
+                learner.sft_step(samples)
+                sft_times[name].append(time.perf_counter() - t0)
+                console.print(
+                    f"round {rnd + 1}/{opts.repeats} {name} sft: {tokens / sft_times[name][-1]:.1f} tok/s"
+                )
+                del learner
     results: dict[str, dict[str, float]] = {}
     for name in wanted:
         wall = statistics.median(times[name])
@@ -149,6 +166,8 @@ def main(opts: Any) -> dict:
             "tokens_per_cpu_s": tokens / statistics.median(cpu_times[name]),
             "roofline_frac": 6 * params * tps / (gflops[name.split("-")[1]] * 1e9),
         }
+        if name in sft_times:
+            results[name]["sft_tokens_per_s"] = tokens / statistics.median(sft_times[name])
 
     best = max(results, key=lambda k: results[k]["tokens_per_s"])
     table = Table(title=f"Learner.update, {opts.spec}, {n} seqs x <= {length} tokens ({tokens} tokens)")
@@ -160,6 +179,7 @@ def main(opts: Any) -> dict:
         "tokens/CPU-s",
         "padding",
         "roofline",
+        "SFT tokens/s",
     ):
         table.add_column(col)
     for name, r in results.items():
@@ -171,6 +191,7 @@ def main(opts: Any) -> dict:
             f"{r['tokens_per_cpu_s']:.1f}",
             f"{r['padding_frac']:.1%}",
             f"{r['roofline_frac']:.1%}",
+            f"{r['sft_tokens_per_s']:.1f}" if "sft_tokens_per_s" in r else "-",
         )
     console.print(table)
     console.print(
@@ -196,6 +217,14 @@ def main(opts: Any) -> dict:
         out[f"{key}_roofline_frac"] = r["roofline_frac"]
         out[f"{key}_padding_frac"] = r["padding_frac"]
         out[f"{key}_tokens_per_cpu_s"] = r["tokens_per_cpu_s"]
+        if "sft_tokens_per_s" in r:
+            out[f"{key}_sft_tokens_per_s"] = r["sft_tokens_per_s"]
+            out[f"{key}_sft_over_update"] = r["sft_tokens_per_s"] / r["tokens_per_s"]
+    with_sft = [k for k in results if "sft_tokens_per_s" in results[k]]
+    if with_sft:
+        best_sft = max(with_sft, key=lambda k: results[k]["sft_tokens_per_s"])
+        out["best_sft_tokens_per_s"] = results[best_sft]["sft_tokens_per_s"]
+        out["best_sft_variant"] = best_sft
     for mode in ("full", "lora"):
         for dtype in ("fp32", "bf16"):
             pk, pd = f"{mode}-{dtype}-packed", f"{mode}-{dtype}-padded"

@@ -143,7 +143,7 @@ def learner(
     ),
     json_out: bool = JSON,
 ) -> dict[str, Any]:
-    """Tokens/s of Learner.update: full/LoRA, fp32/bf16, packed/padded, against the matmul roofline."""
+    """Tokens/s of Learner.update and of the SFT step: full/LoRA, fp32/bf16, packed/padded, against the matmul roofline."""
     return _run(
         "learner",
         json_out,

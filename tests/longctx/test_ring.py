@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from posttrain.bench.longctx import saved_bytes_and_seconds
 from posttrain.longctx.ring import ring_attention, shard, unshard, zigzag_positions
 
 CASES = [  # (length, heads, kv heads, causal)
@@ -31,20 +32,6 @@ def _full(q, k, v, causal):
         n = q.shape[2]
         scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
     return torch.softmax(scores, -1) @ v
-
-
-def _saved_bytes(fn) -> int:
-    """Bytes of the tensors autograd keeps for backward while `fn()` runs."""
-    total = 0
-
-    def pack(t):
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return total
 
 
 def _worker(rank: int, world: int, init: str, out_dir: str) -> None:
@@ -71,7 +58,7 @@ def _worker(rank: int, world: int, init: str, out_dir: str) -> None:
     n = 512
     q = torch.randn(1, 2, n, 16)
     local = [shard(q, 2, world, rank).requires_grad_() for _ in range(3)]
-    saved = _saved_bytes(lambda: ring_attention(*local, length=n, causal=True))
+    saved, _ = saved_bytes_and_seconds(lambda: ring_attention(*local, length=n, causal=True))
     with open(f"{out_dir}/rank{rank}.json", "w") as fh:
         json.dump({"cases": results, "saved_bytes": saved}, fh)
     dist.destroy_process_group()

@@ -121,6 +121,25 @@ def child(kind: str, length: int, features: bool, model: str) -> dict[str, Any]:
     return {"seconds": seconds, "peak_bytes": peak, "over_load_bytes": peak - loaded}
 
 
+def saved_bytes_and_seconds(forward: Any) -> tuple[int, float]:
+    """Bytes autograd keeps for backward while `forward()` runs, and seconds of it plus the backward of
+    its sum."""
+    import torch
+
+    saved = 0
+
+    def pack(t: Any) -> Any:
+        nonlocal saved
+        saved += t.numel() * t.element_size()
+        return t
+
+    t0 = time.perf_counter()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    out.sum().backward()
+    return saved, time.perf_counter() - t0
+
+
 def _ring_worker(rank: int, world: int, init: str, length: int, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
@@ -131,18 +150,7 @@ def _ring_worker(rank: int, world: int, init: str, length: int, out_dir: str) ->
     torch.set_num_threads(1)
     q = torch.randn(1, RING_HEADS, length, RING_HEAD_DIM, generator=torch.Generator().manual_seed(0))
     local = [shard(q, 2, world, rank).requires_grad_() for _ in range(3)]
-    saved = 0
-
-    def pack(t: Any) -> Any:
-        nonlocal saved
-        saved += t.numel() * t.element_size()
-        return t
-
-    t0 = time.perf_counter()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = ring_attention(*local, length=length, causal=True)
-    out.sum().backward()
-    seconds = time.perf_counter() - t0
+    saved, seconds = saved_bytes_and_seconds(lambda: ring_attention(*local, length=length, causal=True))
     with open(f"{out_dir}/ring{rank}.json", "w") as fh:
         json.dump({"saved_bytes": saved, "seconds": seconds}, fh)
     dist.destroy_process_group()
@@ -159,20 +167,13 @@ def ring_memory(length: int, worlds: list[int]) -> dict[str, Any]:
 
     out: dict[str, Any] = {"saved_bytes_per_rank": {}, "seconds": {}}
     q = torch.randn(1, RING_HEADS, length, RING_HEAD_DIM).requires_grad_()
-    saved = 0
+    mask = torch.ones(length, length, dtype=torch.bool).tril()
 
-    def pack(t: Any) -> Any:
-        nonlocal saved
-        saved += t.numel() * t.element_size()
-        return t
-
-    t0 = time.perf_counter()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    def plain() -> Any:
         scores = (q @ q.transpose(-1, -2)) / RING_HEAD_DIM**0.5
-        mask = torch.ones(length, length, dtype=torch.bool).tril()
-        full = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ q
-    full.sum().backward()
-    out["saved_bytes_per_rank"]["1"], out["seconds"]["1"] = saved, time.perf_counter() - t0
+        return torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ q
+
+    out["saved_bytes_per_rank"]["1"], out["seconds"]["1"] = saved_bytes_and_seconds(plain)
     for world in worlds:
         with tempfile.TemporaryDirectory() as tmp:
             mp.start_processes(

@@ -19,12 +19,9 @@ import random
 import re
 from typing import Any
 
-from posttrain.envs.base import Domain, Environment
 from posttrain.envs.domains import longctx_common as lc
-from posttrain.envs.domains.longctx_ruler import check_options
 from posttrain.envs.registry import register_env
-from posttrain.envs.tokens import fit_to_tokens
-from posttrain.types import Message, Task
+from posttrain.types import Task
 
 KINDS = ("callers", "value", "fix")
 PACKAGES = "billing accounts inventory shipping reports auth notify search storage scheduler".split()
@@ -258,48 +255,29 @@ def score_answer(reply: str, meta: dict[str, Any]) -> tuple[float, dict[str, flo
 
 
 @register_env("longctx.codebase")
-class CodebaseDomain(Domain):
+class CodebaseDomain(lc.LongContextDomain):
+    score = staticmethod(score_answer)
+
     description = (
         "a generated multi-module repository in the context: callers, runtime values, which module to fix"
     )
 
     def __init__(self, tokenizer: str = "smollm2-135m", kinds: list[str] | None = None) -> None:
         self.tokenizer = tokenizer
-        self.kinds = check_options("longctx.codebase", kinds, KINDS)
+        self.kinds = lc.check_options("longctx.codebase", kinds, KINDS)
         self.difficulties = sorted(lc.LEVEL_TOKENS)
 
     def task(self, split: str, difficulty: int, index: int, seed: int = 0) -> Task:
         def make(rng: random.Random):
             kind = self.kinds[rng.randrange(len(self.kinds))]
             case = make_case(random.Random(rng.randrange(2**63)), kind)
+            meta = {"kind": kind, "answers": case["answers"], "question": case["question"]}
 
             def build() -> Task:
                 target = lc.level_tokens(difficulty)
-                k, n_tokens = fit_to_tokens(lambda n: render(case, n), target, self.tokenizer)
-                meta = {
-                    "kind": kind,
-                    "answers": case["answers"],
-                    "question": case["question"],
-                    "target_tokens": target,
-                    "n_tokens": n_tokens,
-                    "tokenizer": self.tokenizer,
-                }
-                prompt = render(case, k)
-                return Task(
-                    id="",
-                    domain=self.name,
-                    difficulty=difficulty,
-                    prompt=[Message("user", prompt)],
-                    meta=meta,
-                )
+                return self.sized(difficulty, target, lambda n: render(case, n), lambda k: meta)
 
             key = f"longctx.codebase|{kind}|{case['repo'].render()}|{case['question']}"
             return key, build
 
         return self.draw(split, difficulty, index, seed, make)
-
-    def reference(self, task: Task) -> list[str]:
-        return [lc.reference_reply(task.meta)]
-
-    def make_env(self, sandbox: Any = None, chat_format: str = "smollm2") -> Environment:
-        return lc.LongContextEnv(score_answer)

@@ -1,6 +1,6 @@
 """What the long-context domains (`longctx.ruler`, `longctx.hard`, `longctx.codebase`) share: the length
 levels, the prose they hide facts in (a Jules Verne story that ships inside `reasoning-gym`), the scorer
-and the one-turn environment. Does not generate any task itself.
+and the one-turn environment. Does not draw any task itself.
 
 Scoring is RULER's `string_match_all` (the fraction of gold strings the answer contains, case-insensitive)
 times a precision term: the fraction of the answer's *candidates* (strings of the kind the task asks for:
@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Callable
 from functools import lru_cache
 from importlib.resources import files
 from typing import Any
 
-from posttrain.envs.base import Environment, Observation, StepResult
-from posttrain.types import Task
+from posttrain.envs.base import Domain, Environment, Observation, StepResult
+from posttrain.envs.tokens import fit_to_tokens
+from posttrain.types import Message, Task
 
 LEVEL_TOKENS: dict[int, int] = {0: 1024, 1: 2048, 2: 4096, 3: 8192, 4: 16384, 5: 32768}
 W_SCORE, W_FORMAT = 0.9, 0.1
@@ -133,3 +135,42 @@ class LongContextEnv(Environment):
 
 def reference_reply(meta: dict[str, Any]) -> str:
     return f"<answer>{', '.join(meta['answers'])}</answer>"
+
+
+def check_options(domain: str, chosen: list[Any] | None, valid: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The chosen subset of `valid` (all of it for None); an unknown or empty choice is refused by name."""
+    picked = tuple(chosen) if chosen is not None else valid
+    bad = [t for t in picked if t not in valid]
+    if bad or not picked:
+        raise ValueError(
+            f"{domain}: unknown tasks {bad or '(none given)'} (valid: {', '.join(map(str, valid))})"
+        )
+    return picked
+
+
+class LongContextDomain(Domain):
+    """What the long-context domains share: a drawn case's prompt sized to its level's tokens, the
+    reference reply (the gold answers in tags), and the one-turn environment scored by `score`."""
+
+    score: Callable[..., Any] = staticmethod(score_answer)
+    tokenizer: str = "smollm2-135m"
+
+    def sized(
+        self,
+        difficulty: int,
+        target_tokens: int,
+        render: Callable[[int], str],
+        meta: Callable[[int], dict[str, Any]],
+    ) -> Task:
+        """The task whose prompt is `render(k)` for the largest k within `target_tokens`; `meta(k)` its meta."""
+        k, n_tokens = fit_to_tokens(render, target_tokens, self.tokenizer)
+        full = {**meta(k), "target_tokens": target_tokens, "n_tokens": n_tokens, "tokenizer": self.tokenizer}
+        return Task(
+            id="", domain=self.name, difficulty=difficulty, prompt=[Message("user", render(k))], meta=full
+        )
+
+    def reference(self, task: Task) -> list[str]:
+        return [reference_reply(task.meta)]
+
+    def make_env(self, sandbox: Any = None, chat_format: str = "smollm2") -> Environment:
+        return LongContextEnv(type(self).score)

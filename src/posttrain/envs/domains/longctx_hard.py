@@ -17,12 +17,9 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from posttrain.envs.base import Domain, Environment
 from posttrain.envs.domains import longctx_common as lc
-from posttrain.envs.domains.longctx_ruler import check_options
 from posttrain.envs.registry import register_env
-from posttrain.envs.tokens import fit_to_tokens
-from posttrain.types import Message, Task
+from posttrain.types import Task
 
 LANDMARKS: dict[str, str] = {
     "the Semper Opera House": "Dresden",
@@ -114,7 +111,7 @@ def render(case: dict[str, Any], k: int) -> str:
 
 
 @register_env("longctx.hard")
-class HardRetrievalDomain(Domain):
+class HardRetrievalDomain(lc.LongContextDomain):
     description = "needles with no lexical overlap, near-duplicate distractors, two-hop chains (1k-32k)"
 
     def __init__(
@@ -127,7 +124,7 @@ class HardRetrievalDomain(Domain):
         self.depths = tuple(depths) if depths is not None else DEPTHS
         if not self.depths or any(not 0.0 <= d <= 1.0 for d in self.depths):
             raise ValueError(f"longctx.hard: depths must be fractions in [0, 1], got {list(self.depths)}")
-        levels = check_options("longctx.hard", hardness, HARDNESS)  # type: ignore[arg-type]
+        levels = lc.check_options("longctx.hard", hardness, HARDNESS)  # type: ignore[arg-type]
         self.difficulties = [10 * h + n for h in levels for n in sorted(lc.LEVEL_TOKENS)]
 
     def task(self, split: str, difficulty: int, index: int, seed: int = 0) -> Task:
@@ -136,38 +133,22 @@ class HardRetrievalDomain(Domain):
         def make(rng: random.Random):
             depth = self.depths[rng.randrange(len(self.depths))]
             case = make_case(random.Random(rng.randrange(2**63)), hardness, depth)
+            meta = {
+                "answers": [case["answer"]],
+                "candidate_kind": "vocab",
+                "candidate_vocab": case["names"],
+                "question": case["question"],
+                "needles": case["needles"],
+                "depth": depth,
+                "hardness": hardness,
+            }
 
             def build() -> Task:
-                target = lc.level_tokens(level)
-                k, n_tokens = fit_to_tokens(lambda n: render(case, n), target, self.tokenizer)
-                meta = {
-                    "answers": [case["answer"]],
-                    "candidate_kind": "vocab",
-                    "candidate_vocab": case["names"],
-                    "question": case["question"],
-                    "needles": case["needles"],
-                    "depth": depth,
-                    "hardness": hardness,
-                    "target_tokens": target,
-                    "n_tokens": n_tokens,
-                    "tokenizer": self.tokenizer,
-                }
-                prompt = render(case, k)
-                return Task(
-                    id="",
-                    domain=self.name,
-                    difficulty=difficulty,
-                    prompt=[Message("user", prompt)],
-                    meta=meta,
+                return self.sized(
+                    difficulty, lc.level_tokens(level), lambda n: render(case, n), lambda k: meta
                 )
 
             key = f"longctx.hard|{hardness}|{case['needles']}|{case['distractors']}|{case['hay_seed']}"
             return key, build
 
         return self.draw(split, difficulty, index, seed, make)
-
-    def reference(self, task: Task) -> list[str]:
-        return [lc.reference_reply(task.meta)]
-
-    def make_env(self, sandbox: Any = None, chat_format: str = "smollm2") -> Environment:
-        return lc.LongContextEnv()

@@ -17,11 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from posttrain.envs.base import Domain, Environment, stable_hash
+from posttrain.envs.base import stable_hash
 from posttrain.envs.domains import longctx_common as lc
 from posttrain.envs.registry import register_env
-from posttrain.envs.tokens import fit_to_tokens
-from posttrain.types import Message, Task
+from posttrain.types import Task
 
 TASKS = (
     "niah_single_1",
@@ -316,36 +315,21 @@ def make_spec(task: str, rng: random.Random, level: int) -> Spec:
     return table[task]()
 
 
-def sized_task(spec: Spec, target_tokens: int, tokenizer: str) -> tuple[str, dict[str, Any]]:
-    """The prompt with the most filler within `target_tokens`, and the scoring meta."""
-    k, n_tokens = fit_to_tokens(spec.render, target_tokens, tokenizer)
-    meta: dict[str, Any] = {
-        "answers": spec.answers,
-        "candidate_kind": spec.candidate_kind,
-        "target_tokens": target_tokens,
-        "n_tokens": n_tokens,
-        "tokenizer": tokenizer,
-    }
+def spec_meta(spec: Spec, k: int) -> dict[str, Any]:
+    """The scoring meta of a spec rendered with k filler units."""
+    meta: dict[str, Any] = {"answers": spec.answers, "candidate_kind": spec.candidate_kind}
     if spec.candidate_kind == "vocab":
         meta["candidate_vocab"] = spec.vocab(k)
-    return spec.render(k), meta
-
-
-def check_options(domain: str, tasks: list[str] | None, valid: tuple[str, ...]) -> tuple[str, ...]:
-    chosen = tuple(tasks) if tasks is not None else valid
-    bad = [t for t in chosen if t not in valid]
-    if bad or not chosen:
-        raise ValueError(f"{domain}: unknown tasks {bad or '(none given)'} (valid: {', '.join(valid)})")
-    return chosen
+    return meta
 
 
 @register_env("longctx.ruler")
-class RulerDomain(Domain):
+class RulerDomain(lc.LongContextDomain):
     description = "RULER's 13 long-context tasks (retrieval, tracing, aggregation, QA), 1k-32k tokens"
 
     def __init__(self, tokenizer: str = "smollm2-135m", tasks: list[str] | None = None) -> None:
         self.tokenizer = tokenizer
-        self.tasks = check_options("longctx.ruler", tasks, TASKS)
+        self.tasks = lc.check_options("longctx.ruler", tasks, TASKS)
         self.difficulties = sorted(lc.LEVEL_TOKENS)
 
     def task(self, split: str, difficulty: int, index: int, seed: int = 0) -> Task:
@@ -354,22 +338,11 @@ class RulerDomain(Domain):
             spec = make_spec(name, random.Random(rng.randrange(2**63)), difficulty)
 
             def build() -> Task:
-                prompt, meta = sized_task(spec, lc.level_tokens(difficulty), self.tokenizer)
-                meta["task"] = name
-                return Task(
-                    id="",
-                    domain=self.name,
-                    difficulty=difficulty,
-                    prompt=[Message("user", prompt)],
-                    meta=meta,
+                target = lc.level_tokens(difficulty)
+                return self.sized(
+                    difficulty, target, spec.render, lambda k: {**spec_meta(spec, k), "task": name}
                 )
 
             return f"longctx.ruler|{name}|{spec.key}", build
 
         return self.draw(split, difficulty, index, seed, make)
-
-    def reference(self, task: Task) -> list[str]:
-        return [lc.reference_reply(task.meta)]
-
-    def make_env(self, sandbox: Any = None, chat_format: str = "smollm2") -> Environment:
-        return lc.LongContextEnv()

@@ -698,6 +698,13 @@ class DPOConfig(Section):
     tau: float = Field(0.1, gt=0.0, description="ipo: the target log-ratio gap is 1 / (2 tau)")
     simpo_beta: float = Field(2.0, gt=0.0, description="simpo: the scale of the length-normalised logprob")
     simpo_gamma: float = Field(1.0, ge=0.0, description="simpo: the target reward margin")
+    rounds: int = Field(
+        1,
+        ge=1,
+        description="online preference optimisation: rounds of (sample pairs.n new tasks from the current "
+        "policy, pair by verifier outcome, train the steps of one round); needs pairs.from_env. 1 = offline: "
+        "the pairs are sampled once, from the initial policy",
+    )
 
     @field_validator("loss")
     @classmethod

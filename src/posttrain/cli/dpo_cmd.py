@@ -28,8 +28,10 @@ def dpo(
     Data as `posttrain rm train`: --data FILE.jsonl of {"prompt", "chosen", "rejected"} rows, or
     --from-env DOMAIN: sampled completions, a verifier success paired with a failure. The loss is
     dpo.loss with dpo.* hyperparameters; metrics log the implicit rewards of both responses, their
-    margin and the pairwise accuracy, on the training batches and the held-out pairs. --resume RUN_DIR
-    goes on from the run's newest checkpoint, on its saved config and pairs."""
+    margin and the pairwise accuracy, on the training batches and the held-out pairs. Online DPO:
+    --set dpo.rounds=R with --from-env: after each round's steps, pairs.n new tasks are sampled from the
+    policy as trained so far (their success rate logged as online/success_rate). --resume RUN_DIR goes on
+    from an offline run's newest checkpoint, on its saved config and pairs."""
     from posttrain.orchestrator.dpo import dpo_run
 
     prepared = None
@@ -41,10 +43,11 @@ def dpo(
         sets = list(set_ or []) + source_sets("pairs", data, from_env, levels, n)
         if loss is not None:
             sets.append(f"dpo.loss={loss}")
-        prepared = prepare_pair_run(config, sets, name, overwrite)
+        prepared = prepare_pair_run(config, sets, name, overwrite, online=True)
         cfg, run = prepared.cfg, prepared.run
     try:
-        job = dpo_run(cfg, run, show_progress=not no_progress and cfg.telemetry.progress)
+        show = not no_progress and cfg.telemetry.progress
+        job = dpo_run(cfg, run, show_progress=show, sampler=prepared.sampler if prepared else None)
     except (KeyError, ValueError) as err:
         fail(f"cannot start the run: {err}", EXIT_USAGE)
     run_pairs(job, prepared, "policy")

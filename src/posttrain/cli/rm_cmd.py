@@ -31,11 +31,15 @@ class PreparedPairs:
     train: list
     heldout: list
     stats: dict
+    sampler: Any = None  # online DPO: the PairSampler that sampled the pairs samples every round
 
 
-def prepare_pair_run(config: str | None, sets: list[str], name: str | None, overwrite: bool) -> PreparedPairs:
+def prepare_pair_run(
+    config: str | None, sets: list[str], name: str | None, overwrite: bool, online: bool = False
+) -> PreparedPairs:
     """Load the config, the tokenizer and the pairs, create the run dir. Exits 2 on a bad config, bad
-    data or an existing run dir."""
+    data or an existing run dir. `online`: the run may be online DPO (dpo.rounds > 1), whose sampler
+    is kept for its rounds."""
     from posttrain.models import ModelNotFoundError, load_tokenizer, resolve
     from posttrain.orchestrator.pairs import PairDataError, build_pairs, drop_long, resolve_lr_decay
     from posttrain.telemetry.rundir import RunDir, check_run_name
@@ -51,10 +55,18 @@ def prepare_pair_run(config: str | None, sets: list[str], name: str | None, over
             "no pairs: give --data FILE.jsonl or --from-env DOMAIN (or pairs.data / pairs.from_env)",
             EXIT_USAGE,
         )
+    rounds = cfg.dpo.rounds if online else 1
+    sampler = None
     try:
         resolve(cfg.model.spec)
         tokenizer = load_tokenizer(cfg.model.spec)
-        train, heldout, stats = build_pairs(cfg, tokenizer)
+        if rounds > 1:
+            from posttrain.orchestrator.dpo import check_online
+            from posttrain.orchestrator.pairs import PairSampler
+
+            check_online(cfg)
+            sampler = PairSampler(cfg, tokenizer)
+        train, heldout, stats = build_pairs(cfg, tokenizer, sampler)
     except PairDataError as err:
         fail(str(err), EXIT_USAGE)
     except (KeyError, ValueError, ModelNotFoundError) as err:
@@ -67,12 +79,12 @@ def prepare_pair_run(config: str | None, sets: list[str], name: str | None, over
             EXIT_USAGE,
         )
     stats = {**stats, "pairs/skipped_long": float(skipped + skipped_held)}
-    resolve_lr_decay(cfg, len(train))
+    resolve_lr_decay(cfg, len(train), rounds)
     try:
         run = RunDir.create(cfg.telemetry.run_dir, name or cfg.telemetry.name, overwrite=overwrite)
     except (FileExistsError, ValueError) as err:
         fail(str(err), EXIT_USAGE)
-    return PreparedPairs(cfg, run, tokenizer, train, heldout, stats)
+    return PreparedPairs(cfg, run, tokenizer, train, heldout, stats, sampler)
 
 
 def open_pair_run(resume: str, given: dict[str, Any]) -> tuple[Any, Any]:

@@ -1,7 +1,8 @@
 """Preference-optimisation runs (`posttrain dpo`): the policy of `model.spec` (full or LoRA) trained on
 `pairs.*` with the registered preference loss `dpo.loss` (dpo, ipo, simpo) on the RL Learner, against a
 frozen reference (LoRA: the base with adapters off; full: a frozen copy); the policy is exported to
-`RUN_DIR/policy/` as `posttrain sft` exports it. The losses are `algos`', the step `train`'s.
+`RUN_DIR/policy/` as `posttrain sft` exports it. Online (dpo.rounds > 1): each round samples new pairs
+from the policy as trained so far. The losses are `algos`', the step `train`'s.
 """
 
 from __future__ import annotations
@@ -79,8 +80,54 @@ class PreferenceTrainer:
         return save_hf_folder(self.learner.weights(), self.cfg.model.spec, out)
 
 
-def dpo_run(cfg: RunConfig, run_dir: RunDir, *, show_progress: bool | None = None) -> PairRun:
-    """The preference-optimisation run of `cfg` in `run_dir` (`.train(train_pairs, heldout_pairs)`)."""
+def check_online(cfg: RunConfig) -> None:
+    """An online run (dpo.rounds > 1) samples from the policy it trains: it needs pairs.from_env and no
+    other sampler."""
+    if cfg.dpo.rounds > 1:
+        if cfg.pairs.from_env is None:
+            raise ValueError(
+                f"dpo.rounds={cfg.dpo.rounds} samples pairs from an environment each round: set pairs.from_env "
+                "(--from-env DOMAIN), not pairs.data"
+            )
+        if cfg.pairs.sampler_spec is not None:
+            raise ValueError(
+                f"dpo.rounds={cfg.dpo.rounds} samples from the policy being trained: unset pairs.sampler_spec"
+            )
+
+
+def dpo_run(
+    cfg: RunConfig, run_dir: RunDir, *, show_progress: bool | None = None, sampler: Any = None
+) -> PairRun:
+    """The preference-optimisation run of `cfg` in `run_dir` (`.train(train_pairs, heldout_pairs)`).
+    Online (dpo.rounds > 1): round r's pairs are those of training tasks r*n..(r+1)*n-1 sampled by
+    `sampler` (a `pairs.PairSampler`, built when not given) after it loads the policy's weights."""
+    check_online(cfg)
+    trainer = PreferenceTrainer(cfg)
+    refresh = None
+    if cfg.dpo.rounds > 1:
+        from posttrain.orchestrator.pairs import PairSampler
+
+        if sampler is None:
+            from posttrain.models import load_tokenizer
+
+            sampler = PairSampler(cfg, load_tokenizer(cfg.model.spec))
+        n = cfg.pairs.n
+
+        def refresh(r: int) -> tuple[list[Pair], dict[str, float]]:
+            from posttrain.orchestrator.pairs import drop_long
+
+            sampler.load_weights(trainer.learner.weights())
+            pairs, stats = sampler.sample("train", r * n, n, step=2 + r)
+            pairs, skipped = drop_long(pairs, cfg.pairs.max_seq_tokens)
+            return pairs, {**stats, "skipped_long": float(skipped)}
+
     return PairRun(
-        cfg, run_dir, PreferenceTrainer(cfg), EXPORT_DIR, kind=cfg.dpo.loss, show_progress=show_progress
+        cfg,
+        run_dir,
+        trainer,
+        EXPORT_DIR,
+        kind=cfg.dpo.loss,
+        show_progress=show_progress,
+        rounds=cfg.dpo.rounds,
+        refresh=refresh,
     )

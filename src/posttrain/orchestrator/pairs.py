@@ -14,6 +14,7 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -144,9 +145,12 @@ async def asample_pairs(
     sampling: Any,
     limits: Any,
     pairs_per_task: int = 1,
+    start: int = 0,
+    step: int | None = None,
 ) -> tuple[list[Pair], dict[str, float]]:
-    """Tasks 0..n-1 of `split` (round-robin over `levels`), `samples_per_task` episodes each through the
-    agent loop, paired by `pair_by_outcome`."""
+    """Tasks start..start+n-1 of `split` (round-robin over `levels`), `samples_per_task` episodes each
+    through the agent loop, paired by `pair_by_outcome`. `step` seeds the sampling (default: 0 for the
+    train split, 1 for the others)."""
     from posttrain.rollout import collect_groups
 
     bad = [lvl for lvl in levels if lvl not in domain.difficulties]
@@ -154,7 +158,10 @@ async def asample_pairs(
         raise PairDataError(
             f"domain '{domain.name}' has no difficulty {bad[0]} (valid: {domain.difficulties})"
         )
-    tasks = [(domain, domain.task(split, levels[i % len(levels)], i // len(levels), seed)) for i in range(n)]
+    tasks = [
+        (domain, domain.task(split, levels[i % len(levels)], i // len(levels), seed))
+        for i in range(start, start + n)
+    ]
     out = await collect_groups(
         engine,
         tokenizer,
@@ -165,7 +172,7 @@ async def asample_pairs(
         limits,
         policy_version=0,
         run_seed=seed,
-        step=0 if split == "train" else 1,
+        step=(0 if split == "train" else 1) if step is None else step,
         share_prefill=getattr(engine, "caches_prefixes", False),
     )
     return pair_by_outcome(out.trajectories, pairs_per_task)
@@ -184,10 +191,94 @@ def split_pairs(pairs: list[Pair], frac: float, seed: int) -> tuple[list[Pair], 
     return [p for i, p in enumerate(pairs) if i not in held], [p for i, p in enumerate(pairs) if i in held]
 
 
-def build_pairs(cfg: RunConfig, tokenizer: Any) -> tuple[list[Pair], list[Pair], dict[str, float]]:
-    """(train, heldout, stats) pairs of `cfg.pairs`' source. Environment pairs are sampled by
-    pairs.sampler_spec (default model.spec) on the engine of cfg.engine, with a sandbox where the domain
-    runs code."""
+class PairSampler:
+    """Samples pairs from `cfg.pairs.from_env` by verifier outcome: the domain, an engine of cfg.engine
+    on the sampler's weights (pairs.sampler_spec, default model.spec), the sampling settings and episode
+    limits; a sandbox is opened per call where the domain runs code. `load_weights` swaps the policy
+    the engine samples from (online DPO samples from the policy being trained)."""
+
+    def __init__(self, cfg: RunConfig, tokenizer: Any) -> None:
+        from posttrain.engine import SamplingParams, make_engine
+        from posttrain.envs import get_domain
+        from posttrain.models import load_policy, load_tokenizer
+        from posttrain.rollout import EpisodeLimits
+        from posttrain.train import tokenizer_fingerprint
+
+        s = self.pairs = cfg.pairs
+        self.cfg, self.tokenizer = cfg, tokenizer
+        options = {d.name: d.options for d in cfg.envs.domains}.get(s.from_env, {})
+        self.domain = get_domain(s.from_env, **options)
+        spec = s.sampler_spec or cfg.model.spec
+        sampler_tok = load_tokenizer(spec)
+        if tokenizer_fingerprint(sampler_tok) != tokenizer_fingerprint(tokenizer):
+            raise PairDataError(
+                f"pairs.sampler_spec={spec} has another tokenizer than model.spec={cfg.model.spec}; the pairs' "
+                "token ids must be the trained model's"
+            )
+        e = cfg.engine
+        stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        self.sampling = SamplingParams(
+            temperature=s.temperature,
+            top_p=e.top_p,
+            top_k=e.top_k,
+            max_tokens=e.max_new_tokens,
+            stop_token_ids=stop,
+        )
+        self.limits = EpisodeLimits(cfg.envs.max_turns, cfg.envs.max_episode_tokens, e.max_new_tokens)
+        self.engine = make_engine(e, load_policy(spec, dtype=e.dtype, seed=cfg.seed), sampler_tok)
+
+    def load_weights(self, weights: dict[str, Any]) -> None:
+        self.engine.load_weights(weights)
+
+    def sample(
+        self, split: str, start: int, n: int, step: int | None = None
+    ) -> tuple[list[Pair], dict[str, float]]:
+        """Pairs of tasks start..start+n-1 of `split` (`asample_pairs`)."""
+        s, domain = self.pairs, self.domain
+
+        async def run() -> tuple[list[Pair], dict[str, float]]:
+            sandbox = None
+            if domain.requires_sandbox:
+                from posttrain.sandbox import make_sandbox
+
+                sandbox = make_sandbox(self.cfg.sandbox)
+            try:
+                return await asample_pairs(
+                    self.engine,
+                    self.tokenizer,
+                    domain,
+                    s.levels,
+                    n,
+                    s.samples_per_task,
+                    split,
+                    self.cfg.seed,
+                    sandbox,
+                    self.sampling,
+                    self.limits,
+                    s.pairs_per_task,
+                    start=start,
+                    step=step,
+                )
+            finally:
+                if sandbox is not None:
+                    await sandbox.close()
+
+        return asyncio.run(run()) if n else ([], {})
+
+    def heldout_tasks(self) -> int:
+        """Held-out tasks to sample: ceil(pairs.heldout_frac x pairs.n) from the domain's heldout split
+        (0 when it has none: training pairs are held out instead)."""
+        s = self.pairs
+        if s.heldout_frac > 0 and "heldout" in self.domain.splits:
+            return math.ceil(s.heldout_frac * s.n)
+        return 0
+
+
+def build_pairs(
+    cfg: RunConfig, tokenizer: Any, sampler: PairSampler | None = None
+) -> tuple[list[Pair], list[Pair], dict[str, float]]:
+    """(train, heldout, stats) pairs of `cfg.pairs`' source. Environment pairs are sampled by a
+    `PairSampler` (the one given, else a new one) from pairs.n training tasks."""
     s = cfg.pairs
     if s.data is not None:
         train, held = split_pairs(
@@ -198,67 +289,10 @@ def build_pairs(cfg: RunConfig, tokenizer: Any) -> tuple[list[Pair], list[Pair],
         raise PairDataError(
             "no pairs: give --data FILE.jsonl or --from-env DOMAIN (pairs.data / pairs.from_env)"
         )
-    from posttrain.engine import SamplingParams, make_engine
-    from posttrain.envs import get_domain
-    from posttrain.models import load_policy, load_tokenizer
-    from posttrain.rollout import EpisodeLimits
-    from posttrain.train import tokenizer_fingerprint
-
-    options = {d.name: d.options for d in cfg.envs.domains}.get(s.from_env, {})
-    domain = get_domain(s.from_env, **options)
-    spec = s.sampler_spec or cfg.model.spec
-    sampler_tok = load_tokenizer(spec)
-    if tokenizer_fingerprint(sampler_tok) != tokenizer_fingerprint(tokenizer):
-        raise PairDataError(
-            f"pairs.sampler_spec={spec} has another tokenizer than model.spec={cfg.model.spec}; the pairs' "
-            "token ids must be the trained model's"
-        )
-    n_held = math.ceil(s.heldout_frac * s.n) if s.heldout_frac > 0 and "heldout" in domain.splits else 0
-    e = cfg.engine
-    stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    sampling = SamplingParams(
-        temperature=s.temperature,
-        top_p=e.top_p,
-        top_k=e.top_k,
-        max_tokens=e.max_new_tokens,
-        stop_token_ids=stop,
-    )
-    limits = EpisodeLimits(cfg.envs.max_turns, cfg.envs.max_episode_tokens, e.max_new_tokens)
-    engine = make_engine(e, load_policy(spec, dtype=e.dtype, seed=cfg.seed), sampler_tok)
-
-    async def run() -> tuple[list[Pair], list[Pair], dict[str, float]]:
-        sandbox = None
-        if domain.requires_sandbox:
-            from posttrain.sandbox import make_sandbox
-
-            sandbox = make_sandbox(cfg.sandbox)
-        try:
-            args = (engine, tokenizer, domain, s.levels)
-            train, st = await asample_pairs(
-                *args, s.n, s.samples_per_task, "train", cfg.seed, sandbox, sampling, limits, s.pairs_per_task
-            )
-            held, sh = (
-                await asample_pairs(
-                    *args,
-                    n_held,
-                    s.samples_per_task,
-                    "heldout",
-                    cfg.seed,
-                    sandbox,
-                    sampling,
-                    limits,
-                    s.pairs_per_task,
-                )
-                if n_held
-                else ([], {})
-            )
-        finally:
-            if sandbox is not None:
-                await sandbox.close()
-        stats = {f"env/train_{k}": v for k, v in st.items()} | {f"env/heldout_{k}": v for k, v in sh.items()}
-        return train, held, stats
-
-    train, held, stats = asyncio.run(run())
+    sampler = sampler or PairSampler(cfg, tokenizer)
+    train, st = sampler.sample("train", 0, s.n)
+    held, sh = sampler.sample("heldout", 0, sampler.heldout_tasks())
+    stats = {f"env/train_{k}": v for k, v in st.items()} | {f"env/heldout_{k}": v for k, v in sh.items()}
     if not train:
         raise PairDataError(
             f"{s.from_env}: no task of {s.n} had both a success and a failure in {s.samples_per_task} samples "
@@ -329,10 +363,11 @@ def pair_steps(cfg: RunConfig, n_train: int) -> int:
     return s.steps or s.epochs * math.ceil(n_train / s.batch_size)
 
 
-def resolve_lr_decay(cfg: RunConfig, n_train: int) -> None:
-    """trainer.lr_decay_steps defaults to the run's steps under a cosine or linear schedule."""
+def resolve_lr_decay(cfg: RunConfig, n_train: int, rounds: int = 1) -> None:
+    """trainer.lr_decay_steps defaults to the run's steps (of all its `rounds`) under a cosine or linear
+    schedule."""
     if cfg.trainer.lr_schedule != "constant" and cfg.trainer.lr_decay_steps == 0:
-        cfg.trainer.lr_decay_steps = pair_steps(cfg, n_train)
+        cfg.trainer.lr_decay_steps = pair_steps(cfg, n_train) * rounds
 
 
 class PairRun:
@@ -340,7 +375,11 @@ class PairRun:
     pairs.steps (or epochs), logs train/* every step and heldout/* every pairs.eval_every steps and at
     the end, checkpoints, and exports the model to `run_dir/export_name`. Stops checkpointed (no
     export) on SIGINT/SIGTERM. To resume, `load()` first and train on the pairs it returns: the run
-    goes on from its newest valid checkpoint as the uninterrupted run would have."""
+    goes on from its newest valid checkpoint as the uninterrupted run would have.
+
+    With `rounds` > 1 (online preference optimisation) the run trains the same number of steps on each
+    round's pairs: round 0's are the ones given, round r's are `refresh(r)`'s, sampled after round r-1's
+    steps; a round without pairs is logged and trains nothing."""
 
     def __init__(
         self,
@@ -351,8 +390,13 @@ class PairRun:
         *,
         kind: str = "pairs",
         show_progress: bool | None = None,
+        rounds: int = 1,
+        refresh: Callable[[int], tuple[list[Pair], dict[str, float]]] | None = None,
     ) -> None:
+        if rounds > 1 and refresh is None:
+            raise ValueError("a pair run of several rounds needs the refresh that samples each round's pairs")
         self.cfg, self.run_dir, self.trainer = cfg, run_dir, trainer
+        self.rounds, self.refresh = rounds, refresh
         self.export_name, self.kind = export_name, kind
         self.show_progress = cfg.telemetry.progress if show_progress is None else show_progress
         self.step = 0
@@ -373,6 +417,10 @@ class PairRun:
         from posttrain.orchestrator.checkpoint import latest_valid
         from posttrain.orchestrator.state import keep_metrics_until
 
+        if self.rounds > 1:
+            raise PairDataError(
+                "an online run does not resume: each round's pairs are sampled from the policy of that moment"
+            )
         pairs = load_saved_pairs(self.pairs_path)
         path, warnings = latest_valid(self.run_dir.checkpoints)
         state = json.loads((path / PAIR_STATE).read_text())
@@ -398,7 +446,8 @@ class PairRun:
         cfg, s = self.cfg, self.cfg.pairs
         if not train:
             raise PairDataError("no training pairs")
-        steps = pair_steps(cfg, len(train))
+        per_round = pair_steps(cfg, len(train))
+        steps = per_round * self.rounds
         save_config(cfg, self.run_dir.config)
         resumed = self.step > 0
         if not resumed:
@@ -411,11 +460,17 @@ class PairRun:
         def held() -> dict[str, float]:
             return {f"heldout/{k}": v for k, v in self.trainer.evaluate(heldout).items()} if heldout else {}
 
-        plan = batches(len(train), s.batch_size, steps, cfg.seed)
         if self.heldout_start is None:
             self.heldout_start = held()
         initial = self.heldout_start
         last: dict[str, float] = {}
+        pairs, round_extra = (
+            train,
+            {
+                **(extra or {}),
+                **{k.replace("heldout/", "heldout_start/"): v for k, v in initial.items()},
+            },
+        )
         t0 = time.perf_counter()
         with (
             stop_on_signals(self._record_stop),
@@ -423,28 +478,41 @@ class PairRun:
         ):
             progress.set_completed(self.step)
             try:
-                for rows in plan[self.step :]:
-                    m = self.trainer.step([train[i] for i in rows])
-                    self.step += 1
-                    metrics = {f"train/{k}": v for k, v in m.items()}
-                    metrics["epoch"] = self.step * s.batch_size / len(train)
-                    if self.step == 1:
-                        metrics.update(extra or {})
-                        metrics.update(
-                            {k.replace("heldout/", "heldout_start/"): v for k, v in initial.items()}
-                        )
-                    if s.eval_every and (self.step % s.eval_every == 0 or self.step == steps):
-                        metrics.update(held())
-                    metrics["time/elapsed_s"] = time.perf_counter() - t0
-                    logger.log(self.step, metrics)
-                    last = metrics
-                    due = s.checkpoint_every and self.step % s.checkpoint_every == 0
-                    if due or self.step == steps or self.stop_signal is not None:
-                        self.save(steps)
-                    figures = {"loss": m["loss"], "acc": m["accuracy"]}
-                    if "heldout/accuracy" in metrics:
-                        figures["heldout acc"] = metrics["heldout/accuracy"]
-                    progress.advance(1, figures)
+                for r in range(self.step // per_round, self.rounds):
+                    if r > 0:  # online: pairs sampled from the policy as it is now
+                        assert self.refresh is not None
+                        pairs, stats = self.refresh(r)
+                        round_extra = {f"online/{k}": v for k, v in stats.items()}
+                        if not pairs:  # no task had a success and a failure: nothing to train on
+                            logger.log(self.step, {**round_extra, "online/round": float(r)})
+                            progress.advance(per_round)
+                            continue
+                    plan = batches(len(pairs), s.batch_size, per_round, cfg.seed + r)
+                    done = self.step if r == 0 else 0  # steps of the round already taken (a resume)
+                    for i, rows in enumerate(plan[done:], done):
+                        m = self.trainer.step([pairs[j] for j in rows])
+                        self.step += 1
+                        metrics = {f"train/{k}": v for k, v in m.items()}
+                        metrics["epoch"] = (i + 1) * s.batch_size / len(pairs)
+                        if i == 0:
+                            metrics.update(round_extra)
+                        if self.rounds > 1:
+                            metrics["online/round"] = float(r)
+                        final = r == self.rounds - 1 and i == per_round - 1
+                        if s.eval_every and (self.step % s.eval_every == 0 or final):
+                            metrics.update(held())
+                        metrics["time/elapsed_s"] = time.perf_counter() - t0
+                        logger.log(self.step, metrics)
+                        last = metrics
+                        due = s.checkpoint_every and self.step % s.checkpoint_every == 0
+                        if due or final or self.stop_signal is not None:
+                            self.save(steps)
+                        figures = {"loss": m["loss"], "acc": m["accuracy"]}
+                        if "heldout/accuracy" in metrics:
+                            figures["heldout acc"] = metrics["heldout/accuracy"]
+                        progress.advance(1, figures)
+                        if self.stop_signal is not None:
+                            break
                     if self.stop_signal is not None:
                         break
             finally:

@@ -152,11 +152,15 @@ class EngineConfig(Section):
         description="paged engine: keep each decode group's K/V contiguous across steps (no per-step block gather)",
     )
     device: str = Field("cpu", description="torch device of the paged engine: cpu, cuda, cuda:1, ...")
-    speculative: Literal["none", "ngram"] = Field(
+    speculative: Literal["none", "ngram", "early_exit"] = Field(
         "none",
         description="paged engine: speculative decoding with exact acceptance (greedy output unchanged, "
         "sampled output from the same distribution); ngram = prompt lookup, drafts copied from what follows "
-        "an earlier occurrence of the sequence's last tokens",
+        "an earlier occurrence of the sequence's last tokens; early_exit = self-speculative, greedy drafts "
+        "from the model's first early_exit_layers layers + final norm + head (untrained: slower here)",
+    )
+    early_exit_layers: int = Field(
+        8, ge=1, description="early_exit: the layers the draft runs (fewer than the model's)"
     )
     num_speculative_tokens: int = Field(4, ge=1, le=16, description="draft tokens verified per step")
     prompt_lookup_min: int = Field(2, ge=1, description="ngram: the shortest suffix matched")
@@ -186,6 +190,7 @@ class EngineConfig(Section):
         "prompt_lookup_min",
         "prompt_lookup_max",
         "speculative_max_batch",
+        "early_exit_layers",
         "decode_staging",
     )
 
@@ -507,9 +512,15 @@ class OrchestratorConfig(Section):
 
 
 class PlacementConfig(Section):
-    """Where the roles run. Only `local` (one process) exists yet; the engine's device is engine.device."""
+    """Where the roles run: `local` (one process) or `ray` (the rollout engines as Ray actors, the
+    learner and the controller in this process); the engine's device is engine.device."""
 
     backend: Literal["local", "ray"] = "local"
+    num_engines: int = Field(1, ge=1, description="ray: rollout-engine actors (requests go to the least busy)")
+    engine_cpus: float = Field(1.0, gt=0, description="ray: CPUs per rollout-engine actor (its torch threads)")
+    ray_address: str | None = Field(
+        None, description="ray: the cluster to join (ray://host:10001 or auto); unset = a local one"
+    )
     weight_sync: Literal["in_process", "shared_file", "nccl"] = Field(
         "in_process",
         description="how weights reach the engine: in_process (handed over), shared_file (bucketed, "

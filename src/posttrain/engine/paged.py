@@ -1,7 +1,8 @@
 """PagedEngine: the embedded inference engine (paged KV cache, continuous batching, prefix sharing).
 
 Owns the request lifecycle: validation, per-sequence generators, building each step's flat batch,
-stop conditions, forking the n samples of a request after one prefill, the async driver that batches
+stop conditions, forking the n samples of a request after one prefill, speculative drafts (prompt lookup,
+or early exit: the model's first layers), the constrained-decoding mask, the async driver that batches
 concurrent `agenerate`/`stream` callers through one stepping loop, weight reloads and KV statistics.
 The forward pass is model_runner.py, scheduling scheduler.py, block accounting block_manager.py.
 """
@@ -42,7 +43,8 @@ from posttrain.engine.types import (
 if TYPE_CHECKING:
     from posttrain.config import EngineConfig
 
-SPECULATIVE_METHODS = ("none", "ngram")
+SPECULATIVE_METHODS = ("none", "ngram", "early_exit")
+_UNDRAFTED = -1  # an early-exit draft's slot before its token is drafted (scheduled, then filled)
 
 
 @dataclass
@@ -103,6 +105,7 @@ class PagedEngine(Engine):
         prompt_lookup_min: int = 2,
         prompt_lookup_max: int = 4,
         speculative_max_batch: int = 4,
+        early_exit_layers: int = 8,
         seed: int = 0,
     ) -> None:
         for name, value in (
@@ -113,6 +116,7 @@ class PagedEngine(Engine):
             ("max_model_len", max_model_len),
             ("num_speculative_tokens", num_speculative_tokens),
             ("speculative_max_batch", speculative_max_batch),
+            ("early_exit_layers", early_exit_layers),
         ):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -156,6 +160,11 @@ class PagedEngine(Engine):
         self.num_speculative_tokens = num_speculative_tokens
         self.prompt_lookup = (prompt_lookup_min, prompt_lookup_max)
         self.speculative_max_batch = speculative_max_batch
+        if speculative == "early_exit" and early_exit_layers >= s.num_layers:
+            raise ValueError(
+                f"early_exit_layers must be below the model's {s.num_layers} layers, got {early_exit_layers}"
+            )
+        self.early_exit_layers = early_exit_layers
         self.spec_counts = {"verify_steps": 0, "draft_tokens": 0, "accepted_tokens": 0}
         self.eos_ids = set(end_of_turn_ids(model, tokenizer))
         self.grammars = GrammarCompiler(tokenizer, self.runner.spec.vocab_size, sorted(self.eos_ids))
@@ -300,12 +309,14 @@ class PagedEngine(Engine):
         return batch, samplers, verifiers
 
     def _decode_groups(
-        self, seqs: list[Sequence], max_groups: int = 4, slack: float = 1.25
+        self, seqs: list[Sequence], max_groups: int = 4, slack: float = 1.25, ahead: int = 0
     ) -> list[DecodeGroup]:
-        """Split decode rows (sorted by context, longest first) so padding stays near `slack` x the real length."""
+        """Split decode rows (sorted by context, longest first) so padding stays near `slack` x the real length.
+        `ahead` > 0: each row decodes that many positions past its next one (an early-exit draft step)."""
         bs = self.block_size
         dev = self.runner.device
-        nbs = [-(-(s.num_computed + 1) // bs) for s in seqs]
+        ctx_lens = [s.num_computed + 1 + ahead for s in seqs]
+        nbs = [-(-n // bs) for n in ctx_lens]
         bounds: list[tuple[int, int]] = []
         start, total = 0, 0
         for i, nb in enumerate(nbs):
@@ -324,7 +335,7 @@ class PagedEngine(Engine):
             width = nbs[lo]
             rows = zip(seqs[lo:hi], nbs[lo:hi], strict=True)
             tables = torch.tensor([s.block_table[:nb] + [0] * (width - nb) for s, nb in rows], device=dev)
-            ctx = torch.tensor([s.num_computed + 1 for s in seqs[lo:hi]], device=dev)
+            ctx = torch.tensor(ctx_lens[lo:hi], device=dev)
             mask = (torch.arange(width * bs, device=dev)[None, :] < ctx[:, None])[:, None, None, :]
             groups.append(DecodeGroup(lo, hi - lo, mask, block_tables=tables))
         return groups
@@ -356,6 +367,8 @@ class PagedEngine(Engine):
             self.runner.zero_blocks(self.bm.drain_taken())  # before copy-on-write fills some of them
             self.runner.copy_blocks(self.bm.pending_copies)
             self.bm.pending_copies = []
+            if self.speculative == "early_exit":
+                self._draft_early_exit(work)
             batch, samplers, verifiers = self._build_batch(work)
             logits = self.runner.forward(batch)
             for seq, n in work:
@@ -403,7 +416,8 @@ class PagedEngine(Engine):
             return events
 
     def _propose_drafts(self) -> None:
-        """Give each decoding sequence a prompt-lookup draft while few enough decode for it to pay."""
+        """Give each decoding sequence a draft while few enough decode for it to pay: a prompt-lookup one
+        (ngram), or (early_exit) room for one the scheduler sizes and `_draft_early_exit` then fills."""
         if self.speculative == "none":
             return
         decoding = [s for s in self.scheduler.running if s.is_decoding]
@@ -419,10 +433,47 @@ class PagedEngine(Engine):
             )
             if room <= 0:
                 continue
+            if self.speculative == "early_exit":
+                seq.draft = [_UNDRAFTED] * room
+                continue
             if seq.ngram is None:
                 seq.ngram = NgramIndex(*self.prompt_lookup)
             seq.ngram.sync(seq.token_ids)
             seq.draft = seq.ngram.propose(room)
+
+    def _draft_early_exit(self, work: list[tuple[Sequence, int]]) -> None:
+        """Fill the scheduled drafts with greedy tokens of the model's first `early_exit_layers` layers, the
+        final norm and the head: one partial forward per draft position, batched over the drafting rows.
+        They write K/V of those layers at the draft positions, which the verifying forward then rewrites
+        with every layer's, so the draft never changes what the full model computes."""
+        seqs = sorted((s for s, _ in work if s.draft), key=lambda s: -s.num_computed)
+        if not seqs:
+            return
+        bs = self.block_size
+        dev = self.runner.device
+        drafts: list[list[int]] = [[] for _ in seqs]
+        last = [s.token_ids[-1] for s in seqs]
+        for i in range(max(len(s.draft) for s in seqs)):
+            rows = [j for j, s in enumerate(seqs) if len(s.draft) > i]  # still longest context first
+            active = [seqs[j] for j in rows]
+            pos = [s.num_computed + i for s in active]
+            batch = StepBatch(
+                input_ids=torch.tensor([last[j] for j in rows], device=dev),
+                positions=torch.tensor(pos, device=dev),
+                slot_mapping=torch.tensor(
+                    [s.block_table[p // bs] * bs + p % bs for s, p in zip(active, pos, strict=True)],
+                    device=dev,
+                ),
+                decode_groups=self._decode_groups(active, ahead=i),
+                prefills=[],
+                logit_rows=torch.arange(len(rows), device=dev),
+            )
+            best = self.runner.forward(batch, num_layers=self.early_exit_layers).argmax(-1).tolist()
+            for j, tok in zip(rows, best, strict=True):
+                drafts[j].append(tok)
+                last[j] = tok
+        for seq, draft in zip(seqs, drafts, strict=True):
+            seq.draft = draft
 
     def _accept(
         self, seq: Sequence, logits: torch.Tensor
@@ -680,5 +731,6 @@ def build_paged(engine_cfg: EngineConfig, model: Any, tokenizer: Any, *, seed: i
         prompt_lookup_min=engine_cfg.prompt_lookup_min,
         prompt_lookup_max=engine_cfg.prompt_lookup_max,
         speculative_max_batch=engine_cfg.speculative_max_batch,
+        early_exit_layers=engine_cfg.early_exit_layers,
         seed=seed,
     )

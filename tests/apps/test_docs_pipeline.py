@@ -201,6 +201,31 @@ def test_redelivery_after_a_written_result_writes_nothing(tmp_path, batch):
     assert q.lease("c") is None
 
 
+class _BlockingModel(ScriptedModel):
+    async def complete(self, messages, max_tokens, schema):
+        time.sleep(1.2)  # holds the event loop, as a long synchronous step would
+        return await super().complete(messages, max_tokens, schema)
+
+
+def test_a_live_worker_keeps_its_lease_while_its_event_loop_is_blocked(tmp_path, batch):
+    import threading
+
+    q = open_queue(f"sqlite:///{tmp_path}/q.db", QueuePolicy(visibility_s=0.3, backoff_s=0))
+    db = Database(f"sqlite:///{tmp_path}/d.db")
+    ingest(ObjectStore(str(batch.store_dir)), q, db, SCHEMA, [], MODEL, prefix="report-0000.md")
+    w = Worker(q, db, _BlockingModel(list(batch.truth.values()), "oracle"))
+    t = threading.Thread(target=lambda: asyncio.run(w.run(until_idle=True)))
+    t.start()
+    stolen = []
+    while t.is_alive():
+        lease = q.lease("thief")
+        if lease is not None:
+            stolen.append(lease)
+        time.sleep(0.05)
+    assert stolen == [] and w.stats.done == 1
+    assert db.select("SELECT attempts FROM jobs")[1] == [(1,)]
+
+
 def test_a_job_whose_workers_keep_dying_is_dead_in_the_database_too(tmp_path, batch):
     q = open_queue(f"sqlite:///{tmp_path}/q.db", QueuePolicy(visibility_s=0.3, max_attempts=1))
     db = Database(f"sqlite:///{tmp_path}/d.db")

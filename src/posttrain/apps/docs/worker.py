@@ -1,6 +1,6 @@
 """A document worker: N concurrent slots that lease a job, read the object, parse it, run the analysis
 and write the result in one transaction, then acknowledge. A lease is extended while its job runs (a
-heartbeat every third of the visibility timeout), so only a dead worker's jobs are re-leased.
+heartbeat thread, every third of the visibility timeout), so only a dead worker's jobs are re-leased.
 
 A failure (unreadable object, parse error, unparseable model output, server down) is reported to the
 queue, which retries with backoff and dead-letters after the last attempt; the job row says why.
@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -91,11 +92,12 @@ class Worker:
         self.db.mark(job_id, "dead", attempts, error)
         self.stats.dead += 1
 
-    async def _heartbeat(self, lease: Lease) -> None:
+    def _heartbeat(self, lease: Lease, stop: threading.Event) -> None:
+        """Extend the lease every third of the visibility timeout until `stop`. A thread, not a coroutine:
+        a long engine step or a starved event loop must not let a live worker's lease expire."""
         every = self.queue.policy.visibility_s / 3
-        while True:
-            await asyncio.sleep(every)
-            if not await asyncio.to_thread(self.queue.extend, lease):
+        while not stop.wait(every):
+            if not self.queue.extend(lease):
                 log.warning("job %s: lease lost (taken over after its visibility timeout)", lease.job_id)
                 return
 
@@ -115,7 +117,8 @@ class Worker:
             self.stats.duplicates += 1
             return "duplicate"
         await asyncio.to_thread(db.mark, job_id, "running", lease.attempt, None, name)
-        beat = asyncio.create_task(self._heartbeat(lease))
+        stop = threading.Event()
+        threading.Thread(target=self._heartbeat, args=(lease, stop), daemon=True).start()
         try:
             data = await asyncio.to_thread(read_url, url, self.s3_endpoint)
             if content_hash(data) != chash:
@@ -145,7 +148,7 @@ class Worker:
                 reprocess,
             )
         except Exception as err:  # noqa: BLE001 - every failure becomes a queue outcome, never a dead worker
-            beat.cancel()
+            stop.set()
             msg = f"{type(err).__name__}: {err}"[:2000]
             outcome = await asyncio.to_thread(q.fail, lease, msg)
             if outcome != "lost":
@@ -156,7 +159,7 @@ class Worker:
             self.stats.failed += 1
             log.warning("job %s (%s) attempt %d: %s -> %s", job_id, url, lease.attempt, msg, outcome)
             return outcome
-        beat.cancel()
+        stop.set()
         await asyncio.to_thread(q.ack, lease)
         if written:
             self.stats.done += 1

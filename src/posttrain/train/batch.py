@@ -250,6 +250,9 @@ def make_inputs(token_ids: Tensor, lengths: Tensor, packed: bool, pad_id: int = 
         ids = token_ids[:, :width]
         pos = torch.arange(width, device=device).expand(b, width).contiguous()
         att = (pos < lengths[:, None]).long()
+        # padding cells at position 0: their outputs are never read, and a row's positions then rise only
+        # over its sequence (dynamic NTK takes a sequence's length from them)
+        pos = pos * att
         offsets = torch.arange(b, device=device) * width
         return ModelInputs(ids, pos, att, offsets, sum(lens), b * width)
     cap = max(lens)

@@ -4,10 +4,7 @@ reference is the base with adapters off); SimPO keeps no reference copy."""
 
 from __future__ import annotations
 
-import json
 import math
-import random
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -19,26 +16,15 @@ from posttrain.orchestrator.dpo import PreferenceTrainer, loss_params, pair_samp
 from posttrain.orchestrator.pairs import load_pairs_jsonl
 from posttrain.telemetry import read_metrics
 
+from .planted import planted_pairs
+
 runner = CliRunner()
 TINY = ["--set=model.spec=tiny:llama", "--set=telemetry.progress=false", "--set=telemetry.tensorboard=false"]
-WORDS = "apple river stone cloud tiger piano garden rocket candle forest mirror bridge violin desert".split()
-
-
-def _planted(path: Path, n: int, seed: int = 0) -> Path:
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        w = f"{rng.choice(WORDS)} {rng.choice(WORDS)}"
-        rows.append(
-            json.dumps({"prompt": f"Tell me about {w}.", "chosen": f"{w} is good", "rejected": f"{w} is bad"})
-        )
-    path.write_text("\n".join(rows) + "\n")
-    return path
 
 
 def test_the_initial_policy_is_its_reference(tmp_path):
     cfg = load_config(None, ["model.spec=tiny:llama", "trainer.bf16_autocast=false"])
-    pairs = load_pairs_jsonl(_planted(tmp_path / "p.jsonl", 4), load_tokenizer("tiny:llama"))
+    pairs = load_pairs_jsonl(planted_pairs(tmp_path / "p.jsonl", 4), load_tokenizer("tiny:llama"))
     trainer = PreferenceTrainer(cfg)
     assert trainer.learner.reference is not None  # full fine-tuning: a frozen copy
     out = trainer.evaluate(pairs)
@@ -56,7 +42,7 @@ def test_the_initial_policy_is_its_reference(tmp_path):
 
 @pytest.mark.parametrize("lora", [0, 8])
 def test_dpo_on_planted_pairs_raises_the_held_out_margin(tmp_path, lora):
-    data = _planted(tmp_path / "pairs.jsonl", 40)
+    data = planted_pairs(tmp_path / "pairs.jsonl", 40)
     runs = tmp_path / "runs"
     lr = "1e-3" if lora == 0 else "1e-2"
     result = runner.invoke(

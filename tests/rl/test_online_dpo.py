@@ -6,7 +6,6 @@ environment, and an online run does not resume."""
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
@@ -19,21 +18,13 @@ from posttrain.orchestrator.dpo import dpo_run
 from posttrain.orchestrator.pairs import PairDataError, load_pairs_jsonl
 from posttrain.telemetry import RunDir, read_metrics
 
+from .planted import planted_pairs
+
 runner = CliRunner()
-WORDS = "apple river stone cloud tiger piano garden rocket candle forest mirror bridge violin desert".split()
 
 
 def _pairs(tmp_path, n: int, seed: int):
-    rng = random.Random(seed)
-    path = tmp_path / f"p{seed}.jsonl"
-    rows = []
-    for _ in range(n):
-        w = f"{rng.choice(WORDS)} {rng.choice(WORDS)}"
-        rows.append(
-            json.dumps({"prompt": f"About {w}.", "chosen": f"{w} is good", "rejected": f"{w} is bad"})
-        )
-    path.write_text("\n".join(rows) + "\n")
-    return load_pairs_jsonl(path, load_tokenizer("tiny:llama"))
+    return load_pairs_jsonl(planted_pairs(tmp_path / f"p{seed}.jsonl", n, seed), load_tokenizer("tiny:llama"))
 
 
 class RecordingSampler:

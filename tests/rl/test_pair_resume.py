@@ -5,12 +5,9 @@ run or a checkpoint."""
 
 from __future__ import annotations
 
-import json
 import os
-import random
 import shutil
 import signal
-from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
@@ -21,21 +18,10 @@ from posttrain.orchestrator.dpo import PreferenceTrainer
 from posttrain.orchestrator.rm import RewardTrainer
 from posttrain.telemetry import read_metrics
 
+from .planted import planted_pairs
+
 runner = CliRunner()
 TINY = ["--set=model.spec=tiny:llama", "--set=telemetry.progress=false", "--set=telemetry.tensorboard=false"]
-WORDS = "apple river stone cloud tiger piano garden rocket candle forest mirror bridge violin desert".split()
-
-
-def _planted(path: Path, n: int) -> Path:
-    rng = random.Random(0)
-    rows = []
-    for _ in range(n):
-        w = f"{rng.choice(WORDS)} {rng.choice(WORDS)}"
-        rows.append(
-            json.dumps({"prompt": f"Tell me about {w}.", "chosen": f"{w} is good", "rejected": f"{w} is bad"})
-        )
-    path.write_text("\n".join(rows) + "\n")
-    return path
 
 
 def _untimed(rows: list[dict]) -> list[dict]:
@@ -59,7 +45,7 @@ KINDS = {
 @pytest.mark.parametrize("kind", ["rm", "dpo"])
 def test_a_stopped_and_resumed_run_equals_the_straight_run(tmp_path, monkeypatch, kind):
     command, trainer_cls, exported, weights = KINDS[kind]
-    data = _planted(tmp_path / "pairs.jsonl", 30)
+    data = planted_pairs(tmp_path / "pairs.jsonl", 30)
     runs = tmp_path / "runs"
     args = [*command, "--data", str(data), *TINY, f"--set=telemetry.run_dir={runs}"]
     # 6 steps over 24 pairs of batch 8: the resumed leg starts mid-epoch 1 and crosses into epoch 2;
@@ -105,7 +91,7 @@ def test_a_stopped_and_resumed_run_equals_the_straight_run(tmp_path, monkeypatch
 
 
 def test_resume_refuses_what_would_change_the_run(tmp_path):
-    data = _planted(tmp_path / "pairs.jsonl", 12)
+    data = planted_pairs(tmp_path / "pairs.jsonl", 12)
     runs = tmp_path / "runs"
     args = ["dpo", "--data", str(data), *TINY, f"--set=telemetry.run_dir={runs}", "--set=pairs.steps=1"]
     assert runner.invoke(app, [*args, "--name", "d"]).exit_code == 0
@@ -121,7 +107,7 @@ def test_resume_refuses_what_would_change_the_run(tmp_path):
     out = runner.invoke(app, ["dpo", "--resume", str(run)])
     assert out.exit_code == 2 and "holds no pairs to resume on" in " ".join(out.output.split())
 
-    _planted(tmp_path / "pairs.jsonl", 12)
+    planted_pairs(tmp_path / "pairs.jsonl", 12)
     assert runner.invoke(app, [*args, "--name", "e"]).exit_code == 0
     shutil.rmtree(runs / "e" / "checkpoints")
     out = runner.invoke(app, ["dpo", "--resume", str(runs / "e")])

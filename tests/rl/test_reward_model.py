@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,9 +25,10 @@ from posttrain.train import load_reward_model, new_reward_model
 from posttrain.train.reward_model import pad_rows, score_positions
 from posttrain.types import Task, Trajectory, TrajectoryStatus
 
+from .planted import planted_pairs
+
 runner = CliRunner()
 TINY = ["--set=model.spec=tiny:llama", "--set=telemetry.progress=false", "--set=telemetry.tensorboard=false"]
-WORDS = "apple river stone cloud tiger piano garden rocket candle forest mirror bridge violin desert".split()
 
 
 def test_bradley_terry_loss_and_gradients_match_hand_computed_values():
@@ -159,20 +158,8 @@ def test_environment_pairs_are_the_trajectories_token_ids(tokenizer):
         assert p.rejected_mask[prompt_len:] == [1] * (len(p.rejected_ids) - prompt_len)
 
 
-def _planted(path: Path, n: int, seed: int) -> Path:
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        w = f"{rng.choice(WORDS)} {rng.choice(WORDS)}"
-        rows.append(
-            json.dumps({"prompt": f"Tell me about {w}.", "chosen": f"{w} is good", "rejected": f"{w} is bad"})
-        )
-    path.write_text("\n".join(rows) + "\n")
-    return path
-
-
 def test_rm_learns_a_planted_preference(tmp_path):
-    data = _planted(tmp_path / "pairs.jsonl", 48, 0)
+    data = planted_pairs(tmp_path / "pairs.jsonl", 48, 0)
     runs = tmp_path / "runs"
     args = ["rm", "train", "--data", str(data), "--name", "rm", *TINY, f"--set=telemetry.run_dir={runs}"]
     sets = ["--set=trainer.lr=1e-3", "--set=pairs.epochs=3", "--set=pairs.eval_every=5"]
@@ -187,7 +174,7 @@ def test_rm_learns_a_planted_preference(tmp_path):
     rm = load_reward_model(runs / "rm" / "reward_model")
     from posttrain.models import load_tokenizer
 
-    fresh = load_pairs_jsonl(_planted(tmp_path / "new.jsonl", 16, 1), load_tokenizer("tiny:llama"))
+    fresh = load_pairs_jsonl(planted_pairs(tmp_path / "new.jsonl", 16, 1), load_tokenizer("tiny:llama"))
     chosen = rm.score([p.chosen_ids for p in fresh])
     rejected = rm.score([p.rejected_ids for p in fresh])
     assert all(c > r for c, r in zip(chosen, rejected, strict=True))

@@ -65,6 +65,17 @@ def make_samples(
     return out
 
 
+def _fresh_learner(mcfg: ModelConfig, tcfg: TrainerConfig, base: Any, micro_batch_tokens: int) -> Learner:
+    """A learner of one variant on a fresh copy of the same weights."""
+    return Learner(
+        mcfg,
+        tcfg,
+        AlgorithmConfig(tis_cap=None),
+        model=copy.deepcopy(base),
+        batch_cfg=BatchConfig(micro_batch_tokens=micro_batch_tokens),
+    )
+
+
 def _prepared_batch(learner: Learner, samples: list[Sample], old_logprobs: torch.Tensor) -> Any:
     batch = build_batch(samples, learner.device)
     batch.old_logprobs = old_logprobs
@@ -123,13 +134,8 @@ def main(opts: Any) -> dict:
                 packing=packing == "packed",
                 share_prompt_prefix=packing == "shared",
             )
-            learner = Learner(
-                mcfg,
-                tcfg,
-                AlgorithmConfig(tis_cap=None),
-                model=copy.deepcopy(base),
-                batch_cfg=BatchConfig(micro_batch_tokens=opts.micro_batch_tokens),
-            )
+
+            learner = _fresh_learner(mcfg, tcfg, base, opts.micro_batch_tokens)
             batch = _prepared_batch(learner, samples, old_lp)
             t0, c0 = time.perf_counter(), time.process_time()
             m = learner.update(batch)
@@ -139,13 +145,7 @@ def main(opts: Any) -> dict:
             console.print(f"round {rnd + 1}/{opts.repeats} {name}: {tokens / times[name][-1]:.1f} tok/s")
             del learner, batch
             if name in sft_times:  # the supervised step of the same variant, from the same weights
-                learner = Learner(
-                    mcfg,
-                    tcfg,
-                    AlgorithmConfig(tis_cap=None),
-                    model=copy.deepcopy(base),
-                    batch_cfg=BatchConfig(micro_batch_tokens=opts.micro_batch_tokens),
-                )
+                learner = _fresh_learner(mcfg, tcfg, base, opts.micro_batch_tokens)
                 t0 = time.perf_counter()
                 learner.sft_step(samples)
                 sft_times[name].append(time.perf_counter() - t0)

@@ -19,7 +19,7 @@ import pytest
 from typer.testing import CliRunner
 
 from posttrain.apps.docs import services
-from posttrain.apps.docs.analyze import analyze
+from posttrain.apps.docs.analyze import MAX_STRING_CHARS, Reply, analyze
 from posttrain.apps.docs.db import Database, task_key
 from posttrain.apps.docs.demo import score_batch, write_batch
 from posttrain.apps.docs.parse import ParseError, parse_document
@@ -203,19 +203,21 @@ def test_redelivery_after_a_written_result_writes_nothing(tmp_path, batch):
 
 class _BlockingModel(ScriptedModel):
     async def complete(self, messages, max_tokens, schema):
-        time.sleep(1.2)  # holds the event loop, as a long synchronous step would
+        time.sleep(3.0)  # holds the event loop, as a long synchronous step would
         return await super().complete(messages, max_tokens, schema)
 
 
 def test_a_live_worker_keeps_its_lease_while_its_event_loop_is_blocked(tmp_path, batch):
     import threading
 
-    q = open_queue(f"sqlite:///{tmp_path}/q.db", QueuePolicy(visibility_s=0.3, backoff_s=0))
+    q = open_queue(f"sqlite:///{tmp_path}/q.db", QueuePolicy(visibility_s=1.0, backoff_s=0))
     db = Database(f"sqlite:///{tmp_path}/d.db")
     ingest(ObjectStore(str(batch.store_dir)), q, db, SCHEMA, [], MODEL, prefix="report-0000.md")
     w = Worker(q, db, _BlockingModel(list(batch.truth.values()), "oracle"))
     t = threading.Thread(target=lambda: asyncio.run(w.run(until_idle=True)))
     t.start()
+    while db.job_counts().get("running", 0) == 0:  # the worker holds its lease from here on
+        time.sleep(0.02)
     stolen = []
     while t.is_alive():
         lease = q.lease("thief")
@@ -308,6 +310,34 @@ def test_long_document_is_map_reduced_with_page_citations(batch):
         assert shown in pages[c.page] and shown in c.quote, (c, shown)
     # the restated year is cited from the notes, which come after the table that shows the old figure
     assert next(c.page for c in result.citations if c.target == "restated_year") == doc.n_pages
+
+
+class _FirstPartGarbage(ScriptedModel):
+    async def complete(self, messages, max_tokens, schema):
+        if "(part 1 of" in messages[1]["content"]:
+            self.calls += 1
+            return Reply("no json here", 1, 1)
+        return await super().complete(messages, max_tokens, schema)
+
+
+def test_map_reduce_survives_one_unparseable_chunk_and_bounds_strings(batch):
+    url = sorted(batch.truth)[1]
+    doc = parse_document(ObjectStore(str(batch.store_dir)).read(url), url)
+    seen = []
+    model = _FirstPartGarbage([batch.truth[url]], context_tokens=900)
+    real = model.complete
+
+    async def spy(messages, max_tokens, schema):
+        seen.append(schema)
+        return await real(messages, max_tokens, schema)
+
+    model.complete = spy
+    result = asyncio.run(analyze(doc, SCHEMA, [], model, max_new_tokens=64))
+    assert result.mode == "map_reduce" and result.failed_chunks == 1 and result.repaired
+    # the first part (title, highlights table) said nothing; the later parts still give what they state
+    assert result.data["restated_year"] == batch.truth[url]["restated_year"]
+    assert seen[0]["properties"]["company"]["anyOf"][0]["maxLength"] == MAX_STRING_CHARS
+    assert "maxLength" not in SCHEMA["properties"]["company"]  # the user's schema is left alone
 
 
 def test_parse_html_tables_and_sections():

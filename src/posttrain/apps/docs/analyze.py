@@ -5,8 +5,10 @@ model - the in-process engine (`EngineModel`) or any OpenAI-compatible server (`
 
 A document that fits the model's context goes in whole; a longer one is map-reduced: each chunk is
 asked separately (fields it does not state come back null), and per field the value from the LAST chunk
-that states one wins (notes and restatements follow the tables they correct), cited with that chunk's
-pages and sections. Answers reduce the same way, skipping chunks that answer NOT FOUND.
+that states one wins (notes and restatements follow the tables they correct), cited with the page and
+section of the block that states it. A chunk whose reply stays unparseable after its repair turn states
+nothing (`failed_chunks`); only when every chunk fails does the job fail. Answers reduce the same way,
+skipping chunks that answer NOT FOUND. Extraction requests constrain strings to MAX_STRING_CHARS.
 """
 
 from __future__ import annotations
@@ -124,6 +126,25 @@ class _Tally:
         return reply.text
 
 
+MAX_STRING_CHARS = (
+    120  # strings the model is constrained to: a small model otherwise rambles to its token limit
+)
+
+
+def bounded(schema: Any) -> Any:
+    """The schema the model is constrained to: every string without a maxLength gets MAX_STRING_CHARS,
+    so a constrained reply completes its JSON within the token budget (the reply is still validated
+    against the user's schema)."""
+    if isinstance(schema, dict):
+        out = {k: bounded(v) for k, v in schema.items()}
+        if out.get("type") == "string" and "maxLength" not in out and "enum" not in out:
+            out["maxLength"] = MAX_STRING_CHARS
+        return out
+    if isinstance(schema, list):
+        return [bounded(v) for v in schema]
+    return schema
+
+
 async def _extract_chunk(
     model: ChatModel, tally: _Tally, text: str, schema: dict[str, Any], part: str, max_tokens: int
 ) -> tuple[dict[str, Any], bool]:
@@ -132,7 +153,8 @@ async def _extract_chunk(
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": _extract_prompt(text, schema, part)},
     ]
-    reply = await tally.ask(model, messages, max_tokens, schema)
+    constraint = bounded(schema)
+    reply = await tally.ask(model, messages, max_tokens, constraint)
     obj = parse_json_object(reply)
     error = "the reply is not a JSON object" if obj is None else _validation_error(obj, schema)
     if error is None:
@@ -144,7 +166,7 @@ async def _extract_chunk(
             "content": f"That is not valid for the schema ({error}). Reply with the corrected JSON object only.",
         },
     ]
-    reply2 = await tally.ask(model, messages, max_tokens, schema)
+    reply2 = await tally.ask(model, messages, max_tokens, constraint)
     obj2 = parse_json_object(reply2)
     if obj2 is None:
         raise ModelOutputError(f"model output is not a JSON object after a repair turn: {reply2[:200]!r}")
@@ -200,12 +222,21 @@ async def analyze(
         return f" (part {i + 1} of {n}{where})"
 
     target_schema = schema if whole else _partial_schema(schema)
-    outs = await asyncio.gather(
+    got = await asyncio.gather(
         *(
             _extract_chunk(model, tally, c.text, target_schema, part(i), max_new_tokens)
             for i, c in enumerate(chunks)
-        )
+        ),
+        return_exceptions=True,
     )
+    for r in got:
+        if isinstance(r, BaseException) and not isinstance(r, ModelOutputError):
+            raise r
+    failed = [r for r in got if isinstance(r, ModelOutputError)]
+    if len(failed) == n:  # nothing usable at all: the job fails (retried, then dead-lettered)
+        raise failed[0]
+    # map-reduce: a chunk whose reply stayed unparseable states nothing (counted in failed_chunks)
+    outs = [({}, True) if isinstance(r, ModelOutputError) else r for r in got]
     merged: dict[str, Any] = {}
     citations: list[Citation] = []
     props = schema["properties"]
@@ -247,6 +278,7 @@ async def analyze(
         data=merged,
         valid=_validation_error(merged, schema) is None,
         repaired=any(r for _, r in outs),
+        failed_chunks=len(failed),
         mode="whole" if whole else "map_reduce",
         n_chunks=n,
         answers=answers,
@@ -349,7 +381,8 @@ class EngineModel:
         net = load_policy(spec, dtype="float32")
         limit = getattr(getattr(net, "config", None), "max_position_embeddings", max_model_len)
         self.context_tokens = min(max_model_len, int(limit))
-        blocks = num_kv_blocks or max(2048, 2 * self.context_tokens // 16 + 64)
+        # room for the K/V of ~6 full-context requests: map-reduce sends a document's chunks at once
+        blocks = num_kv_blocks or max(2048, 6 * self.context_tokens // 16)
         cfg = EngineConfig(
             max_model_len=self.context_tokens, num_kv_blocks=blocks, max_num_batched_tokens=2048
         )

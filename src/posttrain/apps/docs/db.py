@@ -63,6 +63,7 @@ class AnalysisResult:
     repaired: bool
     mode: str  # "whole" | "map_reduce"
     n_chunks: int
+    failed_chunks: int = 0  # map-reduce chunks whose reply stayed unparseable after the repair turn
     answers: list[str] = field(default_factory=list)
     citations: list[Citation] = field(default_factory=list)
     prompt_tokens: int = 0
@@ -153,6 +154,7 @@ class Database:
             sa.Column("repaired", sa.Boolean, nullable=False),
             sa.Column("mode", sa.String(16), nullable=False),
             sa.Column("n_chunks", sa.Integer, nullable=False),
+            sa.Column("failed_chunks", sa.Integer, nullable=False),
             sa.Column("created_at", sa.Float, nullable=False),
             sa.UniqueConstraint("content_hash", "task_key", name="extractions_once"),
         )
@@ -408,6 +410,7 @@ class Database:
                         repaired=result.repaired,
                         mode=result.mode,
                         n_chunks=result.n_chunks,
+                        failed_chunks=result.failed_chunks,
                         created_at=time.time(),
                     )
                 ).inserted_primary_key[0]
@@ -494,6 +497,7 @@ class Database:
                 e.c.repaired,
                 e.c.mode,
                 e.c.n_chunks,
+                e.c.failed_chunks,
                 u.c.attempt,
                 u.c.latency_ms,
                 u.c.model_ms,

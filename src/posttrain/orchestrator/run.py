@@ -57,12 +57,15 @@ class RLRun:
         from posttrain.models import resolve
 
         resolve(cfg.model.spec)
-        if cfg.placement.backend != "local":
-            raise ValueError(f"placement.backend='{cfg.placement.backend}' is not yet available; use 'local'")
         if cfg.placement.weight_sync == "nccl":
             raise ValueError(
-                "placement.weight_sync='nccl' needs engine workers in other processes (placement.backend="
-                "'ray'), which is not yet available; use 'in_process' or 'shared_file'"
+                "placement.weight_sync='nccl' is not yet available (it needs GPU engine workers); use "
+                "'in_process' or 'shared_file'"
+            )
+        if cfg.placement.backend == "ray" and cfg.placement.weight_sync != "shared_file":
+            raise ValueError(
+                "placement.backend='ray' runs the rollout engines in other processes: set "
+                "placement.weight_sync='shared_file'"
             )
         for d in cfg.envs.domains:
             valid = get_domain(d.name, **d.options).difficulties
@@ -109,8 +112,16 @@ class RLRun:
         engine_model = apply_rope_scaling(
             load_policy(cfg.model.spec, dtype=cfg.engine.dtype, seed=cfg.seed), cfg.model.rope_scaling
         )
-        self.engine: Engine = make_engine(cfg.engine, engine_model, self.tokenizer)
-        self.make_weight_sync()
+        if cfg.placement.backend == "ray":
+            from posttrain.orchestrator.placement import RayEngines
+
+            del engine_model  # each actor loads its own
+            self.make_weight_sync()
+            assert self.weight_transport is not None
+            self.engine = RayEngines(cfg, str(self.weight_transport.dir))
+        else:
+            self.engine: Engine = make_engine(cfg.engine, engine_model, self.tokenizer)
+            self.make_weight_sync()
         self.sync_weights(self.learner.weights())
         self.sandbox = self.make_sandbox()
         self.reward = make_learned_reward(cfg.reward, self.tokenizer)
@@ -192,6 +203,9 @@ class RLRun:
         self.weight_transport = ws.SharedFile(directory)
         self.weight_transport.reset()
         base = None
+        self.weight_receiver: ws.Receiver | None = None
+        if self.cfg.placement.backend == "ray":  # each engine actor reads the folder itself
+            return
         if self.learner.lora:  # adapters travel alone; the receiver keeps the base weights they adapt
             base_model = self.learner.model.get_base_model()
             named = {k.replace(".base_layer.", "."): v for k, v in base_model.state_dict().items()}
@@ -203,7 +217,8 @@ class RLRun:
         """Forget pushed versions (a resume goes back to the checkpoint's, which may be older)."""
         if self.weight_transport is not None:
             self.weight_transport.reset()
-            self.weight_receiver.version = None
+            if self.weight_receiver is not None:
+                self.weight_receiver.version = None
 
     def sync_weights(self, weights: dict[str, Any]) -> float:
         """Load the learner's `weights` into the engine (`push_weights`); returns the seconds it took."""
@@ -224,12 +239,18 @@ class RLRun:
             self.engine.load_weights(weights, version=version)
             self.sync_bytes = sum(t.numel() * t.element_size() for t in weights.values())
             return
+        if self.weight_transport.latest() == version:  # the learner did not step: nothing new to send
+            self.sync_bytes = 0
+            return
         if own and self.learner.lora:
             update = ws.lora_update(self.learner.model, version)
         else:
             update = ws.full_update(weights, version)
         self.weight_transport.push(update)
-        self.weight_transport.pull(self.weight_receiver)
+        if self.weight_receiver is None:  # engines in other processes read the push themselves
+            self.engine.pull_weights(update.version)  # type: ignore[attr-defined]
+        else:
+            self.weight_transport.pull(self.weight_receiver)
         self.sync_bytes = update.nbytes
 
     # ------------------------------------------------------------------ one step
@@ -469,6 +490,9 @@ class RLRun:
         }
 
     def close(self) -> None:
+        close_engine = getattr(getattr(self, "engine", None), "close", None)
+        if callable(close_engine):
+            close_engine()
         if getattr(self, "weight_dir_owned", None):
             import shutil
 

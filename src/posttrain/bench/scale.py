@@ -9,7 +9,10 @@ adapter push through shared_file, merged at the receiver). The baseline is a pla
 bytes into preallocated buffers (`memcpy`): what moving the weights once costs on this machine. Each
 figure is the median of `--repeats`.
 
-Not measured yet, and reported as null: `ray_overhead_frac`, which needs the Ray placement backend.
+With `--ray-steps N`: N RL steps of the default recipe on the model, sync mode, with the local backend
+(engine in process, in-process weights) and with the Ray backend (one engine actor, shared-file
+weights), same seed; `ray_overhead_frac` = median step time with Ray / without - 1, the first step
+(start-up) left out. Null without `--ray-steps`.
 """
 
 from __future__ import annotations
@@ -93,6 +96,67 @@ def _broadcast_s(weights: dict[str, torch.Tensor], repeats: int) -> float:
         if "broadcast_s" not in out:
             raise RuntimeError("the broadcast benchmark's processes did not report")
         return float(out["broadcast_s"])
+
+
+def _step_seconds(model: str, steps: int, run_root: str, name: str, extra: list[str]) -> list[float]:
+    from posttrain.config import load_config, save_config
+    from posttrain.orchestrator import RLRun
+    from posttrain.telemetry import RunDir, read_metrics
+
+    cfg = load_config(
+        None,
+        [
+            f"model.spec={model}",
+            f"orchestrator.steps={steps}",
+            f"telemetry.run_dir={run_root}",
+            "telemetry.progress=false",
+            "telemetry.tensorboard=false",
+            "curriculum.probe_every=0",
+            "orchestrator.checkpoint_every=0",
+            *extra,
+        ],
+    )
+    run_dir = RunDir.create(cfg.telemetry.run_dir, name)
+    save_config(cfg, run_dir.config)
+    run = RLRun(cfg, run_dir)
+    try:
+        run.train()
+    finally:
+        run.close()
+    return [float(r["timeline/step_s"]) for r in read_metrics(run_dir.metrics)]
+
+
+def _ray_overhead(opts: Any) -> dict:
+    if not opts.ray_steps:
+        return {"ray_overhead_frac": None, "ray_note": "not measured (--ray-steps 0)"}
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        return {"ray_overhead_frac": None, "ray_note": "not measured: the [ray] extra is not installed"}
+    root = tempfile.mkdtemp(prefix="posttrain-bench-scale-runs-")
+    try:
+        local = _step_seconds(opts.model, opts.ray_steps + 1, root, "local", [])
+        ray = _step_seconds(
+            opts.model,
+            opts.ray_steps + 1,
+            root,
+            "ray",
+            [
+                "placement.backend=ray",
+                "placement.weight_sync=shared_file",
+                f"placement.engine_cpus={os.cpu_count() or 1}",
+            ],
+        )
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    med_local, med_ray = statistics.median(local[1:]), statistics.median(ray[1:])
+    return {
+        "ray_overhead_frac": med_ray / med_local - 1.0,
+        "ray_step_s": med_ray,
+        "local_step_s": med_local,
+        "ray_steps": opts.ray_steps,
+        "ray_note": f"sync, one engine actor with {os.cpu_count()} CPUs, median of {opts.ray_steps} steps after the first",
+    }
 
 
 def main(opts: Any) -> dict:
@@ -185,8 +249,7 @@ def main(opts: Any) -> dict:
         "bytes_per_s": {k: v for k, v in rates.items() if k != "memcpy"},
         "memcpy_bytes_per_s": rates["memcpy"],
         "shared_file_frac_of_memcpy": rates["shared_file"] / rates["memcpy"],
-        "ray_overhead_frac": None,
-        "ray_note": "not measured: the Ray placement backend is not built yet",
+        **_ray_overhead(opts),
         "load_avg_1m": load,
         "cpu_count": os.cpu_count(),
     }

@@ -450,6 +450,9 @@ def scale(
     repeats: int = typer.Option(5, "--repeats", min=1, help="repeats per transport; medians are reported"),
     lora_rank: int = typer.Option(16, "--lora-rank", min=1, help="rank of the LoRA adapter push"),
     skip_broadcast: bool = typer.Option(False, "--skip-broadcast", help="leave out the 2-process gloo run"),
+    ray_steps: int = typer.Option(
+        0, "--ray-steps", min=0, help="RL steps (after a first) with the local and the Ray backend (0: skip)"
+    ),
     json_out: bool = JSON,
 ) -> dict[str, Any]:
     """Weight-sync seconds and bytes/s per transport (in-process, shared file, gloo broadcast, LoRA
@@ -464,6 +467,7 @@ def scale(
         repeats=repeats,
         lora_rank=lora_rank,
         skip_broadcast=skip_broadcast,
+        ray_steps=ray_steps,
     )
 
 

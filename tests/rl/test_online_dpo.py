@@ -55,7 +55,7 @@ def _cfg(tmp_path, *sets):
             "pairs.from_env=math",
             "pairs.n=4",
             "pairs.batch_size=4",
-            "pairs.steps=2",
+            "pairs.steps=1",
             "pairs.eval_every=0",
             "trainer.lr=1e-3",
             "telemetry.progress=false",
@@ -82,18 +82,18 @@ def test_each_round_samples_from_the_policy_trained_so_far(tmp_path):
     summary = job.train(_pairs(tmp_path, 8, seed=100), _pairs(tmp_path, 4, seed=200))
     # round r samples training tasks r*4..r*4+3, seeded by step 2 + r
     assert sampler.calls == [("train", 4, 4, 3), ("train", 8, 4, 4), ("train", 12, 4, 5)]
-    # ... from the policy after the previous rounds' steps (2 per round; round 2 had no pairs)
-    assert len(weights_after) == 6 and summary["step"] == 6
+    # ... from the policy after the previous rounds' steps (1 per round; round 2 had no pairs)
+    assert len(weights_after) == 3 and summary["step"] == 3
     for loaded, after in zip(
-        sampler.loaded, [weights_after[1], weights_after[3], weights_after[3]], strict=True
+        sampler.loaded, [weights_after[0], weights_after[1], weights_after[1]], strict=True
     ):
         assert all(torch.equal(loaded[k], after[k]) for k in after)
     assert not all(torch.equal(sampler.loaded[0][k], sampler.loaded[1][k]) for k in after)
     rows = read_metrics(tmp_path / "runs" / "online" / "metrics.jsonl")
     trained = [r for r in rows if "train/loss" in r]
-    assert [r["step"] for r in trained] == [1, 2, 3, 4, 5, 6]
-    assert [r["online/round"] for r in trained] == [0, 0, 1, 1, 3, 3]
-    assert [r["step"] for r in rows if "online/success_rate" in r] == [3, 4, 5]
+    assert [r["step"] for r in trained] == [1, 2, 3]
+    assert [r["online/round"] for r in trained] == [0, 1, 3]
+    assert [r["step"] for r in rows if "online/success_rate" in r] == [2, 2, 3]
     empty = next(r for r in rows if r.get("online/pairs") == 0.0)
     assert empty["online/round"] == 2 and "train/loss" not in empty
     assert (tmp_path / "runs" / "online" / "policy" / "model.safetensors").is_file()

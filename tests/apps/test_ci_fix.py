@@ -385,3 +385,40 @@ def test_dependencies_from_host_packages_and_wheels(sandbox, tmp_path):
     assert deps.passed and deps.counts == {"passed": 1}, deps.log
     with pytest.raises(ValueError, match="no .whl files"):
         read_wheels(tmp_path)
+
+
+class _FailingCheck:
+    """A check double that always fails at once (the loop's timing without a sandbox)."""
+
+    command = "pytest -q"
+
+    async def run(self, files, select=None):
+        from posttrain.apps.ci_fix import CheckResult
+
+        return CheckResult(False, "runtime_error", 1, "FAILED tests/test_ops.py::test_add", {"failed": 1})
+
+
+class _StallingPolicy:
+    """Reads one file, then never answers again (a hung model endpoint)."""
+
+    chat_format = "hermes"
+
+    async def episode(self, env, task, sandbox):
+        await env.reset(task)
+        await env.step(HERMES([("read_file", {"path": "calc/ops.py"})]))
+        await asyncio.sleep(3600)
+
+
+def test_a_timed_out_attempt_keeps_its_transcript(tmp_path):
+    from posttrain.apps.ci_fix import FixOptions, fix_repository
+
+    options = FixOptions(max_attempts=3, timeout_s=0.5, transcripts_dir=tmp_path)
+    report = run(fix_repository(PLANTED, _FailingCheck(), _StallingPolicy(), options))
+    assert (report.status, report.attempts, [a["outcome"] for a in report.attempt_log]) == (
+        "not_fixed",
+        1,
+        ["timeout"],
+    )
+    saved = json.loads((tmp_path / "attempt-1.json").read_text())
+    assert saved["error"] == "timeout: the run's 0.5 s ran out"
+    assert saved["transcript"][0]["observations"][0]["content"] == BUGGY_OPS

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.apps.ci_fix.check import CheckResult, CheckRunner
+from posttrain.envs.base import StepResult
 from posttrain.envs.domains.swe_ci_fix import is_steering_file
 from posttrain.envs.repo_tools import (
     TOOL_SPECS,
@@ -82,6 +83,14 @@ class RepoFixEnv(ToolEnvironment):
         self.last_run: CheckResult | None = None
         self.fresh: CheckResult | None = None
         self.patch = ""
+        self.steps: list[dict[str, Any]] = []  # each assistant text and its observations, as they happen
+
+    async def step(self, assistant_text: str) -> StepResult:
+        result = await super().step(assistant_text)
+        self.steps.append(
+            {"assistant": assistant_text, "observations": [m.to_openai() for m in result.observations]}
+        )
+        return result
 
     def _refuse(self, path: str) -> str | None:
         return None if self.allow_test_edits else protected_reason(path)
@@ -362,12 +371,11 @@ async def fix_repository(
         report.attempts = attempt
         try:
             outcome = await asyncio.wait_for(policy.episode(env, task, sandbox), timeout=left)
-        except TimeoutError:
-            outcome = AttemptOutcome(
-                None, [], 0, env.turn, f"timeout: the run's {options.timeout_s:g} s ran out"
-            )
+        except TimeoutError:  # the transcript: what the environment saw before the time ran out
+            why = f"timeout: the run's {options.timeout_s:g} s ran out"
+            outcome = AttemptOutcome(None, env.steps, 0, env.turn, why)
         except InfraError as err:
-            outcome = AttemptOutcome(None, [], 0, env.turn, f"sandbox failure: {err}")
+            outcome = AttemptOutcome(None, env.steps, 0, env.turn, f"sandbox failure: {err}")
         report.turns += outcome.turns
         report.generated_tokens += outcome.generated_tokens
         info = outcome.info

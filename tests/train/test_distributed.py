@@ -1,6 +1,7 @@
-"""Data-parallel FSDP2 learner ranks (2 gloo processes on this CPU) against the single-process Learner
-on the same samples: the same weights after each step (full and LoRA), the same metrics, and a sharded
-checkpoint written by 2 ranks that a single process loads and trains on from exactly there."""
+"""Data-parallel FSDP2 learner ranks and tensor-parallel ones (2 gloo processes on this CPU) against the
+single-process Learner on the same samples: the same weights after each step (full and LoRA), the same
+metrics, and a sharded checkpoint written by 2 ranks that a single process loads and trains on from
+exactly there."""
 
 from __future__ import annotations
 
@@ -106,3 +107,42 @@ def test_share_pads_with_weight_zero_repeats_so_ranks_run_as_many():
 def test_shard_learner_needs_a_process_group():
     with pytest.raises(RuntimeError, match="needs torch.distributed initialised"):
         shard_learner(make_learner(False))
+
+
+def _tp_worker(rank: int, port: int, out_path: str) -> None:
+    import torch.distributed as dist
+
+    from posttrain.train.distributed import tensor_parallel_learner
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    learner = make_learner(False)
+    tensor_parallel_learner(learner)
+    local_q = learner.model.model.layers[0].self_attn.q_proj.weight.to_local().shape
+    m1 = learner.step(samples(1))
+    m2 = learner.step(samples(2))
+    w = learner.weights()
+    if rank == 0:
+        torch.save({"m1": m1, "m2": m2, "w": w, "local_q": tuple(local_q)}, out_path)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_tensor_parallel_ranks_train_as_one_process(tmp_path):
+    out_path = str(tmp_path / "rank0.pt")
+    mp.start_processes(_tp_worker, args=(_free_port(), out_path), nprocs=2, start_method="spawn")
+    ranks = torch.load(out_path, weights_only=False)
+    single = make_learner(False)
+    assert ranks["local_q"] == (32, 64)  # 4 heads of 16 dims split in 2: each rank holds 2 heads
+    m1 = single.step(samples(1))
+    m2 = single.step(samples(2))
+    _close(ranks["w"], single.weights())
+    for key in METRICS:
+        assert ranks["m1"][key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
+    assert ranks["m2"]["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-4)

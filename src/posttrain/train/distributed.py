@@ -1,4 +1,5 @@
-"""Data-parallel, sharded Learner ranks: FSDP2 (`fully_shard`) over torch.distributed.
+"""Data-parallel, sharded Learner ranks (FSDP2 `fully_shard`) and tensor-parallel ones (DTensor
+`parallelize_module`), over torch.distributed.
 
 `shard_learner(learner)` turns a `Learner` built in each rank's process (same config and seed, so the
 same initial weights) into one rank of a data-parallel learner: every decoder layer and the root are
@@ -14,6 +15,10 @@ what one process would.
 No-grad passes (old and reference logprobs) and the supervised and preference steps run the whole
 batch on every rank: correct (the averaged gradient of identical losses is that loss's gradient) and
 simple, not faster. A critic is not supported under data parallelism yet.
+
+`tensor_parallel_learner(learner)` splits each decoder layer's attention heads and MLP columns over
+the ranks instead (Megatron's column-in, row-out split, `TP_PLAN`); all ranks run the whole batch.
+Full fine-tuning without a critic; composing it with FSDP2 (2-D) is not built.
 
 Checkpoints: `save_sharded` writes a torch.distributed.checkpoint folder (each rank its shards of the
 weights and optimizer state, plus the learner's counters), and `load_sharded` reads it on any number
@@ -133,6 +138,92 @@ def shard_learner(learner: Any, group: Any = None) -> DataParallel:
     learner.optimizer = make_adamw(learner.trainable, tc.lr, tuple(tc.betas), tc.weight_decay)
     learner.dp = DataParallel(rank, world, group, root=root)
     return learner.dp
+
+
+# Megatron's split of a Llama-family decoder layer: column-parallel in, row-parallel out
+TP_PLAN = {
+    "self_attn.q_proj": "colwise",
+    "self_attn.k_proj": "colwise",
+    "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise",
+    "mlp.gate_proj": "colwise",
+    "mlp.up_proj": "colwise",
+    "mlp.down_proj": "rowwise",
+}
+
+
+@dataclass
+class TensorParallel:
+    """This process's place in a tensor-parallel group: every rank runs every row of the batch, each
+    with its share of the attention heads and MLP columns."""
+
+    rank: int
+    world: int
+    group: Any = None
+
+
+def tensor_parallel_learner(learner: Any, group: Any = None) -> TensorParallel:
+    """Split `learner`'s decoder layers over the process group with DTensor `parallelize_module`
+    (`TP_PLAN`; embeddings, norms and head stay replicated) and rebuild its optimizer; every rank then
+    calls the same methods with the same batch. Heads and KV heads must divide by the world size."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    if not dist.is_initialized():
+        raise RuntimeError("tensor_parallel_learner needs torch.distributed initialised (init_process_group)")
+    if learner.lora or learner.critic is not None:
+        raise ValueError("tensor-parallel learner ranks support full fine-tuning without a critic only")
+    if learner.optimizer_steps:
+        raise ValueError("split a learner before its first update (its optimizer state would be lost)")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    config = causal_lm(learner.model).config
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        if getattr(config, name) % world:
+            raise ValueError(
+                f"tensor parallelism over {world} ranks needs {name}={getattr(config, name)} divisible by it"
+            )
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    mesh = DeviceMesh(learner.device.type, ranks)
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = {name: styles[style]() for name, style in TP_PLAN.items()}
+    for layer in decoder_layers(learner.model):
+        parallelize_module(layer, mesh, plan)
+    tc = learner.trainer_cfg
+    learner.trainable = [p for p in learner.model.parameters() if p.requires_grad]
+    # the per-parameter loop: the fused and foreach kernels cannot take replicas and DTensors together
+    learner.optimizer = torch.optim.AdamW(
+        learner.trainable, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay, foreach=False
+    )
+    learner.tp = TensorParallel(rank, world, group)
+    return learner.tp
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, group: Any = None) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` for a mix of replicated tensors and sharded DTensors (what tensor
+    parallelism leaves): a shard's squares are summed over the ranks, a replica's counted once."""
+    from torch.distributed.tensor import DTensor
+
+    local = torch.zeros((), dtype=torch.float64)
+    sharded = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is None:
+            continue
+        g = p.grad
+        if isinstance(g, DTensor):
+            part = g.to_local().double().pow(2).sum()
+            if any(pl.is_shard() for pl in g.placements):
+                sharded += part
+            else:
+                local += part
+        else:
+            local += g.double().pow(2).sum()
+    dist.all_reduce(sharded, op=dist.ReduceOp.SUM, group=group)
+    total = (local + sharded).sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.dtype).item())
+    return total.float()
 
 
 def full_value(x: Any) -> float:

@@ -196,6 +196,7 @@ class Learner:
         self.optimizer_offloaded = False
         self.pad_id = int(getattr(causal_lm(self.model).config, "pad_token_id", None) or 0)
         self.dp: Any = None  # a train.distributed.DataParallel once shard_learner() made this a rank
+        self.tp: Any = None  # a train.distributed.TensorParallel once tensor_parallel_learner() split it
 
     # ------------------------------------------------------------------------------------------
     # forward passes
@@ -433,6 +434,13 @@ class Learner:
     # ------------------------------------------------------------------------------------------
     # the optimisation
 
+    def _clip_grad_norm(self, max_norm: float) -> Tensor:
+        if self.tp is not None:  # replicated tensors and sharded DTensors: torch's clip cannot mix them
+            from posttrain.train.distributed import clip_grad_norm
+
+            return clip_grad_norm(self.trainable, max_norm, self.tp.group)
+        return torch.nn.utils.clip_grad_norm_(self.trainable, max_norm)
+
     def _set_lr(self) -> float:
         tc = self.trainer_cfg
         f = lr_factor(self.optimizer_steps, tc.warmup_steps, tc.lr_schedule, tc.lr_decay_steps)
@@ -597,7 +605,7 @@ class Learner:
                             )
                     if self.dp is not None:
                         mb_loss, mb_vloss = self.dp.sum_([mb_loss, mb_vloss])
-                    grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, tc.max_grad_norm)
+                    grad_norm = self._clip_grad_norm(tc.max_grad_norm)
                     self.optimizer.step()
                     if self.critic is not None and self.critic_optimizer is not None:
                         add(
@@ -661,7 +669,7 @@ class Learner:
                 loss = masked_nll(lp, w)
                 loss.backward()
                 loss_sum += float(loss.item())
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.trainer_cfg.max_grad_norm)
+            grad_norm = self._clip_grad_norm(self.trainer_cfg.max_grad_norm)
             self.optimizer.step()
         finally:
             self.model.eval()
@@ -723,7 +731,7 @@ class Learner:
         self.model.train()
         try:
             sums = self._preference_pass(fn, batch, ref, tokens, params, backward=True)
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.trainer_cfg.max_grad_norm)
+            grad_norm = self._clip_grad_norm(self.trainer_cfg.max_grad_norm)
             self.optimizer.step()
         finally:
             self.model.eval()
@@ -822,7 +830,7 @@ class Learner:
         must stay fixed while the learner trains on."""
         from posttrain.train.state import merged_weights
 
-        if self.dp is not None:
+        if self.dp is not None or self.tp is not None:
             from posttrain.train.distributed import full_weights
 
             return full_weights(self)

@@ -305,6 +305,14 @@ class CurriculumConfig(Section):
     probe_size: int = Field(
         16, ge=1, description="held-out probe prompts per arm (16 keeps probes to about 1/3 of a CPU step)"
     )
+    drift_every: int = Field(
+        0,
+        ge=0,
+        description="drift probe period in steps (KL to the initial policy and entropy on general prompts "
+        "outside every domain, from its own sampled completions; one learner forward); 0 = off",
+    )
+    drift_prompts: int = Field(16, ge=1, le=16, description="drift probe: general prompts used (of 16)")
+    drift_tokens: int = Field(48, ge=1, description="drift probe: tokens sampled per reference completion")
     replay_rate: float = Field(0.05, ge=0.0, le=1.0, description="chance to replay a mastered prompt")
     mastered_p: float = Field(
         0.9, gt=0.0, le=1.0, description="observed success rate that marks a prompt mastered"

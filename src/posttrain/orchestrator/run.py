@@ -46,6 +46,7 @@ class RLRun:
         )  # drives rollouts and probes (async mode: the rollout thread swaps its own in)
         self.sandbox: Any = None
         self.reward: LearnedReward | None = None  # the learned reward of cfg.reward, if any
+        self.drift: Any = None  # orchestrator.drift.DriftProbe when curriculum.drift_every is set
         self._built = False
 
     # ------------------------------------------------------------------ construction
@@ -123,6 +124,19 @@ class RLRun:
             self.engine: Engine = make_engine(cfg.engine, engine_model, self.tokenizer)
             self.make_weight_sync()
         self.sync_weights(self.learner.weights())
+        if cfg.curriculum.drift_every:  # the reference's completions, while engine and learner hold it
+            from posttrain.orchestrator.drift import DriftProbe
+
+            self.drift = DriftProbe.build(
+                self.engine,
+                self.tokenizer,
+                self.learner,
+                n_prompts=cfg.curriculum.drift_prompts,
+                max_tokens=cfg.curriculum.drift_tokens,
+                seed=cfg.seed,
+                loop=self.loop,
+            )
+            self.engine.release_kv_cache()  # every step starts from a cold cache, resumed or not
         self.sandbox = self.make_sandbox()
         self.reward = make_learned_reward(cfg.reward, self.tokenizer)
         self.sampling = self.sampling_params(train=True)
@@ -390,6 +404,8 @@ class RLRun:
             signals = self.tasks.signals()
         self.counters["probe_tokens"] += probe.get("heldout/generated_tokens", 0.0)
         metrics.update(probe)
+        if self.drift is not None and self.step % cfg.curriculum.drift_every == 0:
+            metrics.update(self.drift.measure(self.learner))
         metrics.update(signals)
         metrics.update({f"counters/{k}": v for k, v in self.counters.items()})
         logger.log(self.step, metrics)

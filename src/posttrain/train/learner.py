@@ -294,6 +294,22 @@ class Learner:
             batch, lambda sub: self._policy_forward(model, sub, sub.loss_mask, **extra)[0]
         )
 
+    @torch.no_grad()
+    def score_tokens(self, samples: list[Sample]) -> tuple[Tensor, Tensor, Tensor]:
+        """(logprobs, entropy, loss mask) `[B, L]` of the current policy over the samples' loss-mask
+        tokens at temperature 1 (the model's own distribution), no grad."""
+        batch = build_batch(samples, self.device)
+        lp = torch.zeros_like(batch.loss_mask)
+        ent = torch.zeros_like(batch.loss_mask)
+        for rows, prefix in self._micro_batches(batch):
+            sub = self._select(batch, rows, prefix)
+            idx = torch.as_tensor(rows, device=self.device)
+            width = sub.token_ids.shape[1]
+            lp[idx, :width], ent[idx, :width] = self._policy_forward(
+                self.model, sub, sub.loss_mask, temperature=1.0
+            )
+        return lp, ent, batch.loss_mask
+
     def compute_ref_logprobs(self, batch: Batch | list[Sample], temperature: float | None = None) -> Tensor:
         """Reference logprobs: LoRA adapters disabled, or the frozen copy for full fine-tuning."""
         if isinstance(batch, list):

@@ -417,6 +417,11 @@ class AlgorithmConfig(Section):
     kl_in_reward: bool = False
     kl_target: float | None = Field(None, gt=0.0, description="adaptive KL coefficient target")
     kl_horizon: int = Field(10000, ge=1)
+    kl_control: Literal["batch", "drift"] = Field(
+        "batch",
+        description="what the adaptive KL coefficient holds near kl_target: the training batch's KL, or "
+        "the drift probe's (curriculum.drift_every; KL on general prompts outside every domain)",
+    )
     entropy_coef: float = 0.0
     value_clip: float | None = 0.2
     value_coef: float = Field(0.5, ge=0.0)
@@ -524,8 +529,12 @@ class PlacementConfig(Section):
     learner and the controller in this process); the engine's device is engine.device."""
 
     backend: Literal["local", "ray"] = "local"
-    num_engines: int = Field(1, ge=1, description="ray: rollout-engine actors (requests go to the least busy)")
-    engine_cpus: float = Field(1.0, gt=0, description="ray: CPUs per rollout-engine actor (its torch threads)")
+    num_engines: int = Field(
+        1, ge=1, description="ray: rollout-engine actors (requests go to the least busy)"
+    )
+    engine_cpus: float = Field(
+        1.0, gt=0, description="ray: CPUs per rollout-engine actor (its torch threads)"
+    )
     ray_address: str | None = Field(
         None, description="ray: the cluster to join (ray://host:10001 or auto); unset = a local one"
     )

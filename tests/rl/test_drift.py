@@ -80,3 +80,38 @@ def test_no_drift_before_any_update(tmp_path):
         DriftProbe.build(
             engine, tok, learner, n_prompts=17, max_tokens=8, seed=0, loop=asyncio.new_event_loop()
         )
+
+
+KL_DRIFT = [
+    "orchestrator.steps=2",
+    "curriculum.drift_every=1",
+    "curriculum.drift_prompts=2",
+    "algorithm.kl_coef=0.1",
+    "algorithm.kl_target=0.5",
+    "algorithm.kl_control=drift",
+]
+
+
+@pytest.mark.parametrize("measured", [None, 1.0], ids=["no-drift", "drift-above-target"])
+def test_the_kl_coefficient_steered_by_the_drift_probe_moves_the_right_way(tmp_path, monkeypatch, measured):
+    if measured is not None:
+        real = DriftProbe.measure
+        monkeypatch.setattr(
+            DriftProbe, "measure", lambda self, lrn: {**real(self, lrn), "drift/kl_k3": measured}
+        )
+    run = _run(_cfg(tmp_path, *KL_DRIFT), "kl")
+    rows = read_metrics(run.run_dir.metrics)
+    # Ziegler's rule per probe: beta *= 1 + clip(kl / 0.5 - 1, -0.2, 0.2) * 6 samples / 10000 (horizon)
+    factor = 1 + (0.2 if measured else -0.2) * 6 / 10000
+    assert [r["drift/kl_coef"] for r in rows] == pytest.approx([0.1 * factor, 0.1 * factor**2], rel=1e-12)
+    assert rows[-1]["train/kl_coef"] == pytest.approx(0.1 * factor)  # the learner used the steered value
+    run.close()
+
+
+def test_kl_control_drift_needs_the_probe_and_a_target(tmp_path):
+    from posttrain.orchestrator import RLRun
+
+    with pytest.raises(ValueError, match="kl_control='drift' needs curriculum.drift_every > 0"):
+        RLRun.check(
+            _cfg(tmp_path, "algorithm.kl_control=drift", "algorithm.kl_coef=0.1", "algorithm.kl_target=1")
+        )

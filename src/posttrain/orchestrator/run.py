@@ -58,6 +58,12 @@ class RLRun:
         from posttrain.models import resolve
 
         resolve(cfg.model.spec)
+        a = cfg.algorithm
+        if a.kl_control == "drift" and not (cfg.curriculum.drift_every and a.kl_target and a.kl_coef > 0):
+            raise ValueError(
+                "algorithm.kl_control='drift' needs curriculum.drift_every > 0 (the probe it reads), "
+                "algorithm.kl_target and algorithm.kl_coef > 0 (the coefficient it steers)"
+            )
         if cfg.placement.weight_sync == "nccl":
             raise ValueError(
                 "placement.weight_sync='nccl' is not yet available (it needs GPU engine workers); use "
@@ -405,7 +411,14 @@ class RLRun:
         self.counters["probe_tokens"] += probe.get("heldout/generated_tokens", 0.0)
         metrics.update(probe)
         if self.drift is not None and self.step % cfg.curriculum.drift_every == 0:
-            metrics.update(self.drift.measure(self.learner))
+            drift = self.drift.measure(self.learner)
+            if cfg.algorithm.kl_control == "drift":  # hold the drift near algorithm.kl_target
+                samples = (
+                    cfg.curriculum.drift_every * cfg.batch.prompts_per_step * cfg.batch.samples_per_prompt
+                )
+                self.learner.kl_ctl.update(drift["drift/kl_k3"], samples)
+                drift["drift/kl_coef"] = float(self.learner.kl_ctl.value)
+            metrics.update(drift)
         metrics.update(signals)
         metrics.update({f"counters/{k}": v for k, v in self.counters.items()})
         logger.log(self.step, metrics)

@@ -387,7 +387,7 @@ class Learner:
             mismatch_metrics(batch.old_logprobs, batch.behavior_logprobs, mask, a.tis_cap, batch.policy_mask)
         )
 
-        if use_kl:
+        if use_kl and a.kl_control == "batch":  # "drift": the run steers it from the drift probe
             self.kl_ctl.update(metrics["kl"], batch.size)
         groups = torch.unique(batch.group_ids)
         zero_groups = torch.unique(batch.group_ids[adv_out.zero_signal])

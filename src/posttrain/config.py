@@ -422,7 +422,14 @@ class AlgorithmConfig(Section):
         description="what the adaptive KL coefficient holds near kl_target: the training batch's KL, or "
         "the drift probe's (curriculum.drift_every; KL on general prompts outside every domain)",
     )
-    entropy_coef: float = 0.0
+    entropy_coef: float = Field(0.0, description="entropy bonus weight (the start value under entropy_floor)")
+    entropy_floor: float | None = Field(
+        None,
+        gt=0.0,
+        description="nats per token: after each step the entropy bonus weight moves by entropy_floor_lr x "
+        "(floor - batch entropy), never below 0, so a policy collapsing below the floor is pushed back",
+    )
+    entropy_floor_lr: float = Field(0.01, gt=0.0, description="entropy_floor: the weight's step per nat")
     value_clip: float | None = 0.2
     value_coef: float = Field(0.5, ge=0.0)
     tis_cap: float | None = Field(2.0, gt=0.0, description="truncated importance sampling cap")

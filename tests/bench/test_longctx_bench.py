@@ -22,9 +22,17 @@ def test_lengths_parse_and_bad_ones_are_usage_errors(capsys):
 
 @pytest.mark.slow
 def test_a_tiny_run_measures_both_variants_at_every_length():
-    out = run_bench(
-        "longctx", ["--model", "tiny:llama", "--lengths", "64,128", "--baseline-max-tokens", "64"]
-    )
+    args = [
+        "--model",
+        "tiny:llama",
+        "--lengths",
+        "64,128",
+        "--baseline-max-tokens",
+        "64",
+        "--ring-tokens",
+        "256",
+    ]
+    out = run_bench("longctx", args)
     assert out["errors"] == {}
     assert set(out["peak_train_bytes"]) == set(out["prefill_s"]) == {"64", "128"}
     assert set(out["peak_train_bytes_baseline"]) == {"64"}

@@ -598,3 +598,21 @@ def test_a_checkpoint_saved_before_the_batch_section_loads_its_batch_sizes(tmp_p
     meta_path.write_text(json.dumps(meta))
     loaded = Learner.load(tmp_path / "ckpt", model=copy.deepcopy(base_model))
     assert loaded.batch_cfg == lrn.batch_cfg and loaded.trainer_cfg == lrn.trainer_cfg
+
+
+@pytest.mark.parametrize("floor", [20.0, 1.0], ids=["below-floor", "above-floor"])
+def test_entropy_floor_moves_the_bonus_weight_and_survives_a_state_round_trip(base_model, floor, tmp_path):
+    algo = AlgorithmConfig(entropy_coef=0.05, entropy_floor=floor, entropy_floor_lr=0.01)
+    lrn = learner(algo=algo, model=copy.deepcopy(base_model))
+    m = lrn.step(make_samples(8))
+    # the tiny model's entropy is ~6.9 nats: a floor of 20 pushes the weight up, one of 1 lets it fall to 0
+    assert m["entropy_coef"] == pytest.approx(max(0.0, 0.05 + 0.01 * (floor - m["entropy"])))
+    assert (m["entropy_coef"] > 0.05) == (floor > m["entropy"])
+    twin = learner(algo=algo, model=copy.deepcopy(base_model))
+    twin.load_state_dict(lrn.state_dict())
+    assert twin.entropy_coef == lrn.entropy_coef
+    lrn.save(str(tmp_path / "learner"))
+    assert (
+        Learner.load(str(tmp_path / "learner"), model=copy.deepcopy(base_model)).entropy_coef
+        == lrn.entropy_coef
+    )

@@ -190,6 +190,7 @@ class Learner:
             else None
         )
         self.kl_ctl = make_kl_controller(algo_cfg.kl_coef, algo_cfg.kl_target, algo_cfg.kl_horizon)
+        self.entropy_coef = float(algo_cfg.entropy_coef)  # moves under algorithm.entropy_floor
         self.generator = torch.Generator().manual_seed(seed)
         self.version = 0
         self.optimizer_steps = 0
@@ -389,6 +390,10 @@ class Learner:
 
         if use_kl and a.kl_control == "batch":  # "drift": the run steers it from the drift probe
             self.kl_ctl.update(metrics["kl"], batch.size)
+        if a.entropy_floor is not None and "entropy" in metrics:
+            step = a.entropy_floor_lr * (a.entropy_floor - metrics["entropy"])
+            self.entropy_coef = max(0.0, self.entropy_coef + step)
+            metrics["entropy_coef"] = self.entropy_coef
         groups = torch.unique(batch.group_ids)
         zero_groups = torch.unique(batch.group_ids[adv_out.zero_signal])
         staleness = (current - batch.policy_versions).float()
@@ -576,8 +581,8 @@ class Learner:
                         )
                         loss = (out.loss_tokens * wp).sum()
                         pg = float(loss.item())
-                        if a.entropy_coef != 0.0:
-                            loss = loss - a.entropy_coef * (ent * wp).sum()
+                        if self.entropy_coef != 0.0:
+                            loss = loss - self.entropy_coef * (ent * wp).sum()
                         if use_kl_loss:
                             kl_tok = kl_estimate(lp, mi.ref_logprobs, a.kl_estimator) * mi.loss_mask
                             kl_term = (kl_tok * wp).sum()

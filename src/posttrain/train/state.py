@@ -72,6 +72,7 @@ def learner_state_dict(learner: Learner) -> dict[str, Any]:
         if learner.critic_optimizer
         else None,
         "kl": dict(learner.kl_ctl.state_dict()),
+        "entropy_coef": learner.entropy_coef,
         "generator": learner.generator.get_state(),
         "torch_rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state_all() if learner.device.type == "cuda" else None,
@@ -107,6 +108,8 @@ def load_learner_state_dict(learner: Learner, state: dict[str, Any]) -> None:
     if learner.critic_optimizer is not None:
         learner.critic_optimizer.load_state_dict(copy.deepcopy(state["critic_optimizer"]))
     learner.kl_ctl.load_state_dict(state["kl"])
+    if state.get("entropy_coef") is not None:  # states from before entropy_floor keep the config's
+        learner.entropy_coef = float(state["entropy_coef"])
     learner.generator.set_state(state["generator"])
     torch.set_rng_state(state["torch_rng"])
     if state.get("cuda_rng") is not None and learner.device.type == "cuda":
@@ -152,6 +155,7 @@ def save_learner(learner: Learner, directory: str | Path) -> None:
             "version": state["version"],
             "optimizer_steps": state["optimizer_steps"],
             "kl": state["kl"],
+            "entropy_coef": state["entropy_coef"],
             "seed": learner.seed,
             "model": learner.model_cfg.model_dump(mode="json"),
             "trainer": learner.trainer_cfg.model_dump(mode="json"),
@@ -188,6 +192,7 @@ def read_learner_state(directory: str | Path) -> tuple[dict[str, Any], dict[str,
         "policy": load_file(str(d / "policy.safetensors")),
         "critic": load_file(str(d / "critic.safetensors")) if (d / "critic.safetensors").is_file() else None,
         "kl": meta["kl"],
+        "entropy_coef": meta.get("entropy_coef"),
         "version": meta["version"],
         "optimizer_steps": meta["optimizer_steps"],
         **extra,

@@ -333,14 +333,15 @@ def test_exit_codes(planted, tmp_path):
     )
     assert res.exit_code == 1 and last_json(res.stdout)["attempt_outcomes"] == ["error", "error"]
     assert "ConnectError" in res.output
-    res = cli.invoke(
-        app,
-        agent_args(
-            planted, tmp_path, "--model", "m", "--api-base", "http://127.0.0.1:9/v1", "--timeout", "1"
-        ),
-    )
-    out = last_json(res.stdout)  # the first check alone takes longer than 1 s: no attempt is started
-    assert res.exit_code == 3 and (out["attempts"], out["attempt_outcomes"]) == (0, ["timeout"])
+    with socket.socket() as hung:  # accepts connections (the kernel's backlog) and never answers
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(8)
+        url = f"http://127.0.0.1:{hung.getsockname()[1]}/v1"
+        res = cli.invoke(
+            app, agent_args(planted, tmp_path, "--model", "m", "--api-base", url, "--timeout", "3")
+        )
+    out = last_json(res.stdout)  # out of time, in the first check or waiting for the endpoint: not fixed
+    assert res.exit_code == 3 and out["status"] == "not_fixed" and out["attempt_outcomes"] == ["timeout"]
 
 
 def test_pytest_counts_and_repo_loading(planted):

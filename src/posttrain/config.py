@@ -312,6 +312,13 @@ class CurriculumConfig(Section):
         "outside every domain, from its own sampled completions; one learner forward); 0 = off",
     )
     drift_prompts: int = Field(16, ge=1, le=16, description="drift probe: general prompts used (of 16)")
+    retention: list[DomainConfig] = Field(
+        [],
+        description="retention suites: domains and levels outside envs.domains, scored greedily every "
+        "retention_every steps against the initial policy's scores of the same held-out tasks",
+    )
+    retention_every: int = Field(0, ge=0, description="retention suites' period in steps (sync mode)")
+    retention_size: int = Field(16, ge=1, description="held-out tasks per retention suite (domain and level)")
     drift_tokens: int = Field(48, ge=1, description="drift probe: tokens sampled per reference completion")
     replay_rate: float = Field(0.05, ge=0.0, le=1.0, description="chance to replay a mastered prompt")
     mastered_p: float = Field(

@@ -16,6 +16,7 @@ from posttrain.config import RunConfig, save_config
 from posttrain.orchestrator import probes, state
 from posttrain.orchestrator.metrics import PhaseLog, progress_figures, step_metrics
 from posttrain.orchestrator.pipeline import AsyncPipeline, PreRow, train_sync
+from posttrain.orchestrator.retention import RetentionSuites
 from posttrain.orchestrator.signals import stop_on_signals
 from posttrain.orchestrator.tasks import GroupFeedback, Pick, TaskSource, collect_step
 from posttrain.rollout import EpisodeLimits, LearnedReward, RolloutBatch, collect_groups, make_learned_reward
@@ -47,6 +48,7 @@ class RLRun:
         self.sandbox: Any = None
         self.reward: LearnedReward | None = None  # the learned reward of cfg.reward, if any
         self.drift: Any = None  # orchestrator.drift.DriftProbe when curriculum.drift_every is set
+        self.retention: RetentionSuites | None = None  # curriculum.retention's suites
         self._built = False
 
     # ------------------------------------------------------------------ construction
@@ -58,6 +60,11 @@ class RLRun:
         from posttrain.models import resolve
 
         resolve(cfg.model.spec)
+        if cfg.curriculum.retention and cfg.orchestrator.mode != "sync":
+            raise ValueError(
+                "curriculum.retention is scored between steps on the engine: it needs orchestrator.mode=sync"
+            )
+        RetentionSuites.check_config(cfg)
         a = cfg.algorithm
         if a.kl_control == "drift" and not (cfg.curriculum.drift_every and a.kl_target and a.kl_coef > 0):
             raise ValueError(
@@ -149,6 +156,13 @@ class RLRun:
         self.limits = EpisodeLimits(
             cfg.envs.max_turns, cfg.envs.max_episode_tokens, cfg.engine.max_new_tokens
         )
+        self.retention = RetentionSuites.from_config(cfg)
+        if self.retention is not None:  # the initial policy's scores, stored with the run
+            tokens = self.retention.load_or_score_base(
+                self.run_dir.path / "retention_base.json", *self._retention_args()
+            )
+            self.counters["probe_tokens"] += tokens
+            self.engine.release_kv_cache()
         self._built = True
 
     # the task source's parts, as callers (and tests swapping the sampler) address them
@@ -338,6 +352,16 @@ class RLRun:
             self.phases.add("offload_optimizer")
         return {f"train/{k}" if "/" not in k else k: float(v) for k, v in metrics.items()}
 
+    def _retention_args(self) -> tuple[Any, ...]:
+        return (
+            self.engine,
+            self.tokenizer,
+            self.sandbox,
+            self.sampling_params(False),
+            self.limits,
+            self.loop,
+        )
+
     def probe_if_due(self, step: int) -> dict[str, float]:
         """The held-out probe of `step` when the sampler wants one (`orchestrator.probes`), else {}."""
         c = self.cfg.curriculum
@@ -419,6 +443,11 @@ class RLRun:
                 self.learner.kl_ctl.update(drift["drift/kl_k3"], samples)
                 drift["drift/kl_coef"] = float(self.learner.kl_ctl.value)
             metrics.update(drift)
+        if self.retention is not None and self.step % cfg.curriculum.retention_every == 0:
+            scores, tokens = self.retention.score(*self._retention_args())
+            self.counters["probe_tokens"] += tokens
+            self.engine.release_kv_cache()  # the next step starts from a cold cache, as after a probe
+            metrics.update(self.retention.metrics(scores))
         metrics.update(signals)
         metrics.update({f"counters/{k}": v for k, v in self.counters.items()})
         logger.log(self.step, metrics)

@@ -1,0 +1,131 @@
+"""Retention suites: held-out tasks of domains and levels outside the training mix (`curriculum.retention`),
+scored greedily every `curriculum.retention_every` steps against the initial policy's scores of the
+same tasks.
+
+The base scores come from the engine before the first update. They are stored in the run directory
+(`retention_base.json`), so a resumed run compares with the same figures rather than recomputing them.
+Each suite (a domain and level) reports `retention/<domain>:<level>` (strict accuracy now) and
+`retention_delta/<domain>:<level>` (the paired difference from the base, over tasks scored both times),
+with its 95% paired bootstrap interval as `..._lo` and `..._hi`. Infrastructure failures are left out
+of both sides, never scored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def _key(arm: Any) -> str:
+    return f"{arm.domain}:{arm.difficulty}"
+
+
+class RetentionSuites:
+    """The suites of a run: their domains, arms, held-out tasks and base scores."""
+
+    def __init__(self, domains: dict[str, Any], arms: list[Any], size: int, seed: int) -> None:
+        from posttrain.orchestrator.evaluate import heldout_tasks
+
+        self.domains, self.arms, self.size, self.seed = domains, arms, size, seed
+        self.tasks = heldout_tasks(domains, arms, size, seed)
+        self.base: dict[str, list[float | None]] | None = None
+
+    @staticmethod
+    def check_config(cfg: Any) -> None:
+        """The suites' errors before any work (unknown domain or level, a trained suite, no period)."""
+        RetentionSuites._arms(cfg)
+
+    @staticmethod
+    def _arms(cfg: Any) -> tuple[dict[str, Any], list[Any]]:
+        """The run's suites, or None when curriculum.retention is empty; refuses a suite the run trains on."""
+        from posttrain.curriculum import Arm
+        from posttrain.envs import get_domain
+
+        c = cfg.curriculum
+        if not c.retention:
+            return {}, []
+        if not c.retention_every:
+            raise ValueError("curriculum.retention is set but curriculum.retention_every is 0: set how often")
+        trained = {(d.name, lvl) for d in cfg.envs.domains for lvl in d.difficulties}
+        domains: dict[str, Any] = {}
+        arms = []
+        for spec in c.retention:
+            domain = domains.setdefault(spec.name, get_domain(spec.name, **spec.options))
+            for lvl in spec.difficulties:
+                if lvl not in domain.difficulties:
+                    raise ValueError(
+                        f"curriculum.retention: '{spec.name}' has no difficulty {lvl}; valid levels are "
+                        f"{domain.difficulties}"
+                    )
+                if (spec.name, lvl) in trained:
+                    raise ValueError(
+                        f"curriculum.retention: {spec.name}:{lvl} is in the training mix (envs.domains); "
+                        "a retention suite measures what the run does not train"
+                    )
+                arms.append(Arm(spec.name, lvl))
+        return domains, arms
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> RetentionSuites | None:
+        """The run's suites, or None when curriculum.retention is empty."""
+        domains, arms = cls._arms(cfg)
+        return cls(domains, arms, cfg.curriculum.retention_size, cfg.seed) if arms else None
+
+    def score(
+        self,
+        engine: Any,
+        tokenizer: Any,
+        sandbox: Any,
+        sampling: Any,
+        limits: Any,
+        loop: asyncio.AbstractEventLoop,
+    ) -> tuple[dict[str, list[float | None]], float]:
+        """Strict success per task of each suite (None: infrastructure failure), and tokens generated."""
+        from posttrain.orchestrator.evaluate import score_tasks
+
+        usage: dict[str, float] = {}
+        results = score_tasks(
+            engine, tokenizer, self.tasks, sandbox, sampling, limits, 1, self.seed, loop, usage
+        )
+        out: dict[str, list[float | None]] = {_key(a): [] for a in self.arms}
+        for (arm, _, _), episodes in zip(self.tasks, results, strict=True):
+            out[_key(arm)].append(float(np.mean([e.success for e in episodes])) if episodes else None)
+        return out, usage.get("generated_tokens", 0.0)
+
+    def load_or_score_base(self, path: Path, *score_args: Any) -> float:
+        """The base scores from `path` if it holds these suites' (same tasks), else scored now and written
+        there; returns the tokens generated (0 when loaded)."""
+        ident = {"suites": [_key(a) for a in self.arms], "size": self.size, "seed": self.seed}
+        if path.is_file():
+            saved = json.loads(path.read_text())
+            if saved.get("ident") == ident:
+                self.base = saved["scores"]
+                return 0.0
+        self.base, tokens = self.score(*score_args)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"ident": ident, "scores": self.base}))
+        tmp.replace(path)
+        return tokens
+
+    def metrics(self, now: dict[str, list[float | None]]) -> dict[str, float]:
+        """retention/*, retention_delta/* and its interval, from `now` against the base."""
+        from posttrain.orchestrator.evaluate import bootstrap_ci
+
+        assert self.base is not None, "the base scores come first (load_or_score_base)"
+        out: dict[str, float] = {}
+        for key, scores in now.items():
+            seen = [s for s in scores if s is not None]
+            out[f"retention/{key}"] = float(np.mean(seen)) if seen else float("nan")
+            diffs = [
+                a - b for a, b in zip(scores, self.base[key], strict=True) if a is not None and b is not None
+            ]
+            if diffs:
+                lo, hi = bootstrap_ci(np.asarray(diffs, dtype=float), self.seed)
+                out[f"retention_delta/{key}"] = float(np.mean(diffs))
+                out[f"retention_delta/{key}_lo"] = float(lo)
+                out[f"retention_delta/{key}_hi"] = float(hi)
+        return out

@@ -1,0 +1,71 @@
+"""Retention suites: domains and levels outside the training mix, scored against the initial policy's
+scores of the same held-out tasks (stored with the run), paired deltas with intervals; config errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from posttrain.orchestrator import RLRun
+from posttrain.orchestrator.retention import RetentionSuites
+from posttrain.telemetry import read_metrics
+
+from .test_loop import _cfg, _run
+
+RETAIN = ["curriculum.retention=[{name: math, difficulties: [1]}]", "curriculum.retention_size=3"]
+
+
+def test_metrics_pair_tasks_and_leave_infra_failures_out():
+    suites = RetentionSuites.__new__(RetentionSuites)
+    suites.seed, suites.base = 0, {"math:1": [1.0, 0.0, None]}
+    out = suites.metrics({"math:1": [1.0, 1.0, 0.0]})
+    assert out["retention/math:1"] == pytest.approx(2 / 3)
+    assert out["retention_delta/math:1"] == 0.5  # tasks 0 and 1 only: (0 + 1) / 2
+    assert out["retention_delta/math:1_lo"] == 0.0 and out["retention_delta/math:1_hi"] == 1.0
+
+
+def test_a_run_scores_its_suites_against_the_stored_base_and_a_resume_reuses_it(tmp_path, monkeypatch):
+    calls = []
+    real = RetentionSuites.score
+    monkeypatch.setattr(RetentionSuites, "score", lambda self, *a: calls.append(1) or real(self, *a))
+    first = _run(_cfg(tmp_path, "orchestrator.steps=2", "curriculum.retention_every=1", *RETAIN), "r")
+    first.close()
+    assert len(calls) == 3  # the base, then after steps 1 and 2
+    base = json.loads((first.run_dir.path / "retention_base.json").read_text())
+    assert (
+        base["ident"] == {"suites": ["math:1"], "size": 3, "seed": 0} and len(base["scores"]["math:1"]) == 3
+    )
+    rows = read_metrics(first.run_dir.metrics)
+    # the tiny random policy does not move (equal rewards, zero advantages): the same greedy answers
+    assert [r["retention_delta/math:1"] for r in rows] == [0.0, 0.0]
+    assert rows[0]["retention/math:1"] == pytest.approx(sum(base["scores"]["math:1"]) / 3)
+    resumed = _run(
+        _cfg(tmp_path, "orchestrator.steps=3", "curriculum.retention_every=1", *RETAIN), "r", resume=True
+    )
+    assert len(calls) == 4  # step 3 only: the base came from the run directory
+    assert [r["step"] for r in read_metrics(resumed.run_dir.metrics)] == [1, 2, 3]
+    resumed.close()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            ["curriculum.retention=[{name: math, difficulties: [0]}]", "curriculum.retention_every=1"],
+            "math:0 is in the training mix",
+        ),
+        (
+            ["curriculum.retention=[{name: math, difficulties: [9]}]", "curriculum.retention_every=1"],
+            "'math' has no difficulty 9",
+        ),
+        (["curriculum.retention=[{name: math, difficulties: [1]}]"], "retention_every is 0"),
+        (
+            [*RETAIN, "curriculum.retention_every=1", "orchestrator.mode=async"],
+            "needs orchestrator.mode=sync",
+        ),
+    ],
+)
+def test_bad_retention_config_fails_before_work(tmp_path, extra, message):
+    with pytest.raises(ValueError, match=message):
+        RLRun.check(_cfg(tmp_path, *extra))

@@ -319,6 +319,13 @@ class CurriculumConfig(Section):
     )
     retention_every: int = Field(0, ge=0, description="retention suites' period in steps (sync mode)")
     retention_size: int = Field(16, ge=1, description="held-out tasks per retention suite (domain and level)")
+    retention_stop: float | None = Field(
+        None,
+        gt=0.0,
+        description="stop the run when a retention suite's delta from the initial policy is below "
+        "-retention_stop with its 95% interval below 0; the newest checkpoint from before is kept as "
+        "checkpoints/best",
+    )
     drift_tokens: int = Field(48, ge=1, description="drift probe: tokens sampled per reference completion")
     replay_rate: float = Field(0.05, ge=0.0, le=1.0, description="chance to replay a mastered prompt")
     mastered_p: float = Field(

@@ -69,3 +69,28 @@ def test_a_run_scores_its_suites_against_the_stored_base_and_a_resume_reuses_it(
 def test_bad_retention_config_fails_before_work(tmp_path, extra, message):
     with pytest.raises(ValueError, match=message):
         RLRun.check(_cfg(tmp_path, *extra))
+
+
+def test_a_suite_that_falls_past_retention_stop_stops_the_run_and_keeps_the_checkpoint_before(
+    tmp_path, monkeypatch
+):
+    from posttrain.orchestrator.checkpoint import checkpoint_step
+    from posttrain.telemetry import RunDir
+
+    planted = iter([[1.0, 1.0, 1.0]] * 3 + [[0.0, 0.0, 0.0]])  # base, steps 1 and 2 hold; step 3 falls
+    monkeypatch.setattr(RetentionSuites, "score", lambda self, *a: ({"math:1": next(planted)}, 0.0))
+    cfg = _cfg(
+        tmp_path,
+        "orchestrator.steps=5",
+        "curriculum.retention_every=1",
+        "curriculum.retention_stop=0.5",
+        *RETAIN,
+    )
+    rl = RLRun(cfg, RunDir.create(cfg.telemetry.run_dir, "stop"))
+    summary = rl.train()
+    assert summary["step"] == 3 and summary["stopped"].startswith("retention suite math:1 fell by 1.000")
+    assert "past curriculum.retention_stop=0.5" in summary["stopped"]
+    best = rl.run_dir.checkpoints / "best"
+    assert best.is_dir() and json.loads((best / "run_state.json").read_text())["step"] == 2
+    assert checkpoint_step(sorted(p for p in rl.run_dir.checkpoints.glob("step-*"))[-1]) == 3  # resumable
+    rl.close()

@@ -105,6 +105,13 @@ def train(
             f"stopped by signal {sig} at step {summary['step']}; checkpoint saved; resume with --resume {run.path}"
         )
         raise typer.Exit(128 + int(sig))
+    if summary["stopped"]:
+        best = run.checkpoints / "best"
+        kept = (
+            f"the checkpoint from before it is {best}" if best.is_dir() else "no earlier checkpoint to keep"
+        )
+        err_console.print(f"stopped at step {summary['step']}: {escape(summary['stopped'])}; {kept}")
+        raise typer.Exit(EXIT_RUNTIME)
     save_hf_folder(rl.learner.weights(), cfg.model.spec, run.path / "policy")
     budget = f" (token budget of {cfg.orchestrator.token_budget} reached)" if summary["budget_spent"] else ""
     console.print(

@@ -61,6 +61,14 @@ def _parse(name: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2) or 0)) if m else None
 
 
+def checkpoint_step(path: Path) -> int:
+    """The step of a checkpoint directory (step-000010 or a revision of it)."""
+    parsed = _parse(path.name)
+    if parsed is None:
+        raise ValueError(f"{path.name!r} is not a checkpoint directory name (step-NNNNNN[.rNNN])")
+    return parsed[0]
+
+
 def save_checkpoint(root: Path, step: int, write: Callable[[Path], None], keep: int = 2) -> Path:
     """Call `write(tmpdir)` to fill a checkpoint, then publish it as `root/step-N` (atomically).
 

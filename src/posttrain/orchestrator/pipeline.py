@@ -25,9 +25,14 @@ PreRow = tuple[dict[str, float], dict[str, float], "SamplerView | None"]
 
 def train_sync(run: RLRun, logger: MetricsLogger, progress: Progress) -> dict[str, float]:
     """The sync schedule: generate, feed the sampler, update, push the weights, one step at a time, until
-    orchestrator.steps, a stop signal or the token budget; returns the last row's metrics."""
+    orchestrator.steps, a stop signal, a guard's stop or the token budget; returns the last row's metrics."""
     metrics: dict[str, float] = {}
-    while run.step < run.cfg.orchestrator.steps and run.stop_signal is None and not run.budget_spent():
+    while (
+        run.step < run.cfg.orchestrator.steps
+        and run.stop_signal is None
+        and run.stop_reason is None
+        and not run.budget_spent()
+    ):
         t_step = time.perf_counter()
         run.phases.add("generate")
         trajs, groups, stats = run.collect_step(run.step)

@@ -111,6 +111,18 @@ class RetentionSuites:
         tmp.replace(path)
         return tokens
 
+    def fell(self, figures: dict[str, float], threshold: float) -> str | None:
+        """Why the run must stop (a suite's delta below -threshold, its interval below 0), or None."""
+        for arm in self.arms:
+            key = f"retention_delta/{_key(arm)}"
+            if key in figures and figures[key] < -threshold and figures[f"{key}_hi"] < 0:
+                return (
+                    f"retention suite {_key(arm)} fell by {-figures[key]:.3f} [{figures[key + '_lo']:+.3f}, "
+                    f"{figures[key + '_hi']:+.3f}] from the initial policy, past curriculum.retention_stop="
+                    f"{threshold}"
+                )
+        return None
+
     def metrics(self, now: dict[str, list[float | None]]) -> dict[str, float]:
         """retention/*, retention_delta/* and its interval, from `now` against the base."""
         from posttrain.orchestrator.evaluate import bootstrap_ci

@@ -42,6 +42,7 @@ class RLRun:
         self.counters: dict[str, float] = dict(state.COUNTERS)
         self.phases = PhaseLog()
         self.stop_signal: int | None = None  # the SIGINT/SIGTERM that asked the run to stop
+        self.stop_reason: str | None = None  # a guard that stopped the run (curriculum.retention_stop)
         self.loop = (
             asyncio.new_event_loop()
         )  # drives rollouts and probes (async mode: the rollout thread swaps its own in)
@@ -447,13 +448,19 @@ class RLRun:
             scores, tokens = self.retention.score(*self._retention_args())
             self.counters["probe_tokens"] += tokens
             self.engine.release_kv_cache()  # the next step starts from a cold cache, as after a probe
-            metrics.update(self.retention.metrics(scores))
+            figures = self.retention.metrics(scores)
+            metrics.update(figures)
+            if cfg.curriculum.retention_stop is not None:
+                self.stop_reason = self.retention.fell(figures, cfg.curriculum.retention_stop)
+                if self.stop_reason is not None:
+                    state.keep_best_before(self.run_dir.checkpoints, self.step)
         metrics.update(signals)
         metrics.update({f"counters/{k}": v for k, v in self.counters.items()})
         logger.log(self.step, metrics)
         every = cfg.orchestrator.checkpoint_every
         last_step = self.step == cfg.orchestrator.steps or self.budget_spent()
-        if (every and self.step % every == 0) or last_step or self.stop_signal is not None:
+        stopping = self.stop_signal is not None or self.stop_reason is not None
+        if (every and self.step % every == 0) or last_step or stopping:
             t0 = time.perf_counter()
             self.save()
             metrics["timeline/checkpoint_s"] = time.perf_counter() - t0
@@ -542,6 +549,7 @@ class RLRun:
             "step": self.step,
             "interrupted": self.stop_signal is not None,
             "signal": self.stop_signal,
+            "stopped": self.stop_reason,
             "last": last,
             "budget_spent": self.budget_spent(),
             "generated_tokens": self.tokens_spent(),

@@ -35,6 +35,25 @@ COUNTERS: dict[str, float] = {
 }
 
 
+def keep_best_before(root: Path, step: int) -> Path | None:
+    """Copy the newest valid checkpoint older than `step` to `root/best` (replacing one there), out of
+    the pruning's reach; returns it, or None when there is none."""
+    import shutil
+
+    from posttrain.orchestrator.checkpoint import checkpoint_step, list_checkpoints, verify
+
+    older = [c for c in list_checkpoints(root) if checkpoint_step(c) < step and verify(c)]
+    if not older:
+        return None
+    best = root / "best"
+    tmp = root / ".best.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(older[-1], tmp)
+    shutil.rmtree(best, ignore_errors=True)
+    tmp.rename(best)
+    return best
+
+
 def save_run(run: RLRun) -> Path:
     """Checkpoint `run` at its current step (keeping orchestrator.keep_checkpoints); returns the path."""
     tasks = run.tasks

@@ -128,7 +128,9 @@ class SandboxFleet:
                 pick = min(usable, key=lambda j: (load[j], self.nodes[j].last_used))
                 load[pick] += 1
                 groups.setdefault(pick, []).append(idx)
-            outcomes = await asyncio.gather(*(self._send(i, [jobs[k] for k in ks]) for i, ks in groups.items()))
+            outcomes = await asyncio.gather(
+                *(self._send(i, [jobs[k] for k in ks]) for i, ks in groups.items())
+            )
             pending = []
             for (node_idx, ks), (got, why) in zip(groups.items(), outcomes, strict=True):
                 for pos, k in enumerate(ks):
@@ -176,7 +178,11 @@ class SandboxFleet:
 
         async def one(node: _Node) -> dict:
             try:
-                return {"url": node.url, "ok": True, **await node.client.health(timeout_s=self.health_timeout_s)}
+                return {
+                    "url": node.url,
+                    "ok": True,
+                    **await node.client.health(timeout_s=self.health_timeout_s),
+                }
             except Exception as err:  # reported, not raised: one service down is what this shows
                 return {"url": node.url, "ok": False, "error": f"{type(err).__name__}: {err}"}
 

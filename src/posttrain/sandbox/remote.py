@@ -197,7 +197,9 @@ class _DeadlineProtocol(H11Protocol):
 
 
 def _error(code: int, message: str, close: bool = False) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=code, headers={"Connection": "close"} if close else None)
+    return JSONResponse(
+        {"error": message}, status_code=code, headers={"Connection": "close"} if close else None
+    )
 
 
 def build_app(server: SandboxServer) -> FastAPI:

@@ -10,7 +10,6 @@ names, never as accuracy. Infrastructure failures are excluded and counted, neve
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from posttrain.rollout import EpisodeLimits, run_episode
-from posttrain.types import Message, Task, ToolCall
+from posttrain.rollout.api import api_episode
+from posttrain.types import Task
 
 if TYPE_CHECKING:
     from posttrain.engine import Engine
@@ -265,20 +265,6 @@ class EvalReport:
             self.per_domain[dom] = entry
 
 
-class _BadResponse(Exception):
-    """The server's answer is not an OpenAI chat completion (an infrastructure failure, not a score)."""
-
-
-def _message_of(resp: Any) -> dict[str, Any]:
-    try:
-        message = resp.json()["choices"][0]["message"]
-    except (ValueError, KeyError, IndexError, TypeError) as err:
-        raise _BadResponse(f"not a chat completion ({type(err).__name__}): {resp.text[:200]}") from None
-    if not isinstance(message, dict):
-        raise _BadResponse(f"choices[0].message is not an object: {resp.text[:200]}")
-    return message
-
-
 async def _api_episode(
     client: Any,
     model: str,
@@ -289,56 +275,13 @@ async def _api_episode(
     temperature: float = 0.0,
     seed: int | None = None,
 ) -> tuple[EpisodeScore | None, str]:
-    """One episode against an OpenAI-compatible chat endpoint (text in, text out); the environment runs
+    """One scored episode of `domain` against an OpenAI-compatible chat endpoint; the environment runs
     its code in `sandbox` like a local rollout does. (None, why) on an infrastructure failure."""
     env = domain.make_env(sandbox, chat_format="hermes")
-    obs = await env.reset(task)
-    messages: list[Message] = list(obs.messages)
-    for _ in range(limits.max_turns):
-        payload: dict[str, Any] = {
-            "model": model,
-            "messages": [m.to_openai() for m in messages],
-            "temperature": temperature,
-            "max_tokens": limits.max_new_tokens,
-        }
-        if seed is not None:
-            payload["seed"] = seed
-        if obs.tools:
-            payload["tools"] = [t.to_openai() for t in obs.tools]
-        resp = await client.post("/chat/completions", json=payload)
-        if resp.status_code != 200:
-            return None, f"HTTP {resp.status_code}: {resp.text[:200]}"
-        try:
-            choice = _message_of(resp)
-        except _BadResponse as err:
-            return None, str(err)
-        text = choice.get("content") or ""
-        calls: list[ToolCall] = []
-        for i, call in enumerate(choice.get("tool_calls") or []):
-            fn = call.get("function", {})
-            try:
-                args = json.loads(fn.get("arguments") or "{}")
-            except json.JSONDecodeError:
-                args = {"_unparseable": fn.get("arguments")}
-            calls.append(ToolCall(call.get("id") or f"call_{i}", fn.get("name", ""), args))
-            # the environment parses calls from text, in the Hermes form
-            text += "\n<tool_call>" + json.dumps({"name": fn.get("name"), "arguments": args}) + "</tool_call>"
-        result = await env.step(text)
-        if result.info.get("infra_failure"):
-            return None, f"sandbox failure: {result.info.get('infra_error', '')}"[:300]
-        if result.done:
-            return episode_score(result.rewards, result.reward), ""
-        messages.append(Message("assistant", choice.get("content") or "", tool_calls=calls or None))
-        tool_ids = iter(c.id for c in calls)
-        for m in result.observations:
-            if m.role == "tool":
-                m = Message("tool", m.content, tool_call_id=next(tool_ids, m.tool_call_id), name=m.name)
-            messages.append(m)
-    # out of turns: score the state as it stands, as a local rollout would
-    result = await env.finalize()
-    if result.info.get("infra_failure"):
-        return None, f"sandbox failure: {result.info.get('infra_error', '')}"[:300]
-    return episode_score(result.rewards, result.reward), ""
+    ep = await api_episode(client, model, env, task, limits, temperature, seed)
+    if ep.result is None:
+        return None, ep.why
+    return episode_score(ep.result.rewards, ep.result.reward), ""
 
 
 def evaluate_api(
@@ -431,12 +374,14 @@ def evaluate_local(
     further k of pass@k to report.
     """
     from posttrain.engine import SamplingParams, make_engine
+    from posttrain.longctx.rope import apply_rope_scaling
     from posttrain.models import load_policy, load_tokenizer
 
     k = 1 if temperature == 0.0 else samples
     check_pass_at(pass_at, k)
     tokenizer = load_tokenizer(spec)
-    engine = make_engine(cfg.engine, load_policy(spec, dtype=cfg.engine.dtype), tokenizer)
+    model = apply_rope_scaling(load_policy(spec, dtype=cfg.engine.dtype), cfg.model.rope_scaling)
+    engine = make_engine(cfg.engine, model, tokenizer)
     limits = EpisodeLimits(cfg.envs.max_turns, cfg.envs.max_episode_tokens, cfg.engine.max_new_tokens)
     sampling = SamplingParams(
         temperature=temperature, max_tokens=cfg.engine.max_new_tokens, stop_token_ids=[tokenizer.eos_token_id]

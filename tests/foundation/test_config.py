@@ -100,10 +100,10 @@ def test_shipped_configs_validate(path):
     load_config(path)
 
 
-def test_unimplemented_placement_is_refused_before_work():
+def test_ray_placement_without_shared_file_weights_is_refused_before_work():
     from posttrain.orchestrator import RLRun
 
-    with pytest.raises(ValueError, match="placement.backend='ray' is not yet available"):
+    with pytest.raises(ValueError, match="set placement.weight_sync='shared_file'"):
         RLRun.check(load_config(None, ["placement.backend=ray", "model.spec=tiny:llama"]))
 
 

@@ -285,5 +285,5 @@ def test_nccl_sync_is_refused_before_work(tmp_path):
 
     from .test_loop import _cfg
 
-    with pytest.raises(ValueError, match="placement.weight_sync='nccl' needs engine workers in other"):
+    with pytest.raises(ValueError, match="placement.weight_sync='nccl' is not yet available"):
         RLRun.check(_cfg(tmp_path, "placement.weight_sync=nccl"))

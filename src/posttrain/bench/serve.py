@@ -50,7 +50,7 @@ from posttrain.bench import BenchUsageError
 
 WORKLOADS = ("serving", "agentic")
 MODES = ("standard", "fast")
-LLAMACPP_MISSING = "llama-cpp-python not installed (optional extra)"
+LLAMACPP_MISSING = "llama-cpp-python not installed (the [llamacpp] extra)"
 
 # -- workloads ------------------------------------------------------------------------------------------
 

@@ -5,7 +5,6 @@ and nothing of it is applied; the broadcast transport between two gloo processes
 from __future__ import annotations
 
 import copy
-import datetime
 import os
 
 import pytest
@@ -15,6 +14,7 @@ import torch.multiprocessing as mp
 from posttrain.models import load_policy
 from posttrain.models.lora import wrap_lora
 from posttrain.orchestrator import weight_sync as ws
+from posttrain.train.distributed import init_local_gloo
 from posttrain.train.state import merged_weights
 
 
@@ -167,13 +167,7 @@ def _broadcast_worker(rank: int, port: int, out: dict) -> None:
     """Rank 0 pushes v1 and v2, then sends the header of v3 and dies before its bucket; rank 1 receives."""
     import torch.distributed as dist
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=20),
-    )
+    init_local_gloo(rank, 2, port, timeout_s=20)
     t = ws.Broadcast(src=0, bucket_bytes=1024)
     if rank == 0:
         t.push(ws.full_update(some_weights(1), version=1))

@@ -5,7 +5,6 @@ exactly there."""
 
 from __future__ import annotations
 
-import datetime
 import random
 import socket
 
@@ -15,7 +14,13 @@ import torch.multiprocessing as mp
 
 from posttrain.config import AlgorithmConfig, BatchConfig, ModelConfig, TrainerConfig
 from posttrain.train import Learner, Sample
-from posttrain.train.distributed import DataParallel, load_sharded, save_sharded, shard_learner
+from posttrain.train.distributed import (
+    DataParallel,
+    init_local_gloo,
+    load_sharded,
+    save_sharded,
+    shard_learner,
+)
 
 # 4 micro-batches of 2 rows over 2 mini-batches: each rank gets some; odd splits get a weight-0 repeat
 BATCH = BatchConfig(micro_batch_tokens=24, mini_batches=2)
@@ -43,13 +48,7 @@ def _worker(rank: int, port: int, lora: bool, ckpt: str, out_path: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=120),
-    )
+    init_local_gloo(rank, 2, port, timeout_s=120)
     learner = make_learner(lora)
     shard_learner(learner)
     m1 = learner.step(samples(1))
@@ -115,13 +114,7 @@ def _tp_worker(rank: int, port: int, out_path: str) -> None:
     from posttrain.train.distributed import tensor_parallel_learner
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=120),
-    )
+    init_local_gloo(rank, 2, port, timeout_s=120)
     learner = make_learner(False)
     tensor_parallel_learner(learner)
     local_q = learner.model.model.layers[0].self_attn.q_proj.weight.to_local().shape

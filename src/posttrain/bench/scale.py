@@ -17,7 +17,6 @@ weights), same seed; `ray_overhead_frac` = median step time with Ray / without -
 
 from __future__ import annotations
 
-import datetime
 import os
 import shutil
 import statistics
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 
 from posttrain.orchestrator import weight_sync as ws
+from posttrain.train.distributed import init_local_gloo
 
 
 def _median_s(fn: Any, repeats: int) -> float:
@@ -45,13 +45,7 @@ def _broadcast_worker(
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=120),
-    )
+    init_local_gloo(rank, 2, port, timeout_s=120)
     transport = ws.Broadcast(src=0)
 
     class Sink:  # the receiver's engine: keeps the tensors, as load_weights would copy them

@@ -83,6 +83,19 @@ class DataParallel:
         return dict(zip(union, flat[:n], strict=True)), dict(zip(union, flat[n:], strict=True))
 
 
+def init_local_gloo(rank: int, world: int, port: int, timeout_s: float = 120.0) -> None:
+    """Join a gloo process group of `world` processes on 127.0.0.1:`port` (tests, benchmarks, one host)."""
+    import datetime
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
 def decoder_layers(model: Any) -> list[torch.nn.Module]:
     """The decoder layers of a causal LM (peft-wrapped or not): the units FSDP shards one by one."""
     layers = getattr(causal_lm(model).get_decoder(), "layers", None)

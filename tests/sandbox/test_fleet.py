@@ -17,9 +17,9 @@ import pytest
 
 from posttrain.sandbox import ExecResult, ExecStatus, Job, make_sandbox
 from posttrain.sandbox.fleet import SandboxFleet, parse_urls
-from posttrain.sandbox.remote import RemoteSandboxError, make_server
+from posttrain.sandbox.remote import RemoteSandboxError
 
-TOKEN = "fleet-token"
+from .test_remote import TOKEN, serving
 
 
 class RecordingSandbox:
@@ -39,18 +39,6 @@ class RecordingSandbox:
             return ExecResult(status=ExecStatus.OK, stdout=job.code.encode())
 
         return self.executor.submit(go)
-
-
-@contextlib.contextmanager
-def serving(sandbox, port=0):
-    srv = make_server(sandbox, "127.0.0.1", port, TOKEN)
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield srv
-    finally:
-        srv.shutdown()
-        srv.server_close()
 
 
 def free_port() -> int:

@@ -159,8 +159,8 @@ class CountingSandbox:
 
 
 @contextlib.contextmanager
-def serving(sandbox, **kw):
-    srv = make_server(sandbox, "127.0.0.1", 0, TOKEN, **kw)
+def serving(sandbox, port=0, **kw):
+    srv = make_server(sandbox, "127.0.0.1", port, TOKEN, **kw)
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
     try:

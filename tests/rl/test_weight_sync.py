@@ -148,10 +148,7 @@ def test_lora_adapters_sync_as_adapters_and_merge_to_the_learners_weights(tmp_pa
     update = ws.lora_update(model, version=7)
     assert update.kind == "lora" and set(update.scaling.values()) == {2.0}  # alpha / rank
     assert update.nbytes < sum(v.numel() * v.element_size() for v in full.values()) / 4
-    base_model_weights = {
-        k.replace(".base_layer.", "."): v for k, v in model.get_base_model().state_dict().items()
-    }
-    base = ws.base_weights_for(base_model_weights, list(update.scaling))
+    base = ws.lora_base(model)
     t = ws.SharedFile(tmp_path)
     t.push(update)
     engine = RecordingEngine()

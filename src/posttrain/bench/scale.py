@@ -199,10 +199,7 @@ def main(opts: Any) -> dict:
             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         )
         lora_probe = ws.lora_update(lora_model, 0)
-        named = {
-            k.replace(".base_layer.", "."): v for k, v in lora_model.get_base_model().state_dict().items()
-        }
-        lora_receiver = ws.Receiver(engine, base=ws.base_weights_for(named, list(lora_probe.scaling)))
+        lora_receiver = ws.Receiver(engine, base=ws.lora_base(lora_model))
         lora_shared = ws.SharedFile(os.path.join(folder, "lora"))
 
         def lora() -> None:

@@ -31,7 +31,8 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """fsync a directory itself: its entries (a rename into it, a new file) reach the disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -45,7 +46,7 @@ def _fsync_tree(top: Path) -> None:
         for name in filenames:
             with open(Path(dirpath) / name, "rb") as fh:
                 os.fsync(fh.fileno())
-        _fsync_dir(Path(dirpath))
+        fsync_dir(Path(dirpath))
 
 
 _NAME = re.compile(r"step-(\d+)(?:\.r(\d+))?")
@@ -90,7 +91,7 @@ def save_checkpoint(root: Path, step: int, write: Callable[[Path], None], keep: 
         name = step_name(step) if not revisions else f"{step_name(step)}.r{max(revisions) + 1:03d}"
         final = root / name
         os.rename(tmp, final)  # a fresh name: nothing is replaced, so nothing is ever missing
-        _fsync_dir(root)
+        fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -100,7 +101,7 @@ def save_checkpoint(root: Path, step: int, write: Callable[[Path], None], keep: 
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(pointer_tmp, root / LATEST)
-    _fsync_dir(root)
+    fsync_dir(root)
     for old in list_checkpoints(root):
         if old != final and _parse(old.name)[0] == step:  # type: ignore[index]
             shutil.rmtree(old, ignore_errors=True)  # superseded revisions of this step

@@ -242,10 +242,7 @@ class RLRun:
         if self.cfg.placement.backend == "ray":  # each engine actor reads the folder itself
             return
         if self.learner.lora:  # adapters travel alone; the receiver keeps the base weights they adapt
-            base_model = self.learner.model.get_base_model()
-            named = {k.replace(".base_layer.", "."): v for k, v in base_model.state_dict().items()}
-            modules = list(ws.lora_update(self.learner.model, 0).scaling)
-            base = ws.base_weights_for(named, modules)
+            base = ws.lora_base(self.learner.model)
         self.weight_receiver = ws.Receiver(self.engine, base=base)
 
     def rewind_weight_sync(self) -> None:

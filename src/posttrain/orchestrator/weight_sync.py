@@ -33,6 +33,8 @@ from typing import Any, Literal
 
 import torch
 
+from posttrain.orchestrator.checkpoint import fsync_dir
+
 LORA_A, LORA_B = ".lora_A", ".lora_B"
 
 
@@ -158,9 +160,16 @@ class Receiver:
         return out
 
 
-def base_weights_for(weights: dict[str, torch.Tensor], modules: list[str]) -> dict[str, torch.Tensor]:
-    """Copies of ``{module}.weight`` for each adapted module (what a LoRA `Receiver` keeps)."""
-    return {m + ".weight": weights[m + ".weight"].detach().clone() for m in modules}
+def lora_base(model: Any) -> dict[str, torch.Tensor]:
+    """Copies of the base ``{module}.weight`` of each LoRA-adapted module of a peft model: what a LoRA
+    `Receiver` keeps to merge adapters into."""
+    from peft.tuners.lora import LoraLayer
+
+    return {
+        f"{name}.weight": module.get_base_layer().weight.detach().clone()
+        for name, module in model.get_base_model().named_modules()
+        if isinstance(module, LoraLayer)
+    }
 
 
 # -- transports ----------------------------------------------------------------------------------------
@@ -200,14 +209,6 @@ def _buckets(tensors: dict[str, torch.Tensor], bucket_bytes: int) -> Iterator[di
         size += n
     if group:
         yield group
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class SharedFile:
@@ -266,14 +267,14 @@ class SharedFile:
             json.dump(manifest, f)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         final = self.dir / f"v{update.version}"
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         pointer = self.dir / ".LATEST.tmp"
         pointer.write_text(str(update.version))
         pointer.rename(self.dir / "LATEST")
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
         self._prune(update.version)
         return PushStats(update.version, update.nbytes, time.perf_counter() - t0)
 

@@ -250,33 +250,13 @@ def full_weights(learner: Any) -> dict[str, torch.Tensor]:
     `train.state.merged_weights` merges them."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    from posttrain.train.state import merge_lora_state
+
     sd = get_model_state_dict(learner.model, options=StateDictOptions(full_state_dict=True))
     get_base = getattr(learner.model, "get_base_model", None)
     if not callable(get_base):
         return {k: v.detach() for k, v in sd.items()}
-    from peft.tuners.lora import LoraLayer
-
-    prefix = "base_model.model."
-    sd = {k.removeprefix(prefix): v for k, v in sd.items()}
-    merged: dict[str, torch.Tensor] = {}
-    for name, module in get_base().named_modules():
-        if not isinstance(module, LoraLayer):
-            continue
-        weight = sd[f"{name}.base_layer.weight"]
-        delta = torch.zeros_like(weight, dtype=torch.float32)
-        for ad in module.active_adapters:
-            if f"{name}.lora_A.{ad}.weight" not in sd:
-                continue
-            d = sd[f"{name}.lora_B.{ad}.weight"].float() @ sd[f"{name}.lora_A.{ad}.weight"].float()
-            delta += (d.T if getattr(module, "fan_in_fan_out", False) else d) * module.scaling[ad]
-        merged[f"{name}.weight"] = (weight.float() + delta).to(weight.dtype)
-    out: dict[str, torch.Tensor] = {}
-    for k, v in sd.items():
-        if ".lora_" in k:
-            continue
-        key = k.replace(".base_layer.", ".")
-        out[key] = merged.get(key, v.detach())
-    return out
+    return merge_lora_state(get_base(), {k.removeprefix("base_model.model."): v for k, v in sd.items()})
 
 
 def _counters(learner: Any) -> dict[str, Any]:

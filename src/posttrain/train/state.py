@@ -29,29 +29,36 @@ def merged_weights(model: Any) -> dict[str, Tensor]:
     get_base = getattr(model, "get_base_model", None)
     if not callable(get_base):
         return {k: v.detach() for k, v in model.state_dict().items()}
+    base = get_base()
+    return merge_lora_state(base, {k: v.detach() for k, v in base.state_dict().items()})
+
+
+def merge_lora_state(base: Any, sd: dict[str, Tensor]) -> dict[str, Tensor]:
+    """HF-named weights from `sd`, a state dict of peft's base model `base` under its own names (the
+    live one, or a gathered copy of a sharded one): W + scaling * B @ A per LoRA layer, adapters dropped."""
     from peft.tuners.lora import LoraLayer
 
-    base = get_base()
     merged: dict[str, Tensor] = {}
     for name, module in base.named_modules():
         if not isinstance(module, LoraLayer):
             continue
         if any(module.use_dora.get(ad, False) for ad in module.active_adapters):
             raise NotImplementedError("merging DoRA adapters is not supported; use plain LoRA")
-        weight = module.get_base_layer().weight.detach()
+        weight = sd[f"{name}.base_layer.weight"]
         delta = torch.zeros_like(weight, dtype=torch.float32)
         for ad in module.active_adapters:
-            if ad not in module.lora_A:
+            a_key = f"{name}.lora_A.{ad}.weight"
+            if a_key not in sd:
                 continue
-            d = module.lora_B[ad].weight.detach().float() @ module.lora_A[ad].weight.detach().float()
+            d = sd[f"{name}.lora_B.{ad}.weight"].float() @ sd[a_key].float()
             delta += (d.T if getattr(module, "fan_in_fan_out", False) else d) * module.scaling[ad]
         merged[f"{name}.weight"] = (weight.float() + delta).to(weight.dtype)
     out: dict[str, Tensor] = {}
-    for k, v in base.state_dict().items():
+    for k, v in sd.items():
         if ".lora_" in k:
             continue
         key = k.replace(".base_layer.", ".")
-        out[key] = merged.get(key, v.detach())
+        out[key] = merged.get(key, v)
     return out
 
 

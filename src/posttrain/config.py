@@ -327,6 +327,13 @@ class CurriculumConfig(Section):
         "checkpoints/best",
     )
     drift_tokens: int = Field(48, ge=1, description="drift probe: tokens sampled per reference completion")
+    retention_replay_gain: float = Field(
+        0.0,
+        ge=0.0,
+        description="a retention suite that falls raises algorithm.replay_fraction by this much per unit of "
+        "its forgetting (its drop from the initial policy beyond forget_z standard errors), capped at 1; "
+        "0 = the fraction stays as set",
+    )
     replay_rate: float = Field(0.05, ge=0.0, le=1.0, description="chance to replay a mastered prompt")
     mastered_p: float = Field(
         0.9, gt=0.0, le=1.0, description="observed success rate that marks a prompt mastered"
@@ -444,6 +451,20 @@ class AlgorithmConfig(Section):
         "(floor - batch entropy), never below 0, so a policy collapsing below the floor is pushed back",
     )
     entropy_floor_lr: float = Field(0.01, gt=0.0, description="entropy_floor: the weight's step per nat")
+    replay_fraction: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="replay of general data: the initial policy's own completions of general prompts "
+        "(orchestrator.replay) mixed into each update, this many per RL sequence (rounded half up, at "
+        "least 1 while > 0), as a supervised term of weight replay_coef; 0 = off",
+    )
+    replay_coef: float = Field(
+        0.1, gt=0.0, description="replay_fraction: weight of the replay samples' token-mean NLL in the loss"
+    )
+    replay_tokens: int = Field(
+        64, ge=1, description="replay_fraction: tokens sampled per reference completion of a replay prompt"
+    )
     value_clip: float | None = 0.2
     value_coef: float = Field(0.5, ge=0.0)
     tis_cap: float | None = Field(2.0, gt=0.0, description="truncated importance sampling cap")

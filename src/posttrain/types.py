@@ -1,14 +1,140 @@
-"""Plain dataclasses shared by every layer: messages, tools, tasks and trajectories.
+"""Plain dataclasses shared by every layer: messages and their content parts, tools, tasks and
+trajectories.
 
-No behaviour beyond (de)serialisation lives here; each layer owns what it does with these.
-Must not import torch (the sandbox and environments use these types without it).
+No behaviour beyond (de)serialisation and validation lives here; each layer owns what it does with
+these. Must not import torch (the sandbox and environments use these types without it).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import enum
+import hashlib
+import struct
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+MAX_IMAGE_BYTES = 8 * 1024 * 1024
+MAX_IMAGE_SIDE = 4096
+_DATA_URL_PREFIX = "data:image/png;base64,"
+
+
+class ContentError(ValueError):
+    """A message content part that cannot be used; the message names the part and the problem."""
+
+
+@dataclass(frozen=True)
+class TextPart:
+    text: str
+
+    def to_openai(self) -> dict[str, Any]:
+        return {"type": "text", "text": self.text}
+
+
+@dataclass(frozen=True)
+class ImagePart:
+    """A PNG image and the description a text-only model reads in its place (measured properties, a
+    caption). Validated on construction: PNG signature, IHDR header, size limits."""
+
+    png: bytes
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.png, bytes | bytearray):
+            raise ContentError(f"image part holds {type(self.png).__name__}, not PNG bytes")
+        if len(self.png) > MAX_IMAGE_BYTES:
+            raise ContentError(f"image is {len(self.png)} bytes; the limit is {MAX_IMAGE_BYTES}")
+        if len(self.png) < 24 or not self.png.startswith(PNG_SIGNATURE) or self.png[12:16] != b"IHDR":
+            raise ContentError("image is not a PNG (no PNG signature and IHDR header)")
+        w, h = self.size
+        if not (0 < w <= MAX_IMAGE_SIDE and 0 < h <= MAX_IMAGE_SIDE):
+            raise ContentError(f"image is {w}x{h} pixels; each side must be 1..{MAX_IMAGE_SIDE}")
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(width, height) from the PNG header."""
+        w, h = struct.unpack(">II", self.png[16:24])
+        return int(w), int(h)
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.png).hexdigest()
+
+    def data_url(self) -> str:
+        return _DATA_URL_PREFIX + base64.b64encode(self.png).decode("ascii")
+
+    def as_text(self) -> str:
+        """What a text-only model sees in the image's place."""
+        return f"[image] {self.description}" if self.description else "[image]"
+
+    def to_openai(self) -> dict[str, Any]:
+        return {"type": "image_url", "image_url": {"url": self.data_url()}}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "type": "image",
+            "png_base64": base64.b64encode(self.png).decode("ascii"),
+            "description": self.description,
+        }
+
+
+ContentPart = TextPart | ImagePart
+
+
+def _b64(data: Any, where: str) -> bytes:
+    if not isinstance(data, str):
+        raise ContentError(f"{where}: expected a base64 string")
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ContentError(f"{where}: invalid base64 ({e})") from None
+
+
+def content_part_from_dict(raw: Any, where: str = "content part") -> ContentPart:
+    """One part from OpenAI's format (`text`, `image_url` with a PNG data URL) or ours (`image`)."""
+    if not isinstance(raw, dict):
+        raise ContentError(f"{where}: expected an object with a 'type', got {type(raw).__name__}")
+    kind = raw.get("type")
+    if kind == "text":
+        if not isinstance(raw.get("text"), str):
+            raise ContentError(f"{where}: a text part needs a string 'text'")
+        return TextPart(raw["text"])
+    if kind == "image_url":
+        spec = raw.get("image_url")
+        url = spec.get("url") if isinstance(spec, dict) else spec
+        if not isinstance(url, str):
+            raise ContentError(f"{where}: an image_url part needs 'image_url.url'")
+        if not url.startswith(_DATA_URL_PREFIX):
+            raise ContentError(
+                f"{where}: only PNG data URLs ({_DATA_URL_PREFIX}...) are accepted, not remote URLs"
+            )
+        return ImagePart(_b64(url[len(_DATA_URL_PREFIX) :], where), raw.get("description", "") or "")
+    if kind == "image":
+        return ImagePart(_b64(raw.get("png_base64"), where), raw.get("description", "") or "")
+    raise ContentError(
+        f"{where}: unknown content part type {kind!r} (expected 'text', 'image_url' or 'image')"
+    )
+
+
+def content_from_openai(raw: Any, where: str = "content") -> str | list[ContentPart]:
+    """A message's content: a string, or a list of content parts (validated, errors name the index)."""
+    if raw is None:
+        return ""
+    if isinstance(raw, str):
+        return raw
+    if not isinstance(raw, list):
+        raise ContentError(f"{where}: expected a string or a list of content parts")
+    return [content_part_from_dict(p, f"{where}[{i}]") for i, p in enumerate(raw)]
+
+
+def content_text(content: str | list[ContentPart]) -> str:
+    """The content as a text-only model reads it: text parts as they are, each image replaced by its
+    description (`ImagePart.as_text`), parts joined by newlines."""
+    if isinstance(content, str):
+        return content
+    return "\n".join(p.text if isinstance(p, TextPart) else p.as_text() for p in content)
 
 
 @dataclass
@@ -21,13 +147,34 @@ class ToolCall:
 @dataclass
 class Message:
     role: str  # "system" | "user" | "assistant" | "tool"
-    content: str
+    content: str | list[ContentPart]
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     name: str | None = None
 
+    @property
+    def text(self) -> str:
+        """The content as a text-only model reads it (`content_text`)."""
+        return content_text(self.content)
+
+    @property
+    def images(self) -> list[ImagePart]:
+        return [] if isinstance(self.content, str) else [p for p in self.content if isinstance(p, ImagePart)]
+
+    def _content_out(self, part_dict: str) -> str | list[dict[str, Any]]:
+        if isinstance(self.content, str):
+            return self.content
+        return [getattr(p, part_dict)() if isinstance(p, ImagePart) else p.to_openai() for p in self.content]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable, images as our own `image` parts with their descriptions."""
+        out = {**self.to_openai(), "content": self._content_out("to_dict")}
+        if self.tool_calls:
+            out["tool_calls"] = [asdict(c) for c in self.tool_calls]
+        return out
+
     def to_openai(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        out: dict[str, Any] = {"role": self.role, "content": self._content_out("to_openai")}
         if self.tool_calls:
             import json
 
@@ -73,7 +220,7 @@ class Task:
     split: str = "train"  # "train" | "heldout" | "eval"
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "prompt": [m.to_dict() for m in self.prompt]}
 
 
 class TrajectoryStatus(enum.StrEnum):

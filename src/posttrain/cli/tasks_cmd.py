@@ -119,7 +119,7 @@ def sample(
         out.append({"task": task.to_dict(), "reference": ref})
         console.rule(Text(task.id, style="bold"))
         for m in task.prompt:
-            console.print(Text.assemble((m.role, "cyan"), ": ", m.content))
+            console.print(Text.assemble((m.role, "cyan"), ": ", m.text))
         if task.tools:
             console.print(Text("tools: " + ", ".join(t.name for t in task.tools), style="dim"))
         for j, text in enumerate(ref):

@@ -35,7 +35,7 @@ def _message_dicts(messages: list[Message | dict]) -> list[dict]:
     out = []
     for m in messages:
         if isinstance(m, Message):
-            d: dict[str, Any] = {"role": m.role, "content": m.content}
+            d: dict[str, Any] = {"role": m.role, "content": m.text}  # images as their descriptions
             if m.tool_calls:
                 calls = [{"name": c.name, "arguments": c.arguments} for c in m.tool_calls]
                 if not d["content"]:

@@ -1,5 +1,5 @@
-"""Pulling answers and code out of free model text: final-answer extraction for math/logic and
-fenced-code extraction for code tasks. Pure string functions; they never raise on any input.
+"""Pulling answers, code and JSON out of free model text: final-answer extraction for math/logic,
+fenced-code extraction for code tasks, and the JSON object of a structured reply. Pure string functions; they never raise on any input.
 
 Answer extraction order (first rule that matches wins; within a rule the LAST occurrence is used):
   1. `<answer>...</answer>` tags            -> method "tags"
@@ -11,6 +11,7 @@ Answer extraction order (first rule that matches wins; within a rule the LAST oc
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 
@@ -102,3 +103,36 @@ def extract_code(text: str, language: str = "python", prefer: str | None = None)
         if matching:
             return matching[-1]
     return blocks[-1] if blocks else None
+
+
+def json_object_or_error(text: str) -> tuple[dict | None, str | None]:
+    """(object, None) for the JSON object in a reply - the whole text, a fenced block, or the outermost
+    {...}, first that parses - else (None, the parse error of the most complete candidate)."""
+    if not isinstance(text, str):
+        return None, "the reply is not text"
+    candidates = [text.strip()]
+    fence = re.search(r"```(?:json)?\s*\n(.*?)```", text, re.DOTALL)
+    if fence:
+        candidates.append(fence.group(1).strip())
+    start, end = text.find("{"), text.rfind("}")
+    if 0 <= start < end:
+        candidates.append(text[start : end + 1])
+    error = "no JSON object found (expected {...})"
+    for c in candidates:
+        try:
+            obj = json.loads(c)
+        except json.JSONDecodeError as e:
+            error = f"invalid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+            continue
+        except (ValueError, RecursionError):
+            error = "invalid JSON: nested too deeply or malformed"
+            continue
+        if isinstance(obj, dict):
+            return obj, None
+        error = f"the JSON is a {type(obj).__name__}, not an object"
+    return None, error
+
+
+def parse_json_object(text: str) -> dict | None:
+    """The JSON object in a reply (`json_object_or_error`), or None."""
+    return json_object_or_error(text)[0]

@@ -23,8 +23,7 @@ from typing import Any, Protocol
 from posttrain.apps.docs.db import AnalysisResult, Citation
 from posttrain.apps.docs.parse import Chunk, ParsedDoc, chunk_blocks
 from posttrain.apps.docs.store import UsageError
-from posttrain.envs.domains.docs_financial import parse_json_object
-from posttrain.envs.extract import extract_answer
+from posttrain.envs.extract import extract_answer, parse_json_object
 
 NOT_FOUND = "NOT FOUND"
 PROMPT_MARGIN_TOKENS = 96  # chat template and instruction wording around the document

@@ -26,7 +26,7 @@ from typing import Any
 
 from posttrain.envs.base import Domain, Environment, stable_hash
 from posttrain.envs.domains.longctx_common import LongContextEnv
-from posttrain.envs.extract import extract_answer
+from posttrain.envs.extract import extract_answer, parse_json_object
 from posttrain.envs.registry import register_env
 from posttrain.envs.tokens import count_tokens
 from posttrain.types import Message, Task
@@ -480,33 +480,11 @@ def field_scores(predicted: Any, gold: dict[str, Any]) -> dict[str, float]:
     return {"field_precision": precision, "field_recall": recall, "field_f1": f1}
 
 
-def parse_json_object(text: str) -> dict[str, Any] | None:
-    """The JSON object in a reply: the whole text, a fenced block, or the outermost {...}; else None."""
-    if not isinstance(text, str):
-        return None
-    text = text[:MAX_ANSWER_CHARS]
-    candidates = [text.strip()]
-    fence = re.search(r"```(?:json)?\s*\n(.*?)```", text, re.DOTALL)
-    if fence:
-        candidates.append(fence.group(1).strip())
-    start, end = text.find("{"), text.rfind("}")
-    if 0 <= start < end:
-        candidates.append(text[start : end + 1])
-    for c in candidates:
-        try:
-            obj = json.loads(c)
-        except (ValueError, RecursionError):
-            continue
-        if isinstance(obj, dict):
-            return obj
-    return None
-
-
 def score_answer(text: str, meta: dict[str, Any]) -> tuple[float, dict[str, float], dict[str, Any]]:
     """(reward, components, info) for one reply; never raises on any text."""
     text = text if isinstance(text, str) else ""
     if meta["kind"] == "extract":
-        obj = parse_json_object(text)
+        obj = parse_json_object(text[:MAX_ANSWER_CHARS])
         scores = field_scores(obj, meta["answer"])
         fmt = 1.0 if obj is not None else 0.0
         exact = float(scores["field_f1"] == 1.0)

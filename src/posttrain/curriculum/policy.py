@@ -125,3 +125,10 @@ def adaptive_policy(
         q = q / q.sum()
     pi = (1.0 - eps) * q + eps / k
     return bounded_renormalise(pi, eps / k, max(max_share, 1.0 / k)), s
+
+
+def raised_replay_fraction(base: float, gain: float, forgetting: Sequence[float]) -> float:
+    """min(1, base + gain x max(forgetting)): the replay fraction raised by the worst-falling retention
+    suite (`forgetting`: each suite's drop beyond its noise; none: base)."""
+    worst = max(forgetting, default=0.0)
+    return min(1.0, base + gain * max(0.0, worst))

@@ -16,12 +16,13 @@ from typing import Any
 import numpy as np
 
 from posttrain.config import CurriculumConfig
-from posttrain.curriculum.arms import Arm, check_arms
+from posttrain.curriculum.arms import Arm, arm_from_key, check_arms
 from posttrain.curriculum.policy import (
     adaptive_policy,
     bounded_renormalise,
     group_abs_dev,
     grpo_abs_advantages,
+    raised_replay_fraction,
     softmax,
 )
 
@@ -166,6 +167,7 @@ class Sampler:
             "tokens": [[0.0, 0] for _ in range(k)],  # [tokens reported by update, rollouts they cover]
             "last_step": None,
             "progress": 0.0,  # the run's spent share, from set_progress
+            "retention": {},  # retention suite key -> [paired delta from the initial policy, its SE]
         }
         self._init_extra(k)
 
@@ -240,7 +242,44 @@ class Sampler:
                 )
                 se = math.sqrt(sb * (1 - sb) / nb + sc * (1 - sc) / nc)
             out[i] = max(0.0, b - c - z * se)
+        protect = self._retention_by_domain()
+        for i, a in enumerate(self.arms):
+            out[i] = max(out[i], protect.get(a.domain, 0.0))
         return out
+
+    def record_retention(self, suite: str, delta: float, se: float) -> None:
+        """A retention suite's paired delta from the initial policy (mean over its held-out tasks) and
+        that delta's standard error. A suite is a `domain:level` key outside the arms: one of a trained
+        domain at an untrained level pulls share back toward that domain's arms (see forgetting); any
+        falling suite raises the replay fraction (`replay_fraction`)."""
+        arm_from_key(suite)  # a ValueError naming a malformed key
+        delta, se = float(delta), float(se)
+        if not (math.isfinite(delta) and math.isfinite(se) and se >= 0):
+            raise ValueError(
+                f"record_retention({suite}): delta and se must be finite with se >= 0, got {delta}, {se}"
+            )
+        if any(a.key == suite for a in self.arms):
+            raise ValueError(f"record_retention: {suite} is an arm of this curriculum, not a retention suite")
+        self._s["retention"][suite] = [delta, se]
+
+    def retention_forgetting(self) -> dict[str, float]:
+        """Each retention suite's forgetting: max(0, -delta - forget_z * SE), its drop from the initial
+        policy beyond forget_z standard errors (0 for a suite that held or rose)."""
+        z = self.cfg.forget_z
+        return {k: max(0.0, -d - z * se) for k, (d, se) in self._s["retention"].items()}
+
+    def _retention_by_domain(self) -> dict[str, float]:
+        """The largest retention forgetting of each trained domain's suites (its other levels)."""
+        out: dict[str, float] = {}
+        for key, f in self.retention_forgetting().items():
+            domain = arm_from_key(key).domain
+            if domain in self.domains:
+                out[domain] = max(out.get(domain, 0.0), f)
+        return out
+
+    def replay_fraction(self, base: float, gain: float) -> float:
+        """The replay fraction to use now: min(1, base + gain x the largest retention suite forgetting)."""
+        return raised_replay_fraction(base, gain, list(self.retention_forgetting().values()))
 
     # -- the API the RL loop uses -----------------------------------------------------------------
 
@@ -416,6 +455,8 @@ class Sampler:
             out[f"curriculum/L/{a.key}"] = float(L[i])
             out[f"curriculum/F/{a.key}"] = float(F[i])
             out[f"curriculum/groups/{a.key}"] = float(self._s["n_groups"][i])
+        for key, f in self.retention_forgetting().items():
+            out[f"curriculum/retention_F/{key}"] = f
         for d in self.domains:
             out[f"curriculum/domain_share/{d}"] = float(
                 sum(w[i] for i, a in enumerate(self.arms) if a.domain == d)
@@ -446,6 +487,7 @@ class Sampler:
             raise ValueError(f"curriculum state has arms {d.get('arms')}, this sampler has {keys}")
         stats = copy.deepcopy(d["stats"])
         stats.setdefault("progress", 0.0)  # saved before set_progress existed: a run's start
+        stats.setdefault("retention", {})  # saved before retention suites fed the sampler: none heard
         if d["version"] == 2:  # the signals added in version 3 start empty, as in a fresh sampler
             fresh = type(self)(self.cfg, self.arms, 0)._s
             stats = {**{k: v for k, v in fresh.items() if k not in stats}, **stats}

@@ -68,47 +68,11 @@ class DriftProbe:
     ) -> DriftProbe:
         """Sample the reference's completions with `engine` (it must still hold the initial policy) and
         score them with `learner` (likewise)."""
-        from posttrain.engine import GenerationRequest, SamplingParams
-        from posttrain.models.chat import encode_messages
-        from posttrain.train import Sample
-
         if not 1 <= n_prompts <= len(GENERAL_PROMPTS):
             raise ValueError(f"curriculum.drift_prompts must be 1..{len(GENERAL_PROMPTS)}, got {n_prompts}")
-        prompts = [encode_messages(tokenizer, [Message("user", p)]) for p in GENERAL_PROMPTS[:n_prompts]]
-
-        async def sample_all() -> list[Any]:
-            return list(
-                await asyncio.gather(
-                    *(
-                        engine.agenerate(
-                            GenerationRequest(
-                                prompt_token_ids=ids,
-                                params=SamplingParams(
-                                    temperature=1.0, max_tokens=max_tokens, seed=seed * 7919 + i
-                                ),
-                            )
-                        )
-                        for i, ids in enumerate(prompts)
-                    )
-                )
-            )
-
-        outs = loop.run_until_complete(sample_all())
-        samples = []
-        for ids, out in zip(prompts, outs, strict=True):
-            completion = list(out.completions[0].token_ids)
-            if not completion:
-                continue
-            samples.append(
-                Sample(
-                    ids + completion,
-                    [0] * len(ids) + [1] * len(completion),
-                    [0.0] * len(ids) + [float(x) for x in out.completions[0].logprobs],
-                    reward=0.0,
-                    group_id=len(samples),
-                    policy_version=0,
-                )
-            )
+        samples = reference_completions(
+            engine, tokenizer, GENERAL_PROMPTS[:n_prompts], max_tokens=max_tokens, seed=seed, loop=loop
+        )
         if not samples:
             raise ValueError("the drift probe's reference completions are all empty")
         lp, ent, mask = learner.score_tokens(samples)
@@ -126,3 +90,56 @@ class DriftProbe:
             "drift/ref_entropy": float(self.ref_entropy[m].double().mean()),
             "drift/tokens": float(m.sum()),
         }
+
+
+def reference_completions(
+    engine: Any,
+    tokenizer: Any,
+    prompts: list[str],
+    *,
+    max_tokens: int,
+    seed: int,
+    loop: asyncio.AbstractEventLoop,
+) -> list[Any]:
+    """One completion of each user prompt, sampled by `engine` at T=1 with a fixed seed per prompt, as
+    `train.Sample`s (loss mask on the completion, the engine's logprobs); empty completions left out."""
+    from posttrain.engine import GenerationRequest, SamplingParams
+    from posttrain.models.chat import encode_messages
+    from posttrain.train import Sample
+
+    encoded = [encode_messages(tokenizer, [Message("user", p)]) for p in prompts]
+
+    async def sample_all() -> list[Any]:
+        return list(
+            await asyncio.gather(
+                *(
+                    engine.agenerate(
+                        GenerationRequest(
+                            prompt_token_ids=ids,
+                            params=SamplingParams(
+                                temperature=1.0, max_tokens=max_tokens, seed=seed * 7919 + i
+                            ),
+                        )
+                    )
+                    for i, ids in enumerate(encoded)
+                )
+            )
+        )
+
+    outs = loop.run_until_complete(sample_all())
+    samples = []
+    for ids, out in zip(encoded, outs, strict=True):
+        completion = list(out.completions[0].token_ids)
+        if not completion:
+            continue
+        samples.append(
+            Sample(
+                ids + completion,
+                [0] * len(ids) + [1] * len(completion),
+                [0.0] * len(ids) + [float(x) for x in out.completions[0].logprobs],
+                reward=0.0,
+                group_id=len(samples),
+                policy_version=0,
+            )
+        )
+    return samples

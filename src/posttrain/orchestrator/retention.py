@@ -6,7 +6,8 @@ The base scores come from the engine before the first update. They are stored in
 (`retention_base.json`), so a resumed run compares with the same figures rather than recomputing them.
 Each suite (a domain and level) reports `retention/<domain>:<level>` (strict accuracy now) and
 `retention_delta/<domain>:<level>` (the paired difference from the base, over tasks scored both times),
-with its 95% paired bootstrap interval as `..._lo` and `..._hi`. Infrastructure failures are left out
+with its 95% paired bootstrap interval as `..._lo` and `..._hi` and its standard error as `..._se` (what
+the curriculum's forgetting term reads, `Sampler.record_retention`). Infrastructure failures are left out
 of both sides, never scored.
 """
 
@@ -140,4 +141,7 @@ class RetentionSuites:
                 out[f"retention_delta/{key}"] = float(np.mean(diffs))
                 out[f"retention_delta/{key}_lo"] = float(lo)
                 out[f"retention_delta/{key}_hi"] = float(hi)
+                out[f"retention_delta/{key}_se"] = (
+                    float(np.std(diffs, ddof=1) / np.sqrt(len(diffs))) if len(diffs) > 1 else 0.0
+                )
         return out

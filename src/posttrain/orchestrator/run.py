@@ -16,6 +16,7 @@ from posttrain.config import RunConfig, save_config
 from posttrain.orchestrator import probes, state
 from posttrain.orchestrator.metrics import PhaseLog, progress_figures, step_metrics
 from posttrain.orchestrator.pipeline import AsyncPipeline, PreRow, train_sync
+from posttrain.orchestrator.replay import ReplayPool, replay_count
 from posttrain.orchestrator.retention import RetentionSuites
 from posttrain.orchestrator.signals import stop_on_signals
 from posttrain.orchestrator.tasks import GroupFeedback, Pick, TaskSource, collect_step
@@ -50,6 +51,7 @@ class RLRun:
         self.reward: LearnedReward | None = None  # the learned reward of cfg.reward, if any
         self.drift: Any = None  # orchestrator.drift.DriftProbe when curriculum.drift_every is set
         self.retention: RetentionSuites | None = None  # curriculum.retention's suites
+        self.replay: ReplayPool | None = None  # algorithm.replay_fraction's general data
         self._built = False
 
     # ------------------------------------------------------------------ construction
@@ -67,6 +69,11 @@ class RLRun:
             )
         RetentionSuites.check_config(cfg)
         a = cfg.algorithm
+        if cfg.curriculum.retention_replay_gain > 0 and not cfg.curriculum.retention:
+            raise ValueError(
+                "curriculum.retention_replay_gain is set but curriculum.retention is empty: the gain reads "
+                "the retention suites' deltas"
+            )
         if a.kl_control == "drift" and not (cfg.curriculum.drift_every and a.kl_target and a.kl_coef > 0):
             raise ValueError(
                 "algorithm.kl_control='drift' needs curriculum.drift_every > 0 (the probe it reads), "
@@ -151,6 +158,15 @@ class RLRun:
                 loop=self.loop,
             )
             self.engine.release_kv_cache()  # every step starts from a cold cache, resumed or not
+        if cfg.algorithm.replay_fraction > 0 or cfg.curriculum.retention_replay_gain > 0:
+            self.replay = ReplayPool.build(
+                self.engine,
+                self.tokenizer,
+                max_tokens=cfg.algorithm.replay_tokens,
+                seed=cfg.seed,
+                loop=self.loop,
+            )
+            self.engine.release_kv_cache()
         self.sandbox = self.make_sandbox()
         self.reward = make_learned_reward(cfg.reward, self.tokenizer)
         self.sampling = self.sampling_params(train=True)
@@ -344,11 +360,23 @@ class RLRun:
             self.learner.reload_optimizer()
             self.phases.add("reload_optimizer")
         self.phases.add("update")
-        metrics = self.learner.step(samples, current_version=current)
+        replay = None
+        if self.replay is not None:
+            fraction = self.replay_fraction()
+            replay = self.replay.pick(replay_count(len(samples), fraction), self.step) or None
+        metrics = self.learner.step(samples, current_version=current, replay=replay)
+        if self.replay is not None:
+            metrics["replay_fraction"] = fraction
         if o.offload_optimizer:
             self.learner.offload_optimizer()
             self.phases.add("offload_optimizer")
         return {f"train/{k}" if "/" not in k else k: float(v) for k, v in metrics.items()}
+
+    def replay_fraction(self) -> float:
+        """algorithm.replay_fraction, raised by falling retention suites (curriculum.retention_replay_gain)."""
+        return self.sampler.replay_fraction(
+            self.cfg.algorithm.replay_fraction, self.cfg.curriculum.retention_replay_gain
+        )
 
     def _retention_args(self) -> tuple[Any, ...]:
         return (
@@ -447,6 +475,12 @@ class RLRun:
             self.engine.release_kv_cache()  # the next step starts from a cold cache, as after a probe
             figures = self.retention.metrics(scores)
             metrics.update(figures)
+            for key in self.retention.base or {}:  # the curriculum's forgetting term reads them
+                if f"retention_delta/{key}" in figures:
+                    self.sampler.record_retention(
+                        key, figures[f"retention_delta/{key}"], figures[f"retention_delta/{key}_se"]
+                    )
+            signals = self.tasks.signals()  # with the suites heard (sync mode: nothing else moved it)
             if cfg.curriculum.retention_stop is not None:
                 self.stop_reason = self.retention.fell(figures, cfg.curriculum.retention_stop)
                 if self.stop_reason is not None:

@@ -333,11 +333,24 @@ class Learner:
     # ------------------------------------------------------------------------------------------
     # the RL step
 
-    def step(self, samples: list[Sample], current_version: int | None = None) -> dict[str, float]:
-        """The whole RL update for one batch of samples; returns metrics. Bumps `version`."""
+    def step(
+        self, samples: list[Sample], current_version: int | None = None, replay: list[Sample] | None = None
+    ) -> dict[str, float]:
+        """The whole RL update for one batch of samples; returns metrics. Bumps `version`.
+
+        `replay`: supervised samples mixed into the update (general data, `orchestrator.replay`): each
+        optimizer step adds algorithm.replay_coef x the token-mean NLL (temperature 1) of its share of
+        them (split over the mini-batches in order) to the RL loss. Metrics `replay_nll` (before the
+        step), `replay_sequences`, `replay_tokens`."""
         t0 = time.perf_counter()
         a = self.algo_cfg
+        if replay and self.dp is not None:
+            raise ValueError(
+                "algorithm.replay_fraction > 0 is not available with a data-parallel learner: the replay "
+                "term is computed on one process"
+            )
         batch = build_batch(samples, self.device)
+        replay_batch = build_batch(replay, self.device) if replay else None
         mask = batch.loss_mask
         current = self.version if current_version is None else current_version
         metrics: dict[str, float] = {}
@@ -374,7 +387,7 @@ class Learner:
 
         if single_pass:
             # old logprobs, TIS weights and the KL come from the training forward itself (see _update)
-            metrics.update(self._update(batch, single_pass=True))
+            metrics.update(self._update(batch, single_pass=True, replay=replay_batch))
             if use_kl:
                 assert batch.old_logprobs is not None and batch.ref_logprobs is not None
                 kl_tok = kl_estimate(batch.old_logprobs, batch.ref_logprobs, a.kl_estimator) * mask
@@ -382,7 +395,7 @@ class Learner:
         else:
             # importance correction: behaviour (engine, maybe stale) -> learner before the update
             self._importance(batch)
-            metrics.update(self._update(batch))
+            metrics.update(self._update(batch, replay=replay_batch))
         assert batch.old_logprobs is not None
         metrics.update(
             mismatch_metrics(batch.old_logprobs, batch.behavior_logprobs, mask, a.tis_cap, batch.policy_mask)
@@ -478,10 +491,13 @@ class Learner:
             raise ValueError("update() needs batch.old_logprobs and batch.advantages (step() fills them)")
         return self._update(batch)
 
-    def _update(self, batch: Batch, single_pass: bool = False) -> dict[str, float]:
+    def _update(
+        self, batch: Batch, single_pass: bool = False, replay: Batch | None = None
+    ) -> dict[str, float]:
         """`update`; with `single_pass` the batch has no old logprobs yet: each micro-batch's are its own
         training-forward logprobs, detached (the ratio is exactly 1, the gradient the same), its TIS
-        weights are computed from them, and `batch.old_logprobs` / `is_weights` are filled in."""
+        weights are computed from them, and `batch.old_logprobs` / `is_weights` are filled in.
+        `replay`: supervised rows, split over the mini-batches in order (see `step`)."""
         if batch.advantages is None:
             raise ValueError("update() needs batch.advantages (step() fills them)")
         if self.critic is not None and (batch.returns is None or batch.old_values is None):
@@ -624,6 +640,13 @@ class Learner:
                             add_local(
                                 "vf_clipfrac", float(vclipped[mi.loss_mask > 0].float().mean().item()), nv
                             )
+                    if replay is not None:
+                        r_rows = list(
+                            range(round(k * replay.size / n_mini), round((k + 1) * replay.size / n_mini))
+                        )
+                        if r_rows:
+                            nll, n_tok = self._replay_backward(replay.select(r_rows))
+                            add("replay_nll", nll, n_tok)
                     if self.dp is not None:
                         mb_loss, mb_vloss = self.dp.sum_([mb_loss, mb_vloss])
                     grad_norm = self._clip_grad_norm(tc.max_grad_norm)
@@ -653,6 +676,9 @@ class Learner:
         wall = time.perf_counter() - t0
         out_metrics = {k: (sums[k] / counts[k] if counts.get(k) else sums[k]) for k in sums}
         out_metrics["loss"] = out_metrics.pop("policy_loss")
+        if replay is not None:
+            out_metrics["replay_tokens"] = float(replay.loss_mask.sum().item())
+            out_metrics["replay_sequences"] = float(replay.size)
         out_metrics.update(
             ratio_max=ratio_max,
             update_s=wall,
@@ -663,6 +689,21 @@ class Learner:
             optimizer_steps=float(self.optimizer_steps),
         )
         return out_metrics
+
+    def _replay_backward(self, replay: Batch) -> tuple[float, float]:
+        """Backward of replay_coef x the token-mean NLL of `replay`'s loss-masked tokens (temperature 1),
+        accumulated into the gradients of the optimizer step under way; returns (that NLL before the
+        step, its token count)."""
+        weights = aggregation_weights(replay.loss_mask, "token_mean")
+        coef = self.algo_cfg.replay_coef
+        nll = 0.0
+        for mi, rows in self._sft_micro_batches(replay):
+            w = weights[torch.as_tensor(rows, device=self.device), : mi.token_ids.shape[1]]
+            lp, _ = self._policy_forward(self.model, mi, mi.loss_mask, temperature=1.0)
+            loss = masked_nll(lp, w)
+            (coef * loss).backward()
+            nll += float(loss.item())
+        return nll, float(replay.loss_mask.sum().item())
 
     # ------------------------------------------------------------------------------------------
     # supervised fine-tuning

@@ -32,6 +32,7 @@ _BUILTIN: dict[str, str] = {
     "swe.ci_fix": "posttrain.envs.domains.swe_ci_fix",
     "dataset": "posttrain.envs.domains.dataset",
     "docs.financial": "posttrain.envs.domains.docs_financial",
+    "scene.layout": "posttrain.envs.domains.scene_layout",
     "longctx.ruler": "posttrain.envs.domains.longctx_ruler",
     "longctx.hard": "posttrain.envs.domains.longctx_hard",
     "longctx.codebase": "posttrain.envs.domains.longctx_codebase",

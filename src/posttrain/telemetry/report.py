@@ -20,6 +20,7 @@ from posttrain.telemetry.rundir import RunDir
 PHASES = ["generate_s", "update_s", "weight_sync_s", "probe_s", "checkpoint_s", "idle_s"]
 SHARE_PREFIX = "curriculum/domain_share/"
 WEIGHT_PREFIX = "curriculum/weight/"
+RETENTION_PREFIX = "retention_delta/"
 TOKEN_SERIES = {
     "rollout/generated_tokens": "training rollouts",
     "heldout/generated_tokens": "held-out probes",
@@ -130,6 +131,43 @@ def _line_plot(
         fig.savefig(path, dpi=90)
     plt.close(fig)
     return drawn
+
+
+def retention_suites(rows: list[dict[str, Any]]) -> list[str]:
+    """The retention suites a run logged (`retention_delta/<domain>:<level>`), sorted."""
+    out = set()
+    for r in rows:
+        for k in r:
+            if k.startswith(RETENTION_PREFIX) and not k.endswith(("_lo", "_hi", "_se")):
+                out.add(k[len(RETENTION_PREFIX) :])
+    return sorted(out)
+
+
+def _retention_plot(rows: list[dict[str, Any]], path: Path) -> list[str]:
+    """Each retention suite's paired change from the initial policy over steps, its 95% interval shaded."""
+    suites = retention_suites(rows)
+    if not suites:
+        return []
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    ax.axhline(0.0, color="grey", lw=0.8)
+    for suite in suites:
+        key = RETENTION_PREFIX + suite
+        xs, ys = _series(rows, key)
+        line = ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=suite)[0]
+        band = [(r["step"], r[f"{key}_lo"], r[f"{key}_hi"]) for r in rows if _num(r.get(f"{key}_lo"))]
+        if band:
+            bx, lo, hi = zip(*band, strict=True)
+            ax.fill_between(bx, lo, hi, color=line.get_color(), alpha=0.2)
+    ax.set_title("retention suites: change from the initial policy (95% interval)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("accuracy delta")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return suites
 
 
 def _timeline_plot(rows: list[dict[str, Any]], path: Path) -> list[str]:
@@ -518,11 +556,39 @@ def write_report(run_dir: str | Path) -> Path:
             rows, _keys(rows, "response_tokens/"), "mean response length", "tokens", out / "length.png"
         ),
     )
+    add(
+        "retention.png",
+        "Retention suites outside the training mix (change from the initial policy)",
+        _retention_plot(rows, out / "retention.png"),
+    )
     add("kl.png", "KL to the reference", _line_plot(rows, ["train/kl"], "KL", "nats/token", out / "kl.png"))
+    add(
+        "drift.png",
+        "Drift probe: KL(initial || policy) on general prompts",
+        _line_plot(
+            rows,
+            ["drift/kl_k3", "drift/kl_k1"],
+            "drift on general prompts",
+            "nats/token",
+            out / "drift.png",
+            {"drift/kl_k3": "k3", "drift/kl_k1": "k1"},
+        ),
+    )
     add(
         "entropy.png",
         "Entropy",
-        _line_plot(rows, ["train/entropy"], "policy entropy", "nats/token", out / "entropy.png"),
+        _line_plot(
+            rows,
+            ["train/entropy", "drift/entropy", "drift/ref_entropy"],
+            "policy entropy",
+            "nats/token",
+            out / "entropy.png",
+            {
+                "train/entropy": "training batch",
+                "drift/entropy": "general prompts",
+                "drift/ref_entropy": "general prompts, initial policy",
+            },
+        ),
     )
     add("timeline.png", "Time per phase", _timeline_plot(rows, out / "timeline.png"))
     add(

@@ -536,6 +536,13 @@ class TrainerConfig(Section):
     critic: Literal["none", "copy", "separate"] = "none"
     critic_spec: str | None = None
     critic_lr: float = Field(1e-5, gt=0.0)
+    context_parallel: int = Field(
+        1,
+        ge=1,
+        description="split every sequence zigzag over this many processes, attention by ring attention "
+        "(one Learner per rank of an initialised torch.distributed group of this size); needs packing=false, "
+        "no critic, no dynamic NTK; shared-prompt micro-batches are off under it",
+    )
 
 
 class OrchestratorConfig(Section):

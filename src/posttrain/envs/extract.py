@@ -110,6 +110,8 @@ def json_object_or_error(text: str) -> tuple[dict | None, str | None]:
     {...}, first that parses - else (None, the parse error of the most complete candidate)."""
     if not isinstance(text, str):
         return None, "the reply is not text"
+    if "{" not in text:
+        return None, "no JSON object found (expected {...})"
     candidates = [text.strip()]
     fence = re.search(r"```(?:json)?\s*\n(.*?)```", text, re.DOTALL)
     if fence:

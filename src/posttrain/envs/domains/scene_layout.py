@@ -12,7 +12,7 @@ footprint's x and y). `parent` names the object it rests on or in (null for the 
 Constraints (each 0/1): `named` (an id exists with the brief's type), `count` (exactly n of a type),
 `left_of`/`right_of`/`in_front_of`/`behind` (footprints strictly apart along x or y), `on_top_of` (the
 parent is set, the bottom sits on the parent's top within 1 cm, the footprint inside the parent's),
-`inside` (the parent is set, the 3-D box inside the parent's), `facing` (the front within 45 degrees of
+`inside` (a lamp, box or tv with a shelf or crate as parent, its 3-D box inside the parent's), `facing` (the front within 45 degrees of
 the direction to the other's centre), `near`/`apart` (centre distance in the floor plane at most / at
 least d), `no_overlap` (no two boxes intersect, except a child actually resting on or in its parent),
 `within_bounds` (every box inside the room) and `supported` (every object on the floor or on/in its
@@ -227,6 +227,10 @@ def _rests_on(a: Obj, b: Obj) -> bool:
 
 
 def _inside(a: Obj, b: Obj) -> bool:
+    """A small item (lamp, box, tv) within a container's (shelf, crate) box; nothing else is "inside"
+    anything, so two copies of one object cannot excuse their overlap by declaring one the other's parent."""
+    if a.type not in SMALL_TYPES or b.type not in CONTAINERS:
+        return False
     return all(a.box[i] >= b.box[i] - TOL for i in (0, 2, 4)) and all(
         a.box[i] <= b.box[i] + TOL for i in (1, 3, 5)
     )

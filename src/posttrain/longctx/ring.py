@@ -103,9 +103,10 @@ class RingAttention(torch.autograd.Function):
     of q, k, v `[batch, heads, local_len, head_dim]`; `length` is the whole sequence's length."""
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, length: int, causal: bool, group: Any) -> Tensor:
+    def forward(
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, length: int, causal: bool, group: Any, scale: float
+    ) -> Tensor:
         ring = _Ring(group)
-        scale = 1.0 / math.sqrt(q.shape[-1])
         q_pos = zigzag_positions(length, ring.world, ring.rank).to(q.device)
         out = torch.zeros_like(q, dtype=torch.float32)
         lse = torch.full((*q.shape[:-1], 1), float("-inf"), dtype=torch.float32, device=q.device)
@@ -173,15 +174,22 @@ class RingAttention(torch.autograd.Function):
                 block = [*nxt_kv, *grads]
             else:
                 dk, dv = grads  # our own block's gradients, back from its trip round the ring
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def ring_attention(
-    q: Tensor, k: Tensor, v: Tensor, length: int, causal: bool = True, group: Any = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    length: int,
+    causal: bool = True,
+    group: Any = None,
+    scale: float | None = None,
 ) -> Tensor:
     """Context-parallel attention of this rank's zigzag shards (see `RingAttention`); differentiable.
 
-    `k` and `v` may have fewer heads than `q` (grouped-query attention): they are repeated to match."""
+    `k` and `v` may have fewer heads than `q` (grouped-query attention): they are repeated to match.
+    `scale` multiplies the scores (None: 1 / sqrt(head_dim))."""
     if q.shape[1] != k.shape[1]:
         if q.shape[1] % k.shape[1]:
             raise ValueError(
@@ -194,4 +202,5 @@ def ring_attention(
         raise ValueError(
             f"this rank's shard of a length-{length} sequence has {expected} tokens, got {q.shape[2]}"
         )
-    return RingAttention.apply(q, k, v, length, causal, group)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return RingAttention.apply(q, k, v, length, causal, group, scale)

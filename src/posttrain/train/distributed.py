@@ -135,6 +135,8 @@ def shard_learner(learner: Any, group: Any = None) -> DataParallel:
         raise RuntimeError("shard_learner needs torch.distributed initialised (init_process_group)")
     if learner.critic is not None:
         raise ValueError("data-parallel learner ranks do not support a critic yet (trainer.critic=none)")
+    if learner.cp is not None:
+        raise ValueError("data-parallel learner ranks do not compose with trainer.context_parallel > 1 yet")
     if learner.optimizer_steps:
         raise ValueError("shard a learner before its first update (its optimizer state would be lost)")
     world = dist.get_world_size(group)
@@ -186,6 +188,8 @@ def tensor_parallel_learner(learner: Any, group: Any = None) -> TensorParallel:
         raise RuntimeError("tensor_parallel_learner needs torch.distributed initialised (init_process_group)")
     if learner.lora or learner.critic is not None:
         raise ValueError("tensor-parallel learner ranks support full fine-tuning without a critic only")
+    if learner.cp is not None:
+        raise ValueError("tensor-parallel learner ranks do not compose with trainer.context_parallel > 1 yet")
     if learner.optimizer_steps:
         raise ValueError("split a learner before its first update (its optimizer state would be lost)")
     world, rank = dist.get_world_size(group), dist.get_rank(group)

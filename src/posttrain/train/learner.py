@@ -198,6 +198,11 @@ class Learner:
         self.pad_id = int(getattr(causal_lm(self.model).config, "pad_token_id", None) or 0)
         self.dp: Any = None  # a train.distributed.DataParallel once shard_learner() made this a rank
         self.tp: Any = None  # a train.distributed.TensorParallel once tensor_parallel_learner() split it
+        self.cp: Any = None  # a train.context_parallel.ContextParallel under trainer.context_parallel > 1
+        if trainer_cfg.context_parallel > 1:
+            from posttrain.train.context_parallel import context_parallel_learner
+
+            self.cp = context_parallel_learner(self)
 
     # ------------------------------------------------------------------------------------------
     # forward passes
@@ -223,6 +228,9 @@ class Learner:
         divided by `temperature` (None: algorithm.temperature, the RL sampling temperature)."""
         if self.dp is not None and model is self.model and not self.dp.inside:  # through the FSDP root
             return self.dp.root(batch, mask, inputs, temperature)
+        if self.cp is not None:  # this rank's shard of every row, attention round the ring
+            temp = self.algo_cfg.temperature if temperature is None else temperature
+            return self.cp.policy_forward(self, model, batch, mask, temp)
         lm = causal_lm(model)
         prefix = int(batch.meta.get("shared_prefix", 0))
         if prefix > 0:
@@ -261,7 +269,12 @@ class Learner:
         """(rows, shared prefix length) per micro-batch; the prefix is 0 unless prompt sharing is on."""
         tc, budget = self.trainer_cfg, self.batch_cfg.micro_batch_tokens
         # dynamic NTK rotates a prompt by the length of the whole sequence: a shared prompt is not shared
-        if tc.share_prompt_prefix and not tc.gradient_checkpointing and not self.dynamic_rope:
+        if (
+            tc.share_prompt_prefix
+            and not tc.gradient_checkpointing
+            and not self.dynamic_rope
+            and self.cp is None
+        ):
             return plan_shared_micro_batches(
                 batch.token_ids, batch.loss_mask, batch.lengths, batch.group_ids, budget, tc.packing
             )
@@ -469,6 +482,8 @@ class Learner:
     # the optimisation
 
     def _clip_grad_norm(self, max_norm: float) -> Tensor:
+        if self.cp is not None:  # each rank holds the gradient of its positions: sum them first
+            self.cp.all_reduce_grads(self.trainable)
         if self.tp is not None:  # replicated tensors and sharded DTensors: torch's clip cannot mix them
             from posttrain.train.distributed import clip_grad_norm
 

@@ -1,0 +1,116 @@
+"""A Learner with trainer.context_parallel=2 in 2 gloo processes (every sequence split zigzag, attention
+round the ring) against the single-process Learner on the same samples: the same logprobs, the same
+gradients and metrics of an RL step (with a KL term against the reference and an entropy bonus), within
+1e-4; and the refusals of what it does not support."""
+
+from __future__ import annotations
+
+import random
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from posttrain.config import AlgorithmConfig, BatchConfig, ModelConfig, TrainerConfig
+from posttrain.train import Learner, Sample
+from posttrain.train.distributed import init_local_gloo
+
+# rows of 9..23 tokens; a micro-batch holds at most 24 padded cells, so most rows go alone, and the row
+# whose loss is on its last 3 tokens alone leaves rank 1 (chunks 1 and 2 of 4) without a target
+BATCH = BatchConfig(micro_batch_tokens=24)
+ALGO = AlgorithmConfig(kl_coef=0.1, entropy_coef=0.01)
+METRICS = ("loss", "grad_norm", "entropy", "kl", "kl_loss", "approx_kl", "update_tokens")
+
+
+def samples(seed: int) -> list[Sample]:
+    rng = random.Random(seed)
+    out = []
+    for i, length in enumerate([23, 9, 17, 12, 21]):
+        ids = [rng.randrange(1000) for _ in range(length)]
+        prompt = length - 3 if i == 0 else rng.randint(2, length // 2)
+        mask = [0] * prompt + [1] * (length - prompt)
+        blp = [-rng.uniform(5, 9) if m else 0.0 for m in mask]
+        out.append(Sample(ids, mask, blp, reward=float(i % 2), group_id=i // 3))
+    return out
+
+
+def make_learner(cp: int, checkpointing: bool = False) -> Learner:
+    trainer = TrainerConfig(lr=1e-3, context_parallel=cp, gradient_checkpointing=checkpointing)
+    return Learner(ModelConfig(spec="tiny:llama"), trainer, ALGO, seed=0, batch_cfg=BATCH)
+
+
+def run(learner: Learner) -> dict:
+    lp = learner.compute_logprobs(samples(1))
+    learner.step(samples(2))
+    metrics = learner.step(samples(3))  # the policy has moved off its reference: a KL term and its gradient
+    # one mini-batch: the gradients left are the second step's (clipped)
+    grads = {n: p.grad.detach().clone() for n, p in learner.model.named_parameters() if p.grad is not None}
+    return {"lp": lp, "metrics": metrics, "grads": grads, "lp_after": learner.compute_logprobs(samples(1))}
+
+
+def _worker(rank: int, port: int, checkpointing: bool, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    init_local_gloo(rank, 2, port, timeout_s=120)
+    learner = make_learner(2, checkpointing)
+    torch.save(run(learner), f"{out_dir}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    "checkpointing", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["plain", "checkpointing"]
+)
+def test_two_context_parallel_ranks_equal_the_single_process_learner(tmp_path, checkpointing):
+    mp.start_processes(
+        _worker, args=(_free_port(), checkpointing, str(tmp_path)), nprocs=2, start_method="fork"
+    )
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    single = run(make_learner(1, checkpointing))
+    assert single["lp"].abs().sum() > 0
+    for got in ranks:  # every rank holds the whole matrices and the same summed gradients
+        assert (got["lp"] - single["lp"]).abs().max() < 1e-4
+        assert (got["lp_after"] - single["lp_after"]).abs().max() < 1e-4
+        assert got["grads"].keys() == single["grads"].keys() and len(single["grads"]) > 10
+        for name, g in single["grads"].items():
+            assert g.abs().max() > 0, name
+            assert (got["grads"][name] - g).abs().max() < 1e-4, name
+        for key in METRICS:
+            assert got["metrics"][key] == pytest.approx(single["metrics"][key], rel=1e-4, abs=1e-6), key
+    assert single["metrics"]["kl"] > 0 and single["metrics"]["kl_loss"] != 0
+    assert (ranks[0]["lp_after"] - ranks[0]["lp"]).abs().max() > 1e-3  # the updates moved the policy
+
+
+def test_context_parallel_needs_a_process_group_of_its_size():
+    with pytest.raises(RuntimeError, match=r"trainer.context_parallel=2 needs torch.distributed initialised"):
+        make_learner(2)
+
+
+@pytest.mark.parametrize(
+    ("trainer", "algo", "match"),
+    [
+        (dict(packing=True), {}, "needs trainer.packing=false"),
+        (dict(critic="copy"), dict(advantage="gae"), "does not support a critic"),
+    ],
+)
+def test_context_parallel_refuses_what_ring_attention_cannot_run(trainer, algo, match):
+    with pytest.raises(ValueError, match=match):
+        Learner(
+            ModelConfig(spec="tiny:llama"),
+            TrainerConfig(context_parallel=2, **trainer),
+            AlgorithmConfig(**algo),
+            batch_cfg=BATCH,
+        )
+
+
+def test_context_parallel_refuses_dynamic_ntk():
+    model = ModelConfig(spec="tiny:llama", rope_scaling={"type": "dynamic", "factor": 2.0})
+    with pytest.raises(ValueError, match="does not support dynamic NTK"):
+        Learner(model, TrainerConfig(context_parallel=2), AlgorithmConfig(), batch_cfg=BATCH)

@@ -659,6 +659,13 @@ class TelemetryConfig(Section):
     )
     wandb_project: str = Field("posttrain", min_length=1, description="W&B project of the run")
     progress: bool = True
+    renders_every: int = Field(
+        10,
+        ge=0,
+        description="every N steps, save the images of sampled episodes (renders the environments fed back) "
+        "into the run dir's renders/, shown in the report; 0 = never",
+    )
+    renders_per_step: int = Field(2, ge=1, description="episodes whose images are saved at such a step")
 
     @field_validator("name")
     @classmethod

@@ -248,7 +248,8 @@ class Trajectory:
     `token_ids[:prompt_len]` is the rendered prompt; after it come the engine's sampled ids and the ids
     of appended observations, exactly as fed to the engine. `loss_mask[i] == 1` only where the engine
     sampled token i; `behavior_logprobs[i]` is its logprob under the sampling distribution (0.0 where
-    the mask is 0). All three lists have the same length.
+    the mask is 0). All three lists have the same length. `images` are the image parts of the prompt and
+    of the observations that entered `token_ids`, in order of appearance.
     """
 
     task: Task
@@ -264,6 +265,7 @@ class Trajectory:
     status: TrajectoryStatus = TrajectoryStatus.OK
     info: dict[str, Any] = field(default_factory=dict)
     group_id: int = 0
+    images: list[ImagePart] = field(default_factory=list)  # of the prompt and the observations fed, in order
 
     @property
     def num_generated(self) -> int:

@@ -22,6 +22,7 @@ from posttrain.orchestrator.signals import stop_on_signals
 from posttrain.orchestrator.tasks import GroupFeedback, Pick, TaskSource, collect_step
 from posttrain.rollout import EpisodeLimits, LearnedReward, RolloutBatch, collect_groups, make_learned_reward
 from posttrain.telemetry import MetricsLogger, Progress, RunDir, WandbSink
+from posttrain.telemetry.renders import save_renders
 from posttrain.types import Trajectory
 
 if TYPE_CHECKING:
@@ -328,7 +329,13 @@ class RLRun:
     ) -> tuple[list[Trajectory], list[GroupFeedback], dict[str, float]]:
         """`tasks.collect_step` with this run's rollouts; `spent`: the tokens the schedule reads (default
         tokens_spent(); the async rollout thread passes its own count)."""
-        return collect_step(self.cfg, self.tasks, self.rollout, step, self.progress(step, spent))
+        trajs, groups, stats = collect_step(
+            self.cfg, self.tasks, self.rollout, step, self.progress(step, spent)
+        )
+        t = self.cfg.telemetry
+        if t.renders_every and step % t.renders_every == 0:
+            save_renders(self.run_dir.renders, step, trajs, t.renders_per_step)
+        return trajs, groups, stats
 
     def update(self, trajectories: list[Trajectory]) -> dict[str, float]:
         """One learner step on the trajectories within max_staleness versions (the others are counted)."""

@@ -134,6 +134,7 @@ async def run_episode(
         policy_version=policy_version,
         timings=timings,
         group_id=group_id,
+        images=[img for m in history for img in m.images],
     )
     eos_ids = set(sampling.stop_token_ids)
     info: dict[str, Any] = {}
@@ -185,6 +186,7 @@ async def run_episode(
             traj.status = TrajectoryStatus.TRUNCATED
             break
         token_ids.extend(glue_ids)
+        traj.images.extend(img for m in result.observations for img in m.images)
         loss_mask.extend([0] * len(glue_ids))
         logprobs.extend([0.0] * len(glue_ids))
     else:

@@ -70,3 +70,7 @@ class RunDir:
     @property
     def report(self) -> Path:
         return self.path / "report"
+
+    @property
+    def renders(self) -> Path:
+        return self.path / "renders"

@@ -4,8 +4,10 @@ Owns the engine's copy of the weights (q/k/v and gate/up fused for fewer matmuls
 KV block pools `[num_blocks, block_size, kv_heads, head_dim]`, RoPE tables, and one varlen forward
 that runs decode tokens (batched per group over its decode stage, or a padded gather of its blocks)
 and prefill chunks (one attention call per sequence, no padding) together. Supports Llama, Qwen2 (q/k/v bias), Qwen3
-(q/k RMSNorm) and Mistral without a sliding window. Optionally runs the linears on int8/int4 weights and keeps
-K/V in int8 with per-token-per-head scales (the kernels are quant.py). Does not schedule or sample.
+(q/k RMSNorm), Mistral without a sliding window, and the MoE families Mixtral, Qwen2-MoE (shared expert)
+and Qwen3-MoE (routing and sparse experts: moe.py), recording each token's expert choices. Optionally runs
+the linears on int8/int4 weights and keeps K/V in int8 with per-token-per-head scales (the kernels are
+quant.py). Does not schedule or sample.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from posttrain.engine.decode_stage import DecodeStage
+from posttrain.engine.moe import MOE_MODEL_TYPES, MoeSpec, route, sparse_experts
 from posttrain.engine.quant import (
     KV_INT8,
     WEIGHT_QUANTS,
@@ -31,7 +34,7 @@ from posttrain.engine.quant import (
 )
 from posttrain.longctx.rope import RopeTables
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", *MOE_MODEL_TYPES)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -49,6 +52,7 @@ class ModelSpec:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    moe: MoeSpec | None = None
 
     @classmethod
     def from_hf_config(cls, config: Any, max_model_len: int) -> ModelSpec:
@@ -77,8 +81,11 @@ class ModelSpec:
             head_dim=head_dim,
             rms_norm_eps=config.rms_norm_eps,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            qkv_bias=mt == "qwen2" or bool(getattr(config, "attention_bias", False)),
-            qk_norm=mt == "qwen3",
+            qkv_bias=mt == "qwen2"
+            or bool(getattr(config, "attention_bias", False))
+            or (mt == "qwen2_moe" and bool(config.qkv_bias)),
+            qk_norm=mt in ("qwen3", "qwen3_moe"),
+            moe=MoeSpec.from_hf_config(config),
         )
 
 
@@ -88,6 +95,17 @@ class ModelSpec:
 _PACK_BATCH_HINT = 64
 _BF16_PACKED_MAX_ROWS = 128
 _PACKED = ("wqkv", "wo", "wgu", "wd")
+
+
+def _gemm_weights(layer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A layer's GEMM weights by name: _PACKED's it has, and each expert's gate/up ("gu.E") and down
+    ("d.E"); the router and the shared-expert gate stay float (tiny, and routing decides every token)."""
+    out = {k: layer[k] for k in _PACKED if k in layer}
+    if "router" in layer:
+        for e in range(layer["router"].shape[0]):
+            out[f"gu.{e}"] = layer["experts_gu"][e]
+            out[f"d.{e}"] = layer["experts_d"][e]
+    return out
 
 
 def onednn_packing_works(device: torch.device, dtype: torch.dtype) -> bool:
@@ -220,6 +238,13 @@ class ModelRunner:
         # int8 K/V: float32 scales per token and KV head, [layers, blocks, block_size, kv_heads]
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
+        self.routing: list[torch.Tensor] = []
+
+    def step_routing(self) -> torch.Tensor | None:
+        """The last full forward's expert ids `[T, sparse layers, top_k]` (int16), or None (dense model)."""
+        if not self.routing:
+            return None
+        return torch.stack(self.routing, dim=1).to(torch.int16)
 
     def _rope_rows(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and the signed sin in the engine's dtype: rotate_half(x) * sin == roll(x, half) * sin_signed,
@@ -252,21 +277,37 @@ class ModelRunner:
         self.lm_head = self.embed if s.tie_word_embeddings else self._empty(s.vocab_size, s.hidden_size)
         self.final_norm = self._empty(s.hidden_size)
         self.layers: list[dict[str, torch.Tensor]] = []
-        for _ in range(s.num_layers):
+        for li in range(s.num_layers):
             layer = {
                 "in_norm": self._empty(s.hidden_size),
                 "wqkv": self._empty(self.q_size + 2 * self.kv_size, s.hidden_size),
                 "wo": self._empty(s.hidden_size, self.q_size),
                 "post_norm": self._empty(s.hidden_size),
-                "wgu": self._empty(2 * s.intermediate_size, s.hidden_size),
-                "wd": self._empty(s.hidden_size, s.intermediate_size),
             }
+            mlp_size = self._mlp_size(li)
+            if mlp_size:  # the dense MLP, or an MoE layer's shared expert
+                layer["wgu"] = self._empty(2 * mlp_size, s.hidden_size)
+                layer["wd"] = self._empty(s.hidden_size, mlp_size)
+            if s.moe is not None and s.moe.sparse_layers[li]:
+                m, inter = s.moe, s.moe.expert_intermediate_size
+                layer["router"] = self._empty(m.num_experts, s.hidden_size)
+                layer["experts_gu"] = self._empty(m.num_experts, 2 * inter, s.hidden_size)
+                layer["experts_d"] = self._empty(m.num_experts, s.hidden_size, inter)
+                if m.shared_intermediate_size:
+                    layer["shared_gate"] = self._empty(1, s.hidden_size)
             if s.qkv_bias:
                 layer["bqkv"] = self._empty(self.q_size + 2 * self.kv_size)
             if s.qk_norm:
                 layer["q_norm"] = self._empty(s.head_dim)
                 layer["k_norm"] = self._empty(s.head_dim)
             self.layers.append(layer)
+
+    def _mlp_size(self, li: int) -> int:
+        """Intermediate size of layer li's dense MLP (its shared expert in an MoE layer; 0: none)."""
+        m = self.spec.moe
+        if m is None or not m.sparse_layers[li]:
+            return self.spec.intermediate_size
+        return m.shared_intermediate_size
 
     _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -285,7 +326,16 @@ class ModelRunner:
         if not m or int(m.group(1)) >= s.num_layers:
             raise KeyError(name)
         layer, rest = self.layers[int(m.group(1))], m.group(2)
-        q, kv, inter = self.q_size, self.kv_size, s.intermediate_size
+        q, kv, inter = self.q_size, self.kv_size, self._mlp_size(int(m.group(1)))
+        if "router" in layer:  # an MoE layer: its MLP names are the shared expert's
+            rest = {
+                "mlp.gate.weight": "router",
+                "mlp.experts.gate_up_proj": "experts_gu",
+                "mlp.experts.down_proj": "experts_d",
+                "mlp.shared_expert_gate.weight": "shared_gate",
+            }.get(rest, rest.replace("mlp.shared_expert.", "mlp.", 1))
+            if rest in layer:
+                return layer[rest]
         table: dict[str, tuple[str, int, int] | str] = {
             "input_layernorm.weight": "in_norm",
             "post_attention_layernorm.weight": "post_norm",
@@ -349,14 +399,12 @@ class ModelRunner:
                         "input_layernorm.weight",
                         "post_attention_layernorm.weight",
                         "self_attn.o_proj.weight",
-                        "mlp.down_proj.weight",
                         "self_attn.q_proj.weight",
                         "self_attn.k_proj.weight",
                         "self_attn.v_proj.weight",
-                        "mlp.gate_proj.weight",
-                        "mlp.up_proj.weight",
                     )
                 )
+                required.update(f"model.layers.{i}.{p}" for p in self._mlp_names(i))
             missing = sorted(required - loaded)
             if missing:
                 raise ValueError(f"state dict lacks {len(missing)} parameters, e.g. {missing[:3]}")
@@ -366,10 +414,25 @@ class ModelRunner:
             self._pack()
         return len(loaded)
 
+    def _mlp_names(self, li: int) -> list[str]:
+        """HF names of layer li's MLP parameters (after the shared expert's renaming in _target)."""
+        layer = self.layers[li]
+        names = (
+            ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"] if "wgu" in layer else []
+        )
+        if "router" in layer:
+            names = [n.replace("mlp.", "mlp.shared_expert.") for n in names]
+            names += ["mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+        if "shared_gate" in layer:
+            names.append("mlp.shared_expert_gate.weight")
+        return names
+
     def _quantize(self) -> None:
         """Re-quantize every GEMM weight (after each load, like `_pack`: the quantized copies are not views)."""
         q = self.weight_quant
-        self.quantized = [{k: quantize_linear(layer[k], q) for k in _PACKED} for layer in self.layers]
+        self.quantized = [
+            {k: quantize_linear(w, q) for k, w in _gemm_weights(layer).items()} for layer in self.layers
+        ]
         head = self.lm_head_quant
         self.quantized_lm_head = quantize_linear(self.lm_head, head) if head != "none" else None
 
@@ -377,17 +440,21 @@ class ModelRunner:
         """Re-pack for oneDNN every GEMM weight not quantized (after each load: the packed copies are not views)."""
         pack = torch.ops.mkldnn._reorder_linear_weight
         if self.quantized is None or self.quant_max_rows:
-            self.packed = [{k: pack(layer[k], _PACK_BATCH_HINT) for k in _PACKED} for layer in self.layers]
+            self.packed = [
+                {k: pack(w, _PACK_BATCH_HINT) for k, w in _gemm_weights(layer).items()}
+                for layer in self.layers
+            ]
         if self.quantized_lm_head is None or self.quant_max_rows:
             self.packed_lm_head = pack(self.lm_head, _PACK_BATCH_HINT)
 
     def weight_bytes(self) -> int:
-        """Bytes of GEMM weights one forward reads (quantized where quantized), embedding lookup excluded."""
+        """Bytes of GEMM weights held (quantized where quantized; every expert of an MoE), embedding lookup
+        excluded: what one dense forward reads."""
         total = 0
         for li, layer in enumerate(self.layers):
-            for k in _PACKED:
+            for k, w in _gemm_weights(layer).items():
                 qz = self.quantized[li][k] if self.quantized is not None else None
-                total += qz.nbytes() if qz is not None else layer[k].numel() * layer[k].element_size()
+                total += qz.nbytes() if qz is not None else w.numel() * w.element_size()
         head = self.quantized_lm_head
         return total + (
             head.nbytes() if head is not None else self.lm_head.numel() * self.lm_head.element_size()
@@ -498,11 +565,13 @@ class ModelRunner:
     def forward(self, batch: StepBatch, num_layers: int | None = None) -> torch.Tensor:
         """Next-token logits `[len(logit_rows), vocab]` in float32; writes the batch's K/V to the cache.
         `num_layers` runs only the first that many layers before the final norm and head (an early-exit
-        draft: it writes K/V of those layers only)."""
+        draft: it writes K/V of those layers only). A full forward of an MoE leaves in `routing` each
+        sparse layer's expert ids `[T, top_k]` of every row, in layer order (see `step_routing`)."""
         assert self.k_cache is not None and self.v_cache is not None
         s = self.spec
         eps = s.rms_norm_eps
         T = batch.input_ids.shape[0]
+        self.routing = []
         x = F.embedding(batch.input_ids, self.embed)
         # index_select, not advanced indexing: the latter is much slower on large CPU tensors
         cos = self.cos.index_select(0, batch.positions)
@@ -533,13 +602,48 @@ class ModelRunner:
             attn = self._attention(li, q, k, v, batch)
             x = x + self._linear(attn, layer["wo"], pk.get("wo"), quantized=qz.get("wo"))
             h = _rms_norm(x, layer["post_norm"], eps)
-            gu = self._linear(h, layer["wgu"], pk.get("wgu"), quantized=qz.get("wgu"))
-            gate, up = gu.chunk(2, dim=-1)
-            x = x + self._linear(F.silu(gate) * up, layer["wd"], pk.get("wd"), quantized=qz.get("wd"))
+            if "router" in layer:
+                x = x + self._moe(li, layer, h, pk, qz, record=num_layers is None)
+                continue
+            x = x + self._mlp(h, layer, pk, qz)
         if batch.logit_rows.shape[0] != T:  # else every row is a logit row, in order (decode only)
             x = x.index_select(0, batch.logit_rows)
         x = _rms_norm(x, self.final_norm, eps)
         return self._linear(x, self.lm_head, self.packed_lm_head, quantized=self.quantized_lm_head).float()
+
+    def _mlp(
+        self, h: torch.Tensor, layer: dict[str, torch.Tensor], pk: dict[str, Any], qz: dict[str, Any]
+    ) -> torch.Tensor:
+        gu = self._linear(h, layer["wgu"], pk.get("wgu"), quantized=qz.get("wgu"))
+        gate, up = gu.chunk(2, dim=-1)
+        return self._linear(F.silu(gate) * up, layer["wd"], pk.get("wd"), quantized=qz.get("wd"))
+
+    def _moe(
+        self,
+        li: int,
+        layer: dict[str, torch.Tensor],
+        h: torch.Tensor,
+        pk: dict[str, Any],
+        qz: dict[str, Any],
+        record: bool,
+    ) -> torch.Tensor:
+        """An MoE block: route (the router in float, never quantized), run the selected experts sparsely,
+        add the gated shared expert; the choices go to `routing` when `record`."""
+        moe = self.spec.moe
+        assert moe is not None
+        weights, ids = route(F.linear(h, layer["router"]), moe)
+        if record:
+            self.routing.append(ids)
+
+        def linear(e: int, which: str, rows: torch.Tensor) -> torch.Tensor:
+            key = f"{which}.{e}"
+            w = layer["experts_gu" if which == "gu" else "experts_d"][e]
+            return self._linear(rows, w, pk.get(key), quantized=qz.get(key))
+
+        out = sparse_experts(h, weights, ids, moe.num_experts, linear)
+        if "shared_gate" in layer:
+            out = out + torch.sigmoid(F.linear(h, layer["shared_gate"])) * self._mlp(h, layer, pk, qz)
+        return out
 
     def _attention(
         self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch

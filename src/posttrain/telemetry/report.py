@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.telemetry.logger import read_metrics
+from posttrain.telemetry.renders import read_renders
 from posttrain.telemetry.rundir import RunDir
 
 PHASES = ["generate_s", "update_s", "weight_sync_s", "probe_s", "checkpoint_s", "idle_s"]
@@ -504,6 +505,25 @@ table.heldout td,table.shaped td{font-variant-numeric:tabular-nums;white-space:n
 thead th{background:#f4f4f4} .note{font-size:12px;color:#555} .charts{display:grid;grid-template-columns:1fr 1fr;gap:8px}"""
 
 
+def _renders_section(run: RunDir, episodes: int = 4) -> str:
+    """The latest saved episodes' images (telemetry.renders_every), each with its description."""
+    saved = read_renders(run.renders)[-episodes:]
+    if not saved:
+        return ""
+    items = []
+    for ep in saved:
+        imgs = "".join(
+            f'<img src="../renders/{_e(i["file"])}" alt="{_e(i["description"][:200])}" '
+            f'title="{_e(i["description"])}" style="max-width:48%;margin-right:4px">'
+            for i in ep["images"]
+        )
+        caption = f"step {ep['step']}, {ep['task']}: reward {ep['reward']:.3f}, success {ep['success']}, {ep['turns']} turn(s)"
+        items.append(f"<figure>{imgs}<figcaption>{_e(caption)}</figcaption></figure>")
+    return (
+        '<section id="renders"><h2>Renders of sampled episodes</h2>\n' + "\n".join(items) + "\n</section>\n"
+    )
+
+
 def write_report(run_dir: str | Path) -> Path:
     """Write `report/index.html` and its PNGs; returns the HTML path."""
     run = RunDir.open(run_dir)
@@ -618,7 +638,7 @@ def write_report(run_dir: str | Path) -> Path:
 <section id="last-step"><h2>Last step</h2>
 {_last_step_table(rows)}
 </section>
-</body></html>
+{_renders_section(run)}</body></html>
 """
     index = out / "index.html"
     index.write_text(page)

@@ -366,12 +366,13 @@ def evaluate_local(
     temperature: float = 0.0,
     samples: int = 1,
     pass_at: Sequence[int] = (),
+    by_arm: bool = False,
 ) -> EvalReport:
     """Load `spec` (model spec or HF folder) into our engine and score it on held-out tasks.
 
     temperature 0 is greedy (one sample); otherwise each task gets `samples` seeded samples, the same
     seeds for every model compared: accuracy is then pass@1 estimated from them, and `pass_at` lists
-    further k of pass@k to report.
+    further k of pass@k to report. `by_arm`: results keyed by `domain:difficulty` instead of domain.
     """
     from posttrain.engine import SamplingParams, make_engine
     from posttrain.longctx.rope import apply_rope_scaling
@@ -390,7 +391,7 @@ def evaluate_local(
     report = EvalReport(model=spec, per_task={})
     results = score_tasks(engine, tokenizer, tasks, sandbox, sampling, limits, k, seed)
     for (arm, _, _), episodes in zip(tasks, results, strict=True):
-        report.add(arm.domain, episodes)
+        report.add(arm.key if by_arm else arm.domain, episodes)
     report.summarise(seed, pass_at)
     return report
 

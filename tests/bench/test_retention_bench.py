@@ -1,0 +1,74 @@
+"""`posttrain bench retention`: the issue's targets read from hand-made figures, usage errors before
+any work, and (slow) an end-to-end run on a tiny model that prints one JSON object with both settings."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from posttrain.bench.retention import targets
+from posttrain.cli.bench import run_bench
+
+
+def _d(delta: float, lo: float, hi: float) -> dict:
+    return {"delta": delta, "ci_low": lo, "ci_high": hi, "n_tasks": 32}
+
+
+def test_targets_by_hand():
+    off = {"trained_gain": _d(0.20, 0.1, 0.3), "outside_delta": {}, "trained_pass16_delta": _d(0, -1, 1)}
+    on = {
+        "trained_gain": _d(0.17, 0.07, 0.27),
+        "outside_delta": {"math:3": _d(-0.10, -0.2, -0.01), "code.unit_tests:2": _d(-0.05, -0.1, 0.02)},
+        "trained_pass16_delta": _d(-0.02, -0.09, 0.04),
+    }
+    t = targets(off, on, 16)
+    # only math:3's interval is entirely below 0; 0.17 / 0.20 = 0.85 >= 0.8; pass@16's interval holds 0
+    assert t["outside_fell"] == ["math:3"] and t["no_outside_fell"] is False
+    assert t["gain_kept"] == pytest.approx(0.85) and t["gain_kept_ok"] is True
+    assert t["pass16_not_fallen"] is True
+    on["trained_gain"] = _d(0.15, 0.05, 0.25)
+    on["trained_pass16_delta"] = _d(-0.1, -0.2, -0.01)
+    t = targets(off, on, 16)
+    assert t["gain_kept"] == pytest.approx(0.75) and not t["gain_kept_ok"] and not t["pass16_not_fallen"]
+    off["trained_gain"] = _d(0.0, -0.1, 0.1)  # nothing to keep: no ratio, no claim
+    assert targets(off, on, 16)["gain_kept"] is None and not targets(off, on, 16)["gain_kept_ok"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--retention", "math:1"], "--trained and --retention share \\['math:1'\\]"),
+        (["--outside", "math:9"], "--outside: 'math' has no difficulty 9"),
+        (
+            ["--control", "curriculum.retention_every=1", "--control", "algorithm.kl_control=drift"],
+            "kl_control='drift' needs curriculum.drift_every",
+        ),
+        (["--control", "curriculum.drift_every=1"], "retention_every is 0"),
+    ],
+)
+def test_bad_options_exit_2_before_any_work(args, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        run_bench("retention", ["--quick", "--model", "tiny:llama", *args])
+    assert exc.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+@pytest.mark.slow
+def test_a_tiny_run_prints_both_settings(capsys):
+    out = run_bench(
+        "retention",
+        ["--quick", "--model", "tiny:llama", "--steps", "2", "--n-eval", "2", "--samples", "2", "--json"],
+    )
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last == json.loads(json.dumps(out))
+    for name in ("off", "on"):
+        s = out["settings"][name]
+        assert set(s["outside_delta"]) == {"math:3", "code.unit_tests:2"}
+        assert set(s["retention_delta"]) == {"math:2", "code.unit_tests:1"}
+        assert s["trained_gain"]["n_tasks"] == 6  # 3 trained arms x 2 tasks
+    off, on = out["settings"]["off"]["runs"][0], out["settings"]["on"]["runs"][0]
+    # the control run stops at the tokens the run without control generated
+    assert on["generated_tokens"] >= off["generated_tokens"] and on["replay_fraction_end"] == 0.125
+    assert off["replay_fraction_end"] is None and on["drift_kl_end"] is not None

@@ -1,4 +1,4 @@
-"""`posttrain bench sandbox|engine|learner|rl|curriculum|serve|scale|ci-fix|docs|longctx [OPTIONS] [--json]`: benchmarks that measure their
+"""`posttrain bench sandbox|engine|learner|rl|retention|curriculum|serve|scale|ci-fix|docs|longctx [OPTIONS] [--json]`: benchmarks that measure their
 baseline in the same run. Each is a command with its own options (`posttrain bench NAME --help`); the
 benchmarks themselves live in `posttrain.bench`, one module each, and return their named figures, which
 `--json` prints as one object on stdout's last line.
@@ -217,6 +217,56 @@ def rl(
         async_lag=async_lag.value,
         checkpoint_every=checkpoint_every,
         seed=seed,
+    )
+
+
+@app.command("retention")
+def retention(
+    quick: bool = typer.Option(False, "--quick", help="a few steps and tasks (minutes), not the full recipe"),
+    seeds: int = typer.Option(1, "--seeds", min=1, help="training seeds (each trains both settings)"),
+    seed_start: int = typer.Option(0, "--seed-start", min=0),
+    steps: int | None = typer.Option(None, "--steps", min=1, help="steps of the run without control"),
+    n_eval: int | None = typer.Option(None, "--n-eval", min=1, help="held-out tasks per arm"),
+    samples: int | None = typer.Option(
+        None, "--samples", min=1, help="sampled evaluation: samples per task (pass@1 and pass@SAMPLES)"
+    ),
+    max_new_tokens: int | None = typer.Option(None, "--max-new-tokens", min=1),
+    model: str = typer.Option("smollm2-135m", "--model"),
+    trained: str = typer.Option("math:0,1;code.unit_tests:0", "--trained", help="the training mix"),
+    retention_suites: str = typer.Option(
+        "math:2;code.unit_tests:1", "--retention", help="the suites the control watches"
+    ),
+    outside: str = typer.Option(
+        "math:3;code.unit_tests:2", "--outside", help="families in neither the mix nor the suites"
+    ),
+    control: list[str] = typer.Option(
+        [], "--control", help="KEY=VALUE of the control setting (repeatable; replaces the default set)"
+    ),
+    run_overrides: list[str] = typer.Option([], "--run-set", help="KEY=VALUE for both settings (repeatable)"),
+    eval_seed: int = typer.Option(1000, "--eval-seed"),
+    out: str | None = typer.Option(None, "--out", help="keep the runs (policies, metrics) under this folder"),
+    json_out: bool = JSON,
+) -> dict[str, Any]:
+    """The default recipe without and with retention control (same seed and token budget): trained gain,
+    retention suites and outside families against the base model, pass@k, entropy, the issue's targets."""
+    return _run(
+        "retention",
+        json_out,
+        quick=quick,
+        seeds=seeds,
+        seed_start=seed_start,
+        steps=steps,
+        n_eval=n_eval,
+        samples=samples,
+        max_new_tokens=max_new_tokens,
+        model=model,
+        trained=trained,
+        retention=retention_suites,
+        outside=outside,
+        control=control,
+        run_overrides=run_overrides,
+        eval_seed=eval_seed,
+        out=out,
     )
 
 

@@ -32,16 +32,12 @@ RING_HEADS, RING_HEAD_DIM = 9, 64  # the embedded model's attention
 
 def parse_lengths(text: str) -> list[int]:
     """'1k,4k,16384' -> [1024, 4096, 16384]."""
-    out = []
-    for part in text.split(","):
-        part = part.strip().lower()
-        try:
-            out.append(int(float(part[:-1]) * 1024) if part.endswith("k") else int(part))
-        except ValueError:
-            raise BenchUsageError(f"--lengths: '{part}' is not a length (e.g. 1k,4k,16k or 4096)") from None
-    if not out or min(out) < 16:
-        raise BenchUsageError(f"--lengths must be lengths of at least 16 tokens, got {text!r}")
-    return out
+    from posttrain.envs.domains.longctx_common import parse_lengths as parse
+
+    try:
+        return parse(text)
+    except ValueError as err:
+        raise BenchUsageError(str(err)) from None
 
 
 def _rss_bytes() -> int:

@@ -267,6 +267,9 @@ class CodebaseDomain(lc.LongContextDomain):
         self.kinds = lc.check_options("longctx.codebase", kinds, KINDS)
         self.difficulties = sorted(lc.LEVEL_TOKENS)
 
+    def split_tasks(self) -> list[tuple[str, lc.LongContextDomain]]:
+        return [(kind, CodebaseDomain(self.tokenizer, [kind])) for kind in self.kinds]
+
     def task(self, split: str, difficulty: int, index: int, seed: int = 0) -> Task:
         def make(rng: random.Random):
             kind = self.kinds[rng.randrange(len(self.kinds))]

@@ -39,6 +39,33 @@ def level_tokens(level: int) -> int:
     return LEVEL_TOKENS[level]
 
 
+def parse_lengths(text: str, option: str = "--lengths") -> list[int]:
+    """'1k,4k,16384' -> [1024, 4096, 16384] (k = 1024 tokens); ValueError naming the bad entry."""
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        try:
+            out.append(int(float(part[:-1]) * 1024) if part.endswith("k") else int(part))
+        except ValueError:
+            raise ValueError(f"{option}: '{part}' is not a length (e.g. 1k,4k,16k or 4096)") from None
+    if not out or min(out) < 16:
+        raise ValueError(f"{option} must be lengths of at least 16 tokens, got {text!r}")
+    return out
+
+
+def length_levels(text: str, option: str = "--lengths") -> list[int]:
+    """'1k,2k,8k' -> the length levels [0, 1, 3] (sorted, distinct); a length that is not a level is
+    refused, naming the levels there are."""
+    by_tokens = {n: level for level, n in LEVEL_TOKENS.items()}
+    levels = []
+    for n in parse_lengths(text, option):
+        if n not in by_tokens:
+            valid = ", ".join(f"{t // 1024}k" for t in sorted(by_tokens))
+            raise ValueError(f"{option}: {n} tokens is not a long-context level (the levels: {valid})")
+        levels.append(by_tokens[n])
+    return sorted(set(levels))
+
+
 @lru_cache(maxsize=1)
 def story_sentences() -> tuple[str, ...]:
     """The sentences of "In the Year 2889" (Project Gutenberg's header and licence cut off)."""
@@ -171,6 +198,14 @@ class LongContextDomain(Domain):
 
     def reference(self, task: Task) -> list[str]:
         return [reference_reply(task.meta)]
+
+    def split_tasks(self) -> list[tuple[str, LongContextDomain]]:
+        """The domain as (task name, a domain drawing only that task) pairs, for tables per task."""
+        return [("all", self)]
+
+    def difficulty_at(self, level: int) -> int:
+        """The difficulty of this domain's tasks at length level `level`."""
+        return level
 
     def make_env(self, sandbox: Any = None, chat_format: str = "smollm2") -> Environment:
         return LongContextEnv(type(self).score)

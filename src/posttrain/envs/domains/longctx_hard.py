@@ -124,8 +124,22 @@ class HardRetrievalDomain(lc.LongContextDomain):
         self.depths = tuple(depths) if depths is not None else DEPTHS
         if not self.depths or any(not 0.0 <= d <= 1.0 for d in self.depths):
             raise ValueError(f"longctx.hard: depths must be fractions in [0, 1], got {list(self.depths)}")
-        levels = lc.check_options("longctx.hard", hardness, HARDNESS)  # type: ignore[arg-type]
-        self.difficulties = [10 * h + n for h in levels for n in sorted(lc.LEVEL_TOKENS)]
+        self.hardness = lc.check_options("longctx.hard", hardness, HARDNESS)  # type: ignore[arg-type]
+        self.difficulties = [10 * h + n for h in self.hardness for n in sorted(lc.LEVEL_TOKENS)]
+
+    def split_tasks(self) -> list[tuple[str, lc.LongContextDomain]]:
+        return [
+            (f"hardness_{h}", HardRetrievalDomain(self.tokenizer, list(self.depths), [h]))
+            for h in self.hardness
+        ]
+
+    def difficulty_at(self, level: int) -> int:
+        if len(self.hardness) != 1:
+            raise ValueError(
+                f"longctx.hard with hardness {list(self.hardness)}: a length level is a difficulty only at one "
+                "hardness (split_tasks gives one domain per hardness)"
+            )
+        return 10 * self.hardness[0] + level
 
     def task(self, split: str, difficulty: int, index: int, seed: int = 0) -> Task:
         hardness, level = divmod(difficulty, 10)

@@ -332,6 +332,9 @@ class RulerDomain(lc.LongContextDomain):
         self.tasks = lc.check_options("longctx.ruler", tasks, TASKS)
         self.difficulties = sorted(lc.LEVEL_TOKENS)
 
+    def split_tasks(self) -> list[tuple[str, lc.LongContextDomain]]:
+        return [(name, RulerDomain(self.tokenizer, [name])) for name in self.tasks]
+
     def task(self, split: str, difficulty: int, index: int, seed: int = 0) -> Task:
         def make(rng: random.Random):
             name = self.tasks[rng.randrange(len(self.tasks))]

@@ -135,10 +135,17 @@ def eval_(
     pass_at_: str = typer.Option(
         None, "--pass-at", help="unbiased pass@k for these k, e.g. 1,4,16 (needs --samples >= max k)"
     ),
+    lengths: str = typer.Option(
+        None, "--lengths", help="long-context domains: a table per task and length, e.g. 1k,2k,4k,8k"
+    ),
+    threshold: list[float] = typer.Option(
+        None, "--threshold", help="with --lengths: effective-length threshold in percent (repeatable; 85.6)"
+    ),
     json_out: bool = typer.Option(False, "--json", help="print a JSON object last"),
 ) -> None:
     """Held-out strict accuracy per domain with 95% bootstrap intervals, mean shaped reward and its
-    components, optional pass@k; paired delta against --baseline."""
+    components, optional pass@k; paired delta against --baseline. With --lengths: per task and length,
+    the task average and the effective length (RULER's definition)."""
     from posttrain.models import ModelNotFoundError
     from posttrain.orchestrator.evaluate import (
         ACCURACY_DEFINITION,
@@ -155,6 +162,7 @@ def eval_(
     try:
         pass_at = parse_pass_at(pass_at_) if pass_at_ else []
         check_pass_at(pass_at, per_task_samples)
+        levels, thresholds = _length_options(lengths, threshold, baseline, pass_at)
     except ValueError as err:
         fail(str(err), EXIT_USAGE)
     run_dir: Path | None = None
@@ -190,6 +198,26 @@ def eval_(
             sandbox = make_sandbox(cfg.sandbox)
         except (SandboxUnavailable, ValueError) as err:
             fail(f"cannot start the sandbox for {', '.join(sorted(domains))}: {err}", EXIT_USAGE)
+    if levels:
+        from posttrain.cli.length_eval_cmd import eval_lengths
+
+        api = (api_base, api_model, api_key) if api_base else None
+        try:
+            by_length = eval_lengths(
+                model_spec, api, cfg, domains, levels, thresholds, n, sandbox, temperature, samples
+            )
+        except ValueError as err:
+            fail(str(err), EXIT_USAGE)
+        except ModelNotFoundError as err:
+            fail(str(err), EXIT_USAGE)
+        finally:
+            if sandbox is not None:
+                asyncio.run(sandbox.close())
+        if run_dir is not None:
+            (run_dir / "eval_lengths.json").write_text(json.dumps(by_length, indent=1))
+        if json_out:
+            print_json_last(by_length)
+        return
     try:
         reports = []
         if api_base:
@@ -257,9 +285,34 @@ def eval_(
         if pass_at:
             result["delta_pass_at"] = delta["pass_at"]
     if run_dir is not None:
+        from posttrain.orchestrator.retention import last_figures
+        from posttrain.telemetry import RunDir, read_metrics
+
+        metrics = RunDir.open(run_dir).metrics
+        result.update(last_figures(read_metrics(metrics) if metrics.exists() else []))
         (run_dir / "eval.json").write_text(json.dumps(result, indent=1))
     if json_out:
         print_json_last(result)
+
+
+def _length_options(
+    lengths: str | None, threshold: list[float] | None, baseline: str | None, pass_at: list[int]
+) -> tuple[list[int], list[float]]:
+    """The length levels and thresholds of `eval --lengths` ([] when not given); ValueError naming the
+    option for what does not go with it."""
+    from posttrain.envs.domains.longctx_common import length_levels
+    from posttrain.orchestrator.length_eval import RULER_THRESHOLD
+
+    if not lengths:
+        if threshold:
+            raise ValueError("--threshold goes with --lengths (the effective length of long-context domains)")
+        return [], []
+    if baseline or pass_at:
+        raise ValueError("--lengths does not take --baseline or --pass-at (one model, strict accuracy)")
+    thresholds = list(threshold) if threshold else [RULER_THRESHOLD]
+    if any(not 0.0 <= t < 100.0 for t in thresholds):
+        raise ValueError(f"--threshold is a percentage in [0, 100), got {thresholds}")
+    return length_levels(lengths), thresholds
 
 
 def _eval_table(reports: list[Any], delta: dict[str, Any] | None, pass_at: list[int]) -> Table:

@@ -1,5 +1,5 @@
-"""Parsing documents into pages and sections: PDF (pypdf, one page per page), HTML (headings become
-sections, tables become `a | b | c` rows), Markdown and plain text; and chunking a parsed document into
+"""Parsing documents into pages and sections: PDF (pdfplumber, one block per page, ruled tables kept as
+`| a | b | c |` rows in reading order), HTML (headings become sections, tables become `a | b | c` rows), Markdown and plain text; and chunking a parsed document into
 pieces of at most N tokens, each knowing its page and section (the citations of map-reduce).
 
 Every failure is a `ParseError` naming the problem (empty, too large, corrupt PDF, binary data).
@@ -119,13 +119,34 @@ def parse_document(data: bytes, name: str, max_bytes: int = DEFAULT_MAX_BYTES) -
     return doc
 
 
+def _table_rows(rows: list[list[str | None]]) -> str:
+    """A table as `| a | b |` rows (cells on one line each), as HTML tables are rendered."""
+    return "\n".join(
+        "| " + " | ".join(re.sub(r"\s+", " ", c or "").strip() for c in row) + " |" for row in rows
+    )
+
+
+def _pdf_page_text(page: Any) -> str:
+    """The page's text lines and its ruled tables, in reading order (top to bottom)."""
+    tables = page.find_tables()
+    boxes = [t.bbox for t in tables]
+
+    def outside(obj: dict[str, Any]) -> bool:
+        x, top = (obj.get("x0", 0) + obj.get("x1", 0)) / 2, (obj.get("top", 0) + obj.get("bottom", 0)) / 2
+        return not any(b[0] <= x <= b[2] and b[1] <= top <= b[3] for b in boxes)
+
+    items = [(ln["top"], ln["text"]) for ln in page.filter(outside).extract_text_lines()]
+    items += [(t.bbox[1], _table_rows(t.extract())) for t in tables]
+    return "\n".join(text for _, text in sorted(items, key=lambda it: it[0]))
+
+
 def _parse_pdf(data: bytes) -> ParsedDoc:
-    import pypdf
+    import pdfplumber
 
     try:
-        reader = pypdf.PdfReader(io.BytesIO(data), strict=False)
-        pages = [p.extract_text() or "" for p in reader.pages]
-    except Exception as err:  # noqa: BLE001 - pypdf raises many types on damaged files
+        with pdfplumber.open(io.BytesIO(data)) as pdf:
+            pages = [_pdf_page_text(p) for p in pdf.pages]
+    except Exception as err:  # noqa: BLE001 - pdfminer raises many types on damaged files
         raise ParseError(f"corrupt PDF: {type(err).__name__}: {err}") from None
     blocks: list[Block] = []
     for i, text in enumerate(pages, start=1):

@@ -87,3 +87,39 @@ def graft_vision_cmd(
         f"{path}: SmolLM2-135M + a from-scratch vision encoder ({vision / 1e6:.2f}M) and projector "
         f"({proj / 1e6:.2f}M); {model.config.image_seq_length} image tokens per {image_size}px image"
     )
+
+
+@app.command("upcycle")
+def upcycle_cmd(
+    spec: str = typer.Argument("smollm2-135m", help="the dense model to upcycle"),
+    out: str = typer.Option(..., "--out", help="folder to write the MoE model and its tokenizer to"),
+    experts: int = typer.Option(4, "--experts", help="experts per layer (each a copy of the dense MLP)"),
+    top_k: int = typer.Option(2, "--top-k", help="experts each token is routed to"),
+    router_std: float = typer.Option(0.02, "--router-std", help="std of the router's seeded normal init"),
+    expert_noise: float = typer.Option(
+        0.0,
+        "--expert-noise",
+        help="noise added to each expert copy, relative to the weights' std; > 0 breaks the equality "
+        "with the dense model",
+    ),
+    seed: int = typer.Option(0, help="seed of the router init and the expert noise"),
+) -> None:
+    """Sparse upcycling: a Mixtral (Llama/Mistral) or Qwen3-MoE (Qwen3) HF folder whose experts copy the
+    dense MLP; with --expert-noise 0 its outputs equal the dense model's at initialisation."""
+    from posttrain.models import ModelNotFoundError
+    from posttrain.models.upcycle import upcycle_to_folder
+
+    try:
+        path, moe = upcycle_to_folder(spec, out, experts, top_k, router_std, expert_noise, seed)
+    except ModelNotFoundError as err:
+        fail(str(err), EXIT_USAGE)
+    except ValueError as err:
+        fail(str(err), EXIT_USAGE)
+    cfg = moe.config
+    total = sum(p.numel() for p in moe.parameters())
+    per_expert = 3 * cfg.hidden_size * (getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
+    active = total - (experts - top_k) * per_expert * cfg.num_hidden_layers
+    console.print(
+        f"{path}: {cfg.model_type}, {experts} experts, top {top_k}; {total / 1e6:.1f}M parameters, "
+        f"{active / 1e6:.1f}M active per token"
+    )

@@ -145,3 +145,34 @@ class RetentionSuites:
                     float(np.std(diffs, ddof=1) / np.sqrt(len(diffs))) if len(diffs) > 1 else 0.0
                 )
         return out
+
+
+def last_figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run's latest retention and drift figures from its metric rows, for the eval JSON: per suite
+    its accuracy and paired delta with interval at the last step that scored the suites, and the drift
+    probe's figures at the last step that measured it; {} when the run logged neither."""
+    out: dict[str, Any] = {}
+    scored = [r for r in rows if any(str(k).startswith("retention_delta/") for k in r)]
+    if scored:
+        r = scored[-1]
+        suites = sorted(k[len("retention/") :] for k in r if str(k).startswith("retention/"))
+        out["retention"] = {
+            "step": r["step"],
+            "suites": {
+                s: {
+                    "accuracy": r[f"retention/{s}"],
+                    "delta": r.get(f"retention_delta/{s}"),
+                    "ci_low": r.get(f"retention_delta/{s}_lo"),
+                    "ci_high": r.get(f"retention_delta/{s}_hi"),
+                }
+                for s in suites
+            },
+        }
+    measured = [r for r in rows if "drift/kl_k3" in r]
+    if measured:
+        r = measured[-1]
+        out["drift"] = {
+            "step": r["step"],
+            **{k[len("drift/") :]: v for k, v in r.items() if str(k).startswith("drift/")},
+        }
+    return out

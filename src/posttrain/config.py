@@ -500,6 +500,32 @@ class AlgorithmConfig(Section):
         return _registered("policy loss", v, list_policy_losses())
 
 
+class MoeTrainConfig(Section):
+    """Mixture-of-Experts options of the Learner (train/moe.py); any of them on needs an MoE policy."""
+
+    routing_replay: bool = Field(
+        False,
+        description="route each token in the learner's forward to the experts the engine chose for it "
+        "(the rollout's recorded routing; positions without one route freely), so the learner's logprobs "
+        "use the engine's routing; needs gradient_checkpointing=false",
+    )
+    freeze_router: bool = Field(
+        False, description="no gradient to the routers (their weights stay as loaded)"
+    )
+    aux_loss_coef: float = Field(
+        0.0, ge=0.0, description="weight of the load-balancing loss (Switch/Mixtral; 1.0 when balanced)"
+    )
+    z_loss_coef: float = Field(
+        0.0,
+        ge=0.0,
+        description="weight of the router z-loss (ST-MoE: mean squared logsumexp of router logits)",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.routing_replay or self.freeze_router or self.aux_loss_coef > 0 or self.z_loss_coef > 0
+
+
 class TrainerConfig(Section):
     lr: float = Field(2e-5, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
@@ -543,6 +569,7 @@ class TrainerConfig(Section):
         "(one Learner per rank of an initialised torch.distributed group of this size); needs packing=false, "
         "no critic, no dynamic NTK; shared-prompt micro-batches are off under it",
     )
+    moe: MoeTrainConfig = Field(default_factory=MoeTrainConfig)
 
 
 class OrchestratorConfig(Section):

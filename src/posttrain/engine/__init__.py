@@ -40,6 +40,10 @@ Completions (what the trainer relies on):
   requests that can never fit (prompt >= max_model_len, more blocks than the pool) raise
   BadRequestError up front.
 - After `load_weights` the prefix cache is dropped; sequences in flight keep the K/V they computed.
+- Vision models (LLaVA-style, PagedEngine only; engine/vision.py): `GenerationRequest.images` fill the
+  prompt's image placeholder runs in order; the vision tower runs at prefill and its features replace
+  the embeddings there; the prefix cache keys blocks by image hash as well as token ids. The same
+  logprob contract. Other backends, and text-only models, refuse images with BadRequestError.
 """
 
 from posttrain.engine.factory import make_engine

@@ -3,7 +3,9 @@
 Owns which physical block holds which sequence's tokens. Full, computed blocks are hashed (chained
 with the previous block's hash) so identical prompt prefixes across requests reuse them; forked
 samples share blocks and copy the shared last partial block before writing to it. Freed blocks keep
-their hash until reused (an LRU cache). Does not touch tensors: copies are returned to the runner.
+their hash until reused (an LRU cache). A block's key is its token ids plus the content hashes of
+the images behind any placeholders in it (`Sequence.block_key`). Does not touch tensors: copies are
+returned to the runner.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ class BlockManager:
         self.ref_count = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.taken: list[int] = []  # handed out since the last drain_taken()
-        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.block_tokens: list[tuple | None] = [None] * num_blocks
         self.hash_to_block: dict[int, int] = {}
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU first
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) for the runner, before the next forward
@@ -72,7 +74,7 @@ class BlockManager:
         max_full = (len(seq) - 1) // bs  # keep >= 1 token to compute, so the step yields logits
         prev: int | None = None
         for j in range(max_full):
-            tokens = tuple(seq.token_ids[j * bs : (j + 1) * bs])
+            tokens = seq.block_key(j, bs)
             h = self._chain_hash(prev, tokens)
             block = self.hash_to_block.get(h)
             if block is None or self.block_tokens[block] != tokens:
@@ -131,7 +133,7 @@ class BlockManager:
         num_full = seq.num_computed // bs
         while len(seq.block_hashes) < num_full:
             j = len(seq.block_hashes)
-            tokens = tuple(seq.token_ids[j * bs : (j + 1) * bs])
+            tokens = seq.block_key(j, bs)
             prev = seq.block_hashes[-1] if seq.block_hashes else None
             h = self._chain_hash(prev, tokens)
             block = seq.block_table[j]

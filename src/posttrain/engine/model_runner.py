@@ -162,6 +162,8 @@ class StepBatch:
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
     logit_rows: torch.Tensor  # rows whose next-token logits are needed
+    embed_rows: torch.Tensor | None = None  # vision: rows whose input embedding is an image feature
+    embeds: torch.Tensor | None = None  # [len(embed_rows), hidden] those features (engine/vision.py)
 
 
 class ModelRunner:
@@ -573,6 +575,8 @@ class ModelRunner:
         T = batch.input_ids.shape[0]
         self.routing = []
         x = F.embedding(batch.input_ids, self.embed)
+        if batch.embed_rows is not None:  # image placeholders take their features (engine/vision.py)
+            x = x.index_copy(0, batch.embed_rows, batch.embeds.to(x.dtype))
         # index_select, not advanced indexing: the latter is much slower on large CPU tensors
         cos = self.cos.index_select(0, batch.positions)
         sin = self.sin_signed.index_select(0, batch.positions)

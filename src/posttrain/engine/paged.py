@@ -1,7 +1,8 @@
 """PagedEngine: the embedded inference engine (paged KV cache, continuous batching, prefix sharing).
 
 Owns the request lifecycle: validation, per-sequence generators, building each step's flat batch,
-stop conditions, forking the n samples of a request after one prefill, speculative drafts (prompt lookup,
+stop conditions, forking the n samples of a request after one prefill, image features at the
+placeholders of a vision model's prompt (engine/vision.py), speculative drafts (prompt lookup,
 or early exit: the model's first layers), the constrained-decoding mask, the async driver that batches
 concurrent `agenerate`/`stream` callers through one stepping loop, weight reloads and KV statistics.
 The forward pass is model_runner.py, scheduling scheduler.py, block accounting block_manager.py.
@@ -22,7 +23,7 @@ import torch
 from posttrain.engine.block_manager import BlockManager
 from posttrain.engine.constrained import GrammarCompiler, mask_logits
 from posttrain.engine.decode_stage import DecodeStager
-from posttrain.engine.model_runner import DecodeGroup, ModelRunner, PrefillChunk, StepBatch
+from posttrain.engine.model_runner import DTYPES, DecodeGroup, ModelRunner, PrefillChunk, StepBatch
 from posttrain.engine.registry import register_engine
 from posttrain.engine.sampling import sample, seed_for
 from posttrain.engine.scheduler import Scheduler
@@ -39,6 +40,8 @@ from posttrain.engine.types import (
     step_thread,
     validate_request,
 )
+from posttrain.engine.vision import VisionPrefill, check_placeholders, split_weights
+from posttrain.models.vision import image_inputs, is_vision_config
 
 if TYPE_CHECKING:
     from posttrain.config import EngineConfig
@@ -124,6 +127,18 @@ class PagedEngine(Engine):
             raise ValueError(f"speculative must be one of {list(SPECULATIVE_METHODS)}, got '{speculative}'")
         NgramIndex(prompt_lookup_min, prompt_lookup_max)  # validates the range
         config, state = _hf_config_and_state(model)
+        self.vision: VisionPrefill | None = None
+        if is_vision_config(config):  # LLaVA-style: the paged forward runs the language model
+            inputs = image_inputs(tokenizer)
+            if inputs is None:
+                raise ValueError(
+                    "a vision model needs the tokenizer its loader returns (models.load_tokenizer), "
+                    "which carries the image inputs"
+                )
+            if dtype not in DTYPES:
+                raise ValueError(f"dtype must be one of {list(DTYPES)}, got '{dtype}'")
+            self.vision = VisionPrefill(model, inputs, DTYPES[dtype], torch.device(device))
+            config, state = config.text_config, dict(split_weights(state.items())[0])
         self.runner = ModelRunner(
             config,
             state,
@@ -183,7 +198,7 @@ class PagedEngine(Engine):
     # ---- requests ------------------------------------------------------------------------------
 
     def _make_state(self, req: GenerationRequest) -> tuple[_RequestState, list[Sequence]]:
-        validate_request(req, self.runner.spec.vocab_size, self.max_model_len)
+        validate_request(req, self.runner.spec.vocab_size, self.max_model_len, self.vision is not None)
         p = req.params
         need = -(-min(len(req.prompt_token_ids) + p.max_tokens, self.max_model_len) // self.block_size)
         if need > self.bm.num_blocks:
@@ -201,6 +216,10 @@ class PagedEngine(Engine):
         seq = Sequence(rid, 0, req.prompt_token_ids, p, gens[0], now, num_forks=p.n)
         if p.json_schema is not None:
             seq.constraint = self.grammars.matcher(p.json_schema)
+        if self.vision is not None:
+            seq.set_images(
+                req.images, check_placeholders(req.prompt_token_ids, req.images, self.vision.inputs)
+            )
         return state, [seq]
 
     def _admit(self, state: _RequestState, seqs: list[Sequence]) -> None:
@@ -281,6 +300,8 @@ class PagedEngine(Engine):
         samplers: list[tuple[Sequence, int]] = []
         verifiers: list[tuple[Sequence, int]] = []
         chunks: list[PrefillChunk] = []
+        embed_rows: list[int] = []
+        embeds: list[torch.Tensor] = []
         for seq, n in [(s, 1) for s in decodes] + prefills:
             start = seq.num_computed
             row = len(ids)
@@ -292,6 +313,8 @@ class PagedEngine(Engine):
             if n > 1:
                 nb = -(-(start + n) // bs)
                 chunks.append(PrefillChunk(row, n, start, torch.tensor(table[:nb], device=dev)))
+            if seq.image_at:
+                self._image_rows(seq, start, n, row, embed_rows, embeds)
             if seq.draft:
                 verifiers.append((seq, len(logit_rows)))
                 logit_rows.extend(range(row, row + n))
@@ -306,7 +329,24 @@ class PagedEngine(Engine):
             prefills=chunks,
             logit_rows=torch.tensor(logit_rows, device=dev, dtype=torch.long),
         )
+        if embed_rows:
+            batch.embed_rows = torch.tensor(embed_rows, device=dev)
+            batch.embeds = torch.cat(embeds)
         return batch, samplers, verifiers
+
+    def _image_rows(
+        self, seq: Sequence, start: int, n: int, row: int, rows: list[int], embeds: list[torch.Tensor]
+    ) -> None:
+        """Add the batch rows of seq's image placeholders in [start, start + n) and their features (the
+        vision tower runs on the sequence's first prefill chunk that reaches a placeholder)."""
+        hit = [(p, seq.image_at[p][1]) for p in range(start, start + n) if p in seq.image_at]
+        if not hit:
+            return
+        if seq.image_embeds is None:
+            assert self.vision is not None
+            seq.image_embeds = self.vision.features(seq.images)
+        rows.extend(row + p - start for p, _ in hit)
+        embeds.append(seq.image_embeds[torch.tensor([i for _, i in hit], device=seq.image_embeds.device)])
 
     def _decode_groups(
         self, seqs: list[Sequence], max_groups: int = 4, slack: float = 1.25, ahead: int = 0
@@ -664,6 +704,9 @@ class PagedEngine(Engine):
         K/V they already computed."""
         items = weights.items() if isinstance(weights, dict) else weights
         with self._step_lock:
+            if self.vision is not None:
+                items, vision = split_weights(items)
+                self.vision.load_vision_weights(vision)
             self.runner.load_weights(items)
             self.bm.reset_prefix_cache()
             self.version = self.version + 1 if version is None else int(version)

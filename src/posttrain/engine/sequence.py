@@ -14,6 +14,7 @@ import torch
 from posttrain.engine.constrained import Constraint
 from posttrain.engine.speculative import NgramIndex
 from posttrain.engine.types import SamplingParams
+from posttrain.types import ImagePart
 
 _UIDS = itertools.count()
 
@@ -60,9 +61,28 @@ class Sequence:
         self.draft: list[int] = []  # speculative tokens to verify after the last one (never in token_ids)
         self.ngram: NgramIndex | None = None  # prompt-lookup index over token_ids (speculative engines)
         self.constraint: Constraint | None = None  # the grammar of params.json_schema, at this position
+        # vision: the images behind the prompt's placeholders; position -> (image sha256, feature index)
+        self.images: list[ImagePart] = []
+        self.image_at: dict[int, tuple[str, int]] = {}
+        self.image_embeds: torch.Tensor | None = None  # [placeholders, hidden], computed at first prefill
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    def set_images(self, images: list[ImagePart], positions: list[int]) -> None:
+        """The images filling the placeholders at `positions` (in order, len(positions) / len(images) each)."""
+        per = len(positions) // len(images) if images else 0
+        self.images = list(images)
+        self.image_at = {p: (images[i // per].sha256, i) for i, p in enumerate(positions)}
+
+    def block_key(self, j: int, block_size: int) -> tuple:
+        """What the prefix cache keys block j by: its token ids, plus the hash of the image behind each
+        placeholder in it (two images behind the same placeholder ids never share a block)."""
+        lo, hi = j * block_size, (j + 1) * block_size
+        tokens = tuple(self.token_ids[lo:hi])
+        if not self.image_at:
+            return tokens
+        return tokens + tuple(self.image_at[p][0] for p in range(lo, hi) if p in self.image_at)
 
     @property
     def output_ids(self) -> list[int]:
@@ -93,4 +113,5 @@ class Sequence:
         child.status = self.status
         child.ngram = self.ngram.copy() if self.ngram is not None else None
         child.constraint = self.constraint.copy() if self.constraint is not None else None
+        child.images, child.image_at, child.image_embeds = self.images, self.image_at, self.image_embeds
         return child

@@ -12,6 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from posttrain.types import ImagePart
+
 
 class BadRequestError(ValueError):
     """A request the engine cannot serve; the message names the field and what would be right."""
@@ -99,9 +101,13 @@ class SamplingParams:
 
 @dataclass
 class GenerationRequest:
+    """`images` (vision models only) fill the prompt's image placeholder runs, in order: each image
+    needs exactly the model's tokens_per_image placeholder ids (models.vision.encode_with_images)."""
+
     prompt_token_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str | None = None
+    images: list[ImagePart] = field(default_factory=list)
 
 
 @dataclass
@@ -146,11 +152,19 @@ class StreamDelta:
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
-def validate_request(req: GenerationRequest, vocab_size: int, max_model_len: int) -> None:
-    """Raise BadRequestError for an empty prompt, out-of-vocabulary ids, or a prompt too long."""
+def validate_request(
+    req: GenerationRequest, vocab_size: int, max_model_len: int, takes_images: bool = False
+) -> None:
+    """Raise BadRequestError for an empty prompt, out-of-vocabulary ids, a prompt too long, or images
+    for an engine that does not take them (`takes_images`: the paged engine serving a vision model)."""
     if not isinstance(req, GenerationRequest):
         raise BadRequestError(f"expected a GenerationRequest, got {type(req).__name__}")
     req.params.validate()
+    if req.images and not takes_images:
+        raise BadRequestError(
+            f"the request has {len(req.images)} image(s), but this engine serves a text-only model "
+            "(images run on the paged engine with a vision model)"
+        )
     ids = req.prompt_token_ids
     if len(ids) == 0:
         raise BadRequestError("prompt_token_ids is empty; a request needs at least one prompt token")

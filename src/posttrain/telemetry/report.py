@@ -109,17 +109,26 @@ def _line_plot(
     path: Path,
     labels: dict[str, str] | None = None,
     ylim: tuple[float, float] | None = None,
+    band: tuple[str, str] | None = None,
 ) -> list[str]:
-    """Draw the keys that have data; returns the labels drawn ([] = no file written)."""
+    """Draw the keys that have data; returns the labels drawn ([] = no file written). `band`: suffixes
+    of each key's interval series (e.g. ("_lo", "_hi")), shaded around its line, with a line at 0."""
     plt = _plt()
     drawn: list[str] = []
     fig, ax = plt.subplots(figsize=(7, 3.4))
+    if band:
+        ax.axhline(0.0, color="grey", lw=0.8)
     for key in keys:
         xs, ys = _series(rows, key)
         if xs:
             label = (labels or {}).get(key, key.split("/", 1)[-1])
-            ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=label)
+            line = ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=label)[0]
             drawn.append(label)
+            lo_key, hi_key = (key + band[0], key + band[1]) if band else ("", "")
+            spans = [(r["step"], r[lo_key], r[hi_key]) for r in rows if band and _num(r.get(lo_key))]
+            if spans:
+                bx, lo, hi = zip(*spans, strict=True)
+                ax.fill_between(bx, lo, hi, color=line.get_color(), alpha=0.2)
     if drawn:
         ax.set_title(title)
         ax.set_xlabel("step")
@@ -147,28 +156,15 @@ def retention_suites(rows: list[dict[str, Any]]) -> list[str]:
 def _retention_plot(rows: list[dict[str, Any]], path: Path) -> list[str]:
     """Each retention suite's paired change from the initial policy over steps, its 95% interval shaded."""
     suites = retention_suites(rows)
-    if not suites:
-        return []
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 3.4))
-    ax.axhline(0.0, color="grey", lw=0.8)
-    for suite in suites:
-        key = RETENTION_PREFIX + suite
-        xs, ys = _series(rows, key)
-        line = ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=suite)[0]
-        band = [(r["step"], r[f"{key}_lo"], r[f"{key}_hi"]) for r in rows if _num(r.get(f"{key}_lo"))]
-        if band:
-            bx, lo, hi = zip(*band, strict=True)
-            ax.fill_between(bx, lo, hi, color=line.get_color(), alpha=0.2)
-    ax.set_title("retention suites: change from the initial policy (95% interval)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("accuracy delta")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return suites
+    return _line_plot(
+        rows,
+        [RETENTION_PREFIX + s for s in suites],
+        "retention suites: change from the initial policy (95% interval)",
+        "accuracy delta",
+        path,
+        {RETENTION_PREFIX + s: s for s in suites},
+        band=("_lo", "_hi"),
+    )
 
 
 def _timeline_plot(rows: list[dict[str, Any]], path: Path) -> list[str]:

@@ -93,7 +93,7 @@ def _flow(tmp_path, batch, queue_url, db_url):
     q = open_queue(queue_url, QueuePolicy(visibility_s=30, backoff_s=0))
     db = Database(db_url)
     rep = ingest(ObjectStore(str(batch.store_dir)), q, db, SCHEMA, [], MODEL)
-    assert (rep.listed, rep.enqueued) == (4, 4)
+    assert (rep.listed, rep.enqueued, rep.read) == (4, 4, 4)
     stats = _wait(_workers(tmp_path, queue_url, db_url, list(batch.truth.values())))
     assert sum(s["done"] for s in stats) == 4 and all(s["failed"] == 0 for s in stats)
     assert _rows(db) == batch.truth  # the rows equal the generated facts, Markdown and PDF alike
@@ -112,7 +112,7 @@ def _flow(tmp_path, batch, queue_url, db_url):
         "exact": 4,
     }
     again = ingest(ObjectStore(str(batch.store_dir)), q, db, SCHEMA, [], MODEL)
-    assert (again.enqueued, again.skipped) == (0, 4)
+    assert (again.enqueued, again.skipped, again.read) == (0, 4, 0)  # known versions are not downloaded
     assert status(db, q)["jobs"] == {"queued": 0, "running": 0, "done": 4, "dead": 0}
     return q, db
 
@@ -386,7 +386,12 @@ def test_cli_ingest_status_query(tmp_path, batch):
     home = ["--home", str(tmp_path / "h")]
     r = _cli("ingest", f"file://{batch.store_dir}", "--json", "--model", MODEL, *home)
     assert r.exit_code == 0, r.output
-    assert json.loads(r.output.strip().splitlines()[-1]) == {"listed": 4, "enqueued": 4, "skipped": 0}
+    assert json.loads(r.output.strip().splitlines()[-1]) == {
+        "listed": 4,
+        "enqueued": 4,
+        "skipped": 0,
+        "read": 4,
+    }
     r = _cli("ingest", str(batch.store_dir), "--json", "--model", MODEL, *home)
     assert json.loads(r.output.strip().splitlines()[-1])["enqueued"] == 0
     r = _cli("status", "--json", *home)
@@ -456,3 +461,30 @@ def test_pdf_tables_come_through_as_table_rows():
     for table in tables:
         for row in table.rows:
             assert "| " + " | ".join(row) + " |" in lines, row
+
+
+def test_ingest_reads_only_new_or_changed_objects(tmp_path, batch):
+    """The second listing hashes nothing it has seen at the same version; a rewritten object (new
+    mtime, new content) is read and enqueued again; a rewrite with the same bytes is read but not
+    enqueued (its hash is known)."""
+    store_dir = tmp_path / "store"
+    src = ObjectStore(str(batch.store_dir))
+    out = ObjectStore(str(store_dir.mkdir() or store_dir))
+    urls = [out.write(Path(u).name, src.read(u)) for u in sorted(batch.truth)[:2]]
+    q = open_queue(f"sqlite:///{tmp_path / 'q.db'}", QueuePolicy(visibility_s=30, backoff_s=0))
+    db = Database(f"sqlite:///{tmp_path / 'r.db'}")
+    first = ingest(out, q, db, SCHEMA, [], MODEL)
+    assert (first.read, first.enqueued) == (2, 2)
+    assert (ingest(out, q, db, SCHEMA, [], MODEL).read, ingest(out, q, db, SCHEMA, [], MODEL).enqueued) == (
+        0,
+        0,
+    )
+    changed = Path(urls[0].removeprefix("file://"))
+    time.sleep(0.01)
+    changed.write_bytes(changed.read_bytes() + b"\n\nAppendix.\n")
+    again = ingest(out, q, db, SCHEMA, [], MODEL)
+    assert (again.read, again.enqueued, again.skipped) == (1, 1, 1)
+    same = Path(urls[1].removeprefix("file://"))
+    same.write_bytes(same.read_bytes())  # same bytes, new version tag
+    third = ingest(out, q, db, SCHEMA, [], MODEL)
+    assert (third.read, third.enqueued, third.skipped) == (1, 0, 2)

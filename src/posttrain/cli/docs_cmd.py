@@ -124,12 +124,13 @@ def ingest_cmd(
             prefix,
             reprocess,
         )
-        line = {"listed": rep.listed, "enqueued": rep.enqueued, "skipped": rep.skipped}
+        line = {"listed": rep.listed, "enqueued": rep.enqueued, "skipped": rep.skipped, "read": rep.read}
         if json_out:
             print_json_last(line)
         else:
             console.print(
-                f"{rep.listed} object(s) listed, {rep.enqueued} enqueued, {rep.skipped} already known"
+                f"{rep.listed} object(s) listed, {rep.read} read, {rep.enqueued} enqueued, "
+                f"{rep.skipped} already known"
             )
         if not watch:
             return

@@ -2,7 +2,9 @@
 
 Tables: documents (by content hash), tasks (schema + questions + model, hashed into `task_key`), jobs
 (one per enqueued document and task), extractions (the JSON, unique per (content hash, task key)),
-a typed column table per flat schema (`fields_<key>`), citations, answers and usage (tokens, latency).
+a typed column table per flat schema (`fields_<key>`), citations, answers and usage (tokens, latency),
+and object_versions (an object's URL and version tag -> its content hash, so ingest reads only new or
+changed objects).
 A result is written in ONE transaction guarded by the unique key, so a job delivered twice (a worker
 killed after writing, a re-lease) leaves exactly one row set and never half of one. The schema is
 versioned (`schema_version`); a database from a newer version is refused.
@@ -18,7 +20,7 @@ from typing import Any
 
 from posttrain.apps.docs.store import UsageError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: object_versions
 
 
 def task_key(schema: dict[str, Any], questions: list[str], model: str) -> str:
@@ -116,6 +118,15 @@ class Database:
             sa.Column("n_chars", sa.Integer),
             sa.Column("first_seen_at", sa.Float, nullable=False),
         )
+        self.object_versions = sa.Table(
+            "object_versions",
+            md,
+            sa.Column("url", sa.Text, primary_key=True),
+            sa.Column("version", sa.Text, nullable=False),
+            sa.Column("size", sa.BigInteger, nullable=False),
+            sa.Column("content_hash", sa.String(64), nullable=False),
+            sa.Column("seen_at", sa.Float, nullable=False),
+        )
         self.tasks = sa.Table(
             "tasks",
             md,
@@ -209,6 +220,8 @@ class Database:
                 row = conn.execute(sa.select(self.schema_version.c.version)).first()
                 if row is None:
                     conn.execute(self.schema_version.insert().values(version=SCHEMA_VERSION))
+                elif row[0] < SCHEMA_VERSION:  # the new tables were just created; nothing else changed
+                    conn.execute(self.schema_version.update().values(version=SCHEMA_VERSION))
                 elif row[0] > SCHEMA_VERSION:
                     raise RuntimeError(
                         f"database {self.url} has schema version {row[0]}; this posttrain knows up to "
@@ -320,6 +333,28 @@ class Database:
 
     def job_known(self, job_id: str) -> bool:
         return self._one(self.sa.select(self.jobs.c.job_id).where(self.jobs.c.job_id == job_id)) is not None
+
+    def known_hash(self, url: str, version: str, size: int) -> str | None:
+        """The content hash recorded for `url` at this version and size, or None (new or changed)."""
+        v = self.object_versions
+        row = self._one(
+            self.sa.select(v.c.content_hash).where(v.c.url == url, v.c.version == version, v.c.size == size)
+        )
+        return None if row is None else row[0]
+
+    def remember_object(self, url: str, version: str, size: int, content_hash: str) -> None:
+        """Record what `url` held at this version; a concurrent ingest recording it first wins."""
+        v = self.object_versions
+        try:
+            with self.engine.begin() as conn:
+                conn.execute(v.delete().where(v.c.url == url))
+                conn.execute(
+                    v.insert().values(
+                        url=url, version=version, size=size, content_hash=content_hash, seen_at=time.time()
+                    )
+                )
+        except self.sa.exc.IntegrityError:
+            pass
 
     def job_exists(self, content_hash: str, key: str) -> bool:
         j = self.jobs

@@ -26,6 +26,7 @@ class IngestReport:
     listed: int = 0
     enqueued: int = 0
     skipped: int = 0  # already known for this task
+    read: int = 0  # objects downloaded to hash them (new or changed since the last listing)
     job_ids: list[str] = field(default_factory=list)
 
 
@@ -47,15 +48,20 @@ def ingest(
     report = IngestReport()
     for obj in store.list(prefix):
         report.listed += 1
-        data = store.read(obj.url)
-        h = content_hash(data)
+        h = db.known_hash(obj.url, obj.version, obj.size) if obj.version else None
+        if h is None:
+            data = store.read(obj.url)
+            h = content_hash(data)
+            report.read += 1
+            if obj.version and len(data) == obj.size:
+                db.remember_object(obj.url, obj.version, obj.size, h)
         if not reprocess and db.job_exists(h, key):
             report.skipped += 1
             continue
         job_id = uuid.uuid4().hex
         payload = {"content_hash": h, "task_key": key, "url": obj.url, "reprocess": reprocess}
         queue.enqueue(payload, job_id=job_id)
-        if db.claim_job(job_id, h, key, obj.url, len(data), reprocess):
+        if db.claim_job(job_id, h, key, obj.url, obj.size, reprocess):
             report.enqueued += 1
             report.job_ids.append(job_id)
         else:

@@ -24,6 +24,17 @@ class UsageError(ValueError):
 class StoredObject:
     url: str  # full URL, e.g. file:///data/a.pdf or s3://bucket/reports/a.pdf
     size: int
+    version: str = ""  # what changes when the object does: S3's ETag, a file's mtime and inode; "" = unknown
+
+
+def object_version(info: dict[str, Any]) -> str:
+    """The version tag of a listed object (fsspec `find(detail=True)` info)."""
+    etag = info.get("ETag") or info.get("etag")
+    if etag:
+        return f"etag:{str(etag).strip(chr(34))}"
+    if info.get("mtime") is not None:
+        return f"mtime:{info['mtime']!r}:ino:{info.get('ino', '')}"
+    return ""
 
 
 def content_hash(data: bytes) -> str:
@@ -88,7 +99,7 @@ class ObjectStore:
         except Exception as err:  # noqa: BLE001 - connection/credential errors name the store
             raise RuntimeError(f"cannot list {self._url(base)}: {type(err).__name__}: {err}") from None
         out = [
-            StoredObject(self._url(p), int(info.get("size") or 0))
+            StoredObject(self._url(p), int(info.get("size") or 0), object_version(info))
             for p, info in found.items()
             if info.get("type") == "file" and not Path(p).name.startswith(".")
         ]

@@ -488,3 +488,51 @@ def test_ingest_reads_only_new_or_changed_objects(tmp_path, batch):
     same.write_bytes(same.read_bytes())  # same bytes, new version tag
     third = ingest(out, q, db, SCHEMA, [], MODEL)
     assert (third.read, third.enqueued, third.skipped) == (1, 0, 2)
+
+
+def test_status_watch_follows_the_queue_and_stops_on_ctrl_c(tmp_path, batch):
+    """`docs status --watch` redraws as jobs arrive (a terminal: FORCE_COLOR), and SIGINT ends it with
+    exit 0 and no traceback."""
+    import re
+
+    home = tmp_path / "home"
+    home.mkdir()
+    q = open_queue(f"sqlite:///{home}/queue.db", QueuePolicy(visibility_s=30, backoff_s=0))
+    db = Database(f"sqlite:///{home}/docs.db")
+    env = {**os.environ, "FORCE_COLOR": "1", "COLUMNS": "100", "PYTHONPATH": str(ROOT / "src")}
+    cmd = [
+        sys.executable,
+        "-m",
+        "posttrain",
+        "docs",
+        "status",
+        "--watch",
+        "--interval",
+        "0.2",
+        "--home",
+        str(home),
+    ]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    os.set_blocking(proc.stdout.fileno(), False)
+    seen = b""
+
+    def queued_counts() -> list[str]:
+        plain = re.sub(rb"\x1b\[[0-9;?]*[A-Za-z]", b"", seen).decode(errors="replace")
+        return re.findall(r"queued\s*│\s*(\d+)", plain)
+
+    def read_until(pred, timeout=60.0) -> None:
+        nonlocal seen
+        end = time.monotonic() + timeout
+        while time.monotonic() < end and not pred():
+            seen += proc.stdout.read() or b""
+            time.sleep(0.05)
+        assert pred(), seen[-2000:]
+
+    try:
+        read_until(lambda: "0" in queued_counts())
+        assert ingest(ObjectStore(str(batch.store_dir)), q, db, SCHEMA, [], MODEL).enqueued == 4
+        read_until(lambda: "4" in queued_counts())
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and b"Traceback" not in err, err[-2000:]

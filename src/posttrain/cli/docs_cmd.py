@@ -221,10 +221,15 @@ def status_cmd(
     if watch:
         from rich.live import Live
 
-        with Live(_status_table(_guard(status, database, q)), console=console, refresh_per_second=4) as live:
-            while True:
-                time.sleep(interval_s)
-                live.update(_status_table(_guard(status, database, q)))
+        try:
+            with Live(
+                _status_table(_guard(status, database, q)), console=console, refresh_per_second=4
+            ) as live:
+                while True:
+                    time.sleep(interval_s)
+                    live.update(_status_table(_guard(status, database, q)), refresh=True)
+        except KeyboardInterrupt:  # Ctrl-C ends the view; the last table stays on screen
+            return
     st = _guard(status, database, q)
     if json_out:
         print_json_last(st)

@@ -354,6 +354,7 @@ class RLRun:
                 reward=t.reward,
                 group_id=t.group_id,
                 policy_version=t.policy_version,
+                routing=t.routing,
             )
             for t in fresh
         ]
@@ -380,10 +381,10 @@ class RLRun:
         return {f"train/{k}" if "/" not in k else k: float(v) for k, v in metrics.items()}
 
     def replay_fraction(self) -> float:
-        """algorithm.replay_fraction, raised by falling retention suites (curriculum.retention_replay_gain)."""
-        return self.sampler.replay_fraction(
-            self.cfg.algorithm.replay_fraction, self.cfg.curriculum.retention_replay_gain
-        )
+        """algorithm.replay_fraction, raised by falling retention suites (curriculum.retention_replay_gain;
+        without a gain the sampler, which an async rollout thread may be updating, is not read)."""
+        base, gain = self.cfg.algorithm.replay_fraction, self.cfg.curriculum.retention_replay_gain
+        return self.sampler.replay_fraction(base, gain) if gain > 0 else base
 
     def _retention_args(self) -> tuple[Any, ...]:
         return (

@@ -89,6 +89,26 @@ STDLIB_PRELOAD = [
 ]
 
 
+# What `import cadquery` loads from site-packages (OCP's shared libraries sit beside it, in
+# cadquery_ocp.libs): all the `cad` profile's jail sees of the installation.
+CAD_PACKAGES = (
+    "cadquery",
+    "OCP",
+    "cadquery_ocp",
+    "vtkmodules",
+    "vtk",
+    "casadi",
+    "nlopt",
+    "ezdxf",
+    "fontTools",
+    "multimethod",
+    "pyparsing",
+    "runtype",
+    "typing_extensions",
+    "numpy",
+)
+
+
 class SandboxUnavailable(RuntimeError):
     """No usable isolation (or a requested profile cannot start); the message says what to do."""
 
@@ -105,6 +125,9 @@ class Profile:
 PROFILES: dict[str, Profile] = {
     "default": Profile("default", tuple(STDLIB_PRELOAD)),
     "numpy": Profile("numpy", (*STDLIB_PRELOAD, "numpy"), ("numpy",)),
+    # CadQuery on OpenCASCADE (the cad extra): importing it costs seconds, forking a worker that holds
+    # it tens of milliseconds (cad.modeling's scripts)
+    "cad": Profile("cad", (*STDLIB_PRELOAD, "numpy", "cadquery"), CAD_PACKAGES),
 }
 
 

@@ -94,27 +94,9 @@ class Worker:
         self.libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
         for path in self.cfg.get("sys_path", []):
             sys.path.insert(0, path)
-        imported, failed = [], {}
-        for name in self.cfg.get("preload", []):
-            try:
-                __import__(name)
-                imported.append(name)
-            except Exception as err:  # reported to the pool, which refuses the profile
-                failed[name] = f"{type(err).__name__}: {err}"
-        if self.cfg.get("seccomp", True):
-            try:
-                program = seccomp.build_filter((os.getpid(),), bool(self.cfg.get("network")))
-                self.seccomp = seccomp.Installer(program)
-                self.seccomp_status = self._verify_seccomp()
-            except seccomp.SeccompUnsupported as err:
-                self.seccomp_status = f"unavailable: {err}"
-            if self.seccomp_status == "on":
-                # The worker runs under the filter itself, so each job child inherits it for free. The
-                # filter forbids signalling this pid, so the worker sweeps by walking its process tree.
-                self.seccomp.install()  # type: ignore[union-attr]
-            else:
-                self.seccomp = None
-        # The worker's own environment becomes the jobs' (set once here, inherited by every fork).
+        # The worker's own environment becomes the jobs' (set once here, inherited by every fork). It is
+        # set before the preload: some packages read HOME or thread counts at import (ezdxf, under
+        # cadquery, fails to import without a home directory; the jail has no passwd entry).
         self.job_env = {
             "PATH": "/usr/bin:/bin",
             "HOME": self.jobdir,
@@ -128,6 +110,27 @@ class Worker:
         }
         os.environ.clear()
         os.environ.update(self.job_env)
+        imported, failed = [], {}
+        for name in self.cfg.get("preload", []):
+            try:
+                __import__(name)
+                imported.append(name)
+            except Exception as err:  # reported to the pool, which refuses the profile
+                failed[name] = f"{type(err).__name__}: {err}"
+        self._wipe_dir(self.jobdir)  # what an import left in HOME (ezdxf writes a font cache) is not a job's
+        if self.cfg.get("seccomp", True):
+            try:
+                program = seccomp.build_filter((os.getpid(),), bool(self.cfg.get("network")))
+                self.seccomp = seccomp.Installer(program)
+                self.seccomp_status = self._verify_seccomp()
+            except seccomp.SeccompUnsupported as err:
+                self.seccomp_status = f"unavailable: {err}"
+            if self.seccomp_status == "on":
+                # The worker runs under the filter itself, so each job child inherits it for free. The
+                # filter forbids signalling this pid, so the worker sweeps by walking its process tree.
+                self.seccomp.install()  # type: ignore[union-attr]
+            else:
+                self.seccomp = None
         gc.collect()
         gc.freeze()  # keeps forked children from copying the worker's heap on the first GC
         self.base_vm_bytes = _vm_size()

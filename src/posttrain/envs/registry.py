@@ -33,6 +33,7 @@ _BUILTIN: dict[str, str] = {
     "dataset": "posttrain.envs.domains.dataset",
     "docs.financial": "posttrain.envs.domains.docs_financial",
     "scene.layout": "posttrain.envs.domains.scene_layout",
+    "cad.modeling": "posttrain.envs.domains.cad_modeling",
     "longctx.ruler": "posttrain.envs.domains.longctx_ruler",
     "longctx.hard": "posttrain.envs.domains.longctx_hard",
     "longctx.codebase": "posttrain.envs.domains.longctx_codebase",

@@ -73,6 +73,13 @@ class RopeScaling(Section):
         return self
 
 
+class VisionConfig(Section):
+    """What trains in a vision-language policy (LLaVA-style; the language side follows lora_rank)."""
+
+    train_tower: bool = Field(False, description="train the vision encoder (frozen by default)")
+    train_projector: bool = Field(True, description="train the vision-to-language projector")
+
+
 class ModelConfig(Section):
     """Which weights: `smollm2-135m`, a HF folder, a .gguf path, or `tiny:<family>`."""
 
@@ -93,6 +100,7 @@ class ModelConfig(Section):
         "up_proj",
         "down_proj",
     ]
+    vision: VisionConfig = Field(default_factory=VisionConfig)
 
 
 def native_bf16(device: str = "cpu") -> bool:

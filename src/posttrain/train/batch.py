@@ -24,6 +24,7 @@ class Sample:
     reward: float
     group_id: int  # samples of one GRPO group share group_id
     policy_version: int = 0
+    images: list[str] = field(default_factory=list)  # content hashes of the placeholders' images, in order
 
     def validate(self, index: int = 0) -> None:
         n = len(self.token_ids)
@@ -67,6 +68,7 @@ class Batch:
     is_weights: Tensor | None = None  # truncated importance weights (behaviour -> learner), detached
     policy_mask: Tensor | None = None  # loss_mask minus ratio-masked tokens
     meta: dict = field(default_factory=dict)
+    images: list[list[str]] = field(default_factory=list)  # per row (vision policies): image hashes; [] none
 
     @property
     def size(self) -> int:
@@ -89,6 +91,7 @@ class Batch:
                     v = v[:, :width]
             out[f.name] = v
         out["meta"] = dict(self.meta)
+        out["images"] = [self.images[int(i)] for i in idx.tolist()] if self.images else []
         return replace(self, **out)
 
     def to(self, device: torch.device | str) -> Batch:
@@ -126,6 +129,7 @@ def build_batch(samples: list[Sample], device: torch.device | str = "cpu") -> Ba
         rewards=torch.tensor([float(s.reward) for s in samples], dtype=torch.float32),
         group_ids=torch.tensor([int(s.group_id) for s in samples], dtype=torch.long),
         policy_versions=torch.tensor([int(s.policy_version) for s in samples], dtype=torch.long),
+        images=[list(s.images) for s in samples] if any(s.images for s in samples) else [],
     ).to(device)
 
 
@@ -233,6 +237,7 @@ class ModelInputs:
     flat_offset: Tensor  # [B] offset of each row's token 0 in input_ids.view(-1)
     tokens: int  # real tokens (for throughput)
     cells: int  # R * C (tokens computed, padding included)
+    inputs_embeds: Tensor | None = None  # [R, C, H] instead of input_ids' embeddings (train/vision.py)
 
 
 def make_inputs(token_ids: Tensor, lengths: Tensor, packed: bool, pad_id: int = 0) -> ModelInputs:

@@ -53,6 +53,7 @@ from posttrain.train.forward import (
     select_targets,
     shared_prefix_hidden,
 )
+from posttrain.train.vision import VISION_MODULES, set_vision_trainable, vision_learner
 
 CRITIC_CHOICES = ("none", "copy", "separate")
 
@@ -135,6 +136,8 @@ class Learner:
         self.dynamic_rope = rope_parameters(causal_lm(model).config)["rope_type"] == "dynamic"
         self.device = next(model.parameters()).device
         self.lora = model_cfg.lora_rank > 0
+        # vision-language policies: images replayed through the model's own tower (train/vision.py)
+        self.vision = vision_learner(model_cfg, causal_lm(model))
 
         critic_backbone: nn.Module | None = None
         if trainer_cfg.critic == "copy":
@@ -161,7 +164,11 @@ class Learner:
                 model_cfg.lora_alpha,
                 model_cfg.lora_dropout,
                 model_cfg.lora_target_modules,
+                exclude_modules=VISION_MODULES if self.vision is not None else None,
             )
+        if self.vision is not None:  # after LoRA, which freezes all but its adapters
+            v = model_cfg.vision
+            set_vision_trainable(causal_lm(model), v.train_tower, v.train_projector)
         self.model = model.to(self.device)
         self.model.eval()
         if trainer_cfg.gradient_checkpointing:
@@ -240,6 +247,10 @@ class Learner:
         else:
             inputs = inputs if inputs is not None else self._inputs(batch)
             targets = select_targets(mask, batch.token_ids, inputs.flat_offset)
+            if self.vision is not None and batch.images:
+                inputs = self.vision.attach(
+                    lm, inputs, batch.token_ids, batch.loss_mask, batch.lengths, batch.images
+                )
         with self._autocast():
             if prefix > 0:
                 hidden = shared_prefix_hidden(lm.get_decoder(), batch.token_ids, batch.lengths, prefix)
@@ -274,6 +285,7 @@ class Learner:
             and not tc.gradient_checkpointing
             and not self.dynamic_rope
             and self.cp is None
+            and self.vision is None  # image features enter at the embeddings, per row
         ):
             return plan_shared_micro_batches(
                 batch.token_ids, batch.loss_mask, batch.lengths, batch.group_ids, budget, tc.packing

@@ -14,7 +14,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from posttrain.models.chat import render_messages
-from posttrain.types import Message, Task, ToolSpec, Trajectory, TrajectoryStatus
+from posttrain.models.vision import encode_with_images, image_inputs, with_placeholders
+from posttrain.types import ImagePart, Message, Task, ToolSpec, Trajectory, TrajectoryStatus
 
 if TYPE_CHECKING:  # the engine package imports torch; the agent loop only needs its types
     from posttrain.engine import Engine, SamplingParams
@@ -42,6 +43,8 @@ class GlueRenderer:
         self.tools = tools or None
 
     def glue_text(self, history: list[Message], observations: list[Message], stop_text: str | None) -> str:
+        history = with_placeholders(self.tokenizer, history)  # a VLM's image parts: placeholder runs
+        observations = with_placeholders(self.tokenizer, observations)
         turn = Message("assistant", _PLACEHOLDER)
         closed = render_messages(self.tokenizer, [*history, turn], self.tools, add_generation_prompt=False)
         full = render_messages(
@@ -71,7 +74,9 @@ class GroupPrefill:
         self._done: asyncio.Event | None = None
         self._prompt: list[int] | None = None
 
-    async def __call__(self, engine: Engine, prompt_ids: list[int]) -> None:
+    async def __call__(
+        self, engine: Engine, prompt_ids: list[int], images: list[ImagePart] | None = None
+    ) -> None:
         from posttrain.engine import GenerationRequest, SamplingParams
 
         if self._done is None:
@@ -81,6 +86,7 @@ class GroupPrefill:
                     GenerationRequest(
                         prompt_token_ids=list(prompt_ids),
                         params=SamplingParams(temperature=0.0, max_tokens=1),
+                        images=list(images or []),
                     )
                 )
             except Exception:  # noqa: BLE001, S110 - see the class doc
@@ -117,10 +123,8 @@ async def run_episode(
     timings["env_s"] += time.perf_counter() - t0
     history: list[Message] = list(obs.messages)
     glue = GlueRenderer(tokenizer, obs.tools)
-    prompt_ids = tokenizer.encode(
-        render_messages(tokenizer, history, obs.tools or None, add_generation_prompt=True),
-        add_special_tokens=False,
-    )
+    prompt_ids, _ = encode_with_images(tokenizer, history, obs.tools or None)
+    vision = image_inputs(tokenizer) is not None  # a VLM sees the images behind its placeholders
     token_ids = list(prompt_ids)
     loss_mask = [0] * len(prompt_ids)
     logprobs = [0.0] * len(prompt_ids)
@@ -148,9 +152,10 @@ async def run_episode(
             params = replace(params, seed=sampling.seed * 1009 + turn)
         t0 = time.perf_counter()
         if turn == 0 and prefill_gate is not None:
-            await prefill_gate(engine, token_ids)
+            await prefill_gate(engine, token_ids, traj.images if vision else None)
         try:
-            out = await engine.agenerate(GenerationRequest(prompt_token_ids=list(token_ids), params=params))
+            images = list(traj.images) if vision else []
+            out = await engine.agenerate(GenerationRequest(list(token_ids), params, images=images))
         except Exception as err:  # an engine failure is infrastructure, not a wrong answer
             traj.status = TrajectoryStatus.ENGINE_ERROR
             traj.info["error"] = f"{type(err).__name__}: {err}"

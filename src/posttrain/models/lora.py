@@ -6,15 +6,30 @@ import warnings
 from typing import Any
 
 
-def wrap_lora(model: Any, rank: int, alpha: float, dropout: float, target_modules: list[str]) -> Any:
-    """Return a peft model with LoRA adapters; the base weights are frozen."""
+def wrap_lora(
+    model: Any,
+    rank: int,
+    alpha: float,
+    dropout: float,
+    target_modules: list[str],
+    exclude_modules: str | None = None,
+) -> Any:
+    """Return a peft model with LoRA adapters; the base weights are frozen. `exclude_modules` (a regex
+    over module names) keeps adapters off modules that share a target's name (a VLM's vision tower)."""
     from peft import LoraConfig, get_peft_model
 
     present = {name.split(".")[-1] for name, _ in model.named_modules()}
     targets = [t for t in target_modules if t in present]
     if not targets:
         raise ValueError(f"none of the LoRA target modules {target_modules} exist in this model")
-    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, bias="none")
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=targets,
+        bias="none",
+        exclude_modules=exclude_modules,
+    )
     with warnings.catch_warnings():
         # peft reads model.is_gradient_checkpointing, which transformers 5 deprecates: a FutureWarning about the
         # two libraries' versions that no posttrain user can act on. Only that one is silenced.

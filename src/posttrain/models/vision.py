@@ -83,6 +83,22 @@ def is_vision_spec(spec: str) -> bool:
 # ---- rendering -----------------------------------------------------------------------------------
 
 
+def with_placeholders(tokenizer: Any, messages: list[Message | dict]) -> list[Message | dict]:
+    """The messages with each image part replaced by the model's placeholder text (a VLM's tokenizer),
+    or unchanged (a text-only one: the chat rendering reads descriptions)."""
+    vis = image_inputs(tokenizer)
+    if vis is None:
+        return list(messages)
+    out: list[Message | dict] = []
+    for m in messages:
+        if isinstance(m, Message) and not isinstance(m.content, str):
+            text = "\n".join(p.text if isinstance(p, TextPart) else vis.placeholder() for p in m.content)
+            out.append(replace(m, content=text))
+        else:
+            out.append(m)
+    return out
+
+
 def encode_with_images(
     tokenizer: Any,
     messages: list[Message | dict],
@@ -90,27 +106,14 @@ def encode_with_images(
     add_generation_prompt: bool = True,
 ) -> tuple[list[int], list[ImagePart]]:
     """Prompt ids and the images behind their placeholders, in order. A VLM's tokenizer renders each image
-    part as its run of placeholder tokens; a text-only one reads descriptions (`encode_messages`)."""
+    part as its run of placeholder tokens; a text-only one reads descriptions (`encode_messages`) and
+    gets no images."""
     from posttrain.models.chat import encode_messages
 
-    vis = image_inputs(tokenizer)
-    if vis is None:
-        return encode_messages(tokenizer, messages, tools, add_generation_prompt), []
-    images: list[ImagePart] = []
-    rendered: list[Message | dict] = []
-    for m in messages:
-        if isinstance(m, Message) and not isinstance(m.content, str):
-            pieces = []
-            for part in m.content:
-                if isinstance(part, TextPart):
-                    pieces.append(part.text)
-                else:
-                    images.append(part)
-                    pieces.append(vis.placeholder())
-            rendered.append(replace(m, content="\n".join(pieces)))
-        else:
-            rendered.append(m)
-    return encode_messages(tokenizer, rendered, tools, add_generation_prompt), images
+    ids = encode_messages(tokenizer, with_placeholders(tokenizer, messages), tools, add_generation_prompt)
+    if image_inputs(tokenizer) is None:
+        return ids, []
+    return ids, [img for m in messages if isinstance(m, Message) for img in m.images]
 
 
 def placeholder_positions(

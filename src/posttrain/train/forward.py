@@ -24,8 +24,13 @@ def causal_lm(model: Any) -> Any:
 
 
 def decoder_hidden(decoder: nn.Module, inputs: ModelInputs) -> Tensor:
+    ids = (
+        {"input_ids": inputs.input_ids}
+        if inputs.inputs_embeds is None
+        else {"inputs_embeds": inputs.inputs_embeds}
+    )
     out = decoder(
-        input_ids=inputs.input_ids,
+        **ids,
         attention_mask=inputs.attention_mask,
         position_ids=inputs.position_ids,
         use_cache=False,

@@ -160,6 +160,21 @@ class EngineConfig(Section):
         description="paged engine: keep each decode group's K/V contiguous across steps (no per-step block gather)",
     )
     device: str = Field("cpu", description="torch device of the paged engine: cpu, cuda, cuda:1, ...")
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="vllm backend: GPUs one engine shards its layers over (vLLM's tensor_parallel_size)",
+    )
+    pipeline_parallel_size: int = Field(
+        1, ge=1, description="vllm backend: pipeline stages of one engine (vLLM's pipeline_parallel_size)"
+    )
+    gpu_memory_utilization: float = Field(
+        0.5,
+        gt=0.0,
+        le=1.0,
+        description="vllm backend: the share of GPU memory the engine takes (weights and KV cache); the rest "
+        "is the colocated Learner's",
+    )
     speculative: Literal["none", "ngram", "early_exit"] = Field(
         "none",
         description="paged engine: speculative decoding with exact acceptance (greedy output unchanged, "
@@ -201,6 +216,19 @@ class EngineConfig(Section):
         "early_exit_layers",
         "decode_staging",
     )
+
+    VLLM_ONLY: ClassVar[tuple[str, ...]] = (
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "gpu_memory_utilization",
+    )
+
+    def vllm_only_settings(self) -> list[str]:
+        """The keys set away from their defaults that only the vllm backend runs."""
+        fields = type(self).model_fields
+        return [
+            f"engine.{k}={getattr(self, k)}" for k in self.VLLM_ONLY if getattr(self, k) != fields[k].default
+        ]
 
     def paged_only_settings(self) -> list[str]:
         """The keys set away from their defaults that only the paged engine runs (another backend must

@@ -14,5 +14,11 @@ from posttrain.engine.types import Engine
 
 def make_engine(engine_cfg: EngineConfig, model: Any, tokenizer: Any, *, seed: int = 0) -> Engine:
     """The engine registered as `engine_cfg.backend`, serving `model`; an unknown name raises
-    UnknownEngineError (a ValueError) naming the registered ones."""
+    UnknownEngineError (a ValueError) naming the registered ones; vLLM-only keys on another backend raise."""
+    vllm_only = engine_cfg.vllm_only_settings()
+    if engine_cfg.backend != "vllm" and vllm_only:
+        raise ValueError(
+            f"engine.backend={engine_cfg.backend} does not run {', '.join(vllm_only)}: those are the vllm "
+            "backend's; leave them at their defaults"
+        )
     return engine_builder(engine_cfg.backend)(engine_cfg, model, tokenizer, seed=seed)

@@ -1,17 +1,31 @@
-"""VLLMEngine: vLLM behind the engine interface, for GPUs (the `[vllm]` extra). Untested on this CPU machine.
+"""VLLMEngine: vLLM behind the engine interface, for GPUs (the `[vllm]` extra; does not run on CPU).
 
-Owns the translation between our request/result types and vLLM's `LLM.generate`, and weight reloads
-through vLLM's model `load_weights`. Caveats, honestly: vLLM's processed logprobs may already be
-top-k/top-p truncated (ours are not); seeds are vLLM's per-request seeds; the async methods run
-the blocking `LLM.generate` in a thread (no cross-caller batching; use the paged engine or a vLLM
-server for that). Does not run on CPU here.
+Owns one vLLM `AsyncLLM` on an event loop of its own (a background thread), so requests from every
+caller - rollout coroutines, the server, blocking `generate` - meet in the same continuous batch; the
+translation between our request/result types and vLLM's; weight updates in place; and sleep mode for
+colocated training:
+
+- logprobs are vLLM's `processed_logprobs`: of the distribution actually sampled from (after
+  temperature and penalties), the sampled token's among them, as our contract says;
+- `n` samples of one request share its prefix in vLLM's parallel sampling;
+- `release_kv_cache` puts the engine to sleep (level 1: KV cache dropped, weights offloaded to host
+  memory); `load_weights` wakes the weights first and leaves the KV cache asleep, and the next request
+  wakes the rest - weights are never copied into a sleeping engine;
+- weights go to the workers as a safetensors file in shared memory, named with its version and tensor
+  count, and loaded by `vllm_worker.WeightLoader` through `collective_rpc`: only a path crosses the RPC,
+  and a stale or truncated file is refused by every worker;
+- `tensor_parallel_size` and `pipeline_parallel_size` are vLLM's, from `engine.*`.
+Constrained decoding (`json_schema`) is refused: use the paged engine for it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import os
 import tempfile
-from collections.abc import Iterable
+import threading
+from collections.abc import Coroutine, Iterable
 from typing import Any
 
 import torch
@@ -31,10 +45,51 @@ VLLM_MISSING = (
     "engine.backend 'vllm' needs vLLM, which is not installed: pip install 'posttrain[vllm]' "
     "(GPU machines only); on CPU use engine.backend=paged"
 )
+WORKER_EXTENSION = "posttrain.engine.vllm_worker.WeightLoader"
+SLEEP_TAGS = ("weights", "kv_cache")
+
+
+class _LoopThread:
+    """An event loop on a daemon thread; coroutines are submitted to it from any thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="posttrain-vllm", daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        """Block until `coro` has run on the loop (never call from the loop's own thread)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    async def arun(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        """Await `coro` run on the loop, from a coroutine of another loop."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+def engine_args(engine_cfg: Any, model_dir: str, seed: int) -> dict[str, Any]:
+    """vLLM's `AsyncEngineArgs` keywords for `engine_cfg` (sleep mode on, our worker extension)."""
+    return {
+        "model": model_dir,
+        "dtype": engine_cfg.resolved_dtype(),
+        "seed": seed,
+        "max_model_len": engine_cfg.max_model_len,
+        "max_num_seqs": engine_cfg.max_num_seqs,
+        "enable_prefix_caching": engine_cfg.enable_prefix_caching,
+        "logprobs_mode": "processed_logprobs",
+        "enable_sleep_mode": True,
+        "worker_extension_cls": WORKER_EXTENSION,
+        "tensor_parallel_size": engine_cfg.tensor_parallel_size,
+        "pipeline_parallel_size": engine_cfg.pipeline_parallel_size,
+        "gpu_memory_utilization": engine_cfg.gpu_memory_utilization,
+    }
 
 
 class VLLMEngine(Engine):
-    """`agenerate` and `stream` are the Engine defaults (the blocking `LLM.generate` in a worker thread)."""
+    """`stream` is the Engine default (each completion in one delta)."""
 
     def __init__(self, model: Any, tokenizer: Any, engine_cfg: Any, *, seed: int = 0) -> None:
         try:
@@ -46,24 +101,27 @@ class VLLMEngine(Engine):
         self.max_model_len = engine_cfg.max_model_len
         self.vocab_size = model.config.vocab_size
         self.version = 0
-        self._asleep = False
         self._ids = itertools.count()
         self.caches_prefixes = engine_cfg.enable_prefix_caching
         self.eos_ids = end_of_turn_ids(
             model, tokenizer
         )  # vLLM reads generation_config, not the chat template's
         self._dir = tempfile.TemporaryDirectory(prefix="posttrain-vllm-")
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self._weights_dir = tempfile.TemporaryDirectory(prefix="posttrain-vllm-weights-", dir=shm)
         model.save_pretrained(self._dir.name)
         tokenizer.save_pretrained(self._dir.name)
-        self.llm = vllm.LLM(
-            model=self._dir.name,
-            dtype=engine_cfg.resolved_dtype(),
-            seed=seed,
-            max_model_len=engine_cfg.max_model_len,
-            max_num_seqs=engine_cfg.max_num_seqs,
-            enable_prefix_caching=engine_cfg.enable_prefix_caching,
-            logprobs_mode="processed_logprobs",
-        )
+        self._asleep: set[str] = set()
+        self._bg = _LoopThread()
+        self._wake_lock: asyncio.Lock | None = None
+        self.llm = self._bg.run(self._build(engine_args(engine_cfg, self._dir.name, seed)))
+
+    async def _build(self, kwargs: dict[str, Any]) -> Any:
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._wake_lock = asyncio.Lock()
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
 
     def _params(self, p: Any) -> Any:
         return self._vllm.SamplingParams(
@@ -73,76 +131,140 @@ class VLLMEngine(Engine):
             top_k=p.top_k if p.top_k > 0 else -1,
             min_p=p.min_p,
             repetition_penalty=p.repetition_penalty,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
             max_tokens=p.max_tokens,
             stop=list(p.stop),
             stop_token_ids=list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_ids),
             seed=p.seed,
             ignore_eos=p.ignore_eos,
-            logprobs=p.top_logprobs,  # vLLM returns the top N plus the sampled token
+            logprobs=p.top_logprobs,  # vLLM returns the top N plus the sampled token (0: the sampled only)
             include_stop_str_in_output=True,
             skip_special_tokens=True,
         )
 
+    def _check(self, r: GenerationRequest) -> None:
+        validate_request(r, self.vocab_size, self.max_model_len)
+        if r.params.json_schema is not None:
+            raise BadRequestError(
+                "the vllm backend does not pass json_schema on; use the paged engine for constrained decoding"
+            )
+        if getattr(r, "images", None):
+            raise BadRequestError(
+                "the vllm backend takes text requests only here; send images to the paged engine"
+            )
+
+    async def _wake(self, tags: tuple[str, ...]) -> None:
+        """Wake the sleeping parts among `tags` (on the engine's loop; concurrent callers wake once)."""
+        assert self._wake_lock is not None
+        async with self._wake_lock:
+            todo = [t for t in tags if t in self._asleep]
+            if todo:
+                await self.llm.wake_up(tags=todo)
+                self._asleep.difference_update(todo)
+
+    async def _generate_one(self, r: GenerationRequest) -> GenerationOutput:
+        await self._wake(SLEEP_TAGS)
+        rid = r.request_id if r.request_id is not None else f"vllm-{next(self._ids)}"
+        final = None
+        async for out in self.llm.generate(
+            {"prompt_token_ids": list(r.prompt_token_ids)}, self._params(r.params), request_id=rid
+        ):
+            final = out
+        if final is None:
+            raise RuntimeError(f"vLLM returned no output for request {rid}")
+        return convert_output(r, final, rid)
+
+    async def _generate_many(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
+        return list(await asyncio.gather(*(self._generate_one(r) for r in requests)))
+
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
         for r in requests:
-            validate_request(r, self.vocab_size, self.max_model_len)
-            if r.params.json_schema is not None:
-                raise BadRequestError(
-                    "the vllm backend does not pass json_schema on (vLLM's guided-decoding API differs "
-                    "between versions); use the paged engine for constrained decoding"
-                )
-        if self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
-        prompts = [{"prompt_token_ids": list(r.prompt_token_ids)} for r in requests]
-        outs = self.llm.generate(prompts, [self._params(r.params) for r in requests], use_tqdm=False)
-        results = []
-        for r, out in zip(requests, outs, strict=True):
-            comps = []
-            for c in out.outputs:
-                ids = list(c.token_ids)
-                steps = list(c.logprobs or [])
-                lps = [float(step[t].logprob) for step, t in zip(steps, ids, strict=False)]
-                tops = None
-                if r.params.top_logprobs > 0:
-                    n = r.params.top_logprobs
-                    tops = [
-                        sorted(((int(t), float(v.logprob)) for t, v in step.items()), key=lambda e: -e[1])[:n]
-                        for step in steps
-                    ]
-                reason = "stop" if c.finish_reason == "stop" else "length"
-                comps.append(Completion(ids, lps, c.text, reason, tops))
-            ttft = 0.0
-            metrics = getattr(out, "metrics", None)
-            if (
-                metrics is not None
-                and getattr(metrics, "first_token_time", None)
-                and getattr(metrics, "arrival_time", None)
-            ):
-                ttft = metrics.first_token_time - metrics.arrival_time
-            rid = r.request_id if r.request_id is not None else f"vllm-{next(self._ids)}"
-            results.append(GenerationOutput(rid, list(r.prompt_token_ids), comps, ttft))
-        return results
+            self._check(r)
+        return self._bg.run(self._generate_many(requests))
+
+    async def agenerate(self, request: GenerationRequest) -> GenerationOutput:
+        self._check(request)
+        return await self._bg.arun(self._generate_one(request))
 
     def load_weights(
         self,
         weights: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
         version: int | None = None,
     ) -> None:
-        items = list(weights.items() if isinstance(weights, dict) else weights)
-        items = [(k.removeprefix("base_model.model."), v) for k, v in items]
-        self.llm.collective_rpc(lambda worker: worker.model_runner.model.load_weights(items))
-        self.llm.reset_prefix_cache()
-        self.version = self.version + 1 if version is None else int(version)
+        from safetensors.torch import save_file
+
+        items = weights.items() if isinstance(weights, dict) else weights
+        state = {k.removeprefix("base_model.model."): v.detach().to("cpu").contiguous() for k, v in items}
+        new_version = self.version + 1 if version is None else int(version)
+        path = os.path.join(self._weights_dir.name, f"weights-{new_version}.safetensors")
+        save_file(
+            state,
+            path + ".tmp",
+            metadata={"posttrain_version": str(new_version), "posttrain_tensors": str(len(state))},
+        )
+        os.replace(path + ".tmp", path)  # a worker never sees a half-written file under this name
+        try:
+            self._bg.run(self._push(path, new_version, len(state)))
+        finally:
+            os.remove(path)
+        self.version = new_version
+
+    async def _push(self, path: str, version: int, n: int) -> None:
+        await self._wake(
+            ("weights",)
+        )  # level-1 sleep moved the weights to host memory: bring them back first
+        results = await self.llm.collective_rpc("posttrain_load_weights", args=(path, version))
+        bad = [r for r in results if r != {"version": version, "tensors": n}]
+        if bad:
+            raise RuntimeError(
+                f"weight push of version {version} ({n} tensors) not applied by every worker: {bad}"
+            )
+        await self.llm.reset_prefix_cache()
 
     def release_kv_cache(self) -> None:
-        """vLLM's sleep mode level 1: drops the KV cache (and offloads weights); the next generate wakes it."""
-        self.llm.sleep(level=1)
-        self._asleep = True
+        """vLLM's sleep mode level 1: the KV cache is dropped and the weights go to host memory."""
+        if not self._asleep:
+            self._bg.run(self.llm.sleep(level=1))
+            self._asleep = set(SLEEP_TAGS)
+
+    def close(self) -> None:
+        self.llm.shutdown()
+        self._bg.stop()
+        self._dir.cleanup()
+        self._weights_dir.cleanup()
+
+
+def convert_output(r: GenerationRequest, out: Any, rid: str) -> GenerationOutput:
+    """Our `GenerationOutput` from vLLM's final `RequestOutput`."""
+    comps = []
+    for c in out.outputs:
+        ids = list(c.token_ids)
+        steps = list(c.logprobs or [])
+        if len(steps) != len(ids):
+            raise RuntimeError(
+                f"vLLM returned {len(steps)} logprob steps for {len(ids)} tokens (request {rid})"
+            )
+        lps = [float(step[t].logprob) for step, t in zip(steps, ids, strict=True)]
+        tops = None
+        if r.params.top_logprobs > 0:
+            n = r.params.top_logprobs
+            tops = [
+                sorted(((int(t), float(v.logprob)) for t, v in step.items()), key=lambda e: -e[1])[:n]
+                for step in steps
+            ]
+        reason = "stop" if c.finish_reason == "stop" else "length"
+        comps.append(Completion(ids, lps, c.text, reason, tops))
+    ttft = 0.0
+    metrics = getattr(out, "metrics", None)
+    first, arrival = getattr(metrics, "first_token_time", None), getattr(metrics, "arrival_time", None)
+    if first and arrival:
+        ttft = first - arrival
+    return GenerationOutput(rid, list(r.prompt_token_ids), comps, ttft)
 
 
 @register_engine("vllm")
 def build_vllm(engine_cfg: Any, model: Any, tokenizer: Any, *, seed: int = 0) -> VLLMEngine:
-    """engine.backend=vllm (the `[vllm]` extra; GPU machines): vLLM's offline LLM serving `model`."""
+    """engine.backend=vllm (the `[vllm]` extra; GPU machines): vLLM's AsyncLLM serving `model`."""
     refuse_paged_only("vllm", engine_cfg)
     return VLLMEngine(model, tokenizer, engine_cfg, seed=seed)

@@ -105,7 +105,9 @@ def _median_summary(runs: list[dict]) -> dict:
     return out
 
 
-def _closed_loop_threads(fn: Callable[[], bool], clients: int, seconds: float) -> dict:
+def closed_loop_threads(fn: Callable[[], bool], clients: int, seconds: float) -> dict:
+    """`clients` threads calling `fn` (True = a right answer) back to back for `seconds`: rate, p50/p99
+    latency, count and errors."""
     latencies: list[float] = []
     errors = [0]
     lock = threading.Lock()
@@ -129,7 +131,8 @@ def _closed_loop_threads(fn: Callable[[], bool], clients: int, seconds: float) -
     return _summary(latencies, time.monotonic() - t0, errors[0])
 
 
-async def _closed_loop_async(fn: Callable, clients: int, seconds: float) -> dict:
+async def closed_loop_async(fn: Callable, clients: int, seconds: float) -> dict:
+    """`closed_loop_threads` with `clients` coroutines awaiting `fn()`."""
     latencies: list[float] = []
     errors = 0
     deadline = time.monotonic() + seconds
@@ -213,7 +216,7 @@ def _service_rows(sb: LocalSandbox, opts: Any, limits: Limits, meter: _CpuMeter)
                 return res.status == ExecStatus.OK and res.stdout == want
 
             try:
-                return await _closed_loop_async(one, opts.service_clients, opts.seconds)
+                return await closed_loop_async(one, opts.service_clients, opts.seconds)
             finally:
                 if client is not sb:
                     await client.close()
@@ -274,7 +277,7 @@ def main(opts: Any) -> dict:
 
             for _ in range(2 * pool_size):  # warm every worker once
                 await one()
-            return await _closed_loop_async(one, clients, opts.seconds)
+            return await closed_loop_async(one, clients, opts.seconds)
 
         for name, code, profile in scenarios:
             console.print(f"[dim]measuring {name} ...[/]")
@@ -289,11 +292,11 @@ def main(opts: Any) -> dict:
                 "pool": lambda name=name, code=code, profile=profile: asyncio.run(
                     pool_measure(name, code, profile)
                 ),
-                "subprocess": lambda baseline=baseline: _closed_loop_threads(baseline, clients, opts.seconds),
+                "subprocess": lambda baseline=baseline: closed_loop_threads(baseline, clients, opts.seconds),
             }
             prefix = _bwrap_prefix(binds)
             if prefix is not None:
-                runners["bwrap"] = lambda code=code, prefix=prefix: _closed_loop_threads(
+                runners["bwrap"] = lambda code=code, prefix=prefix: closed_loop_threads(
                     _subprocess_runner(prefix, code, base_env), clients, opts.seconds
                 )
             samples: dict[str, list[dict]] = {r: [] for r in runners}

@@ -249,7 +249,10 @@ class Trajectory:
     of appended observations, exactly as fed to the engine. `loss_mask[i] == 1` only where the engine
     sampled token i; `behavior_logprobs[i]` is its logprob under the sampling distribution (0.0 where
     the mask is 0). All three lists have the same length. `images` are the image parts of the prompt and
-    of the observations that entered `token_ids`, in order of appearance.
+    of the observations that entered `token_ids`, in order of appearance. `routing` (MoE policies on
+    the paged engine; None when unknown): for positions 0 .. len(token_ids) - 2, the expert ids the
+    engine chose at each sparse layer when it fed that token, `[position][layer][top_k]` (each turn's
+    completion adds the positions it fed first; earlier positions keep the turn that fed them first).
     """
 
     task: Task
@@ -266,6 +269,7 @@ class Trajectory:
     info: dict[str, Any] = field(default_factory=dict)
     group_id: int = 0
     images: list[ImagePart] = field(default_factory=list)  # of the prompt and the observations fed, in order
+    routing: list[list[list[int]]] | None = None
 
     @property
     def num_generated(self) -> int:

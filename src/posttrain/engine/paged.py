@@ -14,6 +14,7 @@ import asyncio
 import itertools
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -194,6 +195,9 @@ class PagedEngine(Engine):
         self._driver: asyncio.Task | None = None
         self._peak: dict | None = None
         self.num_steps = 0
+        # MoE: expert ids [block_size, layers, k] of full blocks by prefix hash, for prefix-cache hits
+        self._routing_cache: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._placed: list[tuple[Sequence, int, int, int]] = []  # last batch: (seq, row, start, n)
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -231,11 +235,14 @@ class PagedEngine(Engine):
     def _finish_seq(self, seq: Sequence, reason: str) -> Completion:
         state = self._seq_state.pop(id(seq))
         seq.finish_reason = reason
+        routing = self._routing_of(seq)  # before finish frees its blocks
         self.scheduler.finish(seq)
         ids = seq.output_ids
         text_ids = ids[:-1] if reason == "stop" and ids and self._is_stop_token(seq, ids[-1]) else ids
         tops = list(seq.top_logprobs) if seq.params.top_logprobs > 0 else None
-        comp = Completion(list(ids), list(seq.logprobs), self.tokenizer.decode(text_ids), reason, tops)
+        comp = Completion(
+            list(ids), list(seq.logprobs), self.tokenizer.decode(text_ids), reason, tops, routing
+        )
         state.completions[seq.index] = comp
         return comp
 
@@ -300,11 +307,13 @@ class PagedEngine(Engine):
         samplers: list[tuple[Sequence, int]] = []
         verifiers: list[tuple[Sequence, int]] = []
         chunks: list[PrefillChunk] = []
+        self._placed = []
         embed_rows: list[int] = []
         embeds: list[torch.Tensor] = []
         for seq, n in [(s, 1) for s in decodes] + prefills:
             start = seq.num_computed
             row = len(ids)
+            self._placed.append((seq, row, start, n))
             src = seq.token_ids + seq.draft if seq.draft else seq.token_ids
             ids.extend(src[start : start + n])
             pos.extend(range(start, start + n))
@@ -347,6 +356,39 @@ class PagedEngine(Engine):
             seq.image_embeds = self.vision.features(seq.images)
         rows.extend(row + p - start for p, _ in hit)
         embeds.append(seq.image_embeds[torch.tensor([i for _, i in hit], device=seq.image_embeds.device)])
+
+    def _keep_routing(self) -> None:
+        """MoE: keep each row's expert ids on its sequence, by position (a recomputed or re-verified
+        position overwrites what it had)."""
+        routing = self.runner.step_routing()
+        if routing is None:
+            return
+        for seq, row, start, n in self._placed:
+            if len(seq.routing) < start + n:
+                seq.routing.extend([None] * (start + n - len(seq.routing)))
+            for i in range(n):
+                seq.routing[start + i] = routing[row + i]
+
+    def _routing_of(self, seq: Sequence) -> list[list[list[int]]] | None:
+        """The expert ids of every position of `seq` fed to the model (all but its last token): positions
+        its prefix-cache hits skipped come from the routing cache, and its full blocks enter it. None for
+        a dense model, or when a position's routing is unknown (its cached block's routing was evicted)."""
+        if self.runner.spec.moe is None:
+            return None
+        bs, n = self.block_size, len(seq.token_ids) - 1
+        rows = (seq.routing + [None] * n)[:n]
+        for j, h in enumerate(seq.block_hashes):
+            block = rows[j * bs : (j + 1) * bs]
+            if len(block) == bs and all(r is not None for r in block):
+                self._routing_cache[h] = torch.stack(block)  # type: ignore[arg-type]
+                self._routing_cache.move_to_end(h)
+                while len(self._routing_cache) > self.bm.num_blocks:
+                    self._routing_cache.popitem(last=False)
+            elif h in self._routing_cache:
+                rows[j * bs : j * bs + len(block)] = list(self._routing_cache[h][: len(block)])
+        if any(r is None for r in rows):
+            return None
+        return torch.stack(rows).tolist() if rows else []  # type: ignore[arg-type]
 
     def _decode_groups(
         self, seqs: list[Sequence], max_groups: int = 4, slack: float = 1.25, ahead: int = 0
@@ -411,6 +453,7 @@ class PagedEngine(Engine):
                 self._draft_early_exit(work)
             batch, samplers, verifiers = self._build_batch(work)
             logits = self.runner.forward(batch)
+            self._keep_routing()
             for seq, n in work:
                 if not seq.draft:  # a verified draft's computed tokens are known after acceptance
                     seq.num_computed += n
@@ -709,6 +752,7 @@ class PagedEngine(Engine):
                 self.vision.load_vision_weights(vision)
             self.runner.load_weights(items)
             self.bm.reset_prefix_cache()
+            self._routing_cache.clear()
             self.version = self.version + 1 if version is None else int(version)
 
     def release_kv_cache(self) -> None:

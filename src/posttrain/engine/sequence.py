@@ -61,6 +61,8 @@ class Sequence:
         self.draft: list[int] = []  # speculative tokens to verify after the last one (never in token_ids)
         self.ngram: NgramIndex | None = None  # prompt-lookup index over token_ids (speculative engines)
         self.constraint: Constraint | None = None  # the grammar of params.json_schema, at this position
+        # MoE: per position fed to the model so far, its expert ids [sparse layers, top_k] (None: not seen)
+        self.routing: list[torch.Tensor | None] = []
         # vision: the images behind the prompt's placeholders; position -> (image sha256, feature index)
         self.images: list[ImagePart] = []
         self.image_at: dict[int, tuple[str, int]] = {}
@@ -113,5 +115,6 @@ class Sequence:
         child.status = self.status
         child.ngram = self.ngram.copy() if self.ngram is not None else None
         child.constraint = self.constraint.copy() if self.constraint is not None else None
+        child.routing = list(self.routing)
         child.images, child.image_at, child.image_embeds = self.images, self.image_at, self.image_embeds
         return child

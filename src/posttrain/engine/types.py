@@ -121,6 +121,10 @@ class Completion:
     `text` decodes `token_ids` without a trailing stop token. `finish_reason` is "stop" or "length".
     `top_logprobs[i]` (None unless the request asked for `top_logprobs` > 0) holds the N most likely
     (token id, logprob) pairs at position i under that same distribution, most likely first.
+    `routing` (MoE models on the paged engine; None otherwise): for every token fed to the model, the
+    prompt's and the completion's but its last, the expert ids chosen at each sparse layer,
+    `[position][layer][top_k]`; position p's choice is the one that computed its K/V and the
+    distribution of token p + 1.
     """
 
     token_ids: list[int]
@@ -128,6 +132,7 @@ class Completion:
     text: str
     finish_reason: str
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    routing: list[list[list[int]]] | None = None
 
 
 @dataclass

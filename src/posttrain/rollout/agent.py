@@ -165,6 +165,10 @@ async def run_episode(
         token_ids.extend(completion.token_ids)
         loss_mask.extend([1] * len(completion.token_ids))
         logprobs.extend(float(x) for x in completion.logprobs)
+        if turn == 0 or traj.routing is not None:  # MoE expert choices: the new positions this turn fed
+            known = traj.routing or []
+            new = completion.routing
+            traj.routing = None if new is None else known + new[len(known) :]
         ends_with_stop = bool(completion.token_ids) and completion.token_ids[-1] in eos_ids
         text = tokenizer.decode(completion.token_ids[:-1] if ends_with_stop else completion.token_ids)
         traj.turns = turn + 1

@@ -25,6 +25,8 @@ class Sample:
     group_id: int  # samples of one GRPO group share group_id
     policy_version: int = 0
     images: list[str] = field(default_factory=list)  # content hashes of the placeholders' images, in order
+    # MoE: the engine's expert ids per position fed (len(token_ids) - 1), [position][layer][top_k]
+    routing: list[list[list[int]]] | None = None
 
     def validate(self, index: int = 0) -> None:
         n = len(self.token_ids)
@@ -44,6 +46,11 @@ class Sample:
                 f"sample {index}: loss_mask[0] is 1, but the first token has no logprob (nothing predicts it); "
                 "a sample must start with at least one prompt token"
             )
+        if self.routing is not None and len(self.routing) != n - 1:
+            raise ValueError(
+                f"sample {index}: routing must cover the {n - 1} positions fed to the model (all tokens but "
+                f"the last), got {len(self.routing)}"
+            )
         if not any(self.loss_mask):
             raise ValueError(f"sample {index}: loss_mask has no 1s: there is no generated token to train on")
 
@@ -59,6 +66,7 @@ class Batch:
     rewards: Tensor  # [B] float
     group_ids: Tensor  # [B] long
     policy_versions: Tensor  # [B] long
+    routing: Tensor | None = None  # [B, L, sparse layers, top_k] the engine's expert ids; -1: unknown
     # filled by Learner.step before update()
     old_logprobs: Tensor | None = None  # learner logprobs before the update (the PPO ratio's denominator)
     ref_logprobs: Tensor | None = None
@@ -87,7 +95,7 @@ class Batch:
             v = getattr(self, f.name)
             if isinstance(v, Tensor):
                 v = v[idx]
-                if v.ndim == 2:
+                if v.ndim >= 2:
                     v = v[:, :width]
             out[f.name] = v
         out["meta"] = dict(self.meta)
@@ -121,6 +129,15 @@ def build_batch(samples: list[Sample], device: torch.device | str = "cpu") -> Ba
         ids[i, :n] = torch.tensor(s.token_ids, dtype=torch.long)
         mask[i, :n] = torch.tensor(s.loss_mask, dtype=torch.float32)
         blp[i, :n] = torch.tensor(s.behavior_logprobs, dtype=torch.float32) * mask[i, :n]
+    routing = None
+    shapes = {(len(s.routing[0]), len(s.routing[0][0])) for s in samples if s.routing}
+    if len(shapes) > 1:
+        raise ValueError(f"samples' routing differ in [layers, top_k]: {sorted(shapes)}")
+    if shapes:
+        routing = torch.full((b, width, *shapes.pop()), -1, dtype=torch.long)
+        for i, s in enumerate(samples):
+            if s.routing:
+                routing[i, : len(s.routing)] = torch.tensor(s.routing, dtype=torch.long)
     return Batch(
         token_ids=ids,
         lengths=torch.tensor(lengths, dtype=torch.long),
@@ -130,6 +147,7 @@ def build_batch(samples: list[Sample], device: torch.device | str = "cpu") -> Ba
         group_ids=torch.tensor([int(s.group_id) for s in samples], dtype=torch.long),
         policy_versions=torch.tensor([int(s.policy_version) for s in samples], dtype=torch.long),
         images=[list(s.images) for s in samples] if any(s.images for s in samples) else [],
+        routing=routing,
     ).to(device)
 
 

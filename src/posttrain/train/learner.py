@@ -8,6 +8,7 @@ gradient accumulation, clipping, AdamW and the LR schedule. Knows nothing about 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
@@ -53,6 +54,7 @@ from posttrain.train.forward import (
     select_targets,
     shared_prefix_hidden,
 )
+from posttrain.train.moe import MoeRouting
 from posttrain.train.vision import VISION_MODULES, set_vision_trainable, vision_learner
 
 CRITIC_CHOICES = ("none", "copy", "separate")
@@ -170,6 +172,8 @@ class Learner:
             v = model_cfg.vision
             set_vision_trainable(causal_lm(model), v.train_tower, v.train_projector)
         self.model = model.to(self.device)
+        # MoE policies: routing replay, a frozen router, aux losses, routing metrics (train/moe.py)
+        self.moe = MoeRouting.attach(self.model, trainer_cfg.moe, trainer_cfg.gradient_checkpointing)
         self.model.eval()
         if trainer_cfg.gradient_checkpointing:
             lm = causal_lm(self.model)
@@ -251,7 +255,12 @@ class Learner:
                 inputs = self.vision.attach(
                     lm, inputs, batch.token_ids, batch.loss_mask, batch.lengths, batch.images
                 )
-        with self._autocast():
+        routed = (
+            self.moe.forward(batch, inputs, prefix)
+            if self.moe is not None and model is self.model
+            else contextlib.nullcontext()
+        )
+        with self._autocast(), routed:
             if prefix > 0:
                 hidden = shared_prefix_hidden(lm.get_decoder(), batch.token_ids, batch.lengths, prefix)
             else:
@@ -432,6 +441,8 @@ class Learner:
             step = a.entropy_floor_lr * (a.entropy_floor - metrics["entropy"])
             self.entropy_coef = max(0.0, self.entropy_coef + step)
             metrics["entropy_coef"] = self.entropy_coef
+        if self.moe is not None:
+            metrics.update(self.moe.pop_metrics())
         groups = torch.unique(batch.group_ids)
         zero_groups = torch.unique(batch.group_ids[adv_out.zero_signal])
         staleness = (current - batch.policy_versions).float()
@@ -624,6 +635,9 @@ class Learner:
                         )
                         loss = (out.loss_tokens * wp).sum()
                         pg = float(loss.item())
+                        moe_loss = self.moe.loss() if self.moe is not None else None
+                        if moe_loss is not None:  # this micro-batch's share of the mini-batch's tokens
+                            loss = loss + moe_loss * (float(mi.lengths.sum()) / float(mb.lengths.sum()))
                         if self.entropy_coef != 0.0:
                             loss = loss - self.entropy_coef * (ent * wp).sum()
                         if use_kl_loss:

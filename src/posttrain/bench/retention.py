@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -106,9 +107,14 @@ def _evaluate(spec: str, cfg: Any, text: str, n: int, seed: int, **kw: Any) -> A
         gc.collect()
 
 
+def _stage(text: str) -> None:
+    print(f"bench retention: {text}", file=sys.stderr, flush=True)
+
+
 def score_policy(spec: str, cfg: Any, ns: Any, sizes: dict[str, int]) -> dict[str, Any]:
     """The policy's reports: trained arms greedy and sampled (pass@1, pass@samples), suites, outside."""
     n, s = sizes["n_eval"], sizes["samples"]
+    _stage(f"scoring {spec}")
     return {
         "greedy": _evaluate(spec, cfg, ns.trained, n, ns.eval_seed),
         "sampled": _evaluate(
@@ -127,6 +133,7 @@ def train(overrides: list[str], seed: int, root: Path, name: str) -> dict[str, A
     from posttrain.telemetry import RunDir, read_metrics
 
     cfg = load_config(None, [*overrides, f"seed={seed}", f"telemetry.run_dir={root}"])
+    _stage(f"training {name}")
     run_dir = RunDir.create(root, name)
     save_config(cfg, run_dir.config)
     t0 = time.perf_counter()

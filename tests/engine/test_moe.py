@@ -121,3 +121,46 @@ def test_route_hand_computed():
     w, ids = route(logits, renorm, forced_ids=torch.tensor([[3, 0]]))
     assert ids.tolist() == [[3, 0]]
     torch.testing.assert_close(w[0], torch.stack([probs[3], probs[0]]) / (probs[3] + probs[0]))
+
+
+def _hf_routing(model, ids: list[int]) -> list[list[list[int]]]:
+    """transformers' own top-k choice at every position of a full forward, [position][layer][k]."""
+    from posttrain.train.moe import routers
+
+    seen: list[torch.Tensor] = []
+    hooks = [r.register_forward_hook(lambda m, a, out: seen.append(out[2])) for r in routers(model)]
+    try:
+        with torch.inference_mode():
+            model(torch.tensor([ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.stack(seen, dim=1).tolist()
+
+
+def test_recorded_routing_is_transformers_choice_and_survives_prefix_cache_hits(tokenizer):
+    model = tiny("qwen3_moe")
+    prompt = random_prompts([13], seed=8)[0]  # 3 full blocks of 4, then a partial one
+    engine = PagedEngine(model, tokenizer, block_size=4, num_blocks=64)
+    first = engine.generate([GenerationRequest(prompt, GREEDY)])[0].completions[0]
+    ids = prompt + first.token_ids
+    want = _hf_routing(model, ids[:-1])
+    assert first.routing is not None and len(first.routing) == len(ids) - 1
+    # a choice can only differ on a float near-tie; none in this draw: equal as sets per layer
+    assert [[sorted(x) for x in pos] for pos in first.routing] == [[sorted(x) for x in p] for p in want]
+    # the same prompt again: its 3 full blocks come from the prefix cache, their routing from the cache too
+    second = engine.generate([GenerationRequest(prompt, SamplingParams(temperature=0.0, max_tokens=3))])[0]
+    assert engine.kv_stats()["prefix_hit_tokens"] == 12
+    assert second.completions[0].routing == first.routing[: len(prompt) + 2]
+    # forked samples of one prefill each get the shared prompt's routing
+    out = engine.generate(
+        [GenerationRequest(prompt, SamplingParams(temperature=1.0, max_tokens=4, n=3, seed=1))]
+    )
+    assert all(c.routing[: len(prompt)] == first.routing[: len(prompt)] for c in out[0].completions)
+    assert (
+        PagedEngine(tiny("llama"), tokenizer, num_blocks=16)
+        .generate([GenerationRequest(prompt, GREEDY)])[0]
+        .completions[0]
+        .routing
+        is None
+    )  # a dense model records nothing

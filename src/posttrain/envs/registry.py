@@ -37,6 +37,9 @@ _BUILTIN: dict[str, str] = {
     "longctx.ruler": "posttrain.envs.domains.longctx_ruler",
     "longctx.hard": "posttrain.envs.domains.longctx_hard",
     "longctx.codebase": "posttrain.envs.domains.longctx_codebase",
+    "vision.shapes": "posttrain.envs.domains.vision_shapes",
+    "vision.views": "posttrain.envs.domains.vision_shapes",
+    "vision.chart": "posttrain.envs.domains.vision_chart",
 }
 ENTRY_POINT_GROUP = "posttrain.domains"
 

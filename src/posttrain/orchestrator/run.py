@@ -132,6 +132,10 @@ class RLRun:
         )
         self.tasks = TaskSource(sampler, domains, arms, cfg.seed)
         self.learner = Learner(cfg.model, cfg.trainer, cfg.algorithm, seed=cfg.seed, batch_cfg=cfg.batch)
+        if self.learner.vision is not None:  # trajectories' images, by content hash, for the Learner
+            from posttrain.models.vision import ImageStore
+
+            self.learner.vision.store = ImageStore(self.run_dir.path / "images")
         engine_model = apply_rope_scaling(
             load_policy(cfg.model.spec, dtype=cfg.engine.dtype, seed=cfg.seed), cfg.model.rope_scaling
         )
@@ -346,6 +350,7 @@ class RLRun:
         self.counters["dropped_stale"] += len(trajectories) - len(fresh)
         if not fresh:
             return {}
+        vision = self.learner.vision
         samples = [
             Sample(
                 token_ids=t.token_ids,
@@ -355,6 +360,7 @@ class RLRun:
                 group_id=t.group_id,
                 policy_version=t.policy_version,
                 routing=t.routing,
+                images=[vision.store.put(img) for img in t.images] if vision is not None else [],
             )
             for t in fresh
         ]

@@ -632,3 +632,34 @@ def longctx(
         timeout_s=timeout_s,
         ring_tokens=ring_tokens,
     )
+
+
+@app.command("moe")
+def moe(
+    model: str = typer.Option("smollm2-135m", "--model", help="the dense model to upcycle (model spec)"),
+    experts: int = typer.Option(4, "--experts", help="experts per layer of the upcycled MoE"),
+    top_k: int = typer.Option(2, "--top-k", help="experts per token"),
+    batch: str = typer.Option("1,8", "--batch", help="comma list of decode batch sizes"),
+    new_tokens: int = typer.Option(64, "--new-tokens", help="tokens generated per sequence"),
+    dtypes: str = typer.Option("float32", "--dtypes", help="comma list of float32, bfloat16"),
+    weight_quants: str = typer.Option(
+        "none,int8", "--weight-quants", help="comma list of none, int8, int8_weight_only, int4"
+    ),
+    repeats: int = typer.Option(3, "--repeats", help="interleaved repeats; medians are reported"),
+    seed: int = typer.Option(0, "--seed"),
+    json_out: bool = JSON,
+) -> dict[str, Any]:
+    """Decode tok/s of the upcycled MoE vs dense models at equal active and equal total parameters."""
+    return _run(
+        "moe",
+        json_out,
+        model=model,
+        experts=experts,
+        top_k=top_k,
+        batch=batch,
+        new_tokens=new_tokens,
+        dtypes=dtypes,
+        weight_quants=weight_quants,
+        repeats=repeats,
+        seed=seed,
+    )

@@ -1,0 +1,157 @@
+"""`posttrain bench moe`: decode tok/s of the upcycled MoE against dense models at equal active and at
+equal total parameters, on the paged engine, in one run.
+
+Models: the MoE is `--model` upcycled in process (`--experts` copies of its MLP, top `--top-k`); the
+dense baselines share its attention, embeddings and depth with an MLP `top_k` times as wide (the MoE's
+active parameters per token) and `experts` times as wide (its total parameters), random weights (speed
+does not depend on their values); the original dense model is reported too. Workloads: decode of
+`--batch` sizes, 8-token random prompts, `--new-tokens` tokens each, EOS ignored; figures are the
+decode phase's tok/s (tokens after each request's first over the time after the last first token),
+medians over `--repeats` interleaved repeats, per `--dtypes` and `--weight-quants`. Ratios are the MoE's
+tok/s over each baseline's, from the same repeat order.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import torch
+
+from posttrain.bench import BenchUsageError
+from posttrain.bench.engine import run_once
+from posttrain.engine.paged import PagedEngine
+from posttrain.engine.quant import WEIGHT_QUANTS
+from posttrain.engine.types import GenerationRequest, SamplingParams
+
+
+def _csv(text: str, allowed: tuple[str, ...], name: str) -> list[str]:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in items if x not in allowed]
+    if not items or bad:
+        raise BenchUsageError(f"--{name} takes a comma list of {', '.join(allowed)}; got {text!r}")
+    return items
+
+
+def _ints(text: str, name: str) -> list[int]:
+    try:
+        items = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        items = []
+    if not items or any(x < 1 for x in items):
+        raise BenchUsageError(f"--{name} takes a comma list of positive integers; got {text!r}")
+    return items
+
+
+def widened(dense: Any, factor: int) -> Any:
+    """A dense model like `dense` with an MLP `factor` times as wide (random weights)."""
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.models.loading import quiet_transformers
+
+    config = type(dense.config).from_dict(dense.config.to_dict())
+    config.intermediate_size = dense.config.intermediate_size * factor
+    with quiet_transformers(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def _params(model: Any) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def main(opts: Any) -> dict:
+    """Run the benchmark with the options of `posttrain bench moe` (see its --help)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from posttrain.models import load_policy, load_tokenizer
+    from posttrain.models.upcycle import upcycle
+
+    dtypes = _csv(opts.dtypes, ("float32", "bfloat16"), "dtypes")
+    quants = _csv(opts.weight_quants, WEIGHT_QUANTS, "weight-quants")
+    batches = _ints(opts.batch, "batch")
+    if opts.new_tokens < 2 or opts.repeats < 1:
+        raise BenchUsageError("--new-tokens must be >= 2 and --repeats >= 1")
+    try:
+        dense = load_policy(opts.model)
+        tok = load_tokenizer(opts.model)
+        moe = upcycle(dense, opts.experts, opts.top_k)
+    except ValueError as err:
+        raise BenchUsageError(str(err)) from None
+    moe_cfg = moe.config
+    per_expert = 3 * moe_cfg.hidden_size * dense.config.intermediate_size * moe_cfg.num_hidden_layers
+    models = {
+        "moe": moe,
+        "dense_equal_active": widened(dense, opts.top_k),
+        "dense_equal_total": widened(dense, opts.experts),
+        "dense_original": dense,
+    }
+    params = {name: _params(m) for name, m in models.items()}
+    active = params["moe"] - (opts.experts - opts.top_k) * per_expert
+    g = torch.Generator().manual_seed(opts.seed)
+    blocks = max(batches) * -(-(8 + opts.new_tokens) // 16) + 8  # the KV pool the largest batch needs
+    rows: list[dict[str, Any]] = []
+    for dtype in dtypes:
+        for quant in quants:
+            engines = {
+                name: PagedEngine(
+                    m, tok, dtype=dtype, weight_quant=quant, num_blocks=blocks, max_num_seqs=max(batches)
+                )
+                for name, m in models.items()
+            }
+            for b in batches:
+                prompts = [torch.randint(3, 49152, (8,), generator=g).tolist() for _ in range(b)]
+                params_ = SamplingParams(temperature=0.0, max_tokens=opts.new_tokens, ignore_eos=True)
+                reqs = [GenerationRequest(p, params_) for p in prompts]
+                for e in engines.values():  # warm-up: first-call allocation and packing out of the timing
+                    e.generate(reqs[:1])
+                runs: dict[str, list[float]] = {name: [] for name in engines}
+                for _ in range(opts.repeats):
+                    for name, e in engines.items():
+                        runs[name].append(run_once(e, reqs)["decode_tok_s"])
+                tok_s = {name: statistics.median(v) for name, v in runs.items()}
+                rows.append(
+                    {
+                        "dtype": dtype,
+                        "weight_quant": quant,
+                        "batch": b,
+                        **{f"{name}_tok_s": v for name, v in tok_s.items()},
+                        "moe_over_dense_equal_active": tok_s["moe"] / tok_s["dense_equal_active"],
+                        "moe_over_dense_equal_total": tok_s["moe"] / tok_s["dense_equal_total"],
+                        "moe_over_dense_original": tok_s["moe"] / tok_s["dense_original"],
+                    }
+                )
+            del engines
+    table = Table(
+        "dtype", "weights", "batch", "moe tok/s", "= active", "= total", "original", "/ active", "/ total"
+    )
+    for r in rows:
+        table.add_row(
+            r["dtype"],
+            r["weight_quant"],
+            str(r["batch"]),
+            f"{r['moe_tok_s']:.1f}",
+            f"{r['dense_equal_active_tok_s']:.1f}",
+            f"{r['dense_equal_total_tok_s']:.1f}",
+            f"{r['dense_original_tok_s']:.1f}",
+            f"{r['moe_over_dense_equal_active']:.2f}",
+            f"{r['moe_over_dense_equal_total']:.2f}",
+        )
+    console = Console()
+    console.print(
+        f"MoE: {opts.model} upcycled, {opts.experts} experts, top {opts.top_k}: {params['moe'] / 1e6:.1f}M "
+        f"parameters, {active / 1e6:.1f}M active; dense baselines {params['dense_equal_active'] / 1e6:.1f}M "
+        f"(= active) and {params['dense_equal_total'] / 1e6:.1f}M (= total); decode tok/s, median of "
+        f"{opts.repeats}"
+    )
+    console.print(table)
+    return {
+        "model": opts.model,
+        "experts": opts.experts,
+        "top_k": opts.top_k,
+        "new_tokens": opts.new_tokens,
+        "repeats": opts.repeats,
+        "params": {**params, "moe_active": active},
+        "rows": rows,
+    }

@@ -1,0 +1,50 @@
+"""`posttrain bench moe`: one JSON object with the MoE's and the dense baselines' decode tok/s, their
+parameter counts (equal active, equal total) and ratios from the same run; usage errors exit 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from posttrain.cli.bench import run_bench
+
+
+def test_moe_bench_reports_equal_active_and_total_baselines():
+    out = run_bench(
+        "moe",
+        [
+            "--model",
+            "tiny:llama",
+            "--batch",
+            "2",
+            "--new-tokens",
+            "4",
+            "--repeats",
+            "1",
+            "--weight-quants",
+            "none",
+        ],
+    )
+    p = out["params"]
+    # the widened dense MLPs: top_k (2) and experts (4) times the dense width; the MoE adds routers
+    assert p["dense_equal_active"] == p["moe_active"] - 4 * 64 * 2  # 2 layers x a [4, 64] router
+    assert p["dense_equal_total"] == p["moe"] - 4 * 64 * 2
+    (row,) = out["rows"]
+    assert row["batch"] == 2 and row["dtype"] == "float32"
+    assert row["moe_over_dense_equal_active"] == row["moe_tok_s"] / row["dense_equal_active_tok_s"]
+    assert row["moe_over_dense_equal_total"] == row["moe_tok_s"] / row["dense_equal_total_tok_s"]
+    assert all(row[f"{m}_tok_s"] > 0 for m in ("moe", "dense_equal_active", "dense_equal_total"))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--batch", "0"], "--batch takes a comma list of positive integers"),
+        (["--weight-quants", "fp8"], "--weight-quants takes a comma list"),
+        (["--top-k", "9"], "--top-k must be in [1, experts=4]"),
+    ],
+)
+def test_moe_bench_usage_errors(args, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        run_bench("moe", ["--model", "tiny:llama", *args])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err

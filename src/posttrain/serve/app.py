@@ -47,6 +47,7 @@ from posttrain.serve.protocol import (
     bad_request,
     from_validation_error,
 )
+from posttrain.types import ImagePart
 
 log = logging.getLogger("posttrain.serve")
 
@@ -675,14 +676,17 @@ def create_app(settings: ServeSettings | None = None, state: ServeState | None =
             raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
         plan = plan_tools(req, entry.chat_format)
         json_schema = _response_schema(req.response_format, plan)
-        prompt = render_chat(req, entry.tokenizer, entry.chat_format, plan)
+        images: list[ImagePart] = []  # a vision model's image parts, behind their placeholders
+        prompt = render_chat(req, entry.tokenizer, entry.chat_format, plan, images)
         ids = entry.tokenizer.encode(prompt, add_special_tokens=False)
         max_tokens = req.max_completion_tokens or req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else 0
         params = _sampling(
             req, entry, settings, len(ids), max_tokens, top_logprobs=top, json_schema=json_schema
         )
-        gen = _Generation(state, entry, [GenerationRequest(ids, params, request_id=rid)], record)
+        gen = _Generation(
+            state, entry, [GenerationRequest(ids, params, request_id=rid, images=images)], record
+        )
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await _respond(
             request,

@@ -7,17 +7,20 @@ no engine, no HTTP.
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
 import jsonschema
+from PIL import Image
 
 from posttrain.envs.parsers import get_parser
 from posttrain.envs.parsers.common import OPEN, ParsedOutput
 from posttrain.models import render_messages, template_supports_tools
-from posttrain.serve.protocol import ChatCompletionRequest, ChatMessage, bad_request
-from posttrain.types import ToolSpec
+from posttrain.models.vision import ImageInputs, image_inputs
+from posttrain.serve.protocol import ChatCompletionRequest, ChatMessage, ContentPart, bad_request
+from posttrain.types import ContentError, ImagePart, ToolSpec, content_part_from_dict
 
 TOOL_OUTCOMES = ("ok", "invalid_json", "unknown_tool", "schema_violation", "none_when_required")
 
@@ -86,7 +89,37 @@ def plan_tools(req: ChatCompletionRequest, chat_format: str) -> ToolPlan:
     return plan
 
 
-def _text_of(m: ChatMessage, i: int) -> str:
+def _image_of(part: ContentPart, i: int, j: int) -> ImagePart:
+    """A vision model's image part: a PNG data URL (or our `image` part) that decodes; 400 naming the part."""
+    where = f"messages[{i}].content[{j}]"
+    try:
+        img = content_part_from_dict(part.model_dump(exclude_none=True), where)
+    except ContentError as err:
+        msg = str(err)
+        raise bad_request(
+            msg if msg.startswith(where) else f"{where}: {msg}",
+            param=f"messages.{i}.content.{j}",
+            code="invalid_image",
+        ) from None
+    if not isinstance(img, ImagePart):
+        raise bad_request(
+            f"{where} is not an image part", param=f"messages.{i}.content.{j}", code="invalid_image"
+        )
+    try:
+        with Image.open(io.BytesIO(img.png)) as im:
+            im.load()
+    except (OSError, SyntaxError, ValueError) as err:
+        raise bad_request(
+            f"{where}: the image does not decode as a PNG ({err})",
+            param=f"messages.{i}.content.{j}",
+            code="invalid_image",
+        ) from None
+    return img
+
+
+def _text_of(m: ChatMessage, i: int, vision: ImageInputs | None = None, images: list | None = None) -> str:
+    """The message's text; a vision model's image parts become its placeholder runs (their images are
+    appended to `images`, in order)."""
     if m.content is None:
         return ""
     if isinstance(m.content, str):
@@ -95,6 +128,9 @@ def _text_of(m: ChatMessage, i: int) -> str:
     for j, part in enumerate(m.content):
         if part.type == "text" and part.text is not None:
             texts.append(part.text)
+        elif part.type in ("image_url", "image") and vision is not None and images is not None:
+            images.append(_image_of(part, i, j))
+            texts.append(vision.placeholder())
         elif part.type in ("image_url", "input_image", "image"):
             raise bad_request(
                 f"messages[{i}].content[{j}] is an image: the model served here is text-only; "
@@ -111,13 +147,17 @@ def _text_of(m: ChatMessage, i: int) -> str:
     return "\n".join(texts)
 
 
-def message_dicts(messages: list[ChatMessage], tokenizer: Any, chat_format: str) -> list[dict[str, Any]]:
-    """OpenAI messages as the dicts the chat template takes; earlier assistant calls in the model's syntax."""
+def message_dicts(
+    messages: list[ChatMessage], tokenizer: Any, chat_format: str, images: list | None = None
+) -> list[dict[str, Any]]:
+    """OpenAI messages as the dicts the chat template takes; earlier assistant calls in the model's syntax.
+    For a vision model (its tokenizer carries image inputs) image parts are collected into `images`."""
     native_tools = template_supports_tools(tokenizer)
+    vision = image_inputs(tokenizer)
     out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         role = "system" if m.role == "developer" else m.role
-        d: dict[str, Any] = {"role": role, "content": _text_of(m, i)}
+        d: dict[str, Any] = {"role": role, "content": _text_of(m, i, vision, images)}
         if m.tool_calls:
             calls = []
             for k, c in enumerate(m.tool_calls):
@@ -145,9 +185,12 @@ def message_dicts(messages: list[ChatMessage], tokenizer: Any, chat_format: str)
     return out
 
 
-def render_chat(req: ChatCompletionRequest, tokenizer: Any, chat_format: str, plan: ToolPlan) -> str:
-    """The prompt string: messages, the tools (unless tool_choice is none), and a forced call's opening."""
-    dicts = message_dicts(req.messages, tokenizer, chat_format)
+def render_chat(
+    req: ChatCompletionRequest, tokenizer: Any, chat_format: str, plan: ToolPlan, images: list | None = None
+) -> str:
+    """The prompt string: messages, the tools (unless tool_choice is none), and a forced call's opening.
+    A vision model's images are appended to `images` (in placeholder order)."""
+    dicts = message_dicts(req.messages, tokenizer, chat_format, images)
     try:
         text = render_messages(tokenizer, dicts, plan.specs if plan.active else None)
     except Exception as err:  # a template's own raise_exception (e.g. roles out of order)

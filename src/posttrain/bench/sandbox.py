@@ -53,7 +53,7 @@ def _summary(latencies_s: list[float], elapsed_s: float, errors: int) -> dict:
     }
 
 
-class _CpuMeter:
+class CpuMeter:
     """CPU time of this process and everything it starts (workers, jails, baselines), from a cpuacct
     cgroup nested under our own: a per-execution cost that does not depend on how busy the machine is.
     Absent (usage None) where cgroup v1 cpuacct is not writable."""
@@ -87,7 +87,7 @@ class _CpuMeter:
             pass
 
 
-def _metered(meter: _CpuMeter, measure: Callable[[], dict]) -> dict:
+def _metered(meter: CpuMeter, measure: Callable[[], dict]) -> dict:
     before = meter.usage_ns()
     summary = measure()
     after = meter.usage_ns()
@@ -192,7 +192,7 @@ def _bwrap_prefix(binds: list) -> list[str] | None:
     return [*argv, spec.python.jail_executable, "-I", "-c"]
 
 
-def _service_rows(sb: LocalSandbox, opts: Any, limits: Limits, meter: _CpuMeter) -> dict[str, dict]:
+def _service_rows(sb: LocalSandbox, opts: Any, limits: Limits, meter: CpuMeter) -> dict[str, dict]:
     """The trivial job at `opts.service_clients` concurrent clients: in process (the baseline), through
     one HTTP service over the same pool, and through a fleet of two services over it (both on
     127.0.0.1), interleaved over the repeats. A reply other than the job's right output is an error."""
@@ -246,7 +246,7 @@ def main(opts: Any) -> dict:
     from rich.table import Table
 
     console = Console(stderr=True)
-    meter = _CpuMeter()  # before the pool starts, so its workers are counted too
+    meter = CpuMeter()  # before the pool starts, so its workers are counted too
     try:
         sb = LocalSandbox(pool_size=opts.pool_size)
     except BaseException:

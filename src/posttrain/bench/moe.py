@@ -7,8 +7,8 @@ active parameters per token) and `experts` times as wide (its total parameters),
 does not depend on their values); the original dense model is reported too. Workloads: decode of
 `--batch` sizes, 8-token random prompts, `--new-tokens` tokens each, EOS ignored; figures are the
 decode phase's tok/s (tokens after each request's first over the time after the last first token),
-medians over `--repeats` interleaved repeats, per `--dtypes` and `--weight-quants`. Ratios are the MoE's
-tok/s over each baseline's, from the same repeat order.
+medians over `--repeats` repeats (each builds every model in turn, one in memory at a time), per
+`--dtypes` and `--weight-quants`. Ratios are the MoE's tok/s over each baseline's medians.
 """
 
 from __future__ import annotations
@@ -81,36 +81,49 @@ def main(opts: Any) -> dict:
         raise BenchUsageError(str(err)) from None
     moe_cfg = moe.config
     per_expert = 3 * moe_cfg.hidden_size * dense.config.intermediate_size * moe_cfg.num_hidden_layers
-    models = {
-        "moe": moe,
-        "dense_equal_active": widened(dense, opts.top_k),
-        "dense_equal_total": widened(dense, opts.experts),
-        "dense_original": dense,
+    builders = {
+        "moe": lambda: upcycle(dense, opts.experts, opts.top_k),
+        "dense_equal_active": lambda: widened(dense, opts.top_k),
+        "dense_equal_total": lambda: widened(dense, opts.experts),
+        "dense_original": lambda: dense,
     }
-    params = {name: _params(m) for name, m in models.items()}
-    active = params["moe"] - (opts.experts - opts.top_k) * per_expert
+    params = {"moe": _params(moe), "dense_original": _params(dense)}
+    del moe
     g = torch.Generator().manual_seed(opts.seed)
     blocks = max(batches) * -(-(8 + opts.new_tokens) // 16) + 8  # the KV pool the largest batch needs
+    sampling = SamplingParams(temperature=0.0, max_tokens=opts.new_tokens, ignore_eos=True)
+    workloads = {b: [torch.randint(3, 49152, (8,), generator=g).tolist() for _ in range(b)] for b in batches}
+    runs: dict[tuple[str, str, int, str], list[float]] = {}
+    # one model's weights and engine at a time (the upcycled 135M is 1.5 GB in float32), rebuilt for every
+    # repeat so the models' measurements interleave in time
+    for _ in range(opts.repeats):
+        for name, build in builders.items():
+            model = build()
+            params.setdefault(name, _params(model))
+            for dtype in dtypes:
+                for quant in quants:
+                    engine = PagedEngine(
+                        model,
+                        tok,
+                        dtype=dtype,
+                        weight_quant=quant,
+                        num_blocks=blocks,
+                        max_num_seqs=max(batches),
+                    )
+                    engine.generate([GenerationRequest(workloads[batches[0]][0], sampling)])  # warm-up
+                    for b in batches:
+                        reqs = [GenerationRequest(p, sampling) for p in workloads[b]]
+                        runs.setdefault((dtype, quant, b, name), []).append(
+                            run_once(engine, reqs)["decode_tok_s"]
+                        )
+                    del engine
+            del model
+    active = params["moe"] - (opts.experts - opts.top_k) * per_expert
     rows: list[dict[str, Any]] = []
     for dtype in dtypes:
         for quant in quants:
-            engines = {
-                name: PagedEngine(
-                    m, tok, dtype=dtype, weight_quant=quant, num_blocks=blocks, max_num_seqs=max(batches)
-                )
-                for name, m in models.items()
-            }
             for b in batches:
-                prompts = [torch.randint(3, 49152, (8,), generator=g).tolist() for _ in range(b)]
-                params_ = SamplingParams(temperature=0.0, max_tokens=opts.new_tokens, ignore_eos=True)
-                reqs = [GenerationRequest(p, params_) for p in prompts]
-                for e in engines.values():  # warm-up: first-call allocation and packing out of the timing
-                    e.generate(reqs[:1])
-                runs: dict[str, list[float]] = {name: [] for name in engines}
-                for _ in range(opts.repeats):
-                    for name, e in engines.items():
-                        runs[name].append(run_once(e, reqs)["decode_tok_s"])
-                tok_s = {name: statistics.median(v) for name, v in runs.items()}
+                tok_s = {name: statistics.median(runs[(dtype, quant, b, name)]) for name in builders}
                 rows.append(
                     {
                         "dtype": dtype,
@@ -122,7 +135,6 @@ def main(opts: Any) -> dict:
                         "moe_over_dense_original": tok_s["moe"] / tok_s["dense_original"],
                     }
                 )
-            del engines
     table = Table(
         "dtype", "weights", "batch", "moe tok/s", "= active", "= total", "original", "/ active", "/ total"
     )

@@ -231,9 +231,7 @@ def compare(target: Mesh, produced: Mesh, voxels: int = VOXELS, centre: bool = T
     hi = np.maximum(target.bounds[1], produced.bounds[1])
     grid = grid_around(lo, hi, target_pitch(target, voxels))
     a, b = voxelize(target, grid), voxelize(produced, grid)
-    union = int(np.count_nonzero(a | b))
-    iou = int(np.count_nonzero(a & b)) / union if union else 0.0
-    return Comparison(iou, a, b, grid)
+    return Comparison(iou_of(a, b), a, b, grid)
 
 
 def unit_normalised(mesh: Mesh) -> Mesh:
@@ -241,9 +239,24 @@ def unit_normalised(mesh: Mesh) -> Mesh:
     return mesh.moved(-mesh.centre, 1.0 / max(float(mesh.extent.max()), 1e-12))
 
 
-def iou_unit(target: Mesh, produced: Mesh, voxels: int = VOXELS) -> float:
+# CAD-Recode-normalised meshes all fit the unit cube, so one fixed grid serves every pair (and a
+# target's voxels can be kept).
+UNIT_GRID = Grid(np.full(3, -0.5), 1.0 / VOXELS, (VOXELS, VOXELS, VOXELS))
+
+
+def unit_voxels(mesh: Mesh) -> np.ndarray:
+    return voxelize(unit_normalised(mesh), UNIT_GRID)
+
+
+def iou_of(a: np.ndarray, b: np.ndarray) -> float:
+    """IoU of two occupancy grids of one shape (0 when both are empty)."""
+    union = int(np.count_nonzero(a | b))
+    return int(np.count_nonzero(a & b)) / union if union else 0.0
+
+
+def iou_unit(target: Mesh, produced: Mesh) -> float:
     """Volume IoU after CAD-Recode's normalisation of each mesh (scale-invariant)."""
-    return compare(unit_normalised(target), unit_normalised(produced), voxels, centre=False).iou
+    return iou_of(unit_voxels(target), unit_voxels(produced))
 
 
 def sample_surface(mesh: Mesh, n: int, seed: int = 0) -> np.ndarray:
@@ -262,15 +275,25 @@ def sample_surface(mesh: Mesh, n: int, seed: int = 0) -> np.ndarray:
     return t[:, 0] + u[:, None] * (t[:, 1] - t[:, 0]) + v[:, None] * (t[:, 2] - t[:, 0])
 
 
-def chamfer(target: Mesh, produced: Mesh, n: int = CHAMFER_POINTS, seed: int = 0) -> float:
-    """CAD-Recode's Chamfer distance between the unit-normalised meshes (lower is better; 0 = same)."""
+def unit_points(mesh: Mesh, n: int = CHAMFER_POINTS) -> np.ndarray:
+    """The Chamfer distance's samples of a mesh: `n` surface points of its unit-normalised copy, drawn
+    with the same seed for every mesh (so a mesh against itself gives exactly 0)."""
+    return sample_surface(unit_normalised(mesh), n, seed=0)
+
+
+def chamfer_of(a: np.ndarray, b: np.ndarray) -> float:
+    """CAD-Recode's Chamfer distance between two point sets: mean squared nearest-neighbour distance
+    from each to the other, summed."""
     from scipy.spatial import cKDTree  # scipy comes with the cad extra (CadQuery needs it)
 
-    a = sample_surface(unit_normalised(target), n, seed)
-    b = sample_surface(unit_normalised(produced), n, seed)  # same draws: a mesh against itself gives 0
     d_ab, _ = cKDTree(b).query(a, k=1)
     d_ba, _ = cKDTree(a).query(b, k=1)
     return float(np.mean(d_ab**2) + np.mean(d_ba**2))
+
+
+def chamfer(target: Mesh, produced: Mesh) -> float:
+    """CAD-Recode's Chamfer distance between the unit-normalised meshes (lower is better; 0 = same)."""
+    return chamfer_of(unit_points(target), unit_points(produced))
 
 
 # ---- renders ----------------------------------------------------------------------------------------

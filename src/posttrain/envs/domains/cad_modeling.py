@@ -33,7 +33,7 @@ import random
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -275,12 +275,21 @@ def prompt_text(part: Part, difficulty: int) -> str:
 
 @dataclass
 class Solid:
-    """What came back from one script: the mesh (trusted only as data) and the runner's report."""
+    """What came back from one script: the mesh (trusted only as data) and the runner's report. The
+    unit-normalised voxels and samples are computed once (a target is compared with many parts)."""
 
     mesh: geo.Mesh
     report: dict[str, Any]
     volume_mm3: float
     watertight: bool
+
+    @cached_property
+    def unit_voxels(self) -> Any:
+        return geo.unit_voxels(self.mesh)
+
+    @cached_property
+    def unit_points(self) -> Any:
+        return geo.unit_points(self.mesh)
 
 
 @dataclass
@@ -406,11 +415,11 @@ class Graded:
     target: Solid | None = None
 
 
-def measure(target: geo.Mesh, produced: geo.Mesh) -> tuple[geo.Comparison, dict[str, float]]:
+def measure(target: Solid, produced: Solid) -> tuple[geo.Comparison, dict[str, float]]:
     """The reward's comparison and the reported metrics (CAD-Recode-normalised IoU and Chamfer)."""
-    return geo.compare(target, produced), {
-        "iou_unit": geo.iou_unit(target, produced),
-        "chamfer": geo.chamfer(target, produced),
+    return geo.compare(target.mesh, produced.mesh), {
+        "iou_unit": geo.iou_of(target.unit_voxels, produced.unit_voxels),
+        "chamfer": geo.chamfer_of(target.unit_points, produced.unit_points),
     }
 
 
@@ -436,7 +445,7 @@ async def grade(sandbox: Any, task: Task, text: str) -> Graded:
     if built.solid is None:
         return Graded(0.0, zero, {**info, "reason": built.reason}, built, None, target.solid)
     try:
-        cmp, metrics = await asyncio.to_thread(measure, target.solid.mesh, built.solid.mesh)
+        cmp, metrics = await asyncio.to_thread(measure, target.solid, built.solid)
     except geo.MeshError as err:
         return Graded(0.0, zero, {**info, "reason": f"unusable mesh: {err}"}, built, None, target.solid)
     iou = cmp.iou

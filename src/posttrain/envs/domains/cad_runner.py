@@ -82,7 +82,6 @@ def main():
         fh.write(np.asarray(triangles, dtype="<i4").tobytes())
     report(
         ok=True,
-        valid=bool(shape.isValid()),
         volume=float(shape.Volume()),
         solids=len(solids),
         faces=len(shape.Faces()),

@@ -1,4 +1,4 @@
-"""`posttrain bench sandbox|engine|learner|rl|retention|curriculum|serve|scale|ci-fix|docs|longctx [OPTIONS] [--json]`: benchmarks that measure their
+"""`posttrain bench sandbox|engine|learner|rl|retention|curriculum|serve|scale|ci-fix|docs|longctx|envs [OPTIONS] [--json]`: benchmarks that measure their
 baseline in the same run. Each is a command with its own options (`posttrain bench NAME --help`); the
 benchmarks themselves live in `posttrain.bench`, one module each, and return their named figures, which
 `--json` prints as one object on stdout's last line.
@@ -631,6 +631,54 @@ def longctx(
         baseline_max_tokens=baseline_max_tokens,
         timeout_s=timeout_s,
         ring_tokens=ring_tokens,
+    )
+
+
+@app.command("envs")
+def envs(
+    seconds: float = typer.Option(20.0, "--seconds", help="closed-loop time of the CAD pool measurement"),
+    clients: int = typer.Option(0, "--clients", min=0, help="concurrent episodes/scripts (0: 2 x pool size)"),
+    pool_size: int = typer.Option(0, "--pool-size", min=0, help="sandbox workers per profile (0: CPU count)"),
+    episodes: int = typer.Option(
+        16, "--episodes", help="reference episodes per domain for verifier episodes/s"
+    ),
+    cad_tasks_per_level: int = typer.Option(
+        4, "--cad-tasks-per-level", min=1, help="CAD tasks per level cycled"
+    ),
+    baseline_scripts: int = typer.Option(
+        4, "--baseline-scripts", min=1, help="scripts run with an import each"
+    ),
+    samples: int = typer.Option(
+        4, "--samples", help="base rate: samples per task at T=1 (0: skip the base rate)"
+    ),
+    tasks: int = typer.Option(8, "--tasks", help="base rate: held-out tasks per domain and level"),
+    base_domains: str = typer.Option(
+        "cad.modeling,scene.layout,docs.financial:0",
+        "--base-domains",
+        help="base rate: comma list of domains, each with :LEVEL+LEVEL or all its levels",
+    ),
+    model: str = typer.Option("smollm2-135m", "--model", help="base rate: model spec"),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=16, help="base rate: tokens per reply"),
+    seed: int = typer.Option(0, "--seed"),
+    json_out: bool = JSON,
+) -> dict[str, Any]:
+    """Verifier episodes/s of every domain on its references, CAD scripts/s through the warm pool
+    against an import per script, and the base model's accuracy per domain and level (T=1)."""
+    return _run(
+        "envs",
+        json_out,
+        seconds=seconds,
+        clients=clients,
+        pool_size=pool_size,
+        episodes=episodes,
+        cad_tasks_per_level=cad_tasks_per_level,
+        baseline_scripts=baseline_scripts,
+        samples=samples,
+        tasks=tasks,
+        base_domains=base_domains,
+        model=model,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
     )
 
 

@@ -1,0 +1,196 @@
+"""The GPU checks, one short run (`scripts/gpu_smoke.sh` on a lent GPU machine; `--device cpu` runs the
+same code here): our paged engine on the device (greedy decode tok/s, its logprobs against the
+Learner's forward on the same device), Learner GRPO steps on the device, one FSDP2 step over NCCL
+(gloo on CPU), and the vLLM backend where vLLM is installed (its logprobs against the Learner's).
+Prints one JSON object, the last line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+
+RANDOM_INIT = False  # --random-init: the spec is a folder with config and tokenizer only (no weights travel)
+
+
+def _policy_and_tok(spec: str, device: str, dtype: str) -> tuple[Any, Any]:
+    if RANDOM_INIT:
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec))
+        tok = AutoTokenizer.from_pretrained(spec)
+    else:
+        from posttrain.models import load_policy, load_tokenizer
+
+        model, tok = load_policy(spec), load_tokenizer(spec)
+    return model.to(device=device, dtype=getattr(torch, dtype)), tok
+
+
+def _prompts(tok: Any, n: int) -> list[list[int]]:
+    from posttrain.models import encode_messages
+    from posttrain.types import Message
+
+    qs = [f"What is {i} + {2 * i}? Answer briefly." for i in range(n)]
+    return [encode_messages(tok, [Message("user", q)]) for q in qs]
+
+
+def _learner_logprobs(learner: Any, prompts: list[list[int]], outs: list[Any]) -> list[list[float]]:
+    from posttrain.train.batch import Sample
+
+    samples = []
+    for p, o in zip(prompts, outs, strict=True):
+        gen = o.completions[0].token_ids
+        samples.append(Sample(p + gen, [0] * len(p) + [1] * len(gen), [0.0] * (len(p) + len(gen)), 0.0, 0))
+    lp, _, mask = learner.score_tokens(samples)
+    return [lp[i][mask[i].bool()].tolist() for i in range(len(samples))]
+
+
+def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
+
+
+def _decode(engine: Any, prompts: list[list[int]], max_tokens: int) -> tuple[list[Any], float]:
+    from posttrain.engine import GenerationRequest, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = engine.generate([GenerationRequest(list(p), params) for p in prompts])
+    dt = time.perf_counter() - t0
+    return outs, sum(len(o.completions[0].token_ids) for o in outs) / dt
+
+
+def check_engine_and_learner(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    from posttrain.config import load_config
+    from posttrain.engine import make_engine
+    from posttrain.train.batch import Sample
+    from posttrain.train.learner import Learner
+
+    cfg = load_config(
+        None, [f"model.spec={args.model}", f"engine.device={args.device}", f"engine.dtype={args.dtype}"]
+    )
+    model, tok = _policy_and_tok(args.model, args.device, args.dtype)
+    engine = make_engine(cfg.engine, model, tok)
+    prompts = _prompts(tok, args.prompts)
+    _decode(engine, prompts[:2], 4)  # warm-up
+    outs, tps = _decode(engine, prompts, args.tokens)
+    out["paged_decode_tok_s"] = round(tps, 1)
+    learner = Learner(cfg.model, cfg.trainer, cfg.algorithm, model=model)
+    out["paged_vs_learner_max_logprob_diff"] = _max_diff(
+        [list(o.completions[0].logprobs) for o in outs], _learner_logprobs(learner, prompts, outs)
+    )
+    samples = []
+    for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
+        gen = o.completions[0].token_ids
+        lps = list(o.completions[0].logprobs)
+        samples.append(
+            Sample(p + gen, [0] * len(p) + [1] * len(gen), [0.0] * len(p) + lps, float(i % 2), i // 4)
+        )
+    times = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        metrics = learner.step(samples)
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    out["learner_step_s"] = [round(t, 3) for t in times]
+    out["learner_loss_finite"] = all(v == v and abs(v) != float("inf") for v in metrics.values())
+    engine.load_weights(dict(learner.model.state_dict()))
+    out["weights_reloaded_version"] = engine.version
+
+
+def check_fsdp(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    import torch.distributed as dist
+
+    from posttrain.config import load_config
+    from posttrain.train.distributed import shard_learner
+    from posttrain.train.learner import Learner
+
+    backend = "nccl" if args.device.startswith("cuda") else "gloo"
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group(backend, rank=0, world_size=1)
+    try:
+        cfg = load_config(None, [f"model.spec={args.model}"])
+        model, tok = _policy_and_tok(args.model, args.device, "float32")
+        learner = Learner(cfg.model, cfg.trainer, cfg.algorithm, model=model)
+        shard_learner(learner)
+        from posttrain.bench.learner import make_samples
+
+        samples = make_samples(8, 128, model.config.vocab_size, fixed=False, group=4)
+        t0 = time.perf_counter()
+        metrics = learner.step(samples)
+        out["fsdp_backend"] = backend
+        out["fsdp_step_s"] = round(time.perf_counter() - t0, 3)
+        out["fsdp_loss_finite"] = all(v == v for v in metrics.values())
+    finally:
+        dist.destroy_process_group()
+
+
+def check_vllm(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        out["vllm"] = "not installed: skipped"
+        return
+    from posttrain.config import load_config
+    from posttrain.engine import GenerationRequest, SamplingParams, make_engine
+    from posttrain.train.learner import Learner
+
+    cfg = load_config(None, [f"model.spec={args.model}", "engine.backend=vllm", "engine.dtype=bfloat16"])
+    model, tok = _policy_and_tok(args.model, "cpu", "float32")
+    engine = make_engine(cfg.engine, model, tok)
+    prompts = _prompts(tok, args.prompts)
+    _decode(engine, prompts[:2], 4)
+    outs, tps = _decode(engine, prompts, args.tokens)
+    out["vllm_decode_tok_s"] = round(tps, 1)
+    learner = Learner(cfg.model, cfg.trainer, cfg.algorithm, model=model.to(args.device))
+    out["vllm_vs_learner_max_logprob_diff"] = _max_diff(
+        [list(o.completions[0].logprobs) for o in outs], _learner_logprobs(learner, prompts, outs)
+    )
+    engine.release_kv_cache()
+    engine.load_weights(dict(learner.model.state_dict()), version=5)
+    again = asyncio.run(engine.agenerate(GenerationRequest(prompts[0], SamplingParams(max_tokens=8))))
+    out["vllm_after_sleep_and_push"] = {
+        "version": engine.version,
+        "tokens": len(again.completions[0].token_ids),
+    }
+    engine.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--random-init", action="store_true", help="--model is a config + tokenizer folder")
+    args = ap.parse_args()
+    global RANDOM_INIT
+    RANDOM_INIT = args.random_init
+    out: dict[str, Any] = {"device": args.device, "torch": torch.__version__}
+    if args.device.startswith("cuda"):
+        out["gpu"] = torch.cuda.get_device_name(0)
+    failed = []
+    for check in (check_engine_and_learner, check_fsdp, check_vllm):
+        try:
+            check(args, out)
+        except Exception as err:  # noqa: BLE001 - each check reports its own failure and the others still run
+            failed.append(check.__name__)
+            out[f"{check.__name__}_error"] = f"{type(err).__name__}: {err}"
+            traceback.print_exc(file=sys.stderr)
+    out["failed"] = failed
+    print(json.dumps(out))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -49,6 +49,13 @@ HEIGHT = 3.0
 TOL = 1e-6
 RENDER_SIZE = 256
 YAWS = (0, 90, 180, 270)
+# relation -> (axis: 0 = x, 1 = y; True when a comes first along it)
+DIRECTIONS: dict[str, tuple[int, bool]] = {
+    "left_of": (0, True),
+    "right_of": (0, False),
+    "in_front_of": (1, True),
+    "behind": (1, False),
+}
 
 # type -> (x, y, z) size in metres at scale 1, along the object's own axes
 CATALOG: dict[str, tuple[float, float, float]] = {
@@ -258,7 +265,7 @@ def describe(c: dict[str, Any]) -> str:
         return f"a {c['type']} with id '{c['id']}'"
     if k == "count":
         return f"exactly {c['n']} object(s) of type '{c['type']}' in the scene"
-    if k in ("left_of", "right_of", "in_front_of", "behind"):
+    if k in DIRECTIONS:
         return f"'{c['a']}' is {k.replace('_', ' ')} '{c['b']}'"
     if k == "on_top_of":
         return f"'{c['a']}' stands on top of '{c['b']}' (parent '{c['b']}')"
@@ -319,22 +326,15 @@ def check_constraint(c: dict[str, Any], scene: Scene) -> tuple[bool, str]:
     if b is None:
         return False, f"there is no object '{c['b']}'"
     ab, bb = a.box, b.box
-    if k == "left_of":
-        return ab[1] <= bb[
-            0
-        ] + TOL, f"'{a.id}' spans x [{ab[0]:.2f}, {ab[1]:.2f}], '{b.id}' x [{bb[0]:.2f}, {bb[1]:.2f}]"
-    if k == "right_of":
-        return ab[0] >= bb[
-            1
-        ] - TOL, f"'{a.id}' spans x [{ab[0]:.2f}, {ab[1]:.2f}], '{b.id}' x [{bb[0]:.2f}, {bb[1]:.2f}]"
-    if k == "in_front_of":
-        return ab[3] <= bb[
-            2
-        ] + TOL, f"'{a.id}' spans y [{ab[2]:.2f}, {ab[3]:.2f}], '{b.id}' y [{bb[2]:.2f}, {bb[3]:.2f}]"
-    if k == "behind":
-        return ab[2] >= bb[
-            3
-        ] - TOL, f"'{a.id}' spans y [{ab[2]:.2f}, {ab[3]:.2f}], '{b.id}' y [{bb[2]:.2f}, {bb[3]:.2f}]"
+    if k in DIRECTIONS:  # a's far side before b's near side along the axis (x: 0, y: 1)
+        axis, before = DIRECTIONS[k]
+        lo, hi = 2 * axis, 2 * axis + 1
+        ok = ab[hi] <= bb[lo] + TOL if before else ab[lo] >= bb[hi] - TOL
+        name = "xy"[axis]
+        return (
+            ok,
+            f"'{a.id}' spans {name} [{ab[lo]:.2f}, {ab[hi]:.2f}], '{b.id}' {name} [{bb[lo]:.2f}, {bb[hi]:.2f}]",
+        )
     if k == "on_top_of":
         ok = a.parent == b.id and _rests_on(a, b)
         return ok, f"'{a.id}' has parent {a.parent!r} and box {_fmt_box(a)}; '{b.id}' box {_fmt_box(b)}"
@@ -435,7 +435,7 @@ def _face(a: Obj, b: Obj) -> None:
 
 def _relations_that_hold(scene: Scene, a: Obj, b: Obj) -> list[dict[str, Any]]:
     out = []
-    for kind in ("left_of", "right_of", "in_front_of", "behind", "facing"):
+    for kind in (*DIRECTIONS, "facing"):
         c = {"kind": kind, "a": a.id, "b": b.id}
         if check_constraint(c, scene)[0]:
             out.append(c)

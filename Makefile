@@ -14,11 +14,13 @@ SMOLLM2_VERSION ?= 0.1.2
 setup: system-deps $(STAMP)
 
 # bubblewrap is the sandbox's namespace layer; chromium renders the run report in its browser test;
-# redis-server and postgresql back the document pipeline's tests (started on loopback by the tests).
-DEBIAN_PACKAGES := bubblewrap:bwrap chromium:chromium redis-server:redis-server postgresql:pg_ctlcluster git:git
+# redis-server and postgresql back the document pipeline's tests (started on loopback by the tests);
+# libgl1 (a shared library, found with ldconfig) is linked by OpenCASCADE's wheels (cad.modeling).
+DEBIAN_PACKAGES := bubblewrap:bwrap chromium:chromium redis-server:redis-server postgresql:pg_ctlcluster git:git libgl1:libGL.so.1
 system-deps:
 	@missing=""; for pair in $(DEBIAN_PACKAGES); do \
-	  pkg=$${pair%%:*}; cmd=$${pair##*:}; command -v $$cmd >/dev/null 2>&1 || missing="$$missing $$pkg"; \
+	  pkg=$${pair%%:*}; cmd=$${pair##*:}; \
+	  command -v $$cmd >/dev/null 2>&1 || /sbin/ldconfig -p 2>/dev/null | grep -qF "$$cmd (" || missing="$$missing $$pkg"; \
 	done; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = "0" ]; then \

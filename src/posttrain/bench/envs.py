@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.bench import BenchUsageError
-from posttrain.bench.sandbox import CpuMeter, closed_loop_async
+from posttrain.bench.sandbox import closed_loop_async, metered_pool
 
 CAD = "cad.modeling"
 CAD_TARGET_PER_S = 20.0
@@ -255,18 +255,12 @@ def main(opts: Any) -> dict[str, Any]:
     from rich.table import Table
 
     from posttrain.envs.domains.cad_modeling import INSTALL_HINT, cadquery_available
-    from posttrain.sandbox import LocalSandbox
 
     if opts.samples < 0 or opts.tasks < 1 or opts.episodes < 1 or opts.seconds <= 0:
         raise BenchUsageError("--samples >= 0, --tasks >= 1, --episodes >= 1 and --seconds > 0 are required")
     console = Console(stderr=True)
     load_start = os.getloadavg()
-    meter = CpuMeter()  # before the pool starts, so its workers' CPU time is counted too
-    try:
-        sandbox = LocalSandbox(pool_size=opts.pool_size)
-    except BaseException:
-        meter.close()
-        raise
+    meter, sandbox = metered_pool(opts.pool_size)
     pool = sandbox.settings.pool_size
     clients = opts.clients or 2 * pool
     out: dict[str, Any] = {"pool_size": pool, "clients": clients, "cpus": os.cpu_count()}

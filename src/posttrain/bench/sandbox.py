@@ -87,6 +87,16 @@ class CpuMeter:
             pass
 
 
+def metered_pool(pool_size: int) -> tuple[CpuMeter, LocalSandbox]:
+    """A CPU meter, then a `LocalSandbox` started under it (so its workers' CPU time is counted too)."""
+    meter = CpuMeter()
+    try:
+        return meter, LocalSandbox(pool_size=pool_size)
+    except BaseException:
+        meter.close()
+        raise
+
+
 def _metered(meter: CpuMeter, measure: Callable[[], dict]) -> dict:
     before = meter.usage_ns()
     summary = measure()
@@ -246,12 +256,7 @@ def main(opts: Any) -> dict:
     from rich.table import Table
 
     console = Console(stderr=True)
-    meter = CpuMeter()  # before the pool starts, so its workers are counted too
-    try:
-        sb = LocalSandbox(pool_size=opts.pool_size)
-    except BaseException:
-        meter.close()
-        raise
+    meter, sb = metered_pool(opts.pool_size)
     pool_size = sb.settings.pool_size
     clients = opts.clients or 2 * pool_size
     limits = Limits(wall_time_s=10, cpu_time_s=10)

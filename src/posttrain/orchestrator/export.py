@@ -15,6 +15,7 @@ def save_hf_folder(weights: dict[str, Any], spec: str, out: Path) -> Path:
     """Write `weights` (HF names) into the architecture of `spec`, with its tokenizer, at `out`."""
     from posttrain.models import load_policy, load_tokenizer
     from posttrain.models.loading import quiet_transformers, save_hf_folder_atomically
+    from posttrain.models.vision import image_inputs, save_vision_folder
 
     model = load_policy(spec)
     missing, unexpected = model.load_state_dict(weights, strict=False)
@@ -23,8 +24,11 @@ def save_hf_folder(weights: dict[str, Any], spec: str, out: Path) -> Path:
         raise ValueError(
             f"policy weights do not match {spec}: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
+    tokenizer = load_tokenizer(spec)
     with quiet_transformers():
-        return save_hf_folder_atomically(model, load_tokenizer(spec), Path(out))
+        if image_inputs(tokenizer) is not None:  # a VLM: with its processor, so it loads as one
+            return save_vision_folder(model, tokenizer, Path(out))
+        return save_hf_folder_atomically(model, tokenizer, Path(out))
 
 
 def export_run(run_dir: str | Path, out: str | Path) -> Path:

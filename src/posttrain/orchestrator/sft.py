@@ -20,7 +20,7 @@ from posttrain.config import RunConfig, save_config
 from posttrain.orchestrator.checkpoint import save_checkpoint
 from posttrain.orchestrator.signals import stop_on_signals
 from posttrain.telemetry import MetricsLogger, Progress, RunDir
-from posttrain.types import Message, ToolSpec
+from posttrain.types import ContentError, ContentPart, Message, TextPart, ToolSpec, content_from_openai
 
 LEARNER_DIR = "learner"
 SFT_STATE = "sft_state.json"
@@ -50,25 +50,23 @@ ROW_SHAPES = (
 )
 
 
-def _text(content: Any, where: str) -> str:
-    """A message's content as text: a string, null, or a list of OpenAI text parts."""
+def _text(content: Any, where: str) -> str | list[ContentPart]:
+    """A message's content: a string, null, or a list of OpenAI content parts (text parts joined into a
+    string; with an image part - a PNG data URL or our `image` part - the parts as they are)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        parts = []
-        for part in content:
-            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-                parts.append(part["text"])
-            else:
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise SFTDataError(
-                    f"{where}: content part of type {kind!r} is not supported (only text parts)"
-                )
-        return "".join(parts)
+        try:
+            parts = content_from_openai(content, f"{where}: content")
+        except ContentError as err:
+            raise SFTDataError(str(err)) from None
+        if all(isinstance(p, TextPart) for p in parts):
+            return "".join(p.text for p in parts)
+        return parts
     raise SFTDataError(
-        f"{where}: content must be a string, null or a list of text parts, got {type(content).__name__}"
+        f"{where}: content must be a string, null or a list of content parts, got {type(content).__name__}"
     )
 
 
@@ -135,6 +133,11 @@ def parse_row(row: Any, where: str, chat_format: str = "smollm2") -> ChatExample
         if role not in ROLES:
             raise SFTDataError(f"{at}: unknown role {role!r} (valid roles: {', '.join(ROLES)})")
         text = _text(raw.get("content"), at)
+        if not isinstance(text, str):  # image parts
+            if role == "assistant":
+                raise SFTDataError(f"{at}: an assistant message cannot hold images (only the prompt side)")
+            messages.append(Message(role, text))
+            continue
         calls = raw.get("tool_calls")
         if calls:
             if role != "assistant":
@@ -327,14 +330,17 @@ def build_examples(cfg: RunConfig) -> tuple[list[ChatExample], list[ChatExample]
 # the run
 
 
-def encode_examples(tokenizer: Any, examples: list[ChatExample], max_tokens: int) -> tuple[list[Any], int]:
-    """(samples, skipped): each example as the Learner's `Sample`; longer than `max_tokens` skipped."""
+def encode_examples(
+    tokenizer: Any, examples: list[ChatExample], max_tokens: int, images: Any = None
+) -> tuple[list[Any], int]:
+    """(samples, skipped): each example as the Learner's `Sample`; longer than `max_tokens` skipped. A
+    vision model's images go into the `images` store (an `ImageStore`)."""
     from posttrain.train import sft_sample
 
     out, skipped = [], 0
     for ex in examples:
         try:
-            sample = sft_sample(tokenizer, ex.messages, ex.tools)
+            sample = sft_sample(tokenizer, ex.messages, ex.tools, images)
         except ValueError as err:
             raise SFTDataError(f"{ex.source}: {err}") from None
         if len(sample.token_ids) > max_tokens:
@@ -381,14 +387,20 @@ class SFTRun:
         import torch
 
         from posttrain.models import load_tokenizer
+        from posttrain.models.vision import ImageStore, image_inputs
         from posttrain.train import Learner
 
         cfg = self.cfg
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         self.tokenizer = load_tokenizer(cfg.model.spec)
-        self.train_samples, skipped = encode_examples(self.tokenizer, train, cfg.sft.max_seq_tokens)
-        self.heldout_samples, skipped_held = encode_examples(self.tokenizer, heldout, cfg.sft.max_seq_tokens)
+        images = (
+            ImageStore(self.run_dir.path / "images") if image_inputs(self.tokenizer) is not None else None
+        )
+        self.train_samples, skipped = encode_examples(self.tokenizer, train, cfg.sft.max_seq_tokens, images)
+        self.heldout_samples, skipped_held = encode_examples(
+            self.tokenizer, heldout, cfg.sft.max_seq_tokens, images
+        )
         self.skipped = skipped + skipped_held
         if not self.train_samples:
             raise SFTDataError(
@@ -398,6 +410,8 @@ class SFTRun:
         if cfg.trainer.lr_schedule != "constant" and cfg.trainer.lr_decay_steps == 0:
             cfg.trainer.lr_decay_steps = self.steps
         self.learner = Learner(cfg.model, cfg.trainer, cfg.algorithm, seed=cfg.seed, batch_cfg=cfg.batch)
+        if self.learner.vision is not None and images is not None:
+            self.learner.vision.store = images
 
     def heldout_loss(self) -> dict[str, float]:
         if not self.heldout_samples:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from posttrain.models.chat import render_messages
+from posttrain.models.vision import ImageStore, image_inputs, with_placeholders
 from posttrain.train.batch import Sample
 from posttrain.types import Message, ToolSpec
 
@@ -29,7 +30,8 @@ def encode_chat(
 
     Raises ValueError for a conversation without an assistant turn or one that starts with it, an
     unknown role, and a chat template that is not prefix-stable or does not end assistant turns with
-    the EOS token."""
+    the EOS token. A vision model's image parts become its placeholder runs (`sft_sample` keeps the images)."""
+    messages = with_placeholders(tokenizer, messages)
     for i, m in enumerate(messages):
         if m.role not in ROLES:
             raise ValueError(f"message {i}: unknown role '{m.role}' (valid roles: {', '.join(ROLES)})")
@@ -69,7 +71,21 @@ def encode_chat(
     return ids, mask
 
 
-def sft_sample(tokenizer: Any, messages: list[Message], tools: list[ToolSpec] | None = None) -> Sample:
-    """The Learner's `Sample` of a conversation (`encode_chat`); no behaviour logprobs, reward 0."""
+def sft_sample(
+    tokenizer: Any,
+    messages: list[Message],
+    tools: list[ToolSpec] | None = None,
+    images: ImageStore | None = None,
+) -> Sample:
+    """The Learner's `Sample` of a conversation (`encode_chat`); no behaviour logprobs, reward 0. For a
+    vision model the images up to the last assistant turn go into the `images` store, the sample holds
+    their hashes."""
     ids, mask = encode_chat(tokenizer, messages, tools)
-    return Sample(ids, mask, [0.0] * len(ids), reward=0.0, group_id=0)
+    keys: list[str] = []
+    if image_inputs(tokenizer) is not None:
+        last = max(i for i, m in enumerate(messages) if m.role == "assistant")
+        parts = [img for m in messages[: last + 1] for img in m.images]
+        if parts and images is None:
+            raise ValueError("the conversation has images but no image store was given to keep them")
+        keys = [images.put(img) for img in parts] if images is not None else []
+    return Sample(ids, mask, [0.0] * len(ids), reward=0.0, group_id=0, images=keys)

@@ -22,6 +22,10 @@ def test_moe_bench_reports_equal_active_and_total_baselines():
             "1",
             "--weight-quants",
             "none",
+            "--replay-samples",
+            "8",
+            "--replay-tokens",
+            "4",
         ],
     )
     p = out["params"]
@@ -33,6 +37,11 @@ def test_moe_bench_reports_equal_active_and_total_baselines():
     assert row["moe_over_dense_equal_active"] == row["moe_tok_s"] / row["dense_equal_active_tok_s"]
     assert row["moe_over_dense_equal_total"] == row["moe_tok_s"] / row["dense_equal_total_tok_s"]
     assert all(row[f"{m}_tok_s"] > 0 for m in ("moe", "dense_equal_active", "dense_equal_total"))
+    replay = out["replay"]
+    assert replay["samples"] == 8 and replay["tokens"] == 8 * 4
+    for name in ("free", "replay"):
+        assert 0.0 <= replay[name]["routing_mismatch"] <= 1.0
+        assert replay[name]["mismatch_max_abs_log_ratio"] >= replay[name]["mismatch_abs_log_ratio"] >= 0.0
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,12 @@ does not depend on their values); the original dense model is reported too. Work
 decode phase's tok/s (tokens after each request's first over the time after the last first token),
 medians over `--repeats` repeats (each builds every model in turn, one in memory at a time), per
 `--dtypes` and `--weight-quants`. Ratios are the MoE's tok/s over each baseline's medians.
+
+Routing replay (`--replay-samples N`, 0 to skip): the upcycled MoE samples N completions (8 arithmetic
+chat prompts, N / 8 samples each, temperature 1, `--replay-tokens` tokens) on the engine in bfloat16, and
+the Learner in float32 scores them twice, routing freely and replaying the engine's routing: the
+fraction of (token, layer) top-k sets that differ (`routing_mismatch`) and the behaviour-vs-learner
+log-ratio spread on the sampled tokens (mean and max |log ratio|, KL k3), for both, on the same samples.
 """
 
 from __future__ import annotations
@@ -60,6 +66,48 @@ def _params(model: Any) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def replay_figures(moe: Any, tok: Any, spec: str, samples: int, max_tokens: int, seed: int) -> dict[str, Any]:
+    """Routing mismatch and importance-ratio spread of the float32 Learner against the bfloat16 engine's
+    samples of `moe`, with free and with replayed routing (see the module docstring)."""
+    from posttrain.algos.importance import mismatch_metrics
+    from posttrain.config import AlgorithmConfig, ModelConfig, MoeTrainConfig, TrainerConfig
+    from posttrain.models import encode_messages
+    from posttrain.train import Learner, Sample, build_batch
+
+    g = torch.Generator().manual_seed(seed)
+    per = max(1, samples // 8)
+    pairs = torch.randint(10, 99, (8, 2), generator=g).tolist()
+    prompts = [
+        encode_messages(tok, [{"role": "user", "content": f"What is {a} + {b}? Answer with the number."}])
+        for a, b in pairs
+    ]
+    engine = PagedEngine(moe, tok, dtype="bfloat16", num_blocks=8 * per * (-(-(64 + max_tokens) // 16)) + 64)
+    params = SamplingParams(temperature=1.0, max_tokens=max_tokens, n=per, seed=seed)
+    outs = engine.generate([GenerationRequest(p, params) for p in prompts])
+    del engine
+    data = []
+    for i, (p, out) in enumerate(zip(prompts, outs, strict=True)):
+        for c in out.completions:
+            mask = [0] * len(p) + [1] * len(c.token_ids)
+            data.append(Sample(p + c.token_ids, mask, [0.0] * len(p) + c.logprobs, 0.0, i, routing=c.routing))
+    batch = build_batch(data)
+    out: dict[str, Any] = {"samples": len(data), "tokens": int(batch.loss_mask.sum())}
+    for name, replay in (("free", False), ("replay", True)):
+        learner = Learner(
+            ModelConfig(spec=spec),
+            TrainerConfig(bf16_autocast=False, moe=MoeTrainConfig(routing_replay=replay)),
+            AlgorithmConfig(),
+            model=moe,
+        )
+        lp = learner.compute_logprobs(data)
+        assert learner.moe is not None
+        routing = learner.moe.pop_metrics()
+        spread = mismatch_metrics(lp, batch.behavior_logprobs, batch.loss_mask, None, None)
+        out[name] = {"routing_mismatch": routing["moe/routing_mismatch"], **spread}
+        del learner
+    return out
+
+
 def main(opts: Any) -> dict:
     """Run the benchmark with the options of `posttrain bench moe` (see its --help)."""
     from rich.console import Console
@@ -71,8 +119,10 @@ def main(opts: Any) -> dict:
     dtypes = _csv(opts.dtypes, ("float32", "bfloat16"), "dtypes")
     quants = _csv(opts.weight_quants, WEIGHT_QUANTS, "weight-quants")
     batches = _ints(opts.batch, "batch")
-    if opts.new_tokens < 2 or opts.repeats < 1:
-        raise BenchUsageError("--new-tokens must be >= 2 and --repeats >= 1")
+    if opts.new_tokens < 2 or opts.repeats < 1 or opts.replay_samples < 0 or opts.replay_tokens < 1:
+        raise BenchUsageError(
+            "--new-tokens must be >= 2, --repeats >= 1, --replay-samples >= 0 and --replay-tokens >= 1"
+        )
     try:
         dense = load_policy(opts.model)
         tok = load_tokenizer(opts.model)
@@ -151,6 +201,16 @@ def main(opts: Any) -> dict:
             f"{r['moe_over_dense_equal_total']:.2f}",
         )
     console = Console()
+    replay = None
+    if opts.replay_samples > 0:
+        replay = replay_figures(
+            upcycle(dense, opts.experts, opts.top_k),
+            tok,
+            opts.model,
+            opts.replay_samples,
+            opts.replay_tokens,
+            opts.seed,
+        )
     console.print(
         f"MoE: {opts.model} upcycled, {opts.experts} experts, top {opts.top_k}: {params['moe'] / 1e6:.1f}M "
         f"parameters, {active / 1e6:.1f}M active; dense baselines {params['dense_equal_active'] / 1e6:.1f}M "
@@ -158,6 +218,16 @@ def main(opts: Any) -> dict:
         f"{opts.repeats}"
     )
     console.print(table)
+    if replay is not None:
+        console.print(
+            f"routing replay, {replay['samples']} samples ({replay['tokens']} tokens), bf16 engine vs fp32 Learner:"
+        )
+        for name in ("free", "replay"):
+            r = replay[name]
+            console.print(
+                f"  {name:6s} routing mismatch {r['routing_mismatch']:.4f}, mean |log ratio| "
+                f"{r['mismatch_abs_log_ratio']:.4f}, max {r['mismatch_max_abs_log_ratio']:.3f}, k3 {r['mismatch_kl_k3']:.5f}"
+            )
     return {
         "model": opts.model,
         "experts": opts.experts,
@@ -166,4 +236,5 @@ def main(opts: Any) -> dict:
         "repeats": opts.repeats,
         "params": {**params, "moe_active": active},
         "rows": rows,
+        "replay": replay,
     }

@@ -694,10 +694,15 @@ def moe(
         "none,int8", "--weight-quants", help="comma list of none, int8, int8_weight_only, int4"
     ),
     repeats: int = typer.Option(3, "--repeats", help="interleaved repeats; medians are reported"),
+    replay_samples: int = typer.Option(
+        32, "--replay-samples", help="bf16 engine samples the Learner scores free and replayed (0: skip)"
+    ),
+    replay_tokens: int = typer.Option(48, "--replay-tokens", help="tokens per replay sample"),
     seed: int = typer.Option(0, "--seed"),
     json_out: bool = JSON,
 ) -> dict[str, Any]:
-    """Decode tok/s of the upcycled MoE vs dense models at equal active and equal total parameters."""
+    """Decode tok/s of the upcycled MoE vs dense models at equal active and equal total parameters; the
+    engine-vs-Learner routing mismatch and log-ratio spread with free and with replayed routing."""
     return _run(
         "moe",
         json_out,
@@ -709,5 +714,7 @@ def moe(
         dtypes=dtypes,
         weight_quants=weight_quants,
         repeats=repeats,
+        replay_samples=replay_samples,
+        replay_tokens=replay_tokens,
         seed=seed,
     )

@@ -70,18 +70,12 @@ class MoeSpec:
         )
 
 
-def route(
-    router_logits: torch.Tensor, spec: MoeSpec, forced_ids: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def route(router_logits: torch.Tensor, spec: MoeSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """(top-k weights `[T, k]`, expert ids `[T, k]`) from router logits `[T, E]`: softmax in float32,
-    top-k, renormalised to sum 1 when the family does. `forced_ids` replaces the top-k choice (weights
-    are then the softmax probabilities of those experts, renormalised the same way)."""
+    top-k, renormalised to sum 1 when the family does (the Learner's replay of recorded choices is
+    train/moe.py's, on transformers' routers)."""
     probs = torch.softmax(router_logits.float(), dim=-1)
-    if forced_ids is None:
-        weights, ids = torch.topk(probs, spec.top_k, dim=-1)
-    else:
-        ids = forced_ids.long()
-        weights = probs.gather(-1, ids)
+    weights, ids = torch.topk(probs, spec.top_k, dim=-1)
     if spec.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     if not spec.float32_weights:

@@ -22,12 +22,12 @@ TINY_MOE = ModelConfig(spec="tiny:mixtral")
 DELTA = 1e-6
 
 
-def _near_tie_pair():
-    """(learner model, engine model): tiny Mixtral whose routers score experts 1 and 2 within 1e-6 of
+def _near_tie_pair(family: str = "mixtral"):
+    """(learner model, engine model): a tiny MoE whose routers score experts 1 and 2 within 1e-6 of
     each other, in opposite order in the two copies; so wherever that pair straddles the top-2
     boundary the two route differently, while every other weight (and so every probability to ~1e-6)
     is the same."""
-    model = load_policy("tiny:mixtral", seed=3)
+    model = load_policy(f"tiny:{family}", seed=3)
     engine_model = copy.deepcopy(model)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -50,7 +50,7 @@ def _engine_samples(engine_model, n: int = 4) -> list[Sample]:
         assert c.routing is not None
         ids = prompt + c.token_ids
         assert len(c.routing) == len(ids) - 1
-        assert all(len(layer) == 2 for pos in c.routing for layer in pos)  # top 2 at each of 2 layers
+        assert all(len(layer) == 2 for pos in c.routing for layer in pos)  # top 2 at each sparse layer
         mask = [0] * len(prompt) + [1] * len(c.token_ids)
         samples.append(Sample(ids, mask, [0.0] * len(prompt) + c.logprobs, 1.0, 0, routing=c.routing))
     return samples
@@ -177,3 +177,14 @@ def test_sample_routing_must_cover_every_fed_position():
     s = Sample([1, 2, 3], [0, 1, 1], [0.0, -1.0, -1.0], 1.0, 0, routing=[[[0, 1]]])
     with pytest.raises(ValueError, match="routing must cover the 2 positions"):
         s.validate()
+
+
+def test_replay_on_qwen2_moe_shared_expert_and_unnormalised_weights():
+    """Qwen2-MoE: a dense layer 0, a gated shared expert, top-k weights not renormalised, cast back."""
+    model, engine_model = _near_tie_pair("qwen2_moe")
+    samples = _engine_samples(engine_model)
+    assert all(len(s.routing[0]) == 1 for s in samples)  # one sparse layer
+    free = _learner(copy.deepcopy(model), Moe(), share_prompt_prefix=False)
+    assert _max_gap(free, samples) > 1e-2 and free.moe.pop_metrics()["moe/routing_mismatch"] > 0.05
+    replay = _learner(copy.deepcopy(model), Moe(routing_replay=True), share_prompt_prefix=False)
+    assert _max_gap(replay, samples) < 1e-4

@@ -1,7 +1,8 @@
 """The GPU checks, one short run (`scripts/gpu_smoke.sh` on a lent GPU machine; `--device cpu` runs the
 same code here): our paged engine on the device (greedy decode tok/s, its logprobs against the
 Learner's forward on the same device), Learner GRPO steps on the device, one FSDP2 step over NCCL
-(gloo on CPU), and the vLLM backend where vLLM is installed (its logprobs against the Learner's).
+(gloo on CPU), the vLLM backend where vLLM is installed (its logprobs against the Learner's), and a
+LLaVA-style VLM through the paged engine and the Learner (check_vlm).
 Prints one JSON object, the last line."""
 
 from __future__ import annotations
@@ -165,6 +166,76 @@ def check_vllm(args: argparse.Namespace, out: dict[str, Any]) -> None:
     engine.close()
 
 
+def check_vlm(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    """A LLaVA-style VLM (the --model language model, random-initialised, + a from-scratch SigLIP-style
+    encoder, saved and loaded as an HF folder) through the same path on the device: the paged engine's
+    greedy tokens against transformers' generate with the image, and its logprobs against the Learner's
+    (images replayed by hash)."""
+    import tempfile
+
+    from transformers import AutoConfig
+
+    from posttrain.config import load_config
+    from posttrain.engine import GenerationRequest, SamplingParams, make_engine
+    from posttrain.envs import get_domain
+    from posttrain.models import load_policy, load_tokenizer
+    from posttrain.models.loading import ensure_embedded
+    from posttrain.models.vision import (
+        ImageStore,
+        encode_with_images,
+        image_inputs,
+        random_llava,
+        save_vision_folder,
+    )
+    from posttrain.train.batch import Sample
+    from posttrain.train.learner import Learner
+
+    src = args.model if os.path.isdir(args.model) else str(ensure_embedded())
+    with tempfile.TemporaryDirectory() as tmp:
+        vlm, vtok = random_llava(AutoConfig.from_pretrained(src), load_tokenizer(src), seed=0)
+        folder = str(save_vision_folder(vlm, vtok, os.path.join(tmp, "vlm")))
+        cfg = load_config(
+            None, [f"model.spec={folder}", f"engine.device={args.device}", f"engine.dtype={args.dtype}"]
+        )
+        model = load_policy(folder).to(device=args.device, dtype=getattr(torch, args.dtype))
+        tok = load_tokenizer(folder)
+        engine = make_engine(cfg.engine, model, tok)
+        task = get_domain("vision.shapes").task("heldout", 0, 0)
+        ids, images = encode_with_images(tok, task.prompt)
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        t0 = time.perf_counter()
+        got = engine.generate([GenerationRequest(ids, params, images=images)])[0].completions[0]
+        out["vlm_paged_generate_s"] = round(time.perf_counter() - t0, 3)
+        pixels = (
+            image_inputs(tok).pixel_values(images).to(device=args.device, dtype=getattr(torch, args.dtype))
+        )
+        with torch.inference_mode():
+            ref = model.generate(
+                input_ids=torch.tensor([ids], device=args.device),
+                pixel_values=pixels,
+                max_new_tokens=16,
+                do_sample=False,
+            )[0, len(ids) :].tolist()
+        out["vlm_greedy_tokens_equal_hf"] = (
+            f"{sum(a == b for a, b in zip(got.token_ids, ref, strict=False))}/{len(ref)}"
+        )
+        learner = Learner(cfg.model, cfg.trainer, cfg.algorithm, model=model)
+        learner.vision.store = ImageStore()
+        gen = got.token_ids
+        sample = Sample(
+            ids + gen,
+            [0] * len(ids) + [1] * len(gen),
+            [0.0] * (len(ids) + len(gen)),
+            0.0,
+            0,
+            images=[learner.vision.store.put(img) for img in images],
+        )
+        lp, _, mask = learner.score_tokens([sample])
+        out["vlm_paged_vs_learner_max_logprob_diff"] = _max_diff(
+            [list(got.logprobs)], [lp[0][mask[0].bool()].tolist()]
+        )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--device", default="cuda")
@@ -180,7 +251,7 @@ def main() -> int:
     if args.device.startswith("cuda"):
         out["gpu"] = torch.cuda.get_device_name(0)
     failed = []
-    for check in (check_engine_and_learner, check_fsdp, check_vllm):
+    for check in (check_engine_and_learner, check_fsdp, check_vllm, check_vlm):
         try:
             check(args, out)
         except Exception as err:  # noqa: BLE001 - each check reports its own failure and the others still run

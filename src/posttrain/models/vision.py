@@ -350,7 +350,9 @@ def save_vision_folder(model: Any, tokenizer: Any, out: str | Path) -> Path:
     return save_hf_folder_atomically(model, processor, Path(out))
 
 
-def graft_vision(
+def random_llava(
+    text_config: Any,
+    tokenizer: Any,
     seed: int = 0,
     *,
     image_size: int = 96,
@@ -359,34 +361,50 @@ def graft_vision(
     vision_layers: int = 4,
     vision_heads: int = 3,
 ) -> tuple[Any, Any]:
+    """A randomly initialised LLaVA over `text_config` (its vocabulary grown to hold `<image>`), and a copy
+    of `tokenizer` with `<image>` and the image inputs attached."""
+    import torch
+    from transformers import LlavaForConditionalGeneration
+
+    from posttrain.models.loading import quiet_transformers
+
+    tok = _with_image_token(copy.deepcopy(tokenizer))
+    text_config = copy.deepcopy(text_config)
+    text_config.vocab_size = max(int(text_config.vocab_size), len(tok))
+    config = llava_config(
+        text_config,
+        tok.convert_tokens_to_ids(IMAGE_TOKEN),
+        image_size=image_size,
+        patch_size=patch_size,
+        vision_hidden=vision_hidden,
+        vision_layers=vision_layers,
+        vision_heads=vision_heads,
+    )
+    with quiet_transformers(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlavaForConditionalGeneration(config).float()
+    model.eval()
+    return model, attach_image_inputs(tok, _inputs_for(config, tok, _siglip_processor(image_size)))
+
+
+def graft_vision(seed: int = 0, **vision: int) -> tuple[Any, Any]:
     """The embedded default (SmolLM2-135M) with a SigLIP-style encoder and a projector, both initialised
     from scratch (no vision weights ship with this project): (LLaVA model, tokenizer with image inputs).
-    The language weights are SmolLM2's; the embedding gains one row for `<image>`."""
+    The language weights are SmolLM2's; the embedding gains one row for `<image>` (never read: image
+    features replace it). `vision`: random_llava's encoder sizes."""
     import torch
-    from transformers import AutoModelForCausalLM, LlavaForConditionalGeneration
+    from transformers import AutoModelForCausalLM
 
     from posttrain.models.loading import ensure_embedded, load_tokenizer, quiet_transformers
 
-    tok = _with_image_token(copy.deepcopy(load_tokenizer("smollm2-135m")))
     with quiet_transformers():
         lm = AutoModelForCausalLM.from_pretrained(ensure_embedded(), dtype=torch.float32)
+    model, tok = random_llava(lm.config, load_tokenizer("smollm2-135m"), seed, **vision)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        lm.resize_token_embeddings(len(tok), mean_resizing=False)  # the <image> row is never read
-        config = llava_config(
-            lm.config,
-            tok.convert_tokens_to_ids(IMAGE_TOKEN),
-            image_size=image_size,
-            patch_size=patch_size,
-            vision_hidden=vision_hidden,
-            vision_layers=vision_layers,
-            vision_heads=vision_heads,
-        )
-        with quiet_transformers():
-            model = LlavaForConditionalGeneration(config).float()
-    missing = model.model.language_model.load_state_dict(lm.model.state_dict(), strict=True)
-    assert not missing.missing_keys and not missing.unexpected_keys
-    if not config.tie_word_embeddings:
+        lm.resize_token_embeddings(model.config.text_config.vocab_size, mean_resizing=False)
+    loaded = model.model.language_model.load_state_dict(lm.model.state_dict(), strict=True)
+    assert not loaded.missing_keys and not loaded.unexpected_keys
+    if not model.config.tie_word_embeddings:
         model.lm_head.weight.data.copy_(lm.lm_head.weight.data)
-    model.eval()
-    return model, attach_image_inputs(tok, _inputs_for(config, tok, _siglip_processor(image_size)))
+    return model, tok

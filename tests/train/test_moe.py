@@ -113,11 +113,15 @@ def test_replayed_routing_gives_the_engine_logprobs_where_free_routing_differs(n
     assert _max_gap(replay, samples) < 1e-4
 
 
-def test_without_recorded_routing_replay_is_refused_and_free_metrics_still_come(near_tie):
+def test_rollouts_without_routing_are_refused_under_replay_and_free_metrics_still_come(near_tie):
     model, samples = near_tie
     bare = [Sample(s.token_ids, s.loss_mask, s.behavior_logprobs, s.reward, s.group_id) for s in samples]
+    replaying = _learner(copy.deepcopy(model), Moe(routing_replay=True))
     with pytest.raises(ValueError, match="routing_replay needs each rollout's expert choices"):
-        _learner(copy.deepcopy(model), Moe(routing_replay=True)).compute_logprobs(bare)
+        replaying.step(bare)
+    # supervised rows (no rollouts, no routing) route freely under replay: the free logprobs
+    free_lp = _learner(copy.deepcopy(model), Moe()).compute_logprobs(bare)
+    assert torch.equal(replaying.compute_logprobs(bare), free_lp)
     free = _learner(copy.deepcopy(model), Moe())
     free.compute_logprobs(bare)
     m = free.moe.pop_metrics()

@@ -384,6 +384,8 @@ class Learner:
                 "term is computed on one process"
             )
         batch = build_batch(samples, self.device)
+        if self.moe is not None:
+            self.moe.check_rollouts(batch)
         replay_batch = build_batch(replay, self.device) if replay else None
         mask = batch.loss_mask
         current = self.version if current_version is None else current_version

@@ -120,13 +120,9 @@ class MoeRouting:
 
     @contextlib.contextmanager
     def forward(self, batch: Batch, inputs: ModelInputs | None, prefix: int) -> Iterator[None]:
-        """Route the decoder forward run inside by this micro-batch's recorded routing (when replaying)."""
+        """Route the decoder forward run inside by this micro-batch's recorded routing (when replaying;
+        rows without a record, such as supervised data, route freely)."""
         if batch.routing is None:
-            if self.cfg.routing_replay:
-                raise ValueError(
-                    "trainer.moe.routing_replay needs each rollout's expert choices (the paged engine "
-                    "records them for MoE models); this batch has none"
-                )
             forced, valid = None, real_positions(batch, inputs, prefix)[0]
         else:
             forced, valid = flat_routing(batch, inputs, prefix)
@@ -135,6 +131,14 @@ class MoeRouting:
             yield
         finally:
             self._forced = self._valid = None
+
+    def check_rollouts(self, batch: Batch) -> None:
+        """Refuse an RL batch without recorded routing when replay is on (it would silently route freely)."""
+        if self.cfg.routing_replay and batch.routing is None:
+            raise ValueError(
+                "trainer.moe.routing_replay needs each rollout's expert choices (the paged engine "
+                "records them for MoE models); this batch has none"
+            )
 
     def _hook(self, layer: int) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:

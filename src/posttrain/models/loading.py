@@ -180,7 +180,8 @@ def resolve(spec: str) -> ModelInfo:
     )
 
 
-def _tiny_config(family: str, vocab_size: int, bos: int | None, eos: int | None, pad: int | None) -> Any:
+def tiny_config(family: str, vocab_size: int, bos: int | None, eos: int | None, pad: int | None) -> Any:
+    """The config of `tiny:<family>` (also the language side of `tiny:llava`)."""
     from transformers import AutoConfig
 
     common: dict[str, Any] = dict(
@@ -244,7 +245,7 @@ def load_policy(spec: str = DEFAULT_SPEC, dtype: str = "float32", seed: int = 0)
     with quiet_transformers():
         if info.kind == "tiny":
             tok = load_tokenizer(spec)
-            config = _tiny_config(
+            config = tiny_config(
                 info.location, len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id
             )
             with torch.random.fork_rng(devices=[]):

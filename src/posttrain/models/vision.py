@@ -232,26 +232,11 @@ def _inputs_for(config: Any, tokenizer: Any, image_processor: Any) -> ImageInput
 
 def _tiny_llava_parts() -> tuple[Any, Any]:
     """tiny:llava's config and tokenizer (the SmolLM2 tokenizer plus `<image>`, image inputs attached)."""
-    from transformers import LlamaConfig
-
-    from posttrain.models.loading import load_tokenizer
+    from posttrain.models.loading import load_tokenizer, tiny_config
 
     tok = _with_image_token(copy.deepcopy(load_tokenizer("tiny:llama")))
-    text = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        initializer_range=0.2,  # far from uniform: greedy paths and logprobs depend on the image
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
+    text = tiny_config("llama", len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+    text.initializer_range = 0.2  # far from uniform: greedy paths and logprobs depend on the image
     config = llava_config(
         text,
         tok.convert_tokens_to_ids(IMAGE_TOKEN),

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import io
 import random
-from typing import Any
 
 import numpy as np
 
-from posttrain.envs.base import Domain, Environment
-from posttrain.envs.domains.vision_common import AnswerEnv, vision_prompt
+from posttrain.envs.domains.vision_common import AnswerDomain, vision_prompt
 from posttrain.envs.registry import register_env
 from posttrain.types import Task
 
@@ -63,7 +61,7 @@ def _question(rng: random.Random, level: int) -> tuple[list[int], list[int], str
 
 
 @register_env("vision.chart")
-class ChartDomain(Domain):
+class ChartDomain(AnswerDomain):
     description = "read values from a bar chart of a small financial table (image input)"
     difficulties = [0, 1, 2]
 
@@ -85,9 +83,3 @@ class ChartDomain(Domain):
             return f"{question}|{years}|{values}", build
 
         return self.draw(split, difficulty, index, seed, make)
-
-    def reference(self, task: Task) -> list[str]:
-        return [f"<answer>{task.meta['answer']}</answer>"]
-
-    def make_env(self, sandbox: Any = None, chat_format: str = "smollm2") -> Environment:
-        return AnswerEnv()

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from posttrain.envs.base import Environment, Observation, StepResult
+from posttrain.envs.base import Domain, Environment, Observation, StepResult
 from posttrain.envs.extract import extract_answer, normalize_number
 from posttrain.envs.images import image_part
 from posttrain.types import Message, Task, TextPart
@@ -136,3 +136,14 @@ class AnswerEnv(Environment):
             info.update(turns=1, infra_failure=False)
             self._final = StepResult([], reward, True, rewards, info)
         return self._final
+
+
+class AnswerDomain(Domain):
+    """A vision domain whose reference is the tagged answer and whose episode is one `AnswerEnv` turn;
+    subclasses generate the tasks."""
+
+    def reference(self, task: Task) -> list[str]:
+        return [f"<answer>{task.meta['answer']}</answer>"]
+
+    def make_env(self, sandbox: Any = None, chat_format: str = "smollm2") -> Environment:
+        return AnswerEnv()

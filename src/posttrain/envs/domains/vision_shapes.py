@@ -13,16 +13,14 @@ text-only model reads nothing that tells the answer.
 from __future__ import annotations
 
 import random
-from typing import Any
 
 import numpy as np
 
-from posttrain.envs.base import Domain, Environment
 from posttrain.envs.domains.vision_common import (
     BACKGROUND,
     COLOURS,
     KINDS,
-    AnswerEnv,
+    AnswerDomain,
     Shape,
     place_shapes,
     render_shapes,
@@ -73,7 +71,7 @@ def _shapes_question(rng: random.Random, level: int) -> tuple[list[tuple[str, st
 
 
 @register_env("vision.shapes")
-class ShapesDomain(Domain):
+class ShapesDomain(AnswerDomain):
     description = "count coloured shapes and read their attributes in a rendered scene (image input)"
     difficulties = [0, 1, 2, 3]
 
@@ -92,12 +90,6 @@ class ShapesDomain(Domain):
             return f"{question}|{shapes_key(shapes or [])}", build
 
         return self.draw(split, difficulty, index, seed, make)
-
-    def reference(self, task: Task) -> list[str]:
-        return [f"<answer>{task.meta['answer']}</answer>"]
-
-    def make_env(self, sandbox: Any = None, chat_format: str = "smollm2") -> Environment:
-        return AnswerEnv()
 
 
 def _panel(shape: tuple[str, str], side: int) -> np.ndarray:
@@ -126,7 +118,7 @@ def _views(rng: random.Random, level: int) -> tuple[list[tuple[str, str]], int]:
 
 
 @register_env("vision.views")
-class ViewsDomain(Domain):
+class ViewsDomain(AnswerDomain):
     description = "pick the panel of a rendered image that matches a description (image input)"
     difficulties = [0, 1]
 
@@ -168,9 +160,3 @@ class ViewsDomain(Domain):
             return "|".join(f"{k},{c}" for k, c in panels) + f"|{answer_at}", build
 
         return self.draw(split, difficulty, index, seed, make)
-
-    def reference(self, task: Task) -> list[str]:
-        return [f"<answer>{task.meta['answer']}</answer>"]
-
-    def make_env(self, sandbox: Any = None, chat_format: str = "smollm2") -> Environment:
-        return AnswerEnv()

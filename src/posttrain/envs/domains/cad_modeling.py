@@ -123,8 +123,9 @@ def _cylinder(rng: random.Random) -> Part:
 
 def _plate_with_holes(rng: random.Random) -> Part:
     length, width, t = rng.randint(40, 120), rng.randint(30, 80), rng.randint(3, 10)
-    d = rng.randint(3, 10)
-    ax, ay = length // 2 - rng.randint(d, 2 * d), width // 2 - rng.randint(d, 2 * d)
+    d = rng.randint(3, min(10, width // 6))
+    # hole centres at least a diameter from the edges and from each other
+    ax, ay = rng.randint(d, length // 2 - d), rng.randint(d, width // 2 - d)
     pattern = rng.choice(["pair", "corners"])
     points = [(-ax, 0), (ax, 0)] if pattern == "pair" else [(-ax, -ay), (ax, -ay), (-ax, ay), (ax, ay)]
     where = ", ".join(f"({px}, {py})" for px, py in points)
@@ -243,7 +244,7 @@ def _gear_blank(rng: random.Random) -> Part:
 def _rounded_plate(rng: random.Random) -> Part:
     x, y, t = rng.randint(40, 120), rng.randint(30, 80), rng.randint(4, 12)
     r = rng.randint(3, min(x, y) // 5)
-    d = rng.randint(3, 8)
+    d = rng.randint(3, max(3, min(8, (min(x, y) // 2 - r) // 2)))  # holes clear of the corners and each other
     ax, ay = x // 2 - r - d, y // 2 - r - d
     desc = (
         f"A plate {x} mm long (x), {y} mm wide (y) and {t} mm thick (z) whose four vertical corner edges "

@@ -139,3 +139,16 @@ def test_vision_tower_frozen_by_default_and_lora_only_on_the_language_side(llava
     assert all(
         torch.equal(v, full.model.model.multi_modal_projector.state_dict()[k]) for k, v in proj0.items()
     )
+
+
+def test_parallel_learners_refuse_vision_policies(llava):
+    import pytest
+
+    from posttrain.train.distributed import shard_learner
+
+    model, _ = llava
+    with pytest.raises(ValueError, match="context_parallel > 1 does not run vision-language policies"):
+        Learner(LLAVA, TrainerConfig(context_parallel=2), AlgorithmConfig(), model=copy.deepcopy(model))
+    learner = Learner(LLAVA, TrainerConfig(), AlgorithmConfig(), model=copy.deepcopy(model))
+    with pytest.raises(ValueError, match="does not train data-parallel"):
+        shard_learner(learner)

@@ -123,11 +123,21 @@ class _Root(torch.nn.Module):
             learner.dp.inside = False
 
 
+def _refuse_vision(learner: Any, what: str) -> None:
+    if getattr(learner, "vision", None) is not None:
+        raise ValueError(
+            f"a vision-language policy does not train {what} here: its images enter at the embeddings "
+            "on the single-process path only (train/vision.py); use one learner process"
+        )
+
+
 def shard_learner(learner: Any, group: Any = None) -> DataParallel:
     """Shard `learner`'s policy over the process group (initialised by the caller) and rebuild its
     optimizer over this rank's shards; returns the rank's `DataParallel`, also set as `learner.dp`."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
+
+    _refuse_vision(learner, "data-parallel (FSDP)")
 
     from posttrain.train.learner import make_adamw
 
@@ -183,6 +193,8 @@ def tensor_parallel_learner(learner: Any, group: Any = None) -> TensorParallel:
     calls the same methods with the same batch. Heads and KV heads must divide by the world size."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    _refuse_vision(learner, "tensor-parallel")
 
     if not dist.is_initialized():
         raise RuntimeError("tensor_parallel_learner needs torch.distributed initialised (init_process_group)")

@@ -213,6 +213,11 @@ class Learner:
         if trainer_cfg.context_parallel > 1:
             from posttrain.train.context_parallel import context_parallel_learner
 
+            if self.vision is not None:
+                raise ValueError(
+                    "trainer.context_parallel > 1 does not run vision-language policies (their images "
+                    "enter at the embeddings on the single-process path); set it to 1"
+                )
             self.cp = context_parallel_learner(self)
 
     # ------------------------------------------------------------------------------------------

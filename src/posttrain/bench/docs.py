@@ -11,6 +11,7 @@ SQLite's.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import signal
@@ -83,6 +84,9 @@ def _run_backend(
     st = status(db, queue)
     scores = score_batch(db, batch.truth, task_key(EXTRACTION_SCHEMA, [], opts.model))
     modes = dict(db.select("SELECT mode, COUNT(*) FROM extractions GROUP BY mode")[1])
+    dead_errors = collections.Counter(
+        (e or "")[:160] for (e,) in db.select("SELECT error FROM jobs WHERE state = 'dead'")[1]
+    )
     out = {
         "enqueued": rep.enqueued,
         "docs_per_min": st["docs_per_min"],
@@ -92,6 +96,7 @@ def _run_backend(
         "killed_worker": killed is not None,
         "map_reduce_docs": int(modes.get("map_reduce", 0)),
         **scores,
+        "dead_errors": [{"error": e, "jobs": n} for e, n in dead_errors.most_common(3)],
     }
     queue.close()
     db.dispose()

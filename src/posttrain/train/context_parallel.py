@@ -113,10 +113,17 @@ class ContextParallel:
         return zigzag_positions(width, self.world, self.rank).to(device)
 
     def policy_forward(
-        self, learner: Any, model: Any, batch: Any, mask: Tensor, temperature: float
+        self,
+        model: Any,
+        batch: Any,
+        mask: Tensor,
+        temperature: float,
+        chunk_tokens: int,
+        autocast: Any,
     ) -> tuple[Tensor, Tensor]:
-        """The Learner's `(logprobs, entropy)` `[b, L]` of `mask`'s targets, this rank running its
-        shard of every row; every rank returns the whole matrices."""
+        """The Learner's `(logprobs, entropy)` `[b, L]` of `mask`'s targets (the LM head by chunks of
+        `chunk_tokens`, the decoder under the `autocast` context), this rank running its shard of every
+        row; every rank returns the whole matrices."""
         lm = causal_lm(model)
         ids = batch.token_ids
         rows, width = ids.shape
@@ -124,7 +131,7 @@ class ContextParallel:
         pos = self.positions(width, device)
         local_of = torch.full((width,), -1, dtype=torch.long, device=device)
         local_of[pos] = torch.arange(pos.numel(), device=device)
-        with learner._autocast():
+        with autocast:
             out = lm.get_decoder()(
                 input_ids=ids.index_select(1, pos),
                 position_ids=pos.expand(rows, -1),
@@ -142,7 +149,7 @@ class ContextParallel:
                 lm.get_output_embeddings(),
                 h,
                 mine.token,
-                learner.trainer_cfg.logprob_chunk_tokens,
+                chunk_tokens,
                 temperature,
             )
         shape = (rows, width)
@@ -192,5 +199,5 @@ def context_parallel_learner(learner: Any, group: Any = None) -> ContextParallel
     register_ring_attention()
     for model in (learner.model, learner.reference):
         if model is not None:
-            causal_lm(model).config._attn_implementation = ATTENTION
+            causal_lm(model).set_attn_implementation(ATTENTION)
     return ContextParallel(dist.get_rank(group), world, group)

@@ -246,7 +246,8 @@ class Learner:
             return self.dp.root(batch, mask, inputs, temperature)
         if self.cp is not None:  # this rank's shard of every row, attention round the ring
             temp = self.algo_cfg.temperature if temperature is None else temperature
-            return self.cp.policy_forward(self, model, batch, mask, temp)
+            chunk = self.trainer_cfg.logprob_chunk_tokens
+            return self.cp.policy_forward(model, batch, mask, temp, chunk, self._autocast())
         lm = causal_lm(model)
         prefix = int(batch.meta.get("shared_prefix", 0))
         if prefix > 0:

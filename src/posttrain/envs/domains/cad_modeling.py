@@ -29,6 +29,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import importlib.util
+import json
 import random
 from collections import OrderedDict
 from collections.abc import Callable
@@ -350,8 +351,6 @@ def _tail(text: str) -> str:
 
 def read_build(res: ExecResult) -> Built:
     """Turn a job's result into a solid or a stated reason (never raises on what the job returned)."""
-    import json
-
     log = _tail(res.stdout_text + ("\n" if res.stdout and res.stderr else "") + res.stderr_text)
     status = res.status.value
     if res.is_infra_failure:
@@ -408,6 +407,8 @@ async def target_solid(sandbox: Any, code: str) -> Built:
 
 @dataclass
 class Graded:
+    """One reply's score and what the feedback shows: the build, the comparison, the target."""
+
     reward: float
     rewards: dict[str, float]
     info: dict[str, Any]

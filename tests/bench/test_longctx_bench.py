@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from posttrain.bench import BenchUsageError
-from posttrain.bench.longctx import parse_lengths
+from posttrain.bench.longctx import fits, parse_lengths
 from posttrain.cli.bench import run_bench
 
 
@@ -18,6 +18,15 @@ def test_lengths_parse_and_bad_ones_are_usage_errors(capsys):
         run_bench("longctx", ["--lengths", "8"])
     assert exit_info.value.code == 2
     assert "at least 16 tokens" in capsys.readouterr().err
+
+
+def test_fits_32k_is_false_only_for_memory_and_unknown_for_other_failures():
+    assert fits({"peak_bytes": 10 * 2**30}) is True
+    assert fits({"peak_bytes": 25 * 2**30}) is False
+    assert fits({"error": "exit -9: (no output)", "out_of_memory": True}) is False
+    assert fits({"error": "exit -15: (no output)", "out_of_memory": False}) is None  # killed by hand
+    assert fits({"error": "timed out after 3600 s"}) is None
+    assert fits(None) is None
 
 
 @pytest.mark.slow

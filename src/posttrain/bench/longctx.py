@@ -9,7 +9,8 @@ prompt, one token generated; on: chunked prefill (2048 tokens a step); off: the 
 Peak memory is the process's peak RSS (`ru_maxrss`), loaded model included; `*_over_load_bytes`
 subtracts the RSS once the model is loaded. Lengths above `--baseline-max-tokens` run with the features
 only (the baseline's L x L tensors would not fit). `fits_32k` is whether a 32k training step finished
-under the machine's memory, null when 32k was not run. Ring attention (`--ring-tokens N`): the bytes one
+under the machine's memory, false when it went over or ran out of memory, null when 32k was not run or
+failed otherwise (a timeout, a kill, a crash). Ring attention (`--ring-tokens N`): the bytes one
 rank keeps for backward and the seconds of forward + backward of causal attention over N tokens with the
 embedded model's heads, in 1 (plain attention), 2 and 4 gloo processes.
 """
@@ -197,8 +198,20 @@ def _measure(kind: str, length: int, features: bool, model: str, timeout_s: floa
         return {"error": f"timed out after {timeout_s:.0f} s"}
     if out.returncode != 0:
         last = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
-        return {"error": f"exit {out.returncode}: {last[:200]}"}
+        oom = out.returncode == -9 or "MemoryError" in out.stderr or "out of memory" in out.stderr
+        return {"error": f"exit {out.returncode}: {last[:200]}", "out_of_memory": oom}
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def fits(run: dict[str, Any] | None, machine_bytes: int = MACHINE_BYTES) -> bool | None:
+    """Whether a measured training step fitted the machine: True when it finished under `machine_bytes`,
+    False when it went over or died out of memory (MemoryError, or SIGKILL: the OOM killer's signal),
+    None when it was not run or failed otherwise (timed out, killed, crashed): not known."""
+    if run is None:
+        return None
+    if "error" in run:
+        return False if run.get("out_of_memory") else None
+    return bool(run["peak_bytes"] < machine_bytes)
 
 
 def main(opts: Any) -> dict[str, Any]:
@@ -250,10 +263,7 @@ def main(opts: Any) -> dict[str, Any]:
     per_token = {n: s / int(n) for n, s in result["prefill_s"].items() if s}
     if "32768" in per_token and "4096" in per_token:
         result["prefill_per_token_32k_over_4k"] = per_token["32768"] / per_token["4096"]
-    run32 = rows["train_features"].get(32768)
-    result["fits_32k"] = (
-        None if run32 is None else bool("error" not in run32 and run32["peak_bytes"] < MACHINE_BYTES)
-    )
+    result["fits_32k"] = fits(rows["train_features"].get(32768))
 
     table = Table(title=f"long context: {opts.model} (load {result['load_avg_1m']:.1f})")
     for col in ("tokens", "train peak GB", "baseline", "train s", "baseline", "prefill s", "baseline"):

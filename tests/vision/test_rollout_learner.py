@@ -152,3 +152,35 @@ def test_parallel_learners_refuse_vision_policies(llava):
     learner = Learner(LLAVA, TrainerConfig(), AlgorithmConfig(), model=copy.deepcopy(model))
     with pytest.raises(ValueError, match="does not train data-parallel"):
         shard_learner(learner)
+
+
+def test_configs_vision_yaml_trains_with_rl_on_tiny_llava(tmp_path):
+    import json
+
+    from posttrain.config import load_config, save_config
+    from posttrain.orchestrator.run import RLRun
+    from posttrain.telemetry import RunDir
+
+    cfg = load_config(
+        "configs/vision.yaml",
+        [
+            "model.spec=tiny:llava",
+            "model.lora_rank=4",
+            "orchestrator.steps=1",
+            "batch.prompts_per_step=2",
+            "batch.samples_per_prompt=2",
+            "engine.max_new_tokens=4",
+            f"telemetry.run_dir={tmp_path}",
+        ],
+    )
+    run_dir = RunDir.create(tmp_path, "vision")
+    save_config(cfg, run_dir.config)
+    run = RLRun(cfg, run_dir)
+    run.train()
+    rows = [json.loads(line) for line in run_dir.metrics.read_text().splitlines()]
+    step = next(r for r in rows if "train/mismatch_max_abs_log_ratio" in r)
+    assert step["train/mismatch_max_abs_log_ratio"] < 1e-4  # fp32: the Learner replays the engine's images
+    stored = {p.stem for p in (run_dir.path / "images").glob("*.png")}
+    assert 1 <= len(stored) <= 2  # the prompts' images, once each however many samples saw them
+    store = ImageStore(run_dir.path / "images")
+    assert all(store.get(k).size == (96, 96) for k in stored)  # each file hashes to its name

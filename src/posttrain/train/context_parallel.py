@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from posttrain.longctx.ring import ring_attention, zigzag_positions
-from posttrain.train.forward import causal_lm, chunked_logprobs, scatter_rows, select_targets
+from posttrain.train.forward import Targets, causal_lm, chunked_logprobs, scatter_rows, select_targets
 
 ATTENTION = "ring"
 
@@ -143,15 +143,10 @@ class ContextParallel:
             targets = select_targets(mask, ids, torch.arange(rows, device=device) * width)
             here = local_of[targets.cols - 1] >= 0  # the position predicting the target is this rank's
             src = targets.rows[here] * pos.numel() + local_of[targets.cols[here] - 1]
-            mine = type(targets)(targets.rows[here], targets.cols[here], src, targets.token[here])
+            mine = Targets(targets.rows[here], targets.cols[here], src, targets.token[here])
             h = hidden.reshape(-1, hidden.shape[-1])[mine.src]
-            lp, ent = chunked_logprobs(
-                lm.get_output_embeddings(),
-                h,
-                mine.token,
-                chunk_tokens,
-                temperature,
-            )
+            head = lm.get_output_embeddings()
+            lp, ent = chunked_logprobs(head, h, mine.token, chunk_tokens, temperature)
         shape = (rows, width)
         lp_full, ent_full = _SumOverRanks.apply(
             hidden, self.group, scatter_rows(lp, mine, shape), scatter_rows(ent, mine, shape)

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from posttrain.types import Trajectory
+if TYPE_CHECKING:  # the report reads renders without importing the layers that make them
+    from posttrain.types import Trajectory
 
 INDEX = "index.jsonl"
 

@@ -41,6 +41,26 @@ def test_length_table_averages_tasks_and_finds_the_effective_length():
     assert table["effective_length"]["d"] == {"85.6": 1024, "70": 2048, "10": 4096, "90": None}
 
 
+def test_cells_with_nothing_scored_are_none_not_nan():
+    table = length_table({"d": {"a": {1024: [None, None], 2048: [1.0]}}}, thresholds=[50.0])
+    cell = table["tasks"]["d"]["a"]["1024"]
+    assert cell == {"accuracy": None, "ci_low": None, "ci_high": None, "n": 0, "infra_failures": 2}
+    assert table["task_average"]["d"]["1024"] == {"value": None, "ci_low": None, "ci_high": None}
+    assert table["effective_length"]["d"] == {"50": None}  # nothing known at the shortest length
+    json.dumps(table, allow_nan=False)
+
+
+def test_eval_lengths_at_an_endpoint_that_does_not_answer_counts_infrastructure_failures():
+    hard0 = "envs.domains=[{name: longctx.hard, options: {hardness: [0]}}]"
+    args = ["eval", "--api-base", "http://127.0.0.1:9/v1", "--model", "m", "--suite", "longctx.hard"]
+    result = CliRunner().invoke(app, [*args, "--lengths", "1k", "--n", "1", "--set", hard0, "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output.strip().splitlines()[-1])
+    assert out["tasks"]["longctx.hard"]["hardness_0"]["1024"]["infra_failures"] == 1
+    assert out["tasks"]["longctx.hard"]["hardness_0"]["1024"]["n"] == 0
+    assert "1 episode(s) failed at http://127.0.0.1:9/v1 at 1024 tokens" in result.output
+
+
 def test_effective_length_stops_at_the_first_length_below_the_threshold():
     assert effective_length({1024: 0.9, 2048: 0.5, 4096: 0.95}, 85.6) == 1024
     assert effective_length({1024: 0.856, 2048: 0.99}, 85.6) is None  # above means strictly above

@@ -8,7 +8,7 @@ from typing import Any
 
 from rich.table import Table
 
-from posttrain.cli.common import console
+from posttrain.cli.common import console, err_console
 
 
 def eval_lengths(
@@ -36,7 +36,7 @@ def eval_lengths(
         console.print(f"[dim]scoring {len(arms)} tasks x {n} at {tokens} tokens ...[/]")
         if api is not None:
             base, model, key = api
-            return evaluate_api(
+            report = evaluate_api(
                 base,
                 model,
                 sub,
@@ -49,6 +49,12 @@ def eval_lengths(
                 samples=samples,
                 sandbox=sandbox,
             )
+            if report.failures:
+                err_console.print(
+                    f"[yellow]{len(report.failures)} episode(s) failed at {base} at {tokens} tokens, "
+                    f"e.g. {report.failures[0]}[/yellow]"
+                )
+            return report
         need = tokens + cfg.engine.max_new_tokens + 128
         engine = cfg.engine.model_copy(update={"max_model_len": max(cfg.engine.max_model_len, need)})
         level_cfg = cfg.model_copy(update={"engine": engine})
@@ -73,7 +79,7 @@ def length_tables(result: dict[str, Any]) -> list[Table]:
     lengths in the caption."""
 
     def ci(c: dict[str, Any], key: str) -> str:
-        if c.get("n") == 0:
+        if c[key] is None:
             return "-"
         return f"{c[key]:.2f} [{c['ci_low']:.2f}, {c['ci_high']:.2f}]"
 

@@ -37,12 +37,13 @@ def task_average_ci(
     return value, float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
-def effective_length(averages: dict[int, float], threshold_pct: float) -> int | None:
-    """The longest length up to which every task average (a fraction) is above `threshold_pct` percent;
-    None when the shortest length is not."""
+def effective_length(averages: dict[int, float | None], threshold_pct: float) -> int | None:
+    """The longest length up to which every task average (a fraction; None: nothing scored) is above
+    `threshold_pct` percent; None when the shortest length is not."""
     best = None
     for n in sorted(averages):
-        if not averages[n] * 100.0 > threshold_pct:
+        value = averages[n]
+        if value is None or not value * 100.0 > threshold_pct:
             break
         best = n
     return best
@@ -56,7 +57,8 @@ def length_table(
     """`scores[domain][task][tokens]` = per-task strict success (None: infrastructure failure) ->
     {"tasks": domain -> task -> tokens -> {accuracy, ci_low, ci_high, n, infra_failures},
      "task_average": domain -> tokens -> {value, ci_low, ci_high},
-     "effective_length": domain -> str(threshold) -> tokens or None}."""
+     "effective_length": domain -> str(threshold) -> tokens or None}; figures of cells with nothing
+    scored are None."""
     out: dict[str, Any] = {"tasks": {}, "task_average": {}, "effective_length": {}}
     for dom, tasks in scores.items():
         out["tasks"][dom] = {}
@@ -65,22 +67,22 @@ def length_table(
             cells = {}
             for n in lengths:
                 got = [s for s in per.get(n, []) if s is not None]
-                lo, hi = bootstrap_ci(np.asarray(got, dtype=float), seed)
+                lo, hi = bootstrap_ci(np.asarray(got, dtype=float), seed) if got else (None, None)
                 cells[str(n)] = {
-                    "accuracy": float(np.mean(got)) if got else float("nan"),
+                    "accuracy": float(np.mean(got)) if got else None,
                     "ci_low": lo,
                     "ci_high": hi,
                     "n": len(got),
                     "infra_failures": sum(s is None for s in per.get(n, [])),
                 }
             out["tasks"][dom][task] = cells
-        averages: dict[int, float] = {}
+        averages: dict[int, float | None] = {}
         out["task_average"][dom] = {}
         for n in lengths:
             per_task = [[s for s in per.get(n, []) if s is not None] for per in tasks.values()]
-            value, lo, hi = task_average_ci(per_task, seed)
-            out["task_average"][dom][str(n)] = {"value": value, "ci_low": lo, "ci_high": hi}
-            averages[n] = value
+            figures = task_average_ci(per_task, seed) if any(per_task) else (None, None, None)
+            out["task_average"][dom][str(n)] = dict(zip(("value", "ci_low", "ci_high"), figures, strict=True))
+            averages[n] = figures[0]
         out["effective_length"][dom] = {f"{t:g}": effective_length(averages, t) for t in thresholds}
     return out
 

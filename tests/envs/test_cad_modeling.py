@@ -136,9 +136,10 @@ def test_level_zero_prompts_carry_the_worked_examples_and_never_ask_for_them():
     d = get_domain("cad.modeling")
     for i in range(40):
         task = d.task("train", 0, i)
-        assert "Examples." in task.prompt[0].text and "result = cq.Workplane" in task.prompt[0].text
-        assert task.meta["description"] not in cad.EXAMPLES
-    assert "Examples." not in d.task("train", 1, 0).prompt[0].text
+        brief, code = cad.EXAMPLES[task.meta["family"]]  # an example of the task's own family
+        assert f"Example part: {brief}" in task.prompt[0].text and code in task.prompt[0].text
+        assert task.meta["description"] != brief
+    assert "Example part" not in d.task("train", 1, 0).prompt[0].text
 
 
 def test_without_cadquery_the_domain_says_which_extra_to_install(monkeypatch):

@@ -70,13 +70,18 @@ INSTRUCTION = (
     "width, z is height. Assign the finished solid to a variable named `result`. Reply with the script "
     "in one ```python code block."
 )
-EXAMPLES = (
-    "Examples.\n"
-    "A block 30 mm long (x), 20 mm wide (y) and 10 mm tall (z):\n"
-    '```python\nimport cadquery as cq\nresult = cq.Workplane("XY").box(30, 20, 10)\n```\n'
-    "A solid cylinder 24 mm in diameter and 16 mm tall, its axis along z:\n"
-    '```python\nimport cadquery as cq\nresult = cq.Workplane("XY").circle(12).extrude(16)\n```'
-)
+# Level 0's worked example: a part of the task's own family with other numbers, so that copying its
+# form and changing the numbers solves the task (the 135M model otherwise wraps `result` in functions).
+EXAMPLES = {
+    "box": (
+        "A rectangular block 30 mm long (x), 20 mm wide (y) and 10 mm tall (z).",
+        '```python\nimport cadquery as cq\nresult = cq.Workplane("XY").box(30, 20, 10)\n```',
+    ),
+    "cylinder": (
+        "A solid cylinder 24 mm in diameter and 16 mm tall, its axis along z.",
+        '```python\nimport cadquery as cq\nresult = cq.Workplane("XY").circle(12).extrude(16)\n```',
+    ),
+}
 EXAMPLE_KEYS = {("box", (30, 20, 10)), ("cylinder", (24, 16))}
 
 
@@ -268,8 +273,13 @@ FAMILIES: dict[int, list[Callable[[random.Random], Part]]] = {
 
 
 def prompt_text(part: Part, difficulty: int) -> str:
-    examples = f"\n\n{EXAMPLES}" if difficulty == 0 else ""
-    return f"{INSTRUCTION}{examples}\n\nThe part: {part.description}"
+    if difficulty == 0:
+        brief, code = EXAMPLES[part.family]
+        return (
+            f"{INSTRUCTION} Write it at the top level, without functions.\n\nExample part: {brief}\n"
+            f"Example script:\n{code}\n\nThe part: {part.description}"
+        )
+    return f"{INSTRUCTION}\n\nThe part: {part.description}"
 
 
 # ---- grading ------------------------------------------------------------------------------------------

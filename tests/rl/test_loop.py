@@ -201,9 +201,9 @@ def test_infrastructure_failures_are_excluded_and_counted(tmp_path, monkeypatch)
     seen = []
     real_step = rl.learner.step
 
-    def spy(samples, current_version=None):
+    def spy(samples, current_version=None, replay=None):
         seen.extend(samples)
-        return real_step(samples, current_version=current_version)
+        return real_step(samples, current_version=current_version, replay=replay)
 
     monkeypatch.setattr(rl.learner, "step", spy)
     rl.train()

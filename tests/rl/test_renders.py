@@ -60,4 +60,3 @@ def test_scene_renders_are_saved_and_reported(tmp_path):
         assert Image.open(png).size == (256, 256)
     page = write_report(run_dir.path).read_text()
     assert '<section id="renders">' in page and f'src="../renders/{saved[-1]["images"][0]["file"]}"' in page
-

@@ -84,11 +84,11 @@ def test_expired_lease_is_released_and_the_old_holder_loses_it(make_queue):
 
 
 def test_extend_keeps_a_live_lease(make_queue):
-    q = make_queue(visibility_s=0.4, max_attempts=3, backoff_s=0)
+    q = make_queue(visibility_s=2.0, max_attempts=3, backoff_s=0)  # wide margins: loaded machines oversleep
     q.enqueue({"n": 1})
     a = q.lease("a")
     for _ in range(4):
-        time.sleep(0.2)
+        time.sleep(0.6)  # 2.4 s in all: past the visibility timeout, so only the extensions keep the lease
         assert q.extend(a)
         assert q.lease("b") is None
     assert q.ack(a) and q.lease("b") is None

@@ -339,7 +339,9 @@ def test_dynamic_sampling_drops_equal_reward_groups_and_bounds_refills(tmp_path,
     rl = RLRun(cfg, run_dir)
     rl.build()
     seen = []
-    monkeypatch.setattr(rl.learner, "step", lambda samples, current_version=None: seen.extend(samples) or {})
+    monkeypatch.setattr(
+        rl.learner, "step", lambda samples, current_version=None, replay=None: seen.extend(samples) or {}
+    )
     rl.train()
     row = read_metrics(run_dir.metrics)[-1]
     assert row["rollout/dropped_group_frac"] == 1.0
@@ -675,7 +677,9 @@ def test_dapo_filter_only_filters_in_the_real_loop_and_domain_weights_reach_the_
     rl.arms = rl.arms[:1]
     rl.sampler = type(rl.sampler)(cfg.curriculum, rl.arms, cfg.seed)  # math alone: every group all-zero
     seen = []
-    monkeypatch.setattr(rl.learner, "step", lambda samples, current_version=None: seen.extend(samples) or {})
+    monkeypatch.setattr(
+        rl.learner, "step", lambda samples, current_version=None, replay=None: seen.extend(samples) or {}
+    )
     rl.train()
     row = read_metrics(run_dir.metrics)[-1]
     assert row["rollout/dropped_group_frac"] == 1.0 and seen == []
@@ -705,7 +709,9 @@ def test_a_group_left_with_one_member_is_dropped_and_counted(tmp_path, monkeypat
 
     monkeypatch.setattr(rl, "rollout", lose_one)
     seen = []
-    monkeypatch.setattr(rl.learner, "step", lambda samples, current_version=None: seen.extend(samples) or {})
+    monkeypatch.setattr(
+        rl.learner, "step", lambda samples, current_version=None, replay=None: seen.extend(samples) or {}
+    )
     rl.train()
     row = read_metrics(run_dir.metrics)[-1]
     assert row["rollout/dropped_singleton_groups"] == 1.0 and row["counters/dropped_singleton_groups"] == 1.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -14,13 +15,19 @@ from posttrain.telemetry import MetricsLogger, WandbSink, read_metrics
 wandb = pytest.importorskip("wandb")
 
 
-def offline_history(directory: Path) -> list[dict[str, float]]:
+def offline_history(directory: Path, expect: int = 1, timeout_s: float = 20.0) -> list[dict[str, float]]:
     """The history rows of the offline runs under `directory`, oldest first (a .wandb file is a LevelDB-style
-    log of 32 KiB blocks of framed protobuf records after a 7-byte header)."""
-    rows = []
-    for path in sorted(directory.glob("wandb/offline-run-*/run-*.wandb")):
-        rows += _history(path.read_bytes())
-    return rows
+    log of 32 KiB blocks of framed protobuf records after a 7-byte header). wandb's service may still be
+    writing the file when `finish()` returns, so it is read again until `expect` rows are there or
+    `timeout_s` has passed."""
+    end = time.monotonic() + timeout_s
+    while True:
+        rows = []
+        for path in sorted(directory.glob("wandb/offline-run-*/run-*.wandb")):
+            rows += _history(path.read_bytes())
+        if len(rows) >= expect or time.monotonic() > end:
+            return rows
+        time.sleep(0.25)
 
 
 def _history(data: bytes) -> list[dict[str, float]]:
@@ -56,7 +63,10 @@ def test_offline_wandb_gets_the_same_scalars_as_jsonl(tmp_path):
     with MetricsLogger(tmp_path / "metrics.jsonl", None, wandb=sink) as log:
         log.log(1, {"reward/mean": 0.25, "train/loss": 1.5, "note": "text is not a scalar", "flag": True})
         log.log(2, {"reward/mean": 0.5, "train/loss": float("nan")})
-    assert offline_history(tmp_path) == [{"reward/mean": 0.25, "train/loss": 1.5}, {"reward/mean": 0.5}]
+    assert offline_history(tmp_path, expect=2) == [
+        {"reward/mean": 0.25, "train/loss": 1.5},
+        {"reward/mean": 0.5},
+    ]
     assert [r["reward/mean"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0.25, 0.5]
 
 
@@ -99,7 +109,7 @@ def test_a_training_run_logs_to_wandb_and_its_resume_continues_the_same_wandb_ru
     resumed.close()
     assert (run_dir.path / "wandb_id").read_text().strip() == run_id
     assert {p.name.split("-")[-1] for p in run_dir.path.glob("wandb/offline-run-*")} == {run_id}
-    history = offline_history(run_dir.path)
+    history = offline_history(run_dir.path, expect=3)
     rows = read_metrics(run_dir.metrics)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert [h["train/loss"] for h in history] == [r["train/loss"] for r in rows]

@@ -536,3 +536,22 @@ def test_status_watch_follows_the_queue_and_stops_on_ctrl_c(tmp_path, batch):
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0 and b"Traceback" not in err, err[-2000:]
+
+
+def test_processes_opening_a_fresh_sqlite_database_at_once_all_succeed(tmp_path):
+    """Workers, ingest and status may open a new database together: each gets the schema, and the
+    version row is written once."""
+    url = f"sqlite:///{tmp_path / 'fresh.db'}"
+    code = (
+        "import sys, time; from posttrain.apps.docs.db import Database; "
+        "time.sleep(max(0.0, float(sys.argv[2]) - time.time())); Database(sys.argv[1])"
+    )
+    start = str(time.time() + 3.0)  # all import first, then open at the same moment
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, url, start], env=env, stderr=subprocess.PIPE, text=True)
+        for _ in range(4)
+    ]
+    errors = [p.communicate(timeout=60)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, errors
+    assert Database(url).select("SELECT COUNT(*) FROM schema_version")[1] == [(1,)]

@@ -12,9 +12,12 @@ versioned (`schema_version`); a database from a newer version is refused.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -206,15 +209,32 @@ class Database:
     # ------------------------------------------------------------------ schema
 
     def _schema_lock(self, conn: Any) -> None:
-        """Serialise schema changes of concurrent processes (PostgreSQL's CREATE TABLE races otherwise;
-        SQLite's write lock already does it)."""
+        """Serialise schema changes of concurrent processes on PostgreSQL (CREATE TABLE races otherwise)."""
         if self.dialect == "postgresql":
             conn.execute(self.sa.text("SELECT pg_advisory_xact_lock(7305020101)"))
+
+    def _sqlite_file_lock(self) -> contextlib.AbstractContextManager[Any]:
+        """An exclusive lock on `<database>.schema-lock` for a file SQLite database: pysqlite runs DDL
+        outside a transaction, so two processes opening a fresh database would both create its tables."""
+        db = self.engine.url.database
+        if self.dialect != "sqlite" or not db or db == ":memory:":
+            return contextlib.nullcontext()
+
+        @contextlib.contextmanager
+        def locked() -> Iterator[None]:
+            with open(f"{db}.schema-lock", "a") as fh:
+                fcntl.flock(fh, fcntl.LOCK_EX)
+                try:
+                    yield
+                finally:
+                    fcntl.flock(fh, fcntl.LOCK_UN)
+
+        return locked()
 
     def _migrate(self) -> None:
         sa = self.sa
         try:
-            with self.engine.begin() as conn:
+            with self._sqlite_file_lock(), self.engine.begin() as conn:
                 self._schema_lock(conn)
                 self.meta.create_all(conn, checkfirst=True)
                 row = conn.execute(sa.select(self.schema_version.c.version)).first()

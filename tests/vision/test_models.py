@@ -29,7 +29,7 @@ def test_tiny_llava_spec_loads_a_llava_with_image_inputs():
     vis = image_inputs(tok)
     assert vis is not None and vis.image_token == "<image>"
     assert vis.image_token_id == len(tok) - 1 == model.config.image_token_id
-    assert vis.tokens_per_image == (32 // 8) ** 2 == 16
+    assert vis.run_length == (32 // 8) ** 2 == 16
     assert image_inputs(load_tokenizer("tiny:llama")) is None
 
 
@@ -56,11 +56,12 @@ def test_vision_rendering_puts_one_placeholder_run_per_image_in_order(llava):
 def test_pixel_values_shape_and_undecodable_png(llava):
     _, tok = llava
     vis = image_inputs(tok)
-    assert tuple(vis.pixel_values([noise_image(0), noise_image(1, 10, 90)]).shape) == (2, 3, 32, 32)
+    pixels = vis.hf_inputs([noise_image(0), noise_image(1, 10, 90)])["pixel_values"]
+    assert tuple(pixels.shape) == (2, 3, 32, 32)
     good = noise_image(0).png
     broken = ImagePart(good[:40] + b"\x00" * 30)  # a valid header, garbage after it
     with pytest.raises(ContentError, match="image 0 does not decode"):
-        vis.pixel_values([broken])
+        vis.hf_inputs([broken])["pixel_values"]
 
 
 def test_placeholder_positions_skip_sampled_image_tokens():
@@ -85,15 +86,15 @@ def test_llava_folder_round_trip_gives_the_same_logits(llava, tmp_path):
     folder = save_vision_folder(model, tok, tmp_path / "vlm")
     model2, tok2 = load_vision_folder(folder)
     assert is_vision_spec(str(folder))
-    assert (image_inputs(tok2).image_token_id, image_inputs(tok2).tokens_per_image) == (49152, 16)
+    assert (image_inputs(tok2).image_token_id, image_inputs(tok2).run_length) == (49152, 16)
     ids, images = encode_with_images(tok, [Message("user", [TextPart("hi"), noise_image(5)])])
     ids2, _ = encode_with_images(tok2, [Message("user", [TextPart("hi"), noise_image(5)])])
     assert ids == ids2
     with torch.inference_mode():
         want = model(
-            input_ids=torch.tensor([ids]), pixel_values=image_inputs(tok).pixel_values(images)
+            input_ids=torch.tensor([ids]), pixel_values=image_inputs(tok).hf_inputs(images)["pixel_values"]
         ).logits
         got = model2(
-            input_ids=torch.tensor([ids]), pixel_values=image_inputs(tok2).pixel_values(images)
+            input_ids=torch.tensor([ids]), pixel_values=image_inputs(tok2).hf_inputs(images)["pixel_values"]
         ).logits
     torch.testing.assert_close(got, want, rtol=0, atol=0)

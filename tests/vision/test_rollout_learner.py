@@ -71,7 +71,7 @@ def test_images_in_turns_1_and_3_replay_into_the_learner_with_the_engines_logpro
         for i, (t, m) in enumerate(zip(traj.token_ids, traj.loss_mask, strict=True))
         if t == vis.image_token_id and m == 0
     ]
-    assert len(placeholders) == 2 * vis.tokens_per_image
+    assert len(placeholders) == 2 * vis.run_length
     assert placeholders[0] < traj.prompt_len < placeholders[-1]  # the second image is in turn 3's observation
 
     store = ImageStore()
@@ -103,7 +103,7 @@ def _step(learner: Learner, model_tok) -> None:
     vis = image_inputs(tok)
     store = learner.vision.store
     img = noise_image(2)
-    ids = [1, 2] + [vis.image_token_id] * vis.tokens_per_image + [5, 6, 7, 8]
+    ids = [1, 2] + [vis.image_token_id] * vis.run_length + [5, 6, 7, 8]
     mask = [0] * (len(ids) - 3) + [1, 1, 1]
     samples = [Sample(ids, mask, [-1.0] * len(ids), float(r), 0, images=[store.put(img)]) for r in (0.0, 1.0)]
     learner.step(samples)

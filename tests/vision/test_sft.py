@@ -40,7 +40,7 @@ def test_sft_loss_with_images_equals_transformers_llava(llava):
     sample = sft_sample(tok, ex.messages, images=store)
     vis = image_inputs(tok)
     assert sample.images == [img.sha256] and img.sha256 in store
-    assert sample.token_ids.count(vis.image_token_id) == vis.tokens_per_image
+    assert sample.token_ids.count(vis.image_token_id) == vis.run_length
     learner = Learner(
         ModelConfig(spec="tiny:llava"), TrainerConfig(), AlgorithmConfig(), model=copy.deepcopy(model)
     )
@@ -48,7 +48,7 @@ def test_sft_loss_with_images_equals_transformers_llava(llava):
     got = learner.sft_loss([sample])
     ids = torch.tensor([sample.token_ids])
     with torch.inference_mode():
-        logits = model(input_ids=ids, pixel_values=vis.pixel_values([img])).logits[0].float()
+        logits = model(input_ids=ids, pixel_values=vis.hf_inputs([img])["pixel_values"]).logits[0].float()
     mask = torch.tensor(sample.loss_mask[1:], dtype=torch.bool)
     nll = torch.nn.functional.cross_entropy(logits[:-1][mask], ids[0, 1:][mask])
     assert got["tokens"] == float(mask.sum()) and got["loss"] == pytest.approx(float(nll), abs=1e-5)

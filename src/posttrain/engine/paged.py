@@ -129,7 +129,7 @@ class PagedEngine(Engine):
         NgramIndex(prompt_lookup_min, prompt_lookup_max)  # validates the range
         config, state = _hf_config_and_state(model)
         self.vision: VisionPrefill | None = None
-        if is_vision_config(config):  # LLaVA-style: the paged forward runs the language model
+        if is_vision_config(config):  # a VLM: the paged forward runs its language model
             inputs = image_inputs(tokenizer)
             if inputs is None:
                 raise ValueError(
@@ -139,7 +139,7 @@ class PagedEngine(Engine):
             if dtype not in DTYPES:
                 raise ValueError(f"dtype must be one of {list(DTYPES)}, got '{dtype}'")
             self.vision = VisionPrefill(model, inputs, DTYPES[dtype], torch.device(device))
-            config, state = config.text_config, dict(split_weights(state.items())[0])
+            config, state = config.text_config, dict(split_weights(state.items(), inputs.family)[0])
         self.runner = ModelRunner(
             config,
             state,
@@ -748,7 +748,7 @@ class PagedEngine(Engine):
         items = weights.items() if isinstance(weights, dict) else weights
         with self._step_lock:
             if self.vision is not None:
-                items, vision = split_weights(items)
+                items, vision = split_weights(items, self.vision.family)
                 self.vision.load_vision_weights(vision)
             self.runner.load_weights(items)
             self.bm.reset_prefix_cache()

@@ -102,7 +102,7 @@ class SamplingParams:
 @dataclass
 class GenerationRequest:
     """`images` (vision models only) fill the prompt's image placeholder runs, in order: each image
-    needs exactly the model's tokens_per_image placeholder ids (models.vision.encode_with_images)."""
+    needs exactly the placeholder ids of its layout (models.vision.encode_with_images)."""
 
     prompt_token_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)

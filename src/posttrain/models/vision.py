@@ -1,6 +1,9 @@
-"""Vision-language models: LLaVA-style folders with their processors, the tiny random `tiny:llava`, the
-graft of a from-scratch SigLIP-style encoder onto the embedded default, image preprocessing, and the
-vision chat rendering (each image part becomes the model's run of image placeholder tokens).
+"""Vision-language models: the per-family adapters (`VisionFamily`: preprocessing, the placeholder layout
+of one image, the vision forward, which modules and weight names are the vision side), VLM folders
+loaded and saved with their processors, the tiny random `tiny:<family>` models, the vision chat
+rendering (each image part becomes the model's placeholder text), and the LLaVA family itself with the
+graft of a from-scratch SigLIP-style encoder onto the embedded default. Other families live in their
+own modules (`_FAMILY_MODULES`).
 
 A loaded VLM's tokenizer carries its `ImageInputs` (`image_inputs(tokenizer)`), so every layer that
 already passes the tokenizer can preprocess images the one way the model was built with. Also owns the
@@ -9,8 +12,10 @@ content-addressed `ImageStore` trajectories reference their images by. Does not 
 
 from __future__ import annotations
 
+import abc
 import copy
 import hashlib
+import importlib
 import io
 import json
 import os
@@ -22,35 +27,138 @@ from typing import Any
 from posttrain.types import ContentError, ImagePart, Message, TextPart, ToolSpec
 
 IMAGE_TOKEN = "<image>"
-VISION_TINY_FAMILIES = ("llava",)
+# tiny family name -> the module whose `FAMILY` is its adapter
+_FAMILY_MODULES = {
+    "llava": "posttrain.models.vision",
+}
+VISION_TINY_FAMILIES = tuple(_FAMILY_MODULES)
 _IMAGE_INPUTS_ATTR = "posttrain_image_inputs"
+
+
+def decode_images(images: list[ImagePart]) -> list[Any]:
+    """The images as RGB PIL images; ContentError naming the first that does not decode."""
+    from PIL import Image, UnidentifiedImageError
+
+    pil = []
+    for i, img in enumerate(images):
+        try:
+            with Image.open(io.BytesIO(img.png)) as im:
+                pil.append(im.convert("RGB"))
+        except (UnidentifiedImageError, OSError, SyntaxError) as err:
+            raise ContentError(f"image {i} does not decode as a PNG ({err})") from None
+    return pil
+
+
+class VisionFamily(abc.ABC):
+    """What differs between VLM families, for the loaders here, the paged engine (engine/vision.py) and
+    the Learner (train/vision.py): the image preprocessing, the placeholder text of one image, the vision
+    forward onto the text model's hidden size, and which modules and weight names are the vision side.
+
+    `tower_modules` and `projector_modules` are attributes of the HF model's core (`model.model`); the
+    engine copies them and the Learner freezes the tower by default; `text_renames` map the language
+    model's HF names onto the Llama names the paged forward reads."""
+
+    name: str
+    model_types: tuple[str, ...]
+    tower_modules: tuple[str, ...]
+    projector_modules: tuple[str, ...]
+    text_renames: tuple[tuple[str, str], ...]
+
+    @property
+    def vision_modules(self) -> tuple[str, ...]:
+        return self.tower_modules + self.projector_modules
+
+    @property
+    def peft_exclude(self) -> str:
+        """The regex of the vision modules peft must leave alone (their attention projections share the
+        language side's names)."""
+        return rf".*({'|'.join(self.vision_modules)}).*"
+
+    def text_name(self, name: str) -> str | None:
+        """The language model's parameter under the Llama names the paged forward maps, or None for a
+        vision parameter (`base_model.model.` stripped first)."""
+        name = name.removeprefix("base_model.model.")
+        if name.removeprefix("model.").split(".", 1)[0] in self.vision_modules:
+            return None
+        for old, new in self.text_renames:
+            if name.startswith(old):
+                return new + name[len(old) :]
+        return name
+
+    @abc.abstractmethod
+    def folder_inputs(self, config: Any, processor: Any) -> ImageInputs:
+        """The image inputs of a model folder from its config and loaded processor."""
+
+    @abc.abstractmethod
+    def hf_inputs(self, inputs: ImageInputs, pil: list[Any]) -> dict[str, Any]:
+        """The tensors the HF model's forward takes for these images (`pixel_values`, ...), float32."""
+
+    @abc.abstractmethod
+    def layout(self, inputs: ImageInputs, image: ImagePart) -> str:
+        """The prompt text one image part becomes: its placeholder tokens and any marker tokens around."""
+
+    @abc.abstractmethod
+    def features(self, modules: Any, config: Any, pixels: dict[str, Any], tower_grad: bool) -> Any:
+        """`[image tokens of all the images, text hidden]` features in placeholder order. `modules` has the
+        vision modules as attributes (the HF core model, or the engine's copies); `pixels` is `hf_inputs`
+        on their device; the tower records gradients only with `tower_grad`."""
+
+    @abc.abstractmethod
+    def tiny(self, seed: int) -> tuple[Any, Any]:
+        """`tiny:<name>`: (random model, tokenizer with image inputs attached)."""
+
+    @abc.abstractmethod
+    def tiny_tokenizer(self) -> Any:
+        """`tiny:<name>`'s tokenizer with image inputs attached (no weights built)."""
+
+    @abc.abstractmethod
+    def processor(self, model: Any, tokenizer: Any) -> Any:
+        """The HF processor to save with `model` (its tokenizer and image processor)."""
+
+
+def family(name: str) -> VisionFamily:
+    """The adapter of tiny family `name`."""
+    if name not in _FAMILY_MODULES:
+        raise ValueError(f"unknown vision family '{name}'; choose one of {', '.join(_FAMILY_MODULES)}")
+    return importlib.import_module(_FAMILY_MODULES[name]).FAMILY
+
+
+def family_of(config: Any) -> VisionFamily:
+    """The adapter of a VLM config (by `model_type`); ValueError for a family not built here."""
+    model_type = getattr(config, "model_type", None)
+    for name in _FAMILY_MODULES:
+        fam = family(name)
+        if model_type in fam.model_types:
+            return fam
+    known = [t for n in _FAMILY_MODULES for t in family(n).model_types]
+    raise ValueError(
+        f"vision model type '{model_type}' is not supported; the families built here load {', '.join(known)}"
+    )
 
 
 @dataclass
 class ImageInputs:
-    """How a VLM takes images: its HF image processor, the placeholder token and how many of them one
-    image fills (one per projected vision feature)."""
+    """How a VLM takes images: its family's adapter, its HF image processor, the placeholder token whose
+    positions take the vision features, and `run_length`, the placeholders of one fixed-size run (LLaVA:
+    one image; families whose runs vary with the image say in their layout)."""
 
+    family: VisionFamily = field(repr=False)
     image_processor: Any = field(repr=False)
     image_token: str
     image_token_id: int
-    tokens_per_image: int
+    run_length: int
 
-    def pixel_values(self, images: list[ImagePart]) -> Any:
-        """`[n, 3, H, W]` float32 pixel values of the images, through the model's image processor."""
-        from PIL import Image, UnidentifiedImageError
+    def hf_inputs(self, images: list[ImagePart]) -> dict[str, Any]:
+        """The HF model's image tensors (`pixel_values`, ...) for the images, through its processor."""
+        return self.family.hf_inputs(self, decode_images(images))
 
-        pil = []
-        for i, img in enumerate(images):
-            try:
-                with Image.open(io.BytesIO(img.png)) as im:
-                    pil.append(im.convert("RGB"))
-            except (UnidentifiedImageError, OSError, SyntaxError) as err:
-                raise ContentError(f"image {i} does not decode as a PNG ({err})") from None
-        return self.image_processor(images=pil, return_tensors="pt")["pixel_values"].float()
+    def placeholder(self, image: ImagePart) -> str:
+        """The prompt text of one image part."""
+        return self.family.layout(self, image)
 
-    def placeholder(self) -> str:
-        return self.image_token * self.tokens_per_image
+    def image_tokens(self, image: ImagePart) -> int:
+        """How many placeholder tokens (vision features) the image fills."""
+        return self.placeholder(image).count(self.image_token)
 
 
 def image_inputs(tokenizer: Any) -> ImageInputs | None:
@@ -70,7 +178,7 @@ def is_vision_config(config: Any) -> bool:
 def is_vision_spec(spec: str) -> bool:
     """`tiny:llava`, or a local HF folder whose config has a vision_config."""
     if spec.startswith("tiny:"):
-        return spec.split(":", 1)[1] in VISION_TINY_FAMILIES
+        return spec.split(":", 1)[1] in _FAMILY_MODULES
     cfg = Path(spec).expanduser() / "config.json"
     if not cfg.is_file():
         return False
@@ -92,7 +200,7 @@ def with_placeholders(tokenizer: Any, messages: list[Message | dict]) -> list[Me
     out: list[Message | dict] = []
     for m in messages:
         if isinstance(m, Message) and not isinstance(m.content, str):
-            text = "\n".join(p.text if isinstance(p, TextPart) else vis.placeholder() for p in m.content)
+            text = "\n".join(p.text if isinstance(p, TextPart) else vis.placeholder(p) for p in m.content)
             out.append(replace(m, content=text))
         else:
             out.append(m)
@@ -175,6 +283,69 @@ class ImageStore:
 # ---- loading -------------------------------------------------------------------------------------
 
 
+def load_vision_tokenizer(spec: str) -> Any:
+    """The tokenizer of a vision spec with its image inputs attached (no weights loaded)."""
+    if spec.startswith("tiny:"):
+        return family(spec.split(":", 1)[1]).tiny_tokenizer()
+    from transformers import AutoConfig, AutoProcessor
+
+    from posttrain.models.loading import quiet_transformers
+
+    with quiet_transformers():
+        processor = AutoProcessor.from_pretrained(spec)
+        config = AutoConfig.from_pretrained(spec)
+    return _folder_tokenizer(spec, config, processor)
+
+
+def _folder_tokenizer(path: Any, config: Any, processor: Any) -> Any:
+    try:
+        fam = family_of(config)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+    tok = processor.tokenizer
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return attach_image_inputs(tok, fam.folder_inputs(config, processor))
+
+
+def load_vision_folder(path: str | Path, dtype: str = "float32") -> tuple[Any, Any]:
+    """(model, tokenizer with image inputs) from a local HF VLM folder saved with its processor."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from posttrain.models.loading import quiet_transformers
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    with quiet_transformers():
+        processor = AutoProcessor.from_pretrained(path)
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch_dtype)
+    model.eval()
+    return model, _folder_tokenizer(path, model.config, processor)
+
+
+def load_vision(spec: str, dtype: str = "float32", seed: int = 0) -> tuple[Any, Any]:
+    """(model, tokenizer) of a vision spec: `tiny:<family>` or a local HF VLM folder."""
+    if spec.startswith("tiny:"):
+        model, tok = family(spec.split(":", 1)[1]).tiny(seed)
+        if dtype != "float32":
+            model = model.to({"bfloat16": __import__("torch").bfloat16}[dtype])
+        return model, tok
+    return load_vision_folder(spec, dtype)
+
+
+def save_vision_folder(model: Any, tokenizer: Any, out: str | Path) -> Path:
+    """Save a VLM with its processor (tokenizer + image processor) as an HF folder, atomically."""
+    from posttrain.models.loading import save_hf_folder_atomically
+
+    vis = image_inputs(tokenizer)
+    if vis is None:
+        raise ValueError("the tokenizer carries no image inputs: not a vision model's tokenizer")
+    return save_hf_folder_atomically(model, vis.family.processor(model, tokenizer), Path(out))
+
+
+# ---- the LLaVA family ----------------------------------------------------------------------------
+
+
 def _siglip_processor(image_size: int) -> Any:
     from transformers import SiglipImageProcessorPil
 
@@ -227,7 +398,7 @@ def llava_config(
 def _inputs_for(config: Any, tokenizer: Any, image_processor: Any) -> ImageInputs:
     token_id = int(config.image_token_id)
     token = tokenizer.convert_ids_to_tokens(token_id)
-    return ImageInputs(image_processor, token, token_id, int(config.image_seq_length))
+    return ImageInputs(FAMILY, image_processor, token, token_id, int(config.image_seq_length))
 
 
 def _tiny_llava_parts() -> tuple[Any, Any]:
@@ -265,74 +436,71 @@ def tiny_llava(seed: int = 0) -> tuple[Any, Any]:
     return model, tok
 
 
-def load_vision_tokenizer(spec: str) -> Any:
-    """The tokenizer of a vision spec with its image inputs attached (no weights loaded)."""
-    if spec.startswith("tiny:"):
-        return _tiny_llava_parts()[1]
-    from transformers import AutoConfig, AutoProcessor
+class LlavaFamily(VisionFamily):
+    """`LlavaForConditionalGeneration`: a vision tower, a projector, one fixed run of `image_seq_length`
+    placeholders per image (one per selected vision feature)."""
 
-    from posttrain.models.loading import quiet_transformers
-
-    with quiet_transformers():
-        processor = AutoProcessor.from_pretrained(spec)
-        config = AutoConfig.from_pretrained(spec)
-    return _folder_tokenizer(spec, config, processor)
-
-
-def _folder_tokenizer(path: Any, config: Any, processor: Any) -> Any:
-    if getattr(config, "image_token_id", None) is None or not getattr(config, "image_seq_length", 0):
-        raise ValueError(
-            f"{path}: the config has no image_token_id/image_seq_length; only LLaVA-style folders load here"
-        )
-    tok = processor.tokenizer
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    return attach_image_inputs(tok, _inputs_for(config, tok, processor.image_processor))
-
-
-def load_vision_folder(path: str | Path, dtype: str = "float32") -> tuple[Any, Any]:
-    """(model, tokenizer with image inputs) from a local HF VLM folder saved with its processor."""
-    import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    from posttrain.models.loading import quiet_transformers
-
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    with quiet_transformers():
-        processor = AutoProcessor.from_pretrained(path)
-        model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch_dtype)
-    model.eval()
-    return model, _folder_tokenizer(path, model.config, processor)
-
-
-def load_vision(spec: str, dtype: str = "float32", seed: int = 0) -> tuple[Any, Any]:
-    """(model, tokenizer) of a vision spec: `tiny:llava` or a local LLaVA-style HF folder."""
-    if spec.startswith("tiny:"):
-        model, tok = tiny_llava(seed)
-        if dtype != "float32":
-            model = model.to({"bfloat16": __import__("torch").bfloat16}[dtype])
-        return model, tok
-    return load_vision_folder(spec, dtype)
-
-
-def save_vision_folder(model: Any, tokenizer: Any, out: str | Path) -> Path:
-    """Save a LLaVA model with its processor (tokenizer + image processor) as an HF folder, atomically."""
-    from transformers import LlavaProcessor
-
-    from posttrain.models.loading import save_hf_folder_atomically
-
-    vis = image_inputs(tokenizer)
-    if vis is None:
-        raise ValueError("the tokenizer carries no image inputs: not a vision model's tokenizer")
-    processor = LlavaProcessor(
-        image_processor=vis.image_processor,
-        tokenizer=tokenizer,
-        patch_size=model.config.vision_config.patch_size,
-        vision_feature_select_strategy=model.config.vision_feature_select_strategy,
-        image_token=vis.image_token,
-        chat_template=tokenizer.chat_template,
+    name = "llava"
+    model_types = ("llava",)
+    tower_modules = ("vision_tower",)
+    projector_modules = ("multi_modal_projector",)
+    text_renames = (
+        ("model.language_model.", "model."),
+        ("language_model.model.", "model."),
+        ("language_model.", ""),
     )
-    return save_hf_folder_atomically(model, processor, Path(out))
+
+    def folder_inputs(self, config: Any, processor: Any) -> ImageInputs:
+        if getattr(config, "image_token_id", None) is None or not getattr(config, "image_seq_length", 0):
+            raise ValueError("the LLaVA config has no image_token_id/image_seq_length")
+        return _inputs_for(config, processor.tokenizer, processor.image_processor)
+
+    def hf_inputs(self, inputs: ImageInputs, pil: list[Any]) -> dict[str, Any]:
+        out = inputs.image_processor(images=pil, return_tensors="pt")
+        return {"pixel_values": out["pixel_values"].float()}
+
+    def layout(self, inputs: ImageInputs, image: ImagePart) -> str:
+        return inputs.image_token * inputs.run_length
+
+    def features(self, modules: Any, config: Any, pixels: dict[str, Any], tower_grad: bool) -> Any:
+        import torch
+
+        tower = modules.vision_tower
+        dtype = next(tower.parameters()).dtype
+        with torch.set_grad_enabled(torch.is_grad_enabled() and tower_grad):
+            out = tower(pixels["pixel_values"].to(dtype), output_hidden_states=True, return_dict=True)
+            layer, strategy = config.vision_feature_layer, config.vision_feature_select_strategy
+            if isinstance(layer, int):
+                feat = out.hidden_states[layer]
+                feat = feat[:, 1:] if strategy == "default" else feat
+            else:
+                pool = [out.hidden_states[i] for i in layer]
+                feat = torch.cat([h[:, 1:] for h in pool] if strategy == "default" else pool, dim=-1)
+        feats = modules.multi_modal_projector(feat)  # trains when its parameters require grad
+        return feats.reshape(-1, feats.shape[-1])
+
+    def tiny(self, seed: int) -> tuple[Any, Any]:
+        return tiny_llava(seed)
+
+    def tiny_tokenizer(self) -> Any:
+        return _tiny_llava_parts()[1]
+
+    def processor(self, model: Any, tokenizer: Any) -> Any:
+        from transformers import LlavaProcessor
+
+        vis = image_inputs(tokenizer)
+        assert vis is not None
+        return LlavaProcessor(
+            image_processor=vis.image_processor,
+            tokenizer=tokenizer,
+            patch_size=model.config.vision_config.patch_size,
+            vision_feature_select_strategy=model.config.vision_feature_select_strategy,
+            image_token=vis.image_token,
+            chat_template=tokenizer.chat_template,
+        )
+
+
+FAMILY = LlavaFamily()
 
 
 def random_llava(

@@ -130,7 +130,7 @@ def _text_of(m: ChatMessage, i: int, vision: ImageInputs | None = None, images: 
             texts.append(part.text)
         elif part.type in ("image_url", "image") and vision is not None and images is not None:
             images.append(_image_of(part, i, j))
-            texts.append(vision.placeholder())
+            texts.append(vision.placeholder(images[-1]))
         elif part.type in ("image_url", "input_image", "image"):
             raise bad_request(
                 f"messages[{i}].content[{j}] is an image: the model served here is text-only; "

@@ -55,7 +55,7 @@ from posttrain.train.forward import (
     shared_prefix_hidden,
 )
 from posttrain.train.moe import MoeRouting
-from posttrain.train.vision import VISION_MODULES, set_vision_trainable, vision_learner
+from posttrain.train.vision import set_vision_trainable, vision_learner
 
 CRITIC_CHOICES = ("none", "copy", "separate")
 
@@ -166,11 +166,11 @@ class Learner:
                 model_cfg.lora_alpha,
                 model_cfg.lora_dropout,
                 model_cfg.lora_target_modules,
-                exclude_modules=VISION_MODULES if self.vision is not None else None,
+                exclude_modules=self.vision.family.peft_exclude if self.vision is not None else None,
             )
         if self.vision is not None:  # after LoRA, which freezes all but its adapters
             v = model_cfg.vision
-            set_vision_trainable(causal_lm(model), v.train_tower, v.train_projector)
+            set_vision_trainable(causal_lm(model), self.vision.family, v.train_tower, v.train_projector)
         self.model = model.to(self.device)
         # MoE policies: routing replay, a frozen router, aux losses, routing metrics (train/moe.py)
         self.moe = MoeRouting.attach(self.model, trainer_cfg.moe, trainer_cfg.gradient_checkpointing)

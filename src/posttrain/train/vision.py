@@ -1,7 +1,7 @@
-"""The Learner's vision path for LLaVA-style policies: replays a sample's images (by content hash, from
-an `ImageStore`) through the model's own vision tower and projector with the preprocessing the engine
-used, and puts the features at the placeholder positions of the decoder's input embeddings; which
-vision parts train (`model.vision`). Does not know where the images came from.
+"""The Learner's vision path for VLM policies of every family (`models.vision.VisionFamily`): replays a
+sample's images (by content hash, from an `ImageStore`) through the model's own vision modules with the
+preprocessing the engine used, and puts the features at the placeholder positions of the decoder's
+input embeddings; which vision parts train (`model.vision`). Does not know where the images came from.
 """
 
 from __future__ import annotations
@@ -11,11 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from posttrain.models.vision import ImageInputs, ImageStore, placeholder_positions
+from posttrain.models.vision import ImageInputs, ImageStore, VisionFamily, placeholder_positions
 from posttrain.train.batch import ModelInputs
-
-# the vision modules peft must leave alone (their attention projections share the language side's names)
-VISION_MODULES = r".*(vision_tower|multi_modal_projector).*"
 
 
 class LearnerVision:
@@ -26,24 +23,19 @@ class LearnerVision:
         self.store = store
         self.train_tower = train_tower
 
+    @property
+    def family(self) -> VisionFamily:
+        return self.inputs.family
+
     def features(self, lm: Any, keys: list[str], device: torch.device) -> Tensor:
-        """`[len(keys) * tokens_per_image, hidden]` features of the stored images, in order."""
+        """`[image tokens of the keys' images, hidden]` features of the stored images, in order."""
         unique = list(dict.fromkeys(keys))
-        pixels = self.inputs.pixel_values([self.store.get(k) for k in unique]).to(device)
-        core = lm.model
-        cfg = lm.config
-        with torch.set_grad_enabled(torch.is_grad_enabled() and self.train_tower):
-            tower = core.vision_tower(pixels.to(core.vision_tower.dtype), output_hidden_states=True)
-            layer, strategy = cfg.vision_feature_layer, cfg.vision_feature_select_strategy
-            if isinstance(layer, int):
-                feat = tower.hidden_states[layer]
-                feat = feat[:, 1:] if strategy == "default" else feat
-            else:
-                pool = [tower.hidden_states[i] for i in layer]
-                feat = torch.cat([h[:, 1:] for h in pool] if strategy == "default" else pool, dim=-1)
-        feats = core.multi_modal_projector(feat)  # trains when its parameters require grad
+        images = [self.store.get(k) for k in unique]
+        pixels = {k: v.to(device) for k, v in self.inputs.hf_inputs(images).items()}
+        feats = self.family.features(lm.model, lm.config, pixels, tower_grad=self.train_tower)
+        per = feats.split([self.inputs.image_tokens(img) for img in images])
         at = {k: i for i, k in enumerate(unique)}
-        return torch.cat([feats[at[k]] for k in keys])
+        return torch.cat([per[at[k]] for k in keys])
 
     def attach(
         self,
@@ -68,10 +60,11 @@ class LearnerVision:
             cols = placeholder_positions(
                 token_ids[r, :n].tolist(), loss_mask[r, :n].tolist(), self.inputs.image_token_id
             )
-            if len(cols) != len(row_images) * self.inputs.tokens_per_image:
+            want = sum(self.inputs.image_tokens(self.store.get(k)) for k in row_images)
+            if len(cols) != want:
                 raise ValueError(
-                    f"row {r}: {len(cols)} image placeholders for {len(row_images)} image(s) of "
-                    f"{self.inputs.tokens_per_image} tokens each"
+                    f"row {r}: {len(cols)} image placeholders for {len(row_images)} image(s) whose "
+                    f"layouts hold {want}"
                 )
             base = int(inputs.flat_offset[r])
             flat.extend(base + c for c in cols)
@@ -93,16 +86,16 @@ class LearnerVision:
         )
 
 
-def set_vision_trainable(lm: Any, train_tower: bool, train_projector: bool) -> None:
+def set_vision_trainable(lm: Any, family: VisionFamily, train_tower: bool, train_projector: bool) -> None:
     """Freeze or unfreeze the vision tower and the projector (the language side is the caller's)."""
-    for p in lm.model.vision_tower.parameters():
-        p.requires_grad_(train_tower)
-    for p in lm.model.multi_modal_projector.parameters():
-        p.requires_grad_(train_projector)
+    for names, on in ((family.tower_modules, train_tower), (family.projector_modules, train_projector)):
+        for name in names:
+            for p in lm.model.get_submodule(name).parameters():
+                p.requires_grad_(on)
 
 
 def vision_learner(model_cfg: Any, lm: Any, store: ImageStore | None = None) -> LearnerVision | None:
-    """The Learner's vision path for a LLaVA-style `lm` (None for a text-only one), with the image
+    """The Learner's vision path for a VLM `lm` (None for a text-only one), with the image
     inputs of `model_cfg.spec`'s tokenizer and an in-memory store unless one is given."""
     from posttrain.models import load_tokenizer
     from posttrain.models.vision import image_inputs, is_vision_config

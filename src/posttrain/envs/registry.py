@@ -40,6 +40,7 @@ _BUILTIN: dict[str, str] = {
     "vision.shapes": "posttrain.envs.domains.vision_shapes",
     "vision.views": "posttrain.envs.domains.vision_shapes",
     "vision.chart": "posttrain.envs.domains.vision_chart",
+    "vision.cad_drawing": "posttrain.envs.domains.vision_cad",
 }
 ENTRY_POINT_GROUP = "posttrain.domains"
 

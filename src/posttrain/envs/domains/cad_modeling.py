@@ -5,6 +5,9 @@ Tasks are procedural parts described in text with dimensions in mm, by level: 0 
 (the prompt carries worked examples), 1 = a plate with holes, a tube, a block with a bore, 2 = an
 L-bracket, a flange with a bolt circle, a stepped shaft, 3 = an open enclosure with a window, a gear
 blank with a hub, a plate with rounded corners and holes. Each task's reference is a CadQuery script.
+The option `brief` says how the first observation gives the part: `text` (default), `drawing` (its
+engineering drawing, cad_drawing.py, as an image part whose text description is the text brief) or
+`both`; the grading does not depend on it.
 
 A reply's script (the last ```python block assigning `result`, else the whole reply if it parses as
 Python) runs in the sandbox's warm `cad` profile (`cad_runner`): it must assign the part to `result`
@@ -40,11 +43,13 @@ from typing import Any
 
 from posttrain.envs.base import Domain, Environment, Observation, StepResult
 from posttrain.envs.domains import cad_geometry as geo
+from posttrain.envs.domains.cad_drawing import DESCRIPTION as DRAWING_DESCRIPTION
+from posttrain.envs.domains.cad_drawing import render_part
 from posttrain.envs.extract import code_blocks
 from posttrain.envs.images import image_part
 from posttrain.envs.registry import register_env
 from posttrain.sandbox.api import ExecResult, ExecStatus, Job, Limits
-from posttrain.types import Message, Task, TextPart
+from posttrain.types import ContentPart, ImagePart, Message, Task, TextPart
 
 W_IOU, W_FORMAT = 0.9, 0.1
 SUCCESS_IOU = 0.95
@@ -83,6 +88,10 @@ EXAMPLES = {
     ),
 }
 EXAMPLE_KEYS = {("box", (30, 20, 10)), ("cylinder", (24, 16))}
+BRIEFS = ("text", "drawing", "both")
+DRAWING_NOTE = (
+    "engineering drawing, third-angle projection: top view above the front view, right side view to its right"
+)
 
 
 def cadquery_available() -> bool:
@@ -280,6 +289,40 @@ def prompt_text(part: Part, difficulty: int) -> str:
             f"Example script:\n{code}\n\nThe part: {part.description}"
         )
     return f"{INSTRUCTION}\n\nThe part: {part.description}"
+
+
+def drawing_part(family: str, dims: tuple[Any, ...], description: str) -> ImagePart:
+    """A part's engineering drawing as an image part; `description` is what a text-only model reads."""
+    return image_part(render_part(family, dims).pixels, description)
+
+
+def prompt_content(part: Part, difficulty: int, brief: str) -> str | list[ContentPart]:
+    """The first user turn's content for a `brief`: the text (`text`); the drawing, whose description
+    for a text-only model is the text brief (`drawing`); or the text and the drawing (`both`). Level 0's
+    worked example comes in the same form as the brief (an example drawing with its script)."""
+    if brief == "text":
+        return prompt_text(part, difficulty)
+    head = INSTRUCTION + (" Write it at the top level, without functions." if difficulty == 0 else "")
+    parts: list[ContentPart] = [TextPart(head)]
+    if difficulty == 0:
+        example, code = EXAMPLES[part.family]
+        dims = next(d for f, d in EXAMPLE_KEYS if f == part.family)
+        parts += [
+            TextPart(f"Example part ({DRAWING_NOTE}):"),
+            drawing_part(part.family, dims, example),
+            TextPart(f"Example script:\n{code}"),
+        ]
+    if brief == "drawing":
+        parts += [
+            TextPart(f"The part ({DRAWING_NOTE}):"),
+            drawing_part(part.family, part.dims, part.description),
+        ]
+    else:
+        parts += [
+            TextPart(f"The part: {part.description}\nIts drawing ({DRAWING_NOTE}):"),
+            drawing_part(part.family, part.dims, DRAWING_DESCRIPTION),
+        ]
+    return parts
 
 
 # ---- grading ------------------------------------------------------------------------------------------
@@ -565,10 +608,16 @@ class CadModelingDomain(Domain):
     requires_sandbox = True
     description = "CadQuery scripts built by OpenCASCADE in the sandbox; volume IoU; render feedback"
 
-    def __init__(self, max_turns: int = 3) -> None:
+    def __init__(self, max_turns: int = 3, brief: str = "text") -> None:
         if not isinstance(max_turns, int) or max_turns < 1:
             raise ValueError(f"cad.modeling: max_turns must be an integer >= 1, got {max_turns!r}")
+        if brief not in BRIEFS:
+            raise ValueError(
+                f"cad.modeling: brief must be one of {', '.join(BRIEFS)} (the part described in text, as an "
+                f"engineering drawing, or both), got {brief!r}"
+            )
         self.max_turns = max_turns
+        self.brief = brief
 
     def task(self, split: str, difficulty: int, index: int, seed: int = 0) -> Task:
         if not cadquery_available():
@@ -581,12 +630,17 @@ class CadModelingDomain(Domain):
             def build() -> Task | None:
                 if (part.family, part.dims) in EXAMPLE_KEYS:
                     return None  # the worked examples are not tasks
-                meta = {"family": part.family, "description": part.description, "reference_code": part.code}
+                meta = {
+                    "family": part.family,
+                    "description": part.description,
+                    "reference_code": part.code,
+                    "brief": self.brief,
+                }
                 return Task(
                     id="",
                     domain=self.name,
                     difficulty=difficulty,
-                    prompt=[Message("user", prompt_text(part, difficulty))],
+                    prompt=[Message("user", prompt_content(part, difficulty, self.brief))],
                     meta=meta,
                 )
 

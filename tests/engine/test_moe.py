@@ -1,8 +1,11 @@
-"""The paged engine's MoE families against transformers (greedy tokens identical, logprobs within 1e-4),
+"""The paged engine's MoE families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) against transformers (greedy tokens identical, logprobs within 1e-4),
 sparse expert execution against the dense all-experts computation masked by the router, the families'
-routing rules, the int8 weight mode, and the expert choices recorded per token."""
+routing rules, OLMoE's whole-projection q/k norm and clip_qkv, the int8 weight mode, and the expert
+choices recorded per token."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -14,7 +17,7 @@ from posttrain.models import load_policy
 
 from .helpers import hf_greedy, hf_logprobs, random_prompts, tiny
 
-MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe"]
+MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 
 
@@ -39,7 +42,73 @@ def test_qwen2_moe_layout_dense_layer_shared_expert_and_no_renormalisation():
     assert MoeSpec.from_hf_config(tiny("llama").config) is None
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_olmoe_layout_every_layer_sparse_no_shared_expert_no_renormalisation():
+    spec = MoeSpec.from_hf_config(tiny("olmoe").config)
+    assert spec == MoeSpec(8, 2, 64, False, False, 0, (True, True))
+
+
+def _olmoe_with_norm_weights(clip: float | None):
+    """tiny:olmoe with random q/k norm weights (init leaves them 1) and `clip_qkv` set to `clip`."""
+    model = copy.deepcopy(tiny("olmoe"))
+    model.config.clip_qkv = clip
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.copy_(1 + 0.5 * torch.randn(norm.weight.shape, generator=g))
+    return model
+
+
+def _clipped_fraction(model, ids: list[int]) -> dict[str, float]:
+    """Share of layer 0's normed q, normed k and v entries whose magnitude exceeds clip_qkv (before the clamp)."""
+    attn, clip, seen = model.model.layers[0].self_attn, model.config.clip_qkv, {}
+    mods = {"q": attn.q_norm, "k": attn.k_norm, "v": attn.v_proj}
+    # a forward hook's output is the tensor transformers then clamps in place: record a copy
+    hooks = [
+        m.register_forward_hook(lambda _m, _a, out, n=n: seen.__setitem__(n, out.detach().clone()))
+        for n, m in mods.items()
+    ]
+    try:
+        with torch.inference_mode():
+            model(torch.tensor([ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return {n: float((t.abs() > clip).float().mean()) for n, t in seen.items()}
+
+
+@pytest.mark.parametrize("clip", [None, 0.3])
+def test_olmoe_whole_projection_qk_norm_and_clip_qkv_match_hf(clip, tokenizer):
+    """q/k RMSNorm over all heads at once with non-trivial weights; with clip 0.3 each of q, k and v has
+    entries beyond the clip, and clipping moves transformers' logprobs by far more than the 1e-4 the
+    engine is held to, so an engine that skipped any clamp (or normed per head) would fail here."""
+    model = _olmoe_with_norm_weights(clip)
+    prompts = random_prompts([3, 11], seed=12)
+    engine = PagedEngine(model, tokenizer, block_size=4, num_blocks=64)
+    assert engine.runner.spec.qk_norm_proj and engine.runner.spec.clip_qkv == clip
+    outs = engine.generate([GenerationRequest(p, GREEDY) for p in prompts])
+    for prompt, out in zip(prompts, outs, strict=True):
+        comp = out.completions[0]
+        assert comp.token_ids == hf_greedy(model, prompt, 16)
+        ref = hf_logprobs(model, prompt, comp.token_ids)
+        assert max(abs(a - b) for a, b in zip(ref, comp.logprobs, strict=True)) < 1e-4
+    if clip is not None:
+        ids = prompts[1] + outs[1].completions[0].token_ids
+        frac = _clipped_fraction(model, ids)
+        assert all(f > 0.01 for f in frac.values()), frac
+        unclipped = _olmoe_with_norm_weights(None)
+        gap = max(
+            abs(a - b)
+            for a, b in zip(
+                hf_logprobs(model, prompts[1], outs[1].completions[0].token_ids),
+                hf_logprobs(unclipped, prompts[1], outs[1].completions[0].token_ids),
+                strict=True,
+            )
+        )
+        assert gap > 1e-2, gap
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe"])
 def test_bfloat16_greedy_matches_hf_bfloat16(family, tokenizer):
     model = load_policy(f"tiny:{family}", dtype="bfloat16")
     prompts = random_prompts([5, 13], seed=3)
@@ -56,13 +125,15 @@ def test_bfloat16_greedy_matches_hf_bfloat16(family, tokenizer):
         assert max(abs(a - b) for a, b in zip(ref, comp.logprobs, strict=True)) <= 2**-8 + 1e-6
 
 
-def test_int8_weights_quantize_every_expert_and_stay_close(tokenizer):
-    model = tiny("mixtral")
+@pytest.mark.parametrize("family", ["mixtral", "olmoe"])
+def test_int8_weights_quantize_every_expert_and_stay_close(family, tokenizer):
+    model = tiny(family)
     prompts = random_prompts([6, 20], seed=4)
     ref_engine = PagedEngine(model, tokenizer, num_blocks=64)
     eng = PagedEngine(model, tokenizer, weight_quant="int8", num_blocks=64)
     layer_q = eng.runner.quantized[0]
-    assert {f"gu.{e}" for e in range(4)} | {f"d.{e}" for e in range(4)} <= set(layer_q)
+    E = ref_engine.runner.spec.moe.num_experts
+    assert {f"gu.{e}" for e in range(E)} | {f"d.{e}" for e in range(E)} <= set(layer_q)
     assert "router" not in layer_q  # routing stays float
     float_bytes, int8_bytes = ref_engine.runner.weight_bytes(), eng.runner.weight_bytes()
     assert int8_bytes < 0.3 * float_bytes
@@ -134,8 +205,9 @@ def _hf_routing(model, ids: list[int]) -> list[list[list[int]]]:
     return torch.stack(seen, dim=1).tolist()
 
 
-def test_recorded_routing_is_transformers_choice_and_survives_prefix_cache_hits(tokenizer):
-    model = tiny("qwen3_moe")
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
+def test_recorded_routing_is_transformers_choice_and_survives_prefix_cache_hits(family, tokenizer):
+    model = tiny(family)
     prompt = random_prompts([13], seed=8)[0]  # 3 full blocks of 4, then a partial one
     engine = PagedEngine(model, tokenizer, block_size=4, num_blocks=64)
     first = engine.generate([GenerationRequest(prompt, GREEDY)])[0].completions[0]

@@ -4,10 +4,10 @@ Owns the engine's copy of the weights (q/k/v and gate/up fused for fewer matmuls
 KV block pools `[num_blocks, block_size, kv_heads, head_dim]`, RoPE tables, and one varlen forward
 that runs decode tokens (batched per group over its decode stage, or a padded gather of its blocks)
 and prefill chunks (one attention call per sequence, no padding) together. Supports Llama, Qwen2 (q/k/v bias), Qwen3
-(q/k RMSNorm), Mistral without a sliding window, and the MoE families Mixtral, Qwen2-MoE (shared expert)
-and Qwen3-MoE (routing and sparse experts: moe.py), recording each token's expert choices. Optionally runs
-the linears on int8/int4 weights and keeps K/V in int8 with per-token-per-head scales (the kernels are
-quant.py). Does not schedule or sample.
+(q/k RMSNorm), Mistral without a sliding window, and the MoE families Mixtral, Qwen2-MoE (shared expert),
+Qwen3-MoE and OLMoE (q/k RMSNorm over the whole projections, `clip_qkv`), with routing and sparse experts
+from moe.py, recording each token's expert choices. Optionally runs the linears on int8/int4 weights and
+keeps K/V in int8 with per-token-per-head scales (the kernels are quant.py). Does not schedule or sample.
 """
 
 from __future__ import annotations
@@ -51,8 +51,10 @@ class ModelSpec:
     rms_norm_eps: float
     tie_word_embeddings: bool
     qkv_bias: bool
-    qk_norm: bool
+    qk_norm: bool  # RMSNorm per head of q and k (Qwen3)
     moe: MoeSpec | None = None
+    qk_norm_proj: bool = False  # RMSNorm over the whole q and k projections (OLMoE)
+    clip_qkv: float | None = None  # q, k, v clamped to [-clip, clip] after the norms (OLMoE)
 
     @classmethod
     def from_hf_config(cls, config: Any, max_model_len: int) -> ModelSpec:
@@ -86,6 +88,8 @@ class ModelSpec:
             or (mt == "qwen2_moe" and bool(config.qkv_bias)),
             qk_norm=mt in ("qwen3", "qwen3_moe"),
             moe=MoeSpec.from_hf_config(config),
+            qk_norm_proj=mt == "olmoe",
+            clip_qkv=getattr(config, "clip_qkv", None) if mt == "olmoe" else None,
         )
 
 
@@ -299,9 +303,9 @@ class ModelRunner:
                     layer["shared_gate"] = self._empty(1, s.hidden_size)
             if s.qkv_bias:
                 layer["bqkv"] = self._empty(self.q_size + 2 * self.kv_size)
-            if s.qk_norm:
-                layer["q_norm"] = self._empty(s.head_dim)
-                layer["k_norm"] = self._empty(s.head_dim)
+            if s.qk_norm or s.qk_norm_proj:
+                layer["q_norm"] = self._empty(self.q_size if s.qk_norm_proj else s.head_dim)
+                layer["k_norm"] = self._empty(self.kv_size if s.qk_norm_proj else s.head_dim)
             self.layers.append(layer)
 
     def _mlp_size(self, li: int) -> int:
@@ -590,6 +594,8 @@ class ModelRunner:
             pk = self.packed[li] if self.packed is not None else {}
             qz = self.quantized[li] if self.quantized is not None else {}
             qkv = self._linear(h, layer["wqkv"], pk.get("wqkv"), layer.get("bqkv"), qz.get("wqkv"))
+            if s.qk_norm_proj or s.clip_qkv is not None:
+                qkv = self._olmoe_qkv(qkv, layer)
             v = qkv[:, self.q_size + self.kv_size :].view(T, KV, hd)
             if s.qk_norm:
                 q = _rms_norm(qkv[:, : self.q_size].view(T, H, hd), layer["q_norm"], eps)
@@ -614,6 +620,18 @@ class ModelRunner:
             x = x.index_select(0, batch.logit_rows)
         x = _rms_norm(x, self.final_norm, eps)
         return self._linear(x, self.lm_head, self.packed_lm_head, quantized=self.quantized_lm_head).float()
+
+    def _olmoe_qkv(self, qkv: torch.Tensor, layer: dict[str, torch.Tensor]) -> torch.Tensor:
+        """OLMoE's q/k RMSNorm over each whole projection (not per head), then q, k and v clamped to
+        [-clip_qkv, clip_qkv], as transformers' OlmoeAttention does before RoPE."""
+        s, q, kv = self.spec, self.q_size, self.kv_size
+        if s.qk_norm_proj:
+            qn = _rms_norm(qkv[:, :q], layer["q_norm"], s.rms_norm_eps)
+            kn = _rms_norm(qkv[:, q : q + kv], layer["k_norm"], s.rms_norm_eps)
+            qkv = torch.cat((qn, kn, qkv[:, q + kv :]), dim=-1)
+        if s.clip_qkv is not None:
+            qkv = qkv.clamp(-s.clip_qkv, s.clip_qkv)
+        return qkv
 
     def _mlp(
         self, h: torch.Tensor, layer: dict[str, torch.Tensor], pk: dict[str, Any], qz: dict[str, Any]

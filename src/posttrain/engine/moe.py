@@ -1,7 +1,7 @@
 """Mixture-of-Experts layers of the paged engine: the families' routing rules and sparse expert execution.
 
 Owns `MoeSpec` (which layers are sparse, experts, top-k, renormalisation, the shared expert) read from a
-Mixtral, Qwen2-MoE or Qwen3-MoE config; `route` (softmax over the router logits, top-k, optional
+Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE config; `route` (softmax over the router logits, top-k, optional
 renormalisation, exactly as transformers does it per family); `sparse_experts` (tokens grouped by
 expert, one gate/up and one down matmul per selected expert) and `dense_experts` (every expert on every
 token, masked by the router: the reference the sparse path is tested against). Does not hold weights
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 # (expert index, "gu" | "d", rows) -> rows @ W^T: the runner's linear over that expert's weights
 ExpertLinear = Callable[[int, str, torch.Tensor], torch.Tensor]
@@ -29,7 +29,7 @@ class MoeSpec:
     top_k: int
     expert_intermediate_size: int
     norm_topk_prob: bool
-    float32_weights: bool  # Mixtral keeps the top-k weights in float32; the Qwen families cast them back
+    float32_weights: bool  # Mixtral keeps the top-k weights in float32; Qwen and OLMoE cast them back
     shared_intermediate_size: int  # 0: no shared expert (Qwen2-MoE has one, behind a sigmoid gate)
     sparse_layers: tuple[bool, ...]  # per layer: an MoE block (True) or a dense MLP
 
@@ -51,6 +51,16 @@ class MoeSpec:
                 expert_intermediate_size=config.intermediate_size,
                 norm_topk_prob=True,
                 float32_weights=True,
+                shared_intermediate_size=0,
+                sparse_layers=(True,) * layers,
+            )
+        if mt == "olmoe":  # every layer sparse, no shared expert; intermediate_size is an expert's
+            return cls(
+                num_experts=config.num_experts,
+                top_k=config.num_experts_per_tok,
+                expert_intermediate_size=config.intermediate_size,
+                norm_topk_prob=bool(config.norm_topk_prob),
+                float32_weights=False,
                 shared_intermediate_size=0,
                 sparse_layers=(True,) * layers,
             )

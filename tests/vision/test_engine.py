@@ -1,5 +1,5 @@
-"""The paged engine with images: HF `generate` equality and the logprob contract on tiny:llava, the
-prefix cache keyed by image content, weight reloads of the vision side, and bad requests."""
+"""The paged engine with images, on each tiny VLM family: HF `generate` equality and the logprob contract,
+the prefix cache keyed by image content, weight reloads of the vision side, and bad requests."""
 
 from __future__ import annotations
 
@@ -25,23 +25,21 @@ def _prompt(tok, *images: ImagePart, text: str = "what is this?"):
 
 @torch.inference_mode()
 def _hf(model, tok, ids, images, new: int):
-    pixels = image_inputs(tok).hf_inputs(images)["pixel_values"]
-    out = model.generate(
-        input_ids=torch.tensor([ids]), pixel_values=pixels, max_new_tokens=new, do_sample=False
-    )
+    pixels = image_inputs(tok).hf_inputs(images)
+    out = model.generate(input_ids=torch.tensor([ids]), **pixels, max_new_tokens=new, do_sample=False)
     return out[0, len(ids) :].tolist()
 
 
 @torch.inference_mode()
 def _hf_logprobs(model, tok, ids, images, completion):
-    pixels = image_inputs(tok).hf_inputs(images)["pixel_values"]
-    logits = model(input_ids=torch.tensor([ids + completion]), pixel_values=pixels).logits[0].float()
+    pixels = image_inputs(tok).hf_inputs(images)
+    logits = model(input_ids=torch.tensor([ids + completion]), **pixels).logits[0].float()
     lp = torch.log_softmax(logits, -1)
     return [float(lp[len(ids) - 1 + i, t]) for i, t in enumerate(completion)]
 
 
-def test_greedy_equals_hf_generate_and_logprobs_match(llava):
-    model, tok = llava
+def test_greedy_equals_hf_generate_and_logprobs_match(vlm):
+    model, tok = vlm
     engine = PagedEngine(model, tok, num_blocks=128, max_model_len=512)
     cases = [_prompt(tok, noise_image(0)), _prompt(tok, noise_image(1), noise_image(2), text="two")]
     outs = engine.generate([GenerationRequest(ids, GREEDY, images=imgs) for ids, imgs in cases])
@@ -59,8 +57,8 @@ def test_greedy_equals_hf_generate_and_logprobs_match(llava):
     )
 
 
-def test_prefix_cache_never_shares_blocks_across_different_images(llava):
-    model, tok = llava
+def test_prefix_cache_never_shares_blocks_across_different_images(vlm):
+    model, tok = vlm
     bs = 16
     a, b = noise_image(0), noise_image(1)
     ids_a, _ = _prompt(tok, a)
@@ -86,22 +84,22 @@ def test_prefix_cache_never_shares_blocks_across_different_images(llava):
     assert again.token_ids == first.token_ids
 
 
-def test_load_weights_updates_the_vision_side(llava):
-    model, tok = llava
+def test_load_weights_updates_the_vision_side(vlm):
+    model, tok = vlm
     engine = PagedEngine(model, tok, num_blocks=128, max_model_len=512)
     ids, imgs = _prompt(tok, noise_image(3))
     before = engine.generate([GenerationRequest(ids, GREEDY, images=imgs)])[0].completions[0].token_ids
     other = copy.deepcopy(model)
     with torch.no_grad():
-        for p in other.model.multi_modal_projector.parameters():
+        for p in other.model.get_submodule(image_inputs(tok).family.projector_modules[0]).parameters():
             p.mul_(-3.0)
     engine.load_weights(other.state_dict())
     got = engine.generate([GenerationRequest(ids, GREEDY, images=imgs)])[0].completions[0].token_ids
     assert got == _hf(other, tok, ids, imgs, 10) and got != before
 
 
-def test_bad_image_requests_are_refused(llava):
-    model, tok = llava
+def test_bad_image_requests_are_refused(vlm):
+    model, tok = vlm
     engine = PagedEngine(model, tok, num_blocks=128, max_model_len=512)
     ids, imgs = _prompt(tok, noise_image(0))
     with pytest.raises(BadRequestError, match="holds 16 image placeholder tokens; 2 image"):

@@ -1,6 +1,6 @@
-"""Vision policies end to end on tiny:llava: a multi-turn episode with images in turns 1 and 3 through
-the paged engine, replayed into the Learner by image hash with logprobs equal to the engine's; the
-vision tower frozen by default, LoRA on the language side only."""
+"""Vision policies end to end on each tiny VLM family: a multi-turn episode with images in turns 1 and 3
+through the paged engine, replayed into the Learner by image hash with logprobs equal to the engine's;
+the vision tower frozen by default, LoRA on the language side only."""
 
 from __future__ import annotations
 
@@ -20,6 +20,10 @@ from posttrain.types import Message, Task, TextPart, TrajectoryStatus
 from .helpers import noise_image
 
 LLAVA = ModelConfig(spec="tiny:llava")
+
+
+def _spec(tok) -> str:
+    return f"tiny:{image_inputs(tok).family.name}"
 
 
 class _Env(Environment):
@@ -55,8 +59,8 @@ class _Domain(Domain):
         return _Env()
 
 
-def test_images_in_turns_1_and_3_replay_into_the_learner_with_the_engines_logprobs(llava):
-    model, tok = llava
+def test_images_in_turns_1_and_3_replay_into_the_learner_with_the_engines_logprobs(vlm):
+    model, tok = vlm
     engine = PagedEngine(model, tok, num_blocks=128, max_model_len=1024)
     domain = _Domain()
     params = SamplingParams(temperature=1.0, max_tokens=6, seed=3, stop_token_ids=[tok.eos_token_id])
@@ -83,7 +87,9 @@ def test_images_in_turns_1_and_3_replay_into_the_learner_with_the_engines_logpro
         0,
         images=[store.put(i) for i in traj.images],
     )
-    learner = Learner(LLAVA, TrainerConfig(), AlgorithmConfig(), model=copy.deepcopy(model))
+    learner = Learner(
+        ModelConfig(spec=_spec(tok)), TrainerConfig(), AlgorithmConfig(), model=copy.deepcopy(model)
+    )
     learner.vision.store = store
     lp = learner.compute_logprobs([sample])[0]
     mask = torch.tensor(traj.loss_mask, dtype=torch.bool)
@@ -103,42 +109,45 @@ def _step(learner: Learner, model_tok) -> None:
     vis = image_inputs(tok)
     store = learner.vision.store
     img = noise_image(2)
-    ids = [1, 2] + [vis.image_token_id] * vis.run_length + [5, 6, 7, 8]
+    ids = [1, 2] + tok.encode(vis.placeholder(img), add_special_tokens=False) + [5, 6, 7, 8]
     mask = [0] * (len(ids) - 3) + [1, 1, 1]
     samples = [Sample(ids, mask, [-1.0] * len(ids), float(r), 0, images=[store.put(img)]) for r in (0.0, 1.0)]
     learner.step(samples)
 
 
-def test_vision_tower_frozen_by_default_and_lora_only_on_the_language_side(llava):
-    model, tok = llava
+def test_vision_tower_frozen_by_default_and_lora_only_on_the_language_side(vlm):
+    model, tok = vlm
+    fam = image_inputs(tok).family
+    tower, proj = fam.tower_modules[0], fam.projector_modules[0]
+    text = fam.text_renames[0][0]  # the language model's HF prefix, e.g. model.language_model.
     learner = Learner(
-        ModelConfig(spec="tiny:llava", lora_rank=4),
+        ModelConfig(spec=_spec(tok), lora_rank=4),
         TrainerConfig(lr=1e-2),
         AlgorithmConfig(),
         model=copy.deepcopy(model),
     )
     names = [n for n, p in learner.model.named_parameters() if p.requires_grad]
-    assert any("language_model" in n and "lora_A" in n for n in names)
-    assert not any("vision_tower" in n for n in names)
-    assert any("multi_modal_projector" in n for n in names)
-    tower0 = {k: v.clone() for k, v in model.model.vision_tower.state_dict().items()}
-    proj0 = {k: v.clone() for k, v in model.model.multi_modal_projector.state_dict().items()}
-    _step(learner, llava)
+    assert any(text in n and "lora_A" in n for n in names)
+    assert not any(f".{tower}." in n for n in names)
+    assert any(f".{proj}." in n for n in names)
+    assert all(f".{tower}." in n or f".{proj}." in n or "lora_" in n for n in names)
+    tower0 = {k: v.clone() for k, v in model.model.get_submodule(tower).state_dict().items()}
+    proj0 = {k: v.clone() for k, v in model.model.get_submodule(proj).state_dict().items()}
+    _step(learner, vlm)
     lm = learner.model.get_base_model()
-    assert all(torch.equal(v, lm.model.vision_tower.state_dict()[k]) for k, v in tower0.items())
-    assert any(not torch.equal(v, lm.model.multi_modal_projector.state_dict()[k]) for k, v in proj0.items())
+    assert all(torch.equal(v, lm.model.get_submodule(tower).state_dict()[k]) for k, v in tower0.items())
+    assert any(not torch.equal(v, lm.model.get_submodule(proj).state_dict()[k]) for k, v in proj0.items())
 
     full = Learner(
-        ModelConfig(spec="tiny:llava", vision=VisionConfig(train_tower=True, train_projector=False)),
+        ModelConfig(spec=_spec(tok), vision=VisionConfig(train_tower=True, train_projector=False)),
         TrainerConfig(lr=1e-2),
         AlgorithmConfig(),
         model=copy.deepcopy(model),
     )
-    _step(full, llava)
-    assert any(not torch.equal(v, full.model.model.vision_tower.state_dict()[k]) for k, v in tower0.items())
-    assert all(
-        torch.equal(v, full.model.model.multi_modal_projector.state_dict()[k]) for k, v in proj0.items()
-    )
+    _step(full, vlm)
+    trained = full.model.model
+    assert any(not torch.equal(v, trained.get_submodule(tower).state_dict()[k]) for k, v in tower0.items())
+    assert all(torch.equal(v, trained.get_submodule(proj).state_dict()[k]) for k, v in proj0.items())
 
 
 def test_parallel_learners_refuse_vision_policies(llava):

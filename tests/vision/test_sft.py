@@ -1,6 +1,6 @@
 """Supervised alignment with images: JSONL rows with PNG data-URL parts, the chat encoding with the
-placeholder runs, the sample's images by hash, and the Learner's SFT loss equal to transformers' LLaVA
-cross-entropy on the assistant tokens; bad image parts name the line."""
+placeholder runs, the sample's images by hash, and the Learner's SFT loss equal to transformers'
+cross-entropy on the assistant tokens (each tiny VLM family); bad image parts name the line."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ def _row(img: ImagePart) -> dict:
     }
 
 
-def test_sft_loss_with_images_equals_transformers_llava(llava):
-    model, tok = llava
+def test_sft_loss_with_images_equals_transformers(vlm):
+    model, tok = vlm
     img = noise_image(6)
     ex = parse_row(_row(img), "data.jsonl:1")
     assert ex.messages[0].images[0].png == img.png
@@ -42,13 +42,16 @@ def test_sft_loss_with_images_equals_transformers_llava(llava):
     assert sample.images == [img.sha256] and img.sha256 in store
     assert sample.token_ids.count(vis.image_token_id) == vis.run_length
     learner = Learner(
-        ModelConfig(spec="tiny:llava"), TrainerConfig(), AlgorithmConfig(), model=copy.deepcopy(model)
+        ModelConfig(spec=f"tiny:{vis.family.name}"),
+        TrainerConfig(),
+        AlgorithmConfig(),
+        model=copy.deepcopy(model),
     )
     learner.vision.store = store
     got = learner.sft_loss([sample])
     ids = torch.tensor([sample.token_ids])
     with torch.inference_mode():
-        logits = model(input_ids=ids, pixel_values=vis.hf_inputs([img])["pixel_values"]).logits[0].float()
+        logits = model(input_ids=ids, **vis.hf_inputs([img])).logits[0].float()
     mask = torch.tensor(sample.loss_mask[1:], dtype=torch.bool)
     nll = torch.nn.functional.cross_entropy(logits[:-1][mask], ids[0, 1:][mask])
     assert got["tokens"] == float(mask.sum()) and got["loss"] == pytest.approx(float(nll), abs=1e-5)

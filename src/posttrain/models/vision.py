@@ -30,6 +30,7 @@ IMAGE_TOKEN = "<image>"
 # tiny family name -> the module whose `FAMILY` is its adapter
 _FAMILY_MODULES = {
     "llava": "posttrain.models.vision",
+    "idefics3": "posttrain.models.vision_idefics3",
 }
 VISION_TINY_FAMILIES = tuple(_FAMILY_MODULES)
 _IMAGE_INPUTS_ATTR = "posttrain_image_inputs"
@@ -299,13 +300,13 @@ def load_vision_tokenizer(spec: str) -> Any:
 
 def _folder_tokenizer(path: Any, config: Any, processor: Any) -> Any:
     try:
-        fam = family_of(config)
+        inputs = family_of(config).folder_inputs(config, processor)
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from None
     tok = processor.tokenizer
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    return attach_image_inputs(tok, fam.folder_inputs(config, processor))
+    return attach_image_inputs(tok, inputs)
 
 
 def load_vision_folder(path: str | Path, dtype: str = "float32") -> tuple[Any, Any]:

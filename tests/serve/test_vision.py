@@ -1,6 +1,7 @@
 """`posttrain serve` with a vision model: image content parts (PNG data URLs) through the OpenAI client
-answer as the engine does for the same prompt and image; bad images get a 400 naming the part; the
-graft saves as an HF folder that loads and answers through the server (slow)."""
+answer as the engine does for the same prompt and image, for a folder of each tiny VLM family loaded
+the way `posttrain serve FOLDER` loads it; bad images get a 400 naming the part; the graft saves as an
+HF folder that loads and answers through the server (slow)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import pytest
 
 from posttrain.engine import GenerationRequest, PagedEngine, SamplingParams
 from posttrain.envs.images import encode_png, image_part
-from posttrain.models.vision import encode_with_images, tiny_llava
-from posttrain.serve import ModelEntry, ServeSettings, ServeState
+from posttrain.models.vision import encode_with_images, family, save_vision_folder, tiny_llava
+from posttrain.serve import ModelEntry, ServeSettings, ServeState, load_entries, resolve_source
 from posttrain.types import MAX_IMAGE_SIDE, Message, TextPart
 
 from .conftest import start_server
@@ -44,17 +45,36 @@ def vlm_live(llava):
     srv.stop()
 
 
+@pytest.fixture(scope="module", params=["llava", "idefics3"])
+def served_folder(request, tmp_path_factory):
+    """(live server, engine over the same folder): tiny:<family> saved as an HF folder and served as
+    `posttrain serve FOLDER --set engine.dtype=float32` loads it (resolve_source + load_entries)."""
+    from posttrain.config import load_config
+    from posttrain.models import load_policy, load_tokenizer
+
+    model, tok = family(request.param).tiny(0)
+    folder = str(save_vision_folder(model, tok, tmp_path_factory.mktemp(request.param) / "vlm"))
+    sets = ["engine.dtype=float32", f"engine.max_model_len={MAX_LEN}", "engine.num_kv_blocks=128"]
+    source = resolve_source(folder, load_config(None, sets), sets, "vlm")
+    state = ServeState(ServeSettings(max_queue=8, max_running=4))
+    for entry in load_entries(source):
+        state.add_model(entry)
+    srv = start_server(state)
+    yield srv, load_policy(folder), load_tokenizer(folder)
+    srv.stop()
+
+
 def _post(live, messages, **extra):
     body = {"model": "vlm", "messages": messages, "max_tokens": 8, "temperature": 0, **extra}
     return httpx.post(f"{live.url}/v1/chat/completions", json=body, timeout=60)
 
 
-def test_image_parts_answer_as_the_engine_does(vlm_live, llava):
+def test_image_parts_answer_as_the_engine_does(served_folder):
     import openai
 
-    model, tok = llava
+    live, model, tok = served_folder
     img = noise_image(4)
-    client = openai.OpenAI(base_url=f"{vlm_live.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=60)
     content = [
         {"type": "text", "text": "what is this?"},
         {"type": "image_url", "image_url": {"url": img.data_url()}},

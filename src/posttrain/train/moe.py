@@ -2,7 +2,7 @@
 router, the load-balancing and z-losses, and routing metrics.
 
 `MoeRouting` hooks every top-k router of the policy (transformers' `*TopKRouter` modules: Mixtral,
-Qwen2-MoE, Qwen3-MoE). Inside `MoeRouting.forward(...)` each router sees which flat decoder positions are real tokens
+Qwen2-MoE, Qwen3-MoE, OLMoE). Inside `MoeRouting.forward(...)` each router sees which flat decoder positions are real tokens
 and, with `trainer.moe.routing_replay`, the engine's expert choices for them: the router's top-k is
 replaced by those experts and their weights are the router's softmax probabilities of them,
 renormalised as the family does, so gradients still reach the router. Positions without a recorded
@@ -88,7 +88,7 @@ class MoeRouting:
         self.routers = routers(model)
         if not self.routers:
             raise ValueError(
-                "trainer.moe options need a Mixture-of-Experts policy (Mixtral, Qwen2/3-MoE); "
+                "trainer.moe options need a Mixture-of-Experts policy (Mixtral, Qwen2/3-MoE, OLMoE); "
                 "this model has no top-k routers"
             )
         if cfg.routing_replay and gradient_checkpointing:
@@ -157,7 +157,7 @@ class MoeRouting:
                     weights = probs.gather(-1, ids)
                     if getattr(module, "norm_topk_prob", True):  # Mixtral (no attribute) always renormalises
                         weights = weights / weights.sum(dim=-1, keepdim=True)
-                    if hasattr(module, "norm_topk_prob"):  # the Qwen routers cast back; Mixtral's not
+                    if hasattr(module, "norm_topk_prob"):  # Qwen and OLMoE cast back; Mixtral not
                         weights = weights.to(logits.dtype)
             self._observe(layer, logits[valid].detach(), ids[valid], free[valid])
             if torch.is_grad_enabled() and (self.cfg.aux_loss_coef > 0 or self.cfg.z_loss_coef > 0):

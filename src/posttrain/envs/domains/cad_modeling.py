@@ -635,6 +635,7 @@ class CadModelingDomain(Domain):
                     "description": part.description,
                     "reference_code": part.code,
                     "brief": self.brief,
+                    "dims": json.loads(json.dumps(part.dims)),  # the draw, which the drawing shows
                 }
                 return Task(
                     id="",

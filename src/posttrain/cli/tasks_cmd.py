@@ -223,3 +223,26 @@ def check(
         print_json_last({"ok": not failures, "rows": rows})
     if failures:
         raise typer.Exit(1)
+
+
+@app.command("captions")
+def captions(
+    out: str = typer.Option(..., "--out", help="JSONL file to write (posttrain sft --data reads it)"),
+    n: int = typer.Option(64, "--n", min=1, help="how many image-caption rows"),
+    split: str = typer.Option("train", "--split", help="train | heldout"),
+    seed: int = typer.Option(0, "--seed"),
+    domains: str = typer.Option(
+        None, "--domains", help="comma-separated vision domains (default: all captioned ones)"
+    ),
+) -> None:
+    """Write image-caption SFT rows from the vision domains' renders (scenes, panels, charts, CAD
+    drawings) for the alignment stage: `posttrain sft --data OUT`."""
+    from posttrain.envs.domains.vision_captions import CAPTION_DOMAINS, caption_rows, write_caption_jsonl
+
+    names = tuple(d.strip() for d in domains.split(",") if d.strip()) if domains else CAPTION_DOMAINS
+    try:
+        rows = caption_rows(n, split, seed, names)
+    except ValueError as err:
+        fail(str(err), EXIT_USAGE)
+    path = write_caption_jsonl(out, rows)
+    console.print(f"wrote {len(rows)} image-caption rows ({', '.join(names)}, {split} split) to {path}")

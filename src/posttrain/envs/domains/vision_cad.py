@@ -5,8 +5,9 @@ parameters. Single turn, answer in `<answer>` tags (vision_common.py); needs no 
 Levels: 0 a dimension of a block or a cylinder (cad.modeling level 0); 1 how many round through-holes
 (parts of levels 1-3 that have some: a plate with holes, a block with a bore, a tube, a flange, a gear
 blank, a rounded plate); 2 a dimension of a level 1-2 part; 3 a dimension of a level-3 part (more
-views, hidden lines and notes). The image's text description is one constant sentence: a text-only
-model reads nothing that tells the answer.
+views, hidden lines and notes). Train and held-out split by the part, as cad.modeling does (the same
+key), so a part is held out in both domains or in neither. The image's text description is one
+constant sentence: a text-only model reads nothing that tells the answer.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ class CadDrawingDomain(AnswerDomain):
                 prompt = vision_prompt(question, drawing.pixels, DESCRIPTION)
                 return Task("", self.name, difficulty, prompt, meta=meta)
 
-            return f"{part.family}|{part.dims}|{asked}", build
+            # the split goes by the part alone, with cad.modeling's key: a part held out there is held
+            # out here, whatever is asked about it
+            return f"{part.family}|{part.dims}", build
 
         return self.draw(split, difficulty, index, seed, make)

@@ -1,5 +1,5 @@
-"""Serving an MoE folder (an upcycled tiny model) through `load_entries` -- the path `posttrain serve`
-takes -- in standard and fast mode, with the real `openai` client against a live server."""
+"""Serving an MoE folder (an upcycled tiny model, a saved tiny OLMoE) through `load_entries` -- the path
+`posttrain serve` takes -- in standard and fast mode, with the real `openai` client against a live server."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import openai
 
 from posttrain.config import load_config
 from posttrain.engine import GenerationRequest, SamplingParams
-from posttrain.models import encode_messages
+from posttrain.models import encode_messages, load_policy, load_tokenizer
+from posttrain.models.loading import save_hf_folder_atomically
 from posttrain.models.upcycle import upcycle_to_folder
 from posttrain.serve import ServeSettings, ServeState
 from posttrain.serve.server import load_entries, resolve_source
@@ -18,6 +19,17 @@ HI = [{"role": "user", "content": "Say hello."}]
 
 def test_an_upcycled_moe_folder_serves_standard_and_fast(tmp_path):
     folder, _ = upcycle_to_folder("tiny:llama", tmp_path / "moe", experts=4, top_k=2)
+    _serves_standard_and_fast(folder)
+
+
+def test_an_olmoe_folder_serves_standard_and_fast(tmp_path):
+    folder = save_hf_folder_atomically(
+        load_policy("tiny:olmoe"), load_tokenizer("tiny:olmoe"), tmp_path / "olmoe"
+    )
+    _serves_standard_and_fast(folder)
+
+
+def _serves_standard_and_fast(folder) -> None:
     cfg = load_config(None, ["engine.num_kv_blocks=256", "engine.max_model_len=512"])
     entries = load_entries(resolve_source(str(folder), cfg, [], name="moe"), mode="both")
     assert [e.name for e in entries] == ["moe", "moe-fast"]

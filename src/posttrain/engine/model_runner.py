@@ -4,7 +4,8 @@ Owns the engine's copy of the weights (q/k/v and gate/up fused for fewer matmuls
 KV block pools `[num_blocks, block_size, kv_heads, head_dim]`, RoPE tables, and one varlen forward
 that runs decode tokens (batched per group over its decode stage, or a padded gather of its blocks)
 and prefill chunks (one attention call per sequence, no padding) together. Supports Llama, Qwen2 (q/k/v bias), Qwen3
-(q/k RMSNorm), Mistral without a sliding window, and the MoE families Mixtral, Qwen2-MoE (shared expert),
+(q/k RMSNorm), Mistral without a sliding window, Qwen2-VL's language model (M-RoPE: 3-D positions for
+image rows, mrope.py), and the MoE families Mixtral, Qwen2-MoE (shared expert),
 Qwen3-MoE and OLMoE (q/k RMSNorm over the whole projections, `clip_qkv`), with routing and sparse experts
 from moe.py, recording each token's expert choices. Optionally runs the linears on int8/int4 weights and
 keeps K/V in int8 with per-token-per-head scales (the kernels are quant.py). Does not schedule or sample.
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 
 from posttrain.engine.decode_stage import DecodeStage
 from posttrain.engine.moe import MOE_MODEL_TYPES, MoeSpec, route, sparse_experts
+from posttrain.engine.mrope import MROPE_MODEL_TYPES, mrope_columns, mrope_rows
 from posttrain.engine.quant import (
     KV_INT8,
     WEIGHT_QUANTS,
@@ -34,7 +36,7 @@ from posttrain.engine.quant import (
 )
 from posttrain.longctx.rope import RopeTables
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", *MOE_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", *MOE_MODEL_TYPES, *MROPE_MODEL_TYPES)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -83,7 +85,7 @@ class ModelSpec:
             head_dim=head_dim,
             rms_norm_eps=config.rms_norm_eps,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            qkv_bias=mt == "qwen2"
+            qkv_bias=mt in ("qwen2", *MROPE_MODEL_TYPES)
             or bool(getattr(config, "attention_bias", False))
             or (mt == "qwen2_moe" and bool(config.qkv_bias)),
             qk_norm=mt in ("qwen3", "qwen3_moe"),
@@ -168,6 +170,8 @@ class StepBatch:
     logit_rows: torch.Tensor  # rows whose next-token logits are needed
     embed_rows: torch.Tensor | None = None  # vision: rows whose input embedding is an image feature
     embeds: torch.Tensor | None = None  # [len(embed_rows), hidden] those features (engine/vision.py)
+    mrope_rows: torch.Tensor | None = None  # M-RoPE: rows whose 3 position components differ (images)
+    mrope_positions: torch.Tensor | None = None  # [3, len(mrope_rows)] their (t, h, w) positions
 
 
 class ModelRunner:
@@ -232,6 +236,10 @@ class ModelRunner:
         self.scale = 1.0 / math.sqrt(s.head_dim)
         self.rope = RopeTables(config, s.head_dim, max_model_len)
         self.cos, self.sin_signed = self._rope_rows(self.rope.cos, self.rope.sin)
+        columns = mrope_columns(config, s.head_dim)  # Qwen2-VL's M-RoPE (mrope.py); None: 1-D
+        self.mrope_columns = columns.to(self.device) if columns is not None else None
+        if columns is not None and self.rope.dynamic:
+            raise ValueError("dynamic NTK RoPE scaling is not supported with M-RoPE (3-D positions)")
         self._init_weights()
         self.packed: list[dict[str, torch.Tensor]] | None = None
         self.packed_lm_head: torch.Tensor | None = None
@@ -586,6 +594,11 @@ class ModelRunner:
         sin = self.sin_signed.index_select(0, batch.positions)
         if self.rope.dynamic:
             self._dynamic_rope(batch, cos, sin)
+        if batch.mrope_rows is not None:  # image rows: each rotary section at its own component
+            assert self.mrope_columns is not None and batch.mrope_positions is not None
+            for table, out in ((self.cos, cos), (self.sin_signed, sin)):
+                rows = mrope_rows(table, batch.mrope_positions, self.mrope_columns)
+                out.index_copy_(0, batch.mrope_rows, rows)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         H, KV, hd = s.num_heads, s.num_kv_heads, s.head_dim
         half = hd // 2

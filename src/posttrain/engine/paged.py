@@ -25,6 +25,7 @@ from posttrain.engine.block_manager import BlockManager
 from posttrain.engine.constrained import GrammarCompiler, mask_logits
 from posttrain.engine.decode_stage import DecodeStager
 from posttrain.engine.model_runner import DTYPES, DecodeGroup, ModelRunner, PrefillChunk, StepBatch
+from posttrain.engine.mrope import prompt_rope
 from posttrain.engine.registry import register_engine
 from posttrain.engine.sampling import sample, seed_for
 from posttrain.engine.scheduler import Scheduler
@@ -221,9 +222,10 @@ class PagedEngine(Engine):
         if p.json_schema is not None:
             seq.constraint = self.grammars.matcher(p.json_schema)
         if self.vision is not None:
-            seq.set_images(
-                req.images, check_placeholders(req.prompt_token_ids, req.images, self.vision.inputs)
-            )
+            at = check_placeholders(req.prompt_token_ids, req.images, self.vision.inputs)
+            seq.set_images(req.images, at, [self.vision.inputs.image_tokens(i) for i in req.images])
+            if req.images and self.runner.mrope_columns is not None:  # M-RoPE: 3-D positions
+                seq.set_rope(*prompt_rope(self.vision.inputs, len(req.prompt_token_ids), at, req.images))
         return state, [seq]
 
     def _admit(self, state: _RequestState, seqs: list[Sequence]) -> None:
@@ -310,13 +312,19 @@ class PagedEngine(Engine):
         self._placed = []
         embed_rows: list[int] = []
         embeds: list[torch.Tensor] = []
+        mrows: list[int] = []
+        mpos: list[tuple[int, int, int]] = []
         for seq, n in [(s, 1) for s in decodes] + prefills:
             start = seq.num_computed
             row = len(ids)
             self._placed.append((seq, row, start, n))
             src = seq.token_ids + seq.draft if seq.draft else seq.token_ids
             ids.extend(src[start : start + n])
-            pos.extend(range(start, start + n))
+            pos.extend(seq.rope_positions(start, n))
+            if seq.mrope_at:  # M-RoPE: the image rows, whose position components differ
+                hit = [p for p in range(start, min(start + n, seq.num_prompt)) if p in seq.mrope_at]
+                mrows.extend(row + p - start for p in hit)
+                mpos.extend(seq.mrope_at[p] for p in hit)
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             if n > 1:
@@ -341,6 +349,9 @@ class PagedEngine(Engine):
         if embed_rows:
             batch.embed_rows = torch.tensor(embed_rows, device=dev)
             batch.embeds = torch.cat(embeds)
+        if mrows:
+            batch.mrope_rows = torch.tensor(mrows, device=dev)
+            batch.mrope_positions = torch.tensor(mpos, device=dev).T.contiguous()
         return batch, samplers, verifiers
 
     def _image_rows(
@@ -542,7 +553,9 @@ class PagedEngine(Engine):
             pos = [s.num_computed + i for s in active]
             batch = StepBatch(
                 input_ids=torch.tensor([last[j] for j in rows], device=dev),
-                positions=torch.tensor(pos, device=dev),
+                positions=torch.tensor(
+                    [p + s.rope_delta for s, p in zip(active, pos, strict=True)], device=dev
+                ),
                 slot_mapping=torch.tensor(
                     [s.block_table[p // bs] * bs + p % bs for s, p in zip(active, pos, strict=True)],
                     device=dev,

@@ -67,15 +67,39 @@ class Sequence:
         self.images: list[ImagePart] = []
         self.image_at: dict[int, tuple[str, int]] = {}
         self.image_embeds: torch.Tensor | None = None  # [placeholders, hidden], computed at first prefill
+        # M-RoPE (Qwen2-VL): the (t, h, w) positions of prompt tokens whose components differ (image
+        # rows), the prompt's RoPE positions, and what a token after the prompt adds to its index
+        self.mrope_at: dict[int, tuple[int, int, int]] = {}
+        self.prompt_positions: list[int] | None = None
+        self.rope_delta = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
-    def set_images(self, images: list[ImagePart], positions: list[int]) -> None:
-        """The images filling the placeholders at `positions` (in order, len(positions) / len(images) each)."""
-        per = len(positions) // len(images) if images else 0
+    def set_images(self, images: list[ImagePart], positions: list[int], counts: list[int]) -> None:
+        """The images filling the placeholders at `positions`, in order, `counts[i]` for image i."""
+        owner = [img.sha256 for img, n in zip(images, counts, strict=True) for _ in range(n)]
         self.images = list(images)
-        self.image_at = {p: (images[i // per].sha256, i) for i, p in enumerate(positions)}
+        self.image_at = {p: (owner[i], i) for i, p in enumerate(positions)}
+
+    def set_rope(self, positions: torch.Tensor, delta: int) -> None:
+        """The prompt's M-RoPE positions `[3, num_prompt]` and the rope delta (models/qwen2_vl.py)."""
+        if tuple(positions.shape) != (3, self.num_prompt):
+            raise ValueError(
+                f"M-RoPE positions of shape {tuple(positions.shape)} for {self.num_prompt} tokens"
+            )
+        differ = ((positions != positions[:1]).any(dim=0)).nonzero().flatten().tolist()
+        self.mrope_at = {p: tuple(positions[:, p].tolist()) for p in differ}
+        self.prompt_positions = positions[0].tolist()
+        self.rope_delta = int(delta)
+
+    def rope_positions(self, start: int, n: int) -> list[int] | range:
+        """The RoPE positions of tokens start .. start + n: their indices, or under M-RoPE the prompt's
+        (temporal) positions and, after the prompt, the index plus the rope delta."""
+        if self.prompt_positions is None:
+            return range(start, start + n)
+        head = self.prompt_positions[start : start + n]
+        return head + [p + self.rope_delta for p in range(max(start, self.num_prompt), start + n)]
 
     def block_key(self, j: int, block_size: int) -> tuple:
         """What the prefix cache keys block j by: its token ids, plus the hash of the image behind each
@@ -117,4 +141,6 @@ class Sequence:
         child.constraint = self.constraint.copy() if self.constraint is not None else None
         child.routing = list(self.routing)
         child.images, child.image_at, child.image_embeds = self.images, self.image_at, self.image_embeds
+        child.mrope_at, child.prompt_positions = self.mrope_at, self.prompt_positions
+        child.rope_delta = self.rope_delta
         return child

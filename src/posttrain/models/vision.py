@@ -30,6 +30,7 @@ IMAGE_TOKEN = "<image>"
 # tiny family name -> the module whose `FAMILY` is its adapter
 _FAMILY_MODULES = {
     "llava": "posttrain.models.vision",
+    "qwen2_vl": "posttrain.models.qwen2_vl",
     "idefics3": "posttrain.models.vision_idefics3",
 }
 VISION_TINY_FAMILIES = tuple(_FAMILY_MODULES)
@@ -111,6 +112,20 @@ class VisionFamily(abc.ABC):
     @abc.abstractmethod
     def tiny_tokenizer(self) -> Any:
         """`tiny:<name>`'s tokenizer with image inputs attached (no weights built)."""
+
+    def rope_positions(
+        self, inputs: ImageInputs, length: int, placeholders: list[int], images: list[ImagePart]
+    ) -> tuple[Any, int] | None:
+        """3-D (M-RoPE) positions `[3, length]` of a sequence whose placeholders (indices, in order)
+        hold `images`, and the rope delta a token after it adds to its index; None: the positions are
+        the token indices."""
+        return None
+
+    def load_processor(self, path: Any) -> Any:
+        """The processor of a model folder (its `tokenizer` and `image_processor`)."""
+        from transformers import AutoProcessor
+
+        return AutoProcessor.from_pretrained(path)
 
     @abc.abstractmethod
     def processor(self, model: Any, tokenizer: Any) -> Any:
@@ -288,14 +303,22 @@ def load_vision_tokenizer(spec: str) -> Any:
     """The tokenizer of a vision spec with its image inputs attached (no weights loaded)."""
     if spec.startswith("tiny:"):
         return family(spec.split(":", 1)[1]).tiny_tokenizer()
-    from transformers import AutoConfig, AutoProcessor
+    from transformers import AutoConfig
 
     from posttrain.models.loading import quiet_transformers
 
     with quiet_transformers():
-        processor = AutoProcessor.from_pretrained(spec)
         config = AutoConfig.from_pretrained(spec)
+        processor = _load_processor(spec, config)
     return _folder_tokenizer(spec, config, processor)
+
+
+def _load_processor(path: Any, config: Any) -> Any:
+    try:
+        fam = family_of(config)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+    return fam.load_processor(path)
 
 
 def _folder_tokenizer(path: Any, config: Any, processor: Any) -> Any:
@@ -312,14 +335,14 @@ def _folder_tokenizer(path: Any, config: Any, processor: Any) -> Any:
 def load_vision_folder(path: str | Path, dtype: str = "float32") -> tuple[Any, Any]:
     """(model, tokenizer with image inputs) from a local HF VLM folder saved with its processor."""
     import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
 
     from posttrain.models.loading import quiet_transformers
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     with quiet_transformers():
-        processor = AutoProcessor.from_pretrained(path)
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch_dtype)
+        processor = _load_processor(path, model.config)
     model.eval()
     return model, _folder_tokenizer(path, model.config, processor)
 
@@ -342,6 +365,30 @@ def save_vision_folder(model: Any, tokenizer: Any, out: str | Path) -> Path:
     if vis is None:
         raise ValueError("the tokenizer carries no image inputs: not a vision model's tokenizer")
     return save_hf_folder_atomically(model, vis.family.processor(model, tokenizer), Path(out))
+
+
+def tiny_text_config(tokenizer: Any) -> Any:
+    """The language side of a tiny VLM: tiny:llama's config over `tokenizer`'s vocabulary, its weights
+    drawn with std 0.2 (far from uniform: greedy paths and logprobs depend on the image)."""
+    from posttrain.models.loading import tiny_config
+
+    tok = tokenizer
+    text = tiny_config("llama", len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+    text.initializer_range = 0.2
+    return text
+
+
+def random_vlm(model_class: Any, config: Any, seed: int) -> Any:
+    """`model_class(config)` with its weights drawn from `seed` (the global RNG left as it was), float32,
+    in eval mode."""
+    import torch
+
+    from posttrain.models.loading import quiet_transformers
+
+    with quiet_transformers(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_class(config).float()
+    return model.eval()
 
 
 # ---- the LLaVA family ----------------------------------------------------------------------------
@@ -404,13 +451,11 @@ def _inputs_for(config: Any, tokenizer: Any, image_processor: Any) -> ImageInput
 
 def _tiny_llava_parts() -> tuple[Any, Any]:
     """tiny:llava's config and tokenizer (the SmolLM2 tokenizer plus `<image>`, image inputs attached)."""
-    from posttrain.models.loading import load_tokenizer, tiny_config
+    from posttrain.models.loading import load_tokenizer
 
     tok = _with_image_token(copy.deepcopy(load_tokenizer("tiny:llama")))
-    text = tiny_config("llama", len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
-    text.initializer_range = 0.2  # far from uniform: greedy paths and logprobs depend on the image
     config = llava_config(
-        text,
+        tiny_text_config(tok),
         tok.convert_tokens_to_ids(IMAGE_TOKEN),
         image_size=32,
         patch_size=8,
@@ -424,17 +469,10 @@ def _tiny_llava_parts() -> tuple[Any, Any]:
 def tiny_llava(seed: int = 0) -> tuple[Any, Any]:
     """A tiny random LLaVA (SigLIP 32x32 px in 8 px patches -> 16 image tokens; a 2-layer Llama) with the
     SmolLM2 tokenizer plus `<image>`; (model, tokenizer) with the image inputs attached."""
-    import torch
     from transformers import LlavaForConditionalGeneration
 
-    from posttrain.models.loading import quiet_transformers
-
     config, tok = _tiny_llava_parts()
-    with quiet_transformers(), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlavaForConditionalGeneration(config).float()
-    model.eval()
-    return model, tok
+    return random_vlm(LlavaForConditionalGeneration, config, seed), tok
 
 
 class LlavaFamily(VisionFamily):
@@ -517,10 +555,7 @@ def random_llava(
 ) -> tuple[Any, Any]:
     """A randomly initialised LLaVA over `text_config` (its vocabulary grown to hold `<image>`), and a copy
     of `tokenizer` with `<image>` and the image inputs attached."""
-    import torch
     from transformers import LlavaForConditionalGeneration
-
-    from posttrain.models.loading import quiet_transformers
 
     tok = _with_image_token(copy.deepcopy(tokenizer))
     text_config = copy.deepcopy(text_config)
@@ -534,10 +569,7 @@ def random_llava(
         vision_layers=vision_layers,
         vision_heads=vision_heads,
     )
-    with quiet_transformers(), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlavaForConditionalGeneration(config).float()
-    model.eval()
+    model = random_vlm(LlavaForConditionalGeneration, config, seed)
     return model, attach_image_inputs(tok, _inputs_for(config, tok, _siglip_processor(image_size)))
 
 

@@ -1,0 +1,203 @@
+"""Qwen2-VL (tiny:qwen2_vl): M-RoPE positions against transformers' get_rope_index and by hand, the
+rotary columns, dynamic-resolution layouts, and the paged engine against HF `generate` (one image, two
+of different sizes, chunked prefill, prompt-lookup drafts), the prefix cache, a saved folder."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from posttrain.engine import BadRequestError, GenerationRequest, PagedEngine, SamplingParams
+from posttrain.engine.mrope import mrope_columns, mrope_rows
+from posttrain.models import load_tokenizer
+from posttrain.models.qwen2_vl import FAMILY, IMAGE_PAD, image_runs, mrope_positions, tiny_qwen2_vl
+from posttrain.models.vision import encode_with_images, image_inputs, load_vision_folder, save_vision_folder
+from posttrain.types import ImagePart, Message, TextPart
+
+from .helpers import noise_image
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl():
+    """(model, tokenizer) of tiny:qwen2_vl, seed 0."""
+    return tiny_qwen2_vl(0)
+
+
+def _prompt(tok, *parts):
+    return encode_with_images(
+        tok, [Message("user", [p if isinstance(p, ImagePart) else TextPart(p) for p in parts])]
+    )
+
+
+def _hf_inputs(tok, ids, images):
+    vis = image_inputs(tok)
+    t = torch.tensor([ids])
+    extra = vis.hf_inputs(images) if images else {}
+    return dict(
+        input_ids=t,
+        attention_mask=torch.ones_like(t),
+        mm_token_type_ids=(t == vis.image_token_id).int(),
+        **extra,
+    )
+
+
+@torch.inference_mode()
+def _hf_generate(model, tok, ids, images, new):
+    return model.generate(**_hf_inputs(tok, ids, images), max_new_tokens=new, do_sample=False)[
+        0, len(ids) :
+    ].tolist()
+
+
+@torch.inference_mode()
+def _hf_logprobs(model, tok, ids, images, completion, **kw):
+    logits = model(**_hf_inputs(tok, ids + completion, images), **kw).logits[0].float()
+    lp = torch.log_softmax(logits, -1)
+    return [float(lp[len(ids) - 1 + i, t]) for i, t in enumerate(completion)]
+
+
+def test_mrope_positions_by_hand():
+    # text 0-1, a 1x4x6 grid merged 2x2 (2 rows x 3 columns of tokens) at 2-7, text 8-9
+    pos, delta = mrope_positions(10, [(2, (1, 4, 6))], merge=2)
+    assert pos.tolist() == [
+        [0, 1, 2, 2, 2, 2, 2, 2, 5, 6],
+        [0, 1, 2, 2, 2, 3, 3, 3, 5, 6],
+        [0, 1, 2, 3, 4, 2, 3, 4, 5, 6],
+    ]
+    assert delta == 6 + 1 - 10
+    pos, delta = mrope_positions(3, [], merge=2)
+    assert pos.tolist() == [[0, 1, 2]] * 3 and delta == 0
+
+
+def test_image_runs_refuse_layouts_that_do_not_fit():
+    assert image_runs([4, 5, 6, 7, 9, 10, 11, 12], [(1, 4, 4), (1, 4, 4)], 2) == [
+        (4, (1, 4, 4)),
+        (9, (1, 4, 4)),
+    ]
+    with pytest.raises(ValueError, match="7 image placeholders for 2 image"):
+        image_runs([4, 5, 6, 7, 9, 10, 11], [(1, 4, 4), (1, 4, 4)], 2)
+    with pytest.raises(ValueError, match="image 0 are not one contiguous run"):
+        image_runs([4, 5, 7, 8], [(1, 4, 4)], 2)
+
+
+def test_positions_equal_transformers_get_rope_index(qwen2_vl):
+    model, tok = qwen2_vl
+    vis = image_inputs(tok)
+    a, b = noise_image(0), noise_image(1, h=24, w=64)  # 40x48 -> 5x6 tokens; 24x64 -> 3x8
+    assert FAMILY.grid(vis, a) == (1, 10, 12) and FAMILY.grid(vis, b) == (1, 6, 16)
+    for parts in (["one", a], ["two", a, "then", b, "end"], [b, a, "x"], ["no image"]):
+        ids, images = _prompt(tok, *parts)
+        placeholders = [i for i, t in enumerate(ids) if t == vis.image_token_id]
+        pos, delta = FAMILY.rope_positions(vis, len(ids), placeholders, images)
+        hf = _hf_inputs(tok, ids, images)
+        if not images:
+            assert torch.equal(pos, torch.arange(len(ids)).expand(3, -1)) and delta == 0
+            continue
+        ref, ref_delta = model.model.get_rope_index(
+            hf["input_ids"], hf["mm_token_type_ids"], image_grid_thw=hf["image_grid_thw"]
+        )
+        assert torch.equal(pos, ref[:, 0]) and delta == int(ref_delta)
+        assert delta < 0  # text after an image sits at a smaller position than its index
+
+
+def test_layout_is_a_run_per_image_between_vision_markers(qwen2_vl):
+    _, tok = qwen2_vl
+    vis = image_inputs(tok)
+    text = vis.placeholder(noise_image(1, h=24, w=64))
+    assert text == "<|vision_start|>" + IMAGE_PAD * 24 + "<|vision_end|>"
+    assert vis.image_tokens(noise_image(0)) == 30
+    assert load_tokenizer("tiny:qwen2_vl").convert_tokens_to_ids(IMAGE_PAD) == vis.image_token_id
+
+
+def test_mrope_columns_and_rows():
+    class Cfg:
+        model_type = "qwen2_vl_text"
+        rope_parameters = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+
+    cols = mrope_columns(Cfg(), 16)
+    assert cols.tolist() == [0, 0, 1, 1, 1, 2, 2, 2] * 2
+    table = torch.arange(10 * 16).view(10, 16).float()  # row p holds 16p .. 16p + 15
+    rows = mrope_rows(table, torch.tensor([[1], [2], [3]]), cols)
+    assert rows[0].tolist() == [
+        16 * [1, 1, 2, 2, 2, 3, 3, 3, 1, 1, 2, 2, 2, 3, 3, 3][c] + c for c in range(16)
+    ]
+    Cfg.rope_parameters = {**Cfg.rope_parameters, "mrope_section": [2, 3, 2]}
+    with pytest.raises(ValueError, match="covers 7 rotary frequencies; the head dimension 16 has 8"):
+        mrope_columns(Cfg(), 16)
+
+
+def test_greedy_equals_hf_generate_and_logprobs_match(qwen2_vl):
+    model, tok = qwen2_vl
+    cases = [
+        _prompt(tok, "what is this?", noise_image(0)),
+        _prompt(tok, "two:", noise_image(1), "and", noise_image(2, h=24, w=64), "compare"),
+    ]
+    engines = {
+        "one chunk": PagedEngine(model, tok, num_blocks=128, max_model_len=512),
+        "chunked prefill": PagedEngine(
+            model, tok, num_blocks=128, max_model_len=512, max_num_batched_tokens=16
+        ),
+        "ngram drafts": PagedEngine(model, tok, num_blocks=128, max_model_len=512, speculative="ngram"),
+    }
+    refs = [_hf_generate(model, tok, ids, imgs, 10) for ids, imgs in cases]
+    for name, engine in engines.items():
+        outs = engine.generate([GenerationRequest(ids, GREEDY, images=imgs) for ids, imgs in cases])
+        for (ids, imgs), out, ref in zip(cases, outs, refs, strict=True):
+            got = out.completions[0]
+            assert got.token_ids == ref, name
+            want = _hf_logprobs(model, tok, ids, imgs, got.token_ids)
+            assert max(abs(a - b) for a, b in zip(want, got.logprobs, strict=True)) < 1e-4, name
+    # M-RoPE matters: the same forward with 1-D positions (the token index) gives other logprobs
+    ids, imgs = cases[1]
+    got = outs[1].completions[0]
+    flat = torch.arange(len(ids) + len(got.token_ids))[None]
+    index_lp = _hf_logprobs(model, tok, ids, imgs, got.token_ids, position_ids=flat)
+    assert max(abs(a - b) for a, b in zip(index_lp, got.logprobs, strict=True)) > 1e-2
+
+
+def test_prefix_cache_keys_images_and_their_positions(qwen2_vl):
+    model, tok = qwen2_vl
+    bs = 16
+    a, b = noise_image(0), noise_image(3)  # same size: identical placeholder ids
+    ids, _ = _prompt(tok, "look", a, "now")
+    assert _prompt(tok, "look", b, "now")[0] == ids
+    first_pad = ids.index(image_inputs(tok).image_token_id)
+    engine = PagedEngine(model, tok, num_blocks=128, max_model_len=512, block_size=bs)
+    first = engine.generate([GenerationRequest(ids, GREEDY, images=[a])])[0].completions[0]
+    engine.reset_stats()
+    with_b = engine.generate([GenerationRequest(ids, GREEDY, images=[b])])[0].completions[0]
+    assert engine.kv_stats()["prefix_hit_tokens"] == first_pad // bs * bs  # only the text before the image
+    assert with_b.token_ids == _hf_generate(model, tok, ids, [b], 10)
+    engine.reset_stats()
+    again = engine.generate([GenerationRequest(ids, GREEDY, images=[a])])[0].completions[0]
+    assert engine.kv_stats()["prefix_hit_tokens"] == (len(ids) - 1) // bs * bs
+    assert again.token_ids == first.token_ids
+    # two samples forked after one prefill keep the rope delta: both equal a fresh greedy run
+    two = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, n=2)
+    forked = engine.generate([GenerationRequest(ids, two, images=[a])])[0].completions
+    assert [c.token_ids for c in forked] == [first.token_ids] * 2
+
+
+def test_bad_image_requests_are_refused(qwen2_vl):
+    model, tok = qwen2_vl
+    engine = PagedEngine(model, tok, num_blocks=128, max_model_len=512)
+    ids, imgs = _prompt(tok, "x", noise_image(0))
+    with pytest.raises(BadRequestError, match="holds 30 image placeholder tokens; 1 image"):
+        engine.generate([GenerationRequest(ids, GREEDY, images=[noise_image(1, h=24, w=64)])])
+    pad = image_inputs(tok).image_token_id
+    split = ids[: ids.index(pad) + 3] + [ids[0]] + ids[ids.index(pad) + 3 :]  # a text token inside the run
+    with pytest.raises(BadRequestError, match="image 0 are not one contiguous run"):
+        engine.generate([GenerationRequest(split, GREEDY, images=imgs)])
+
+
+def test_saved_folder_loads_and_generates_the_same(qwen2_vl, tmp_path):
+    model, tok = qwen2_vl
+    save_vision_folder(model, tok, tmp_path / "q")
+    loaded, ltok = load_vision_folder(tmp_path / "q")
+    assert type(loaded).__name__ == "Qwen2VLForConditionalGeneration"
+    ids, imgs = _prompt(tok, "what?", noise_image(4, h=30, w=30))
+    assert _prompt(ltok, "what?", noise_image(4, h=30, w=30))[0] == ids
+    engine = PagedEngine(loaded, ltok, num_blocks=64, max_model_len=256)
+    got = engine.generate([GenerationRequest(ids, GREEDY, images=imgs)])[0].completions[0].token_ids
+    assert got == _hf_generate(model, tok, ids, imgs, 10)

@@ -22,6 +22,8 @@ from posttrain.models.vision import (
     attach_image_inputs,
     decode_images,
     image_inputs,
+    random_vlm,
+    tiny_text_config,
 )
 from posttrain.types import ImagePart
 
@@ -107,13 +109,11 @@ def _with_tokens(tokenizer: Any) -> Any:
 def _tiny_idefics3_parts() -> tuple[Any, Any]:
     """tiny:idefics3's config and tokenizer (the SmolLM2 tokenizer plus the processor's tokens, image
     inputs attached): 32 px tiles in 4 px patches, pixel shuffle 2 -> 16 placeholders per tile."""
-    from posttrain.models.loading import load_tokenizer, tiny_config
+    from posttrain.models.loading import load_tokenizer
 
     tok = _with_tokens(copy.deepcopy(load_tokenizer("tiny:llama")))
-    text = tiny_config("llama", len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
-    text.initializer_range = 0.2  # far from uniform: greedy paths and logprobs depend on the image
     config = idefics3_config(
-        text,
+        tiny_text_config(tok),
         tok.convert_tokens_to_ids(IMAGE_TOKEN),
         image_size=32,
         patch_size=4,
@@ -134,17 +134,10 @@ def _tiny_idefics3_parts() -> tuple[Any, Any]:
 def tiny_idefics3(seed: int = 0) -> tuple[Any, Any]:
     """A tiny random Idefics3 (32 px tiles -> 16 image tokens, unsplit; a 2-layer Llama) with the SmolLM2
     tokenizer plus the processor's tokens; (model, tokenizer) with the image inputs attached."""
-    import torch
     from transformers import Idefics3ForConditionalGeneration
 
-    from posttrain.models.loading import quiet_transformers
-
     config, tok = _tiny_idefics3_parts()
-    with quiet_transformers(), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Idefics3ForConditionalGeneration(config).float()
-    model.eval()
-    return model, tok
+    return random_vlm(Idefics3ForConditionalGeneration, config, seed), tok
 
 
 class Idefics3Family(VisionFamily):

@@ -59,22 +59,29 @@ def _olmoe_with_norm_weights(clip: float | None):
     return model
 
 
-def _clipped_fraction(model, ids: list[int]) -> dict[str, float]:
-    """Share of layer 0's normed q, normed k and v entries whose magnitude exceeds clip_qkv (before the clamp)."""
-    attn, clip, seen = model.model.layers[0].self_attn, model.config.clip_qkv, {}
-    mods = {"q": attn.q_norm, "k": attn.k_norm, "v": attn.v_proj}
-    # a forward hook's output is the tensor transformers then clamps in place: record a copy
-    hooks = [
-        m.register_forward_hook(lambda _m, _a, out, n=n: seen.__setitem__(n, out.detach().clone()))
-        for n, m in mods.items()
-    ]
+def _outputs_of(model, ids: list[int], modules: list[torch.nn.Module]) -> list:
+    """Each module's output (tensors copied: transformers may change them in place afterwards) in a full
+    forward of `ids`, in the order of `modules`; each must run once."""
+    seen: dict[int, object] = {}
+
+    def keep(m, _args, out):
+        seen[id(m)] = out.detach().clone() if isinstance(out, torch.Tensor) else out
+
+    hooks = [m.register_forward_hook(keep) for m in modules]
     try:
         with torch.inference_mode():
             model(torch.tensor([ids]))
     finally:
         for h in hooks:
             h.remove()
-    return {n: float((t.abs() > clip).float().mean()) for n, t in seen.items()}
+    return [seen[id(m)] for m in modules]
+
+
+def _clipped_fraction(model, ids: list[int]) -> dict[str, float]:
+    """Share of layer 0's normed q, normed k and v entries whose magnitude exceeds clip_qkv (before the clamp)."""
+    attn, clip = model.model.layers[0].self_attn, model.config.clip_qkv
+    outs = _outputs_of(model, ids, [attn.q_norm, attn.k_norm, attn.v_proj])
+    return {n: float((t.abs() > clip).float().mean()) for n, t in zip("qkv", outs, strict=True)}
 
 
 @pytest.mark.parametrize("clip", [None, 0.3])
@@ -194,15 +201,8 @@ def _hf_routing(model, ids: list[int]) -> list[list[list[int]]]:
     """transformers' own top-k choice at every position of a full forward, [position][layer][k]."""
     from posttrain.train.moe import routers
 
-    seen: list[torch.Tensor] = []
-    hooks = [r.register_forward_hook(lambda m, a, out: seen.append(out[2])) for r in routers(model)]
-    try:
-        with torch.inference_mode():
-            model(torch.tensor([ids]))
-    finally:
-        for h in hooks:
-            h.remove()
-    return torch.stack(seen, dim=1).tolist()
+    outs = _outputs_of(model, ids, routers(model))
+    return torch.stack([out[2] for out in outs], dim=1).tolist()
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])

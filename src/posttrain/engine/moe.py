@@ -44,23 +44,13 @@ class MoeSpec:
         if mt not in MOE_MODEL_TYPES:
             return None
         layers = config.num_hidden_layers
-        if mt == "mixtral":
+        if mt in ("mixtral", "olmoe"):  # every layer sparse, no shared expert, intermediate_size an expert's
             return cls(
-                num_experts=config.num_local_experts,
+                num_experts=config.num_local_experts,  # OLMoE's config maps it to num_experts
                 top_k=config.num_experts_per_tok,
                 expert_intermediate_size=config.intermediate_size,
-                norm_topk_prob=True,
-                float32_weights=True,
-                shared_intermediate_size=0,
-                sparse_layers=(True,) * layers,
-            )
-        if mt == "olmoe":  # every layer sparse, no shared expert; intermediate_size is an expert's
-            return cls(
-                num_experts=config.num_experts,
-                top_k=config.num_experts_per_tok,
-                expert_intermediate_size=config.intermediate_size,
-                norm_topk_prob=bool(config.norm_topk_prob),
-                float32_weights=False,
+                norm_topk_prob=mt == "mixtral" or bool(config.norm_topk_prob),
+                float32_weights=mt == "mixtral",
                 shared_intermediate_size=0,
                 sparse_layers=(True,) * layers,
             )

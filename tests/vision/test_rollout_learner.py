@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import copy
 
+import pytest
 import torch
 
 from posttrain.config import AlgorithmConfig, ModelConfig, TrainerConfig, VisionConfig
@@ -151,8 +152,6 @@ def test_vision_tower_frozen_by_default_and_lora_only_on_the_language_side(vlm):
 
 
 def test_parallel_learners_refuse_vision_policies(llava):
-    import pytest
-
     from posttrain.train.distributed import shard_learner
 
     model, _ = llava
@@ -163,7 +162,8 @@ def test_parallel_learners_refuse_vision_policies(llava):
         shard_learner(learner)
 
 
-def test_configs_vision_yaml_trains_with_rl_on_tiny_llava(tmp_path):
+@pytest.mark.parametrize("spec", ["tiny:llava", "tiny:idefics3"])
+def test_configs_vision_yaml_trains_with_rl_on_tiny_vlms(tmp_path, spec):
     import json
 
     from posttrain.config import load_config, save_config
@@ -173,7 +173,7 @@ def test_configs_vision_yaml_trains_with_rl_on_tiny_llava(tmp_path):
     cfg = load_config(
         "configs/vision.yaml",
         [
-            "model.spec=tiny:llava",
+            f"model.spec={spec}",
             "model.lora_rank=4",
             "orchestrator.steps=1",
             "batch.prompts_per_step=2",

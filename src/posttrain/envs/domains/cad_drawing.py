@@ -23,13 +23,13 @@ FONT_PX = 11
 INK = (0, 0, 0)
 CENTRE_INK = (110, 110, 110)
 PAPER = (255, 255, 255)
-PAD_PX, GAP_PX, LABEL_H_PX = 10, 14, 14
+PAD_PX, GAP_PX, LABEL_H_PX = 10, 14, 17
 DIM_GAP_PX = 8  # from a view's outline to its first dimension line
 H_TIER_PX, V_TIER_PX = 16, 30  # spacing of stacked dimension lines below / left of a view
 VIEW_W_PX, VIEW_H_PX = 300, 210  # the views' geometry is scaled to fit about this much paper
 MIN_SCALE, MAX_SCALE = 0.6, 5.0  # px per mm
 DESCRIPTION = (
-    "a 2-D engineering drawing of a machined part: top, front and right side views with dimensions in mm"
+    "an engineering drawing of a machined part: top, front and right side views with dimensions in mm"
 )
 
 # What each dimension name measures, as a question phrase ("What is the {phrase}?").

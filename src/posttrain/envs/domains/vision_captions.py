@@ -50,8 +50,9 @@ def caption_of(task: Task) -> str:
 def caption_rows(
     n: int, split: str = TRAIN, seed: int = 0, domains: tuple[str, ...] | list[str] = CAPTION_DOMAINS
 ) -> list[dict[str, Any]]:
-    """`n` SFT rows, round-robin over every (domain, level) of `domains`: row i is task i // pairs of
-    pair i % pairs, so the same arguments give the same rows and `split` keeps the domains' split."""
+    """`n` SFT rows, round-robin over every (domain, level) of `domains`, level by level (level 0 of each
+    domain first): row i is task i // pairs of pair i % pairs, so the same arguments give the same rows
+    and `split` keeps the domains' split."""
     from posttrain.envs import get_domain
 
     unknown = [d for d in domains if d not in CAPTION_DOMAINS]
@@ -60,7 +61,9 @@ def caption_rows(
             f"no captions for domain {unknown[0] if unknown else '(none given)'!r} "
             f"(captioned: {', '.join(CAPTION_DOMAINS)})"
         )
-    pairs = [(d, level) for name in domains for d in [get_domain(name)] for level in d.difficulties]
+    found = [get_domain(name) for name in domains]
+    levels = sorted({level for d in found for level in d.difficulties})
+    pairs = [(d, level) for level in levels for d in found if level in d.difficulties]
     rows = []
     for i in range(n):
         domain, level = pairs[i % len(pairs)]

@@ -38,7 +38,7 @@ PHRASES = {
     "width": "overall width of the part along y",
     "height": "overall height of the part along z",
     "diameter": "diameter of the cylinder",
-    "thickness": "thickness of the part",
+    "thickness": "thickness of the part (of its legs, for a bracket)",
     "hole_diameter": "diameter of the through-holes",
     "hole_spacing_x": "distance between the hole centres along x",
     "hole_spacing_y": "distance between the hole centres along y",
@@ -274,12 +274,10 @@ def _l_bracket(a: float, b: float, t: float, w: float) -> Sheet:
     outline = [Seg(p[0], p[1], q[0], q[1]) for p, q in zip(profile, profile[1:], strict=False)]
     return _sheet(
         "l_bracket",
-        View(
-            [Rect(0, -w / 2, a, w / 2), Seg(t, -w / 2, t, w / 2)],
-            [Dim("thickness", "h", 0, t, -w / 2, -w / 2)],
-        ),
+        View([Rect(0, -w / 2, a, w / 2), Seg(t, -w / 2, t, w / 2)]),
         View(outline, [Dim("leg_length", "h", 0, a, 0, 0), Dim("leg_height", "v", 0, b, 0, 0)]),
         View([Rect(-w / 2, 0, w / 2, b), Seg(-w / 2, t, w / 2, t)], [Dim("width", "h", -w / 2, w / 2, 0, 0)]),
+        [Note("thickness", t, "BOTH LEGS {v} THICK")],
     )
 
 

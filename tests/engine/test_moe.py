@@ -21,17 +21,22 @@ MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 
 
+def _greedy_matches_hf(model, tokenizer, prompts, tol: float, max_tokens: int = 16, **engine_kw):
+    """(engine, greedy completions of `prompts`), checked: tokens equal to HF `generate`'s, logprobs within
+    `tol` of HF's full-sequence forward."""
+    engine = PagedEngine(model, tokenizer, block_size=4, **engine_kw)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    comps = [o.completions[0] for o in engine.generate([GenerationRequest(p, params) for p in prompts])]
+    for prompt, comp in zip(prompts, comps, strict=True):
+        assert comp.token_ids == hf_greedy(model, prompt, max_tokens)
+        ref = hf_logprobs(model, prompt, comp.token_ids)
+        assert max(abs(a - b) for a, b in zip(ref, comp.logprobs, strict=True)) <= tol
+    return engine, comps
+
+
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_greedy_and_logprobs_match_hf(family, tokenizer):
-    model = tiny(family)
-    prompts = random_prompts([1, 4, 5, 17], seed=1)
-    engine = PagedEngine(model, tokenizer, block_size=4, num_blocks=128)
-    outs = engine.generate([GenerationRequest(p, GREEDY) for p in prompts])
-    for prompt, out in zip(prompts, outs, strict=True):
-        comp = out.completions[0]
-        assert comp.token_ids == hf_greedy(model, prompt, 16)
-        ref = hf_logprobs(model, prompt, comp.token_ids)
-        assert max(abs(a - b) for a, b in zip(ref, comp.logprobs, strict=True)) < 1e-4
+    _greedy_matches_hf(tiny(family), tokenizer, random_prompts([1, 4, 5, 17], seed=1), 1e-4, num_blocks=128)
 
 
 def test_qwen2_moe_layout_dense_layer_shared_expert_and_no_renormalisation():
@@ -91,27 +96,15 @@ def test_olmoe_whole_projection_qk_norm_and_clip_qkv_match_hf(clip, tokenizer):
     engine is held to, so an engine that skipped any clamp (or normed per head) would fail here."""
     model = _olmoe_with_norm_weights(clip)
     prompts = random_prompts([3, 11], seed=12)
-    engine = PagedEngine(model, tokenizer, block_size=4, num_blocks=64)
+    engine, comps = _greedy_matches_hf(model, tokenizer, prompts, 1e-4, num_blocks=64)
     assert engine.runner.spec.qk_norm_proj and engine.runner.spec.clip_qkv == clip
-    outs = engine.generate([GenerationRequest(p, GREEDY) for p in prompts])
-    for prompt, out in zip(prompts, outs, strict=True):
-        comp = out.completions[0]
-        assert comp.token_ids == hf_greedy(model, prompt, 16)
-        ref = hf_logprobs(model, prompt, comp.token_ids)
-        assert max(abs(a - b) for a, b in zip(ref, comp.logprobs, strict=True)) < 1e-4
     if clip is not None:
-        ids = prompts[1] + outs[1].completions[0].token_ids
-        frac = _clipped_fraction(model, ids)
+        prompt, completion = prompts[1], comps[1].token_ids
+        frac = _clipped_fraction(model, prompt + completion)
         assert all(f > 0.01 for f in frac.values()), frac
-        unclipped = _olmoe_with_norm_weights(None)
-        gap = max(
-            abs(a - b)
-            for a, b in zip(
-                hf_logprobs(model, prompts[1], outs[1].completions[0].token_ids),
-                hf_logprobs(unclipped, prompts[1], outs[1].completions[0].token_ids),
-                strict=True,
-            )
-        )
+        clipped = hf_logprobs(model, prompt, completion)
+        unclipped = hf_logprobs(_olmoe_with_norm_weights(None), prompt, completion)
+        gap = max(abs(a - b) for a, b in zip(clipped, unclipped, strict=True))
         assert gap > 1e-2, gap
 
 
@@ -119,17 +112,9 @@ def test_olmoe_whole_projection_qk_norm_and_clip_qkv_match_hf(clip, tokenizer):
 def test_bfloat16_greedy_matches_hf_bfloat16(family, tokenizer):
     model = load_policy(f"tiny:{family}", dtype="bfloat16")
     prompts = random_prompts([5, 13], seed=3)
-    engine = PagedEngine(model, tokenizer, dtype="bfloat16", block_size=4, num_blocks=64)
-    outs = engine.generate(
-        [GenerationRequest(p, SamplingParams(temperature=0.0, max_tokens=10)) for p in prompts]
-    )
-    for prompt, out in zip(prompts, outs, strict=True):
-        comp = out.completions[0]
-        assert comp.token_ids == hf_greedy(model, prompt, 10)
-        ref = hf_logprobs(model, prompt, comp.token_ids)
-        # within one bfloat16 step of a logit near 1 (2^-8 = 0.0039): an expert's bf16 matmul over one
-        # decode row and transformers' over all the sequence's rows routed to it round differently
-        assert max(abs(a - b) for a, b in zip(ref, comp.logprobs, strict=True)) <= 2**-8 + 1e-6
+    # within one bfloat16 step of a logit near 1 (2^-8 = 0.0039): an expert's bf16 matmul over one
+    # decode row and transformers' over all the sequence's rows routed to it round differently
+    _greedy_matches_hf(model, tokenizer, prompts, 2**-8 + 1e-6, 10, dtype="bfloat16", num_blocks=64)
 
 
 @pytest.mark.parametrize("family", ["mixtral", "olmoe"])

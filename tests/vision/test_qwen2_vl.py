@@ -1,18 +1,33 @@
 """Qwen2-VL (tiny:qwen2_vl): M-RoPE positions against transformers' get_rope_index and by hand, the
-rotary columns, dynamic-resolution layouts, and the paged engine against HF `generate` (one image, two
-of different sizes, chunked prefill, prompt-lookup drafts), the prefix cache, a saved folder."""
+rotary columns, dynamic-resolution layouts, the paged engine against HF `generate` (one image, two of
+different sizes, chunked prefill, prompt-lookup drafts), the prefix cache, a saved folder; a multi-turn
+episode with images in turns 1 and 3 replayed into the Learner (padded and packed) with the engine's
+logprobs; the tower frozen by default, the merger trained, LoRA on the language side."""
 
 from __future__ import annotations
+
+import asyncio
+import copy
 
 import pytest
 import torch
 
+from posttrain.config import AlgorithmConfig, ModelConfig, TrainerConfig, VisionConfig
 from posttrain.engine import BadRequestError, GenerationRequest, PagedEngine, SamplingParams
 from posttrain.engine.mrope import mrope_columns, mrope_rows
+from posttrain.envs.base import Domain, Environment, Observation, StepResult
 from posttrain.models import load_tokenizer
 from posttrain.models.qwen2_vl import FAMILY, IMAGE_PAD, image_runs, mrope_positions, tiny_qwen2_vl
-from posttrain.models.vision import encode_with_images, image_inputs, load_vision_folder, save_vision_folder
-from posttrain.types import ImagePart, Message, TextPart
+from posttrain.models.vision import (
+    ImageStore,
+    encode_with_images,
+    image_inputs,
+    load_vision_folder,
+    save_vision_folder,
+)
+from posttrain.rollout import EpisodeLimits, run_episode
+from posttrain.train import Learner, Sample
+from posttrain.types import ImagePart, Message, Task, TextPart, TrajectoryStatus
 
 from .helpers import noise_image
 
@@ -201,3 +216,145 @@ def test_saved_folder_loads_and_generates_the_same(qwen2_vl, tmp_path):
     engine = PagedEngine(loaded, ltok, num_blocks=64, max_model_len=256)
     got = engine.generate([GenerationRequest(ids, GREEDY, images=imgs)])[0].completions[0].token_ids
     assert got == _hf_generate(model, tok, ids, imgs, 10)
+
+
+class _RenderEnv(Environment):
+    """Turn 2's observation is text, turn 3's a render of another size than the brief's drawing."""
+
+    max_turns = 3
+
+    async def reset(self, task: Task) -> Observation:
+        self.turn = 0
+        return Observation(list(task.prompt))
+
+    async def step(self, assistant_text: str) -> StepResult:
+        self.turn += 1
+        if self.turn == 1:
+            return StepResult([Message("user", "Look again.")], None, False)
+        if self.turn == 2:
+            render = noise_image(7, 20, 44, "render")
+            return StepResult(
+                [Message("user", [TextPart("Yours:"), render, TextPart("Fix it.")])], None, False
+            )
+        return StepResult([], 0.5, True)
+
+
+class _DrawingDomain(Domain):
+    name = "test.qwen2_vl"
+
+    def task(self, split: str, difficulty: int, index: int, seed: int = 0) -> Task:
+        return Task(
+            "q:0", self.name, 0, [Message("user", [TextPart("Make:"), noise_image(1, 36, 28, "drawing")])]
+        )
+
+    def reference(self, task: Task) -> list[str]:
+        return []
+
+    def make_env(self, sandbox=None, chat_format="smollm2") -> Environment:
+        return _RenderEnv()
+
+
+def test_episode_with_images_in_turns_1_and_3_replays_into_the_learner(qwen2_vl):
+    model, tok = qwen2_vl
+    vis = image_inputs(tok)
+    engine = PagedEngine(model, tok, num_blocks=128, max_model_len=1024)
+    domain = _DrawingDomain()
+    params = SamplingParams(temperature=1.0, max_tokens=6, seed=3, stop_token_ids=[tok.eos_token_id])
+    traj = asyncio.run(
+        run_episode(engine, tok, domain, domain.task("train", 0, 0), None, params, EpisodeLimits(3, 512, 6))
+    )
+    assert traj.status == TrajectoryStatus.OK and traj.turns == 3
+    assert [img.description for img in traj.images] == ["drawing", "render"]
+    counts = [vis.image_tokens(img) for img in traj.images]
+    assert counts == [4 * 4, 2 * 6]  # 36x28 -> 32x32 px -> 4x4 tokens; 20x44 -> 16x48 -> 2x6
+    placeholders = [
+        i
+        for i, (t, m) in enumerate(zip(traj.token_ids, traj.loss_mask, strict=True))
+        if t == vis.image_token_id and m == 0
+    ]
+    assert len(placeholders) == sum(counts) and placeholders[0] < traj.prompt_len < placeholders[-1]
+
+    store = ImageStore()
+    sample = Sample(
+        traj.token_ids,
+        traj.loss_mask,
+        traj.behavior_logprobs,
+        0.5,
+        0,
+        images=[store.put(i) for i in traj.images],
+    )
+    shorts = [_prompt(tok, "short", noise_image(5, 16, 16)), _prompt(tok, noise_image(6, 24, 16), "b")]
+    others = [
+        Sample(
+            ids + [7, 8], [0] * len(ids) + [1, 1], [0.0] * (len(ids) + 2), 0.0, 1, images=[store.put(imgs[0])]
+        )
+        for ids, imgs in shorts
+    ]
+    assert len(others[0].token_ids) + len(others[1].token_ids) <= len(
+        traj.token_ids
+    )  # they pack into one row
+    mask = torch.tensor(traj.loss_mask, dtype=torch.bool)
+    want = torch.tensor(traj.behavior_logprobs)[mask]
+    assert int(mask.sum()) > 6
+    for packing in (
+        False,
+        True,
+    ):  # padded rows; the two short samples packed into one row (M-RoPE per segment)
+        learner = Learner(
+            ModelConfig(spec="tiny:qwen2_vl"),
+            TrainerConfig(packing=packing),
+            AlgorithmConfig(),
+            model=copy.deepcopy(model),
+        )
+        learner.vision.store = store
+        lp = learner.compute_logprobs([sample, *others])
+        got = lp[0][: len(traj.token_ids)][mask]
+        assert float((got - want).abs().max()) < 1e-4, packing
+        for (ids, imgs), row in zip(shorts, lp[1:], strict=True):  # each as transformers scores it alone
+            ref = torch.tensor(_hf_logprobs(model, tok, ids, imgs, [7, 8]))
+            assert float((row[len(ids) : len(ids) + 2] - ref).abs().max()) < 1e-4, packing
+    # without its images (and so with 1-D positions) the same tokens score differently
+    blind = learner.compute_logprobs(
+        [Sample(traj.token_ids, traj.loss_mask, traj.behavior_logprobs, 0.0, 0)]
+    )[0]
+    assert float((blind[: len(traj.token_ids)][mask] - want).abs().max()) > 1e-2
+
+
+def _step(learner: Learner, tok) -> None:
+    vis = image_inputs(tok)
+    img = noise_image(2)
+    ids = [1, 2] + tok.encode(vis.placeholder(img), add_special_tokens=False) + [5, 6, 7, 8]
+    mask = [0] * (len(ids) - 3) + [1, 1, 1]
+    key = learner.vision.store.put(img)
+    learner.step([Sample(ids, mask, [-1.0] * len(ids), float(r), 0, images=[key]) for r in (0.0, 1.0)])
+
+
+def test_tower_frozen_merger_trained_lora_on_the_language_side(qwen2_vl):
+    model, tok = qwen2_vl
+    learner = Learner(
+        ModelConfig(spec="tiny:qwen2_vl", lora_rank=4),
+        TrainerConfig(lr=1e-2),
+        AlgorithmConfig(),
+        model=copy.deepcopy(model),
+    )
+    names = [n for n, p in learner.model.named_parameters() if p.requires_grad]
+    assert any("language_model" in n and "lora_A" in n for n in names)
+    assert not any("lora_" in n and ".visual." in n for n in names)
+    assert {n for n in names if ".visual." in n} == {n for n in names if ".visual.merger." in n} != set()
+    blocks0 = {k: v.clone() for k, v in model.model.visual.blocks.state_dict().items()}
+    merger0 = {k: v.clone() for k, v in model.model.visual.merger.state_dict().items()}
+    _step(learner, tok)
+    visual = learner.model.get_base_model().model.visual
+    assert all(torch.equal(v, visual.blocks.state_dict()[k]) for k, v in blocks0.items())
+    assert any(not torch.equal(v, visual.merger.state_dict()[k]) for k, v in merger0.items())
+
+    full = Learner(
+        ModelConfig(spec="tiny:qwen2_vl", vision=VisionConfig(train_tower=True, train_projector=False)),
+        TrainerConfig(lr=1e-2),
+        AlgorithmConfig(),
+        model=copy.deepcopy(model),
+    )
+    _step(full, tok)
+    visual = full.model.model.visual
+    assert any(not torch.equal(v, visual.blocks.state_dict()[k]) for k, v in blocks0.items())
+    assert all(torch.equal(v, visual.merger.state_dict()[k]) for k, v in merger0.items())

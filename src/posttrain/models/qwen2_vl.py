@@ -17,7 +17,14 @@ from typing import Any
 
 import torch
 
-from posttrain.models.vision import ImageInputs, VisionFamily, attach_image_inputs, image_inputs
+from posttrain.models.vision import (
+    ImageInputs,
+    VisionFamily,
+    attach_image_inputs,
+    image_inputs,
+    random_vlm,
+    tiny_text_config,
+)
 from posttrain.types import ContentError, ImagePart
 
 VISION_START = "<|vision_start|>"
@@ -29,6 +36,22 @@ _SPECIAL = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
 # tiny:qwen2_vl: 4 px patches merged 2x2 (8 px per image token), images resized to 256..4096 pixels
 _TINY_PATCH, _TINY_MERGE = 4, 2
 _TINY_MIN_PIXELS, _TINY_MAX_PIXELS = 16 * 16, 64 * 64
+# what a Qwen2VLTextConfig takes from the tiny language config (models.vision.tiny_text_config)
+_TEXT_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "initializer_range",
+)
 
 
 def mrope_positions(
@@ -246,22 +269,10 @@ def _tiny_parts() -> tuple[Any, Any]:
     missing = [t for t in _SPECIAL if t not in tok.get_vocab()]
     if missing:
         tok.add_special_tokens({"additional_special_tokens": missing})
-    text = dict(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,  # head_dim 16: 8 rotary frequencies, M-RoPE sections 2 + 3 + 3
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-        initializer_range=0.2,  # far from uniform: greedy paths and logprobs depend on the image
-    )
+    base = tiny_text_config(tok)
+    text = {k: getattr(base, k) for k in _TEXT_FIELDS}
+    # head_dim 16: 8 rotary frequencies, in M-RoPE sections of 2 (temporal) + 3 (height) + 3 (width)
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
     config = qwen2_vl_config(
         text,
         tok,
@@ -288,11 +299,5 @@ def tiny_qwen2_vl(seed: int = 0) -> tuple[Any, Any]:
     image inputs attached."""
     from transformers import Qwen2VLForConditionalGeneration
 
-    from posttrain.models.loading import quiet_transformers
-
     config, tok = _tiny_parts()
-    with quiet_transformers(), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2VLForConditionalGeneration(config).float()
-    model.eval()
-    return model, tok
+    return random_vlm(Qwen2VLForConditionalGeneration, config, seed), tok

@@ -250,7 +250,7 @@ class ModelInputs:
     """What the decoder sees for a micro-batch, and where each row's tokens landed in it."""
 
     input_ids: Tensor  # [R, C]
-    position_ids: Tensor  # [R, C]
+    position_ids: Tensor  # [R, C]; [3, R, C] under M-RoPE (train/vision.py)
     attention_mask: Tensor  # [R, C] (padded) or [R, 1, C, C] bool block-causal (packed)
     flat_offset: Tensor  # [B] offset of each row's token 0 in input_ids.view(-1)
     tokens: int  # real tokens (for throughput)

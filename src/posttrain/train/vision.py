@@ -47,20 +47,23 @@ class LearnerVision:
         images: list[list[str]],
     ) -> ModelInputs:
         """`inputs` with `inputs_embeds`: the token embeddings, image features at each row's placeholders
-        (prompt and observation image tokens, not sampled ones). Raises if a row's placeholders and
-        images disagree."""
+        (prompt and observation image tokens, not sampled ones), and for an M-RoPE family (Qwen2-VL)
+        `[3, R, C]` position ids, each row's as the engine computed them. Raises if a row's placeholders
+        and images disagree."""
         if not any(images):
             return inputs
         embed = lm.get_input_embeddings()
         x = embed(inputs.input_ids)
         flat: list[int] = []
         keys: list[str] = []
+        positions = inputs.position_ids
         for r, row_images in enumerate(images):
             n = int(lengths[r])
             cols = placeholder_positions(
                 token_ids[r, :n].tolist(), loss_mask[r, :n].tolist(), self.inputs.image_token_id
             )
-            want = sum(self.inputs.image_tokens(self.store.get(k)) for k in row_images)
+            parts = [self.store.get(k) for k in row_images]
+            want = sum(self.inputs.image_tokens(img) for img in parts)
             if len(cols) != want:
                 raise ValueError(
                     f"row {r}: {len(cols)} image placeholders for {len(row_images)} image(s) whose "
@@ -69,6 +72,11 @@ class LearnerVision:
             base = int(inputs.flat_offset[r])
             flat.extend(base + c for c in cols)
             keys.extend(row_images)
+            rope = self.family.rope_positions(self.inputs, n, cols, parts) if parts else None
+            if rope is not None:  # M-RoPE: the row's 3-D positions, `[3, R, C]` for the whole micro-batch
+                if positions.dim() == 2:
+                    positions = positions.unsqueeze(0).repeat(3, 1, 1)
+                positions.view(3, -1)[:, base : base + n] = rope[0].to(positions.device)
         if not keys:
             return inputs
         feats = self.features(lm, keys, x.device).to(x.dtype)
@@ -77,7 +85,7 @@ class LearnerVision:
         x = x.reshape(-1, h).index_copy(0, idx, feats).view_as(x)
         return ModelInputs(
             inputs.input_ids,
-            inputs.position_ids,
+            positions,
             inputs.attention_mask,
             inputs.flat_offset,
             inputs.tokens,

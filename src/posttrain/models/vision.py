@@ -30,6 +30,7 @@ IMAGE_TOKEN = "<image>"
 # tiny family name -> the module whose `FAMILY` is its adapter
 _FAMILY_MODULES = {
     "llava": "posttrain.models.vision",
+    "qwen2_vl": "posttrain.models.qwen2_vl",
     "idefics3": "posttrain.models.vision_idefics3",
 }
 VISION_TINY_FAMILIES = tuple(_FAMILY_MODULES)
@@ -111,6 +112,20 @@ class VisionFamily(abc.ABC):
     @abc.abstractmethod
     def tiny_tokenizer(self) -> Any:
         """`tiny:<name>`'s tokenizer with image inputs attached (no weights built)."""
+
+    def rope_positions(
+        self, inputs: ImageInputs, length: int, placeholders: list[int], images: list[ImagePart]
+    ) -> tuple[Any, int] | None:
+        """3-D (M-RoPE) positions `[3, length]` of a sequence whose placeholders (indices, in order)
+        hold `images`, and the rope delta a token after it adds to its index; None: the positions are
+        the token indices."""
+        return None
+
+    def load_processor(self, path: Any) -> Any:
+        """The processor of a model folder (its `tokenizer` and `image_processor`)."""
+        from transformers import AutoProcessor
+
+        return AutoProcessor.from_pretrained(path)
 
     @abc.abstractmethod
     def processor(self, model: Any, tokenizer: Any) -> Any:
@@ -288,14 +303,22 @@ def load_vision_tokenizer(spec: str) -> Any:
     """The tokenizer of a vision spec with its image inputs attached (no weights loaded)."""
     if spec.startswith("tiny:"):
         return family(spec.split(":", 1)[1]).tiny_tokenizer()
-    from transformers import AutoConfig, AutoProcessor
+    from transformers import AutoConfig
 
     from posttrain.models.loading import quiet_transformers
 
     with quiet_transformers():
-        processor = AutoProcessor.from_pretrained(spec)
         config = AutoConfig.from_pretrained(spec)
+        processor = _load_processor(spec, config)
     return _folder_tokenizer(spec, config, processor)
+
+
+def _load_processor(path: Any, config: Any) -> Any:
+    try:
+        fam = family_of(config)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+    return fam.load_processor(path)
 
 
 def _folder_tokenizer(path: Any, config: Any, processor: Any) -> Any:
@@ -312,14 +335,14 @@ def _folder_tokenizer(path: Any, config: Any, processor: Any) -> Any:
 def load_vision_folder(path: str | Path, dtype: str = "float32") -> tuple[Any, Any]:
     """(model, tokenizer with image inputs) from a local HF VLM folder saved with its processor."""
     import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
 
     from posttrain.models.loading import quiet_transformers
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     with quiet_transformers():
-        processor = AutoProcessor.from_pretrained(path)
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch_dtype)
+        processor = _load_processor(path, model.config)
     model.eval()
     return model, _folder_tokenizer(path, model.config, processor)
 

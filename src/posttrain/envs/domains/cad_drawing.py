@@ -141,7 +141,8 @@ class Sheet:
         return sum(1 for s in self.views["top"].shapes if isinstance(s, Circle) and s.hole)
 
 
-def _num(v: float) -> str:
+def mm_text(v: float) -> str:
+    """A size in mm as drawings, briefs and answers print it: 6, 6.5 (no trailing zeros)."""
     return f"{v:g}"
 
 
@@ -492,7 +493,7 @@ def _text_size(text: str) -> tuple[int, int]:
 
 
 def _dim_text(d: Dim) -> str:
-    return d.prefix + _num(d.value)
+    return d.prefix + mm_text(d.value)
 
 
 def _tiers(view: View, axis: str, scale: float) -> list[tuple[Dim, int]]:
@@ -571,7 +572,7 @@ def render(sheet: Sheet) -> Drawing:
     def bottom_m(k: str) -> int:
         return DIM_GAP_PX + n_tiers(k, "h") * H_TIER_PX if n_tiers(k, "h") else 4
 
-    notes = [n.template.format(v=_num(n.value)) for n in sheet.notes]
+    notes = [n.template.format(v=mm_text(n.value)) for n in sheet.notes]
     notes_w = max((_text_size(t)[0] for t in notes), default=0) + 8
     notes_h = len(notes) * (FONT_PX + 5)
     w_px = {k: int(math.ceil(s[0] * scale)) for k, s in span.items()}

@@ -44,7 +44,7 @@ from typing import Any
 from posttrain.envs.base import Domain, Environment, Observation, StepResult
 from posttrain.envs.domains import cad_geometry as geo
 from posttrain.envs.domains.cad_drawing import DESCRIPTION as DRAWING_DESCRIPTION
-from posttrain.envs.domains.cad_drawing import render_part
+from posttrain.envs.domains.cad_drawing import mm_text, render_part
 from posttrain.envs.extract import code_blocks
 from posttrain.envs.images import image_part
 from posttrain.envs.registry import register_env
@@ -114,10 +114,6 @@ class Part:
     code: str  # the reference CadQuery script
 
 
-def _mm(x: float) -> str:
-    return f"{x:g}"
-
-
 def _script(body: str) -> str:
     return f"import cadquery as cq\n{RESULT_NAME} = {body}\n"
 
@@ -133,7 +129,7 @@ def _cylinder(rng: random.Random) -> Part:
     dims = (2 * rng.randint(4, 40), rng.randint(4, 60))
     d, h = dims
     desc = f"A solid cylinder {d} mm in diameter and {h} mm tall, its axis along z."
-    return Part("cylinder", dims, desc, _script(f'cq.Workplane("XY").circle({_mm(d / 2)}).extrude({h})'))
+    return Part("cylinder", dims, desc, _script(f'cq.Workplane("XY").circle({mm_text(d / 2)}).extrude({h})'))
 
 
 def _plate_with_holes(rng: random.Random) -> Part:
@@ -164,7 +160,7 @@ def _tube(rng: random.Random) -> Part:
         f"A tube (a hollow cylinder) {h} mm long with outer diameter {od} mm and inner diameter "
         f"{inner} mm, its axis along z."
     )
-    body = f'cq.Workplane("XY").circle({_mm(od / 2)}).circle({_mm(inner / 2)}).extrude({h})'
+    body = f'cq.Workplane("XY").circle({mm_text(od / 2)}).circle({mm_text(inner / 2)}).extrude({h})'
     return Part("tube", (od, inner, h), desc, _script(body))
 
 
@@ -204,8 +200,8 @@ def _flange(rng: random.Random) -> Part:
         "one on the +x axis; all holes go through along z."
     )
     body = (
-        f'cq.Workplane("XY").circle({_mm(d_out / 2)}).circle({_mm(bore / 2)}).extrude({t})'
-        f'.faces(">Z").workplane().polarArray({_mm(bolt / 2)}, 0, 360, {n}).hole({hole})'
+        f'cq.Workplane("XY").circle({mm_text(d_out / 2)}).circle({mm_text(bore / 2)}).extrude({t})'
+        f'.faces(">Z").workplane().polarArray({mm_text(bolt / 2)}, 0, 360, {n}).hole({hole})'
     )
     return Part("flange", (d_out, bore, hole, bolt, n, t), desc, _script(body))
 
@@ -218,9 +214,9 @@ def _stepped_shaft(rng: random.Random) -> Part:
         f"a {d} mm diameter section {length} mm long" for d, length in zip(diameters, lengths, strict=True)
     )
     desc = f"A stepped shaft along z, coaxial sections from the bottom up: {sections}."
-    body = f'cq.Workplane("XY").circle({_mm(diameters[0] / 2)}).extrude({lengths[0]})'
+    body = f'cq.Workplane("XY").circle({mm_text(diameters[0] / 2)}).extrude({lengths[0]})'
     for d, length in zip(diameters[1:], lengths[1:], strict=True):
-        body += f'.faces(">Z").workplane().circle({_mm(d / 2)}).extrude({length})'
+        body += f'.faces(">Z").workplane().circle({mm_text(d / 2)}).extrude({length})'
     return Part("stepped_shaft", (tuple(diameters), tuple(lengths)), desc, _script(body))
 
 
@@ -250,8 +246,8 @@ def _gear_blank(rng: random.Random) -> Part:
         f"diameter standing {th} mm above its top face, and a {bore} mm bore through disc and hub along z."
     )
     body = (
-        f'cq.Workplane("XY").circle({_mm(d_out / 2)}).extrude({t}).faces(">Z").workplane()'
-        f'.circle({_mm(hub / 2)}).extrude({th}).faces(">Z").workplane().hole({bore})'
+        f'cq.Workplane("XY").circle({mm_text(d_out / 2)}).extrude({t}).faces(">Z").workplane()'
+        f'.circle({mm_text(hub / 2)}).extrude({th}).faces(">Z").workplane().hole({bore})'
     )
     return Part("gear_blank", (d_out, hub, bore, t, th), desc, _script(body))
 

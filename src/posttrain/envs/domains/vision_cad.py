@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 
-from posttrain.envs.domains.cad_drawing import DESCRIPTION, PHRASES, render_part, sheet_of
+from posttrain.envs.domains.cad_drawing import DESCRIPTION, PHRASES, mm_text, render_part, sheet_of
 from posttrain.envs.domains.cad_modeling import FAMILIES
 from posttrain.envs.domains.vision_common import AnswerDomain, vision_prompt
 from posttrain.envs.registry import register_env
@@ -28,10 +28,6 @@ PART_LEVELS = {0: [0], 1: [1, 2, 3], 2: [1, 2], 3: [3]}
 
 def dimension_question(name: str) -> str:
     return f"What is the {PHRASES[name]}, in mm, as dimensioned in the drawing? Answer with the number."
-
-
-def _num(v: float) -> str:
-    return f"{v:g}"
 
 
 @register_env("vision.cad_drawing")
@@ -50,7 +46,7 @@ class CadDrawingDomain(AnswerDomain):
                 asked, question, answer = "holes", HOLES_QUESTION, str(sheet.holes)
             else:
                 asked = rng.choice(sorted(values))
-                question, answer = dimension_question(asked), _num(values[asked])
+                question, answer = dimension_question(asked), mm_text(values[asked])
 
             def build() -> Task | None:
                 if difficulty == 1 and sheet.holes == 0:
@@ -62,7 +58,7 @@ class CadDrawingDomain(AnswerDomain):
                     "asked": asked,
                     "family": part.family,
                     "part": part.description,
-                    "dimensions": {k: _num(v) for k, v in sorted(values.items())},
+                    "dimensions": {k: mm_text(v) for k, v in sorted(values.items())},
                     "holes": sheet.holes,
                 }
                 prompt = vision_prompt(question, drawing.pixels, DESCRIPTION)

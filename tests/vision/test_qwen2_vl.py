@@ -17,7 +17,14 @@ from posttrain.engine import BadRequestError, GenerationRequest, PagedEngine, Sa
 from posttrain.engine.mrope import mrope_columns, mrope_rows
 from posttrain.envs.base import Domain, Environment, Observation, StepResult
 from posttrain.models import load_tokenizer
-from posttrain.models.qwen2_vl import FAMILY, IMAGE_PAD, image_runs, mrope_positions, tiny_qwen2_vl
+from posttrain.models.qwen2_vl import (
+    FAMILY,
+    IMAGE_PAD,
+    image_runs,
+    mrope_positions,
+    tiny_qwen2_5_vl,
+    tiny_qwen2_vl,
+)
 from posttrain.models.vision import (
     ImageStore,
     encode_with_images,
@@ -169,6 +176,35 @@ def test_greedy_equals_hf_generate_and_logprobs_match(qwen2_vl):
     flat = torch.arange(len(ids) + len(got.token_ids))[None]
     index_lp = _hf_logprobs(model, tok, ids, imgs, got.token_ids, position_ids=flat)
     assert max(abs(a - b) for a, b in zip(index_lp, got.logprobs, strict=True)) > 1e-2
+
+
+def test_qwen2_5_vl_windowed_tower_through_engine_and_learner():
+    model, tok = tiny_qwen2_5_vl(0)
+    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    cases = [_prompt(tok, "two:", noise_image(0, h=64, w=40), "and", noise_image(2, h=24, w=64))]
+    engine = PagedEngine(model, tok, num_blocks=128, max_model_len=512, max_num_batched_tokens=32)
+    outs = engine.generate([GenerationRequest(ids, GREEDY, images=imgs) for ids, imgs in cases])
+    store = ImageStore()
+    learner = Learner(  # the spec gives the image inputs: tiny:qwen2_vl's tokenizer and processor are these
+        ModelConfig(spec="tiny:qwen2_vl"), TrainerConfig(), AlgorithmConfig(), model=copy.deepcopy(model)
+    )
+    learner.vision.store = store
+    for (ids, imgs), out in zip(cases, outs, strict=True):
+        got = out.completions[0]
+        assert got.token_ids == _hf_generate(model, tok, ids, imgs, 10)
+        want = torch.tensor(_hf_logprobs(model, tok, ids, imgs, got.token_ids))
+        assert float((torch.tensor(got.logprobs) - want).abs().max()) < 1e-4
+        n = len(ids) + len(got.token_ids)
+        sample = Sample(
+            ids + got.token_ids,
+            [0] * len(ids) + [1] * len(got.token_ids),
+            [0.0] * n,
+            0.0,
+            0,
+            images=[store.put(i) for i in imgs],
+        )
+        lp = learner.compute_logprobs([sample])[0]
+        assert float((lp[len(ids) : n] - want).abs().max()) < 1e-4
 
 
 def test_prefix_cache_keys_images_and_their_positions(qwen2_vl):

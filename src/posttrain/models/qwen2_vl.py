@@ -230,24 +230,41 @@ def qwen2_vl_config(
     vision_layers: int,
     vision_heads: int,
     initializer_range: float = 0.02,
+    window_size: int | None = None,
 ) -> Any:
     """A Qwen2-VL config over `text_config` (Qwen2VLTextConfig fields), with the tokenizer's vision
     tokens and a vision transformer of `vision_layers` blocks merging `merge_size` x `merge_size`
-    patches onto the text hidden size."""
-    from transformers import Qwen2VLConfig
+    patches onto the text hidden size. With `window_size` (px), a Qwen2.5-VL config: its vision blocks
+    (RMSNorm, SwiGLU) attend within windows of that size, all but the last, which attends to the image."""
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _SPECIAL}
-    vision = dict(
+    common = dict(
         depth=vision_layers,
-        embed_dim=vision_hidden,
-        hidden_size=text_config["hidden_size"],
         num_heads=vision_heads,
         patch_size=patch_size,
         spatial_merge_size=merge_size,
         temporal_patch_size=2,
         initializer_range=initializer_range,
     )
-    return Qwen2VLConfig(
+    if window_size is None:
+        cls, vision = (
+            Qwen2VLConfig,
+            dict(common, embed_dim=vision_hidden, hidden_size=text_config["hidden_size"]),
+        )
+    else:
+        cls, vision = (
+            Qwen2_5_VLConfig,
+            dict(
+                common,
+                hidden_size=vision_hidden,
+                intermediate_size=2 * vision_hidden,
+                out_hidden_size=text_config["hidden_size"],
+                window_size=window_size,
+                fullatt_block_indexes=[vision_layers - 1],
+            ),
+        )
+    return cls(
         text_config=text_config,
         vision_config=vision,
         image_token_id=ids[IMAGE_PAD],
@@ -258,9 +275,9 @@ def qwen2_vl_config(
     )
 
 
-def _tiny_parts() -> tuple[Any, Any]:
-    """tiny:qwen2_vl's config and tokenizer (the SmolLM2 tokenizer plus the vision tokens, image inputs
-    attached)."""
+def _tiny_parts(window_size: int | None = None) -> tuple[Any, Any]:
+    """tiny:qwen2_vl's config (Qwen2.5-VL's with `window_size`) and tokenizer (the SmolLM2 tokenizer plus
+    the vision tokens, image inputs attached)."""
     from transformers import Qwen2VLImageProcessorPil
 
     from posttrain.models.loading import load_tokenizer
@@ -282,6 +299,7 @@ def _tiny_parts() -> tuple[Any, Any]:
         vision_layers=2,
         vision_heads=2,
         initializer_range=0.2,
+        window_size=window_size,
     )
     processor = Qwen2VLImageProcessorPil(
         patch_size=_TINY_PATCH,
@@ -301,3 +319,12 @@ def tiny_qwen2_vl(seed: int = 0) -> tuple[Any, Any]:
 
     config, tok = _tiny_parts()
     return random_vlm(Qwen2VLForConditionalGeneration, config, seed), tok
+
+
+def tiny_qwen2_5_vl(seed: int = 0) -> tuple[Any, Any]:
+    """tiny:qwen2_vl's sizes as a Qwen2.5-VL: its first vision block attends within 16 px windows (2x2
+    image tokens), the second to the whole image; the same tokenizer and image processor."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    config, tok = _tiny_parts(window_size=16)
+    return random_vlm(Qwen2_5_VLForConditionalGeneration, config, seed), tok

@@ -162,7 +162,7 @@ def test_parallel_learners_refuse_vision_policies(llava):
         shard_learner(learner)
 
 
-@pytest.mark.parametrize("spec", ["tiny:llava", "tiny:idefics3"])
+@pytest.mark.parametrize("spec", ["tiny:llava", "tiny:idefics3", "tiny:qwen2_vl"])
 def test_configs_vision_yaml_trains_with_rl_on_tiny_vlms(tmp_path, spec):
     import json
 

@@ -3,8 +3,8 @@ renders it): read one dimension, or count the round through-holes. The ground tr
 parameters. Single turn, answer in `<answer>` tags (vision_common.py); needs no CadQuery.
 
 Levels: 0 a dimension of a block or a cylinder (cad.modeling level 0); 1 how many round through-holes
-(parts of levels 1-3 that have some: a plate with holes, a block with a bore, a tube, a flange, a gear
-blank, a rounded plate); 2 a dimension of a level 1-2 part; 3 a dimension of a level-3 part (more
+(a block with a bore, a tube or a gear blank: 1; a plate with holes or a rounded plate: 2 or 4; a
+flange: 4-9, each group a third of the tasks); 2 a dimension of a level 1-2 part; 3 a dimension of a level-3 part (more
 views, hidden lines and notes). Train and held-out split by the part, as cad.modeling does (the same
 key), so a part is held out in both domains or in neither. The image's text description is one
 constant sentence: a text-only model reads nothing that tells the answer.
@@ -24,6 +24,10 @@ HOLES_QUESTION = (
     "How many round through-holes does this part have? Count the central bore too, if it has one."
 )
 PART_LEVELS = {0: [0], 1: [1, 2, 3], 2: [1, 2], 3: [3]}
+BY_FAMILY = {f(random.Random(0)).family: f for level in FAMILIES.values() for f in level}
+# Level 1 draws a group, then a family in it, so that no count dominates: a constant answer scores
+# at most about 1/3 (1 for a bored part; 2 or 4 for plates; 4-9 for a flange).
+HOLE_GROUPS = (("block_with_bore", "tube", "gear_blank"), ("plate_with_holes", "rounded_plate"), ("flange",))
 
 
 def dimension_question(name: str) -> str:
@@ -37,7 +41,10 @@ class CadDrawingDomain(AnswerDomain):
 
     def task(self, split: str, difficulty: int, index: int, seed: int = 0) -> Task:
         def make(rng: random.Random):
-            family = rng.choice([f for lvl in PART_LEVELS[difficulty] for f in FAMILIES[lvl]])
+            if difficulty == 1:
+                family = BY_FAMILY[rng.choice(rng.choice(HOLE_GROUPS))]
+            else:
+                family = rng.choice([f for lvl in PART_LEVELS[difficulty] for f in FAMILIES[lvl]])
             part = family(rng)
             sheet = sheet_of(part.family, part.dims)
             values = {d.name: d.value for v in sheet.views.values() for d in v.dims}
@@ -48,9 +55,7 @@ class CadDrawingDomain(AnswerDomain):
                 asked = rng.choice(sorted(values))
                 question, answer = dimension_question(asked), mm_text(values[asked])
 
-            def build() -> Task | None:
-                if difficulty == 1 and sheet.holes == 0:
-                    return None  # a part without holes: nothing to count
+            def build() -> Task:
                 drawing = render_part(part.family, part.dims)
                 meta = {
                     "answer": answer,

@@ -45,7 +45,7 @@ def vlm_live(llava):
     srv.stop()
 
 
-@pytest.fixture(scope="module", params=["llava", "idefics3"])
+@pytest.fixture(scope="module", params=["llava", "idefics3", "qwen2_vl"])
 def served_folder(request, tmp_path_factory):
     """(live server, engine over the same folder): tiny:<family> saved as an HF folder and served as
     `posttrain serve FOLDER --set engine.dtype=float32` loads it (resolve_source + load_entries)."""

@@ -184,3 +184,14 @@ def test_tasks_captions_refuses_unknown_domains_and_splits(tmp_path):
     result = runner.invoke(app, ["tasks", "captions", "--out", str(out), "--split", "eval"])
     assert result.exit_code == 2 and "has no split 'eval'" in result.output
     assert not out.exists()
+
+
+def test_sft_from_env_takes_the_references_with_their_drawings():
+    from posttrain.orchestrator.sft import examples_from_env
+
+    domain = get_domain("vision.cad_drawing")
+    examples = examples_from_env("vision.cad_drawing", [0, 1, 2, 3], 4)
+    for level, ex in enumerate(examples):
+        task = domain.task("train", level, 0)
+        assert ex.source == task.id and [m.content for m in ex.messages[1:]] == domain.reference(task)
+        assert ex.messages[0].images[0].png == task.prompt[0].images[0].png

@@ -2,7 +2,8 @@
 rotary columns, dynamic-resolution layouts, the paged engine against HF `generate` (one image, two of
 different sizes, chunked prefill, prompt-lookup drafts), the prefix cache, a saved folder; a multi-turn
 episode with images in turns 1 and 3 replayed into the Learner (padded and packed) with the engine's
-logprobs; the tower frozen by default, the merger trained, LoRA on the language side."""
+logprobs; the tower frozen by default, the merger trained, LoRA on the language side; the SFT loss with
+an image equal to transformers' cross-entropy; Qwen2.5-VL's windowed tower through engine and Learner."""
 
 from __future__ import annotations
 
@@ -394,3 +395,28 @@ def test_tower_frozen_merger_trained_lora_on_the_language_side(qwen2_vl):
     visual = full.model.model.visual
     assert any(not torch.equal(v, visual.blocks.state_dict()[k]) for k, v in blocks0.items())
     assert all(torch.equal(v, visual.merger.state_dict()[k]) for k, v in merger0.items())
+
+
+def test_sft_loss_with_an_image_equals_transformers(qwen2_vl):
+    from posttrain.train import sft_sample
+
+    model, tok = qwen2_vl
+    img = noise_image(6, h=24, w=64)
+    messages = [
+        Message("user", [TextPart("How many shapes?"), img]),
+        Message("assistant", "<answer>3</answer>"),
+    ]
+    store = ImageStore()
+    sample = sft_sample(tok, messages, images=store)
+    assert sample.images == [img.sha256] and sample.token_ids.count(image_inputs(tok).image_token_id) == 24
+    learner = Learner(
+        ModelConfig(spec="tiny:qwen2_vl"), TrainerConfig(), AlgorithmConfig(), model=copy.deepcopy(model)
+    )
+    learner.vision.store = store
+    got = learner.sft_loss([sample])
+    with torch.inference_mode():  # transformers computes the M-RoPE positions itself here
+        logits = model(**_hf_inputs(tok, sample.token_ids, [img])).logits[0].float()
+    ids = torch.tensor(sample.token_ids)
+    mask = torch.tensor(sample.loss_mask[1:], dtype=torch.bool)
+    nll = torch.nn.functional.cross_entropy(logits[:-1][mask], ids[1:][mask])
+    assert got["tokens"] == float(mask.sum()) and got["loss"] == pytest.approx(float(nll), abs=1e-5)

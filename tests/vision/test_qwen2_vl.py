@@ -1,6 +1,6 @@
 """Qwen2-VL (tiny:qwen2_vl): M-RoPE positions against transformers' get_rope_index and by hand, the
 rotary columns, dynamic-resolution layouts, the paged engine against HF `generate` (one image, two of
-different sizes, chunked prefill, prompt-lookup drafts), the prefix cache, a saved folder; a multi-turn
+different sizes, chunked prefill, prompt-lookup and early-exit drafts), the prefix cache, a saved folder; a multi-turn
 episode with images in turns 1 and 3 replayed into the Learner (padded and packed) with the engine's
 logprobs; the tower frozen by default, the merger trained, LoRA on the language side; the SFT loss with
 an image equal to transformers' cross-entropy; Qwen2.5-VL's windowed tower through engine and Learner."""
@@ -162,6 +162,9 @@ def test_greedy_equals_hf_generate_and_logprobs_match(qwen2_vl):
             model, tok, num_blocks=128, max_model_len=512, max_num_batched_tokens=16
         ),
         "ngram drafts": PagedEngine(model, tok, num_blocks=128, max_model_len=512, speculative="ngram"),
+        "early-exit drafts": PagedEngine(
+            model, tok, num_blocks=128, max_model_len=512, speculative="early_exit", early_exit_layers=1
+        ),
     }
     refs = [_hf_generate(model, tok, ids, imgs, 10) for ids, imgs in cases]
     for name, engine in engines.items():

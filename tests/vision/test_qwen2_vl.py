@@ -17,7 +17,6 @@ import torch
 from posttrain.config import AlgorithmConfig, ModelConfig, TrainerConfig, VisionConfig
 from posttrain.engine import BadRequestError, GenerationRequest, PagedEngine, SamplingParams
 from posttrain.engine.mrope import mrope_columns, mrope_rows
-from posttrain.envs.base import Domain, Environment, Observation, StepResult
 from posttrain.models import load_tokenizer
 from posttrain.models.qwen2_vl import (
     FAMILY,
@@ -36,9 +35,9 @@ from posttrain.models.vision import (
 )
 from posttrain.rollout import EpisodeLimits, run_episode
 from posttrain.train import Learner, Sample
-from posttrain.types import ImagePart, Message, Task, TextPart, TrajectoryStatus
+from posttrain.types import ImagePart, Message, TextPart, TrajectoryStatus
 
-from .helpers import noise_image
+from .helpers import DrawingDomain, noise_image
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -259,47 +258,11 @@ def test_saved_folder_loads_and_generates_the_same(qwen2_vl, tmp_path):
     assert got == _hf_generate(model, tok, ids, imgs, 10)
 
 
-class _RenderEnv(Environment):
-    """Turn 2's observation is text, turn 3's a render of another size than the brief's drawing."""
-
-    max_turns = 3
-
-    async def reset(self, task: Task) -> Observation:
-        self.turn = 0
-        return Observation(list(task.prompt))
-
-    async def step(self, assistant_text: str) -> StepResult:
-        self.turn += 1
-        if self.turn == 1:
-            return StepResult([Message("user", "Look again.")], None, False)
-        if self.turn == 2:
-            render = noise_image(7, 20, 44, "render")
-            return StepResult(
-                [Message("user", [TextPart("Yours:"), render, TextPart("Fix it.")])], None, False
-            )
-        return StepResult([], 0.5, True)
-
-
-class _DrawingDomain(Domain):
-    name = "test.qwen2_vl"
-
-    def task(self, split: str, difficulty: int, index: int, seed: int = 0) -> Task:
-        return Task(
-            "q:0", self.name, 0, [Message("user", [TextPart("Make:"), noise_image(1, 36, 28, "drawing")])]
-        )
-
-    def reference(self, task: Task) -> list[str]:
-        return []
-
-    def make_env(self, sandbox=None, chat_format="smollm2") -> Environment:
-        return _RenderEnv()
-
-
 def test_episode_with_images_in_turns_1_and_3_replays_into_the_learner(qwen2_vl):
     model, tok = qwen2_vl
     vis = image_inputs(tok)
     engine = PagedEngine(model, tok, num_blocks=128, max_model_len=1024)
-    domain = _DrawingDomain()
+    domain = DrawingDomain(noise_image(1, 36, 28, "drawing"), noise_image(7, 20, 44, "render"))
     params = SamplingParams(temperature=1.0, max_tokens=6, seed=3, stop_token_ids=[tok.eos_token_id])
     traj = asyncio.run(
         run_episode(engine, tok, domain, domain.task("train", 0, 0), None, params, EpisodeLimits(3, 512, 6))

@@ -12,13 +12,12 @@ import torch
 
 from posttrain.config import AlgorithmConfig, ModelConfig, TrainerConfig, VisionConfig
 from posttrain.engine import PagedEngine, SamplingParams
-from posttrain.envs.base import Domain, Environment, Observation, StepResult
 from posttrain.models.vision import ImageStore, image_inputs
 from posttrain.rollout import EpisodeLimits, run_episode
 from posttrain.train import Learner, Sample
-from posttrain.types import Message, Task, TextPart, TrajectoryStatus
+from posttrain.types import TrajectoryStatus
 
-from .helpers import noise_image
+from .helpers import DrawingDomain, noise_image
 
 LLAVA = ModelConfig(spec="tiny:llava")
 
@@ -27,43 +26,10 @@ def _spec(tok) -> str:
     return f"tiny:{image_inputs(tok).family.name}"
 
 
-class _Env(Environment):
-    max_turns = 3
-
-    async def reset(self, task: Task) -> Observation:
-        self.turn = 0
-        return Observation(list(task.prompt))
-
-    async def step(self, assistant_text: str) -> StepResult:
-        self.turn += 1
-        if self.turn == 1:  # turn 2's observation: text only
-            return StepResult([Message("user", "Look again.")], None, False)
-        if self.turn == 2:  # turn 3's: a render
-            render = noise_image(7, 20, 30, "render: 3 faces")
-            return StepResult(
-                [Message("user", [TextPart("Your part:"), render, TextPart("Fix it.")])], None, False
-            )
-        return StepResult([], 0.5, True)
-
-
-class _Domain(Domain):
-    name = "test.vision"
-
-    def task(self, split: str, difficulty: int, index: int, seed: int = 0) -> Task:
-        brief = Message("user", [TextPart("Make this:"), noise_image(1, 30, 30, "a drawing")])
-        return Task("v:0", self.name, 0, [brief])
-
-    def reference(self, task: Task) -> list[str]:
-        return []
-
-    def make_env(self, sandbox=None, chat_format="smollm2") -> Environment:
-        return _Env()
-
-
 def test_images_in_turns_1_and_3_replay_into_the_learner_with_the_engines_logprobs(vlm):
     model, tok = vlm
     engine = PagedEngine(model, tok, num_blocks=128, max_model_len=1024)
-    domain = _Domain()
+    domain = DrawingDomain(noise_image(1, 30, 30, "a drawing"), noise_image(7, 20, 30, "render: 3 faces"))
     params = SamplingParams(temperature=1.0, max_tokens=6, seed=3, stop_token_ids=[tok.eos_token_id])
     traj = asyncio.run(
         run_episode(engine, tok, domain, domain.task("train", 0, 0), None, params, EpisodeLimits(3, 512, 6))

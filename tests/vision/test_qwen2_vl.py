@@ -387,3 +387,12 @@ def test_sft_loss_with_an_image_equals_transformers(qwen2_vl):
     mask = torch.tensor(sample.loss_mask[1:], dtype=torch.bool)
     nll = torch.nn.functional.cross_entropy(logits[:-1][mask], ids[1:][mask])
     assert got["tokens"] == float(mask.sum()) and got["loss"] == pytest.approx(float(nll), abs=1e-5)
+
+
+def test_dynamic_ntk_with_mrope_is_refused(qwen2_vl):
+    model, tok = qwen2_vl
+    other = copy.deepcopy(model)
+    rope = other.config.text_config.rope_parameters
+    other.config.text_config.rope_parameters = {**rope, "rope_type": "dynamic", "factor": 2.0}
+    with pytest.raises(ValueError, match="dynamic NTK RoPE scaling is not supported with M-RoPE"):
+        PagedEngine(other, tok, num_blocks=16, max_model_len=256)

@@ -1,7 +1,7 @@
 """Qwen2-VL (tiny:qwen2_vl): M-RoPE positions against transformers' get_rope_index and by hand, the
 rotary columns, dynamic-resolution layouts, the paged engine against HF `generate` (one image, two of
-different sizes, chunked prefill, prompt-lookup and early-exit drafts), the prefix cache, a saved
-folder; a multi-turn episode with images in turns 1 and 3 replayed into the Learner (padded and packed)
+different sizes, chunked prefill, prompt-lookup and early-exit drafts), the prefix cache, weight
+reloads, a saved folder; a multi-turn episode with images in turns 1 and 3 replayed into the Learner (padded and packed)
 with the engine's logprobs; the tower frozen by default, the merger trained, LoRA on the language side;
 the SFT loss with an image equal to transformers' cross-entropy; Qwen2.5-VL's windowed tower through
 engine and Learner."""
@@ -396,3 +396,18 @@ def test_dynamic_ntk_with_mrope_is_refused(qwen2_vl):
     other.config.text_config.rope_parameters = {**rope, "rope_type": "dynamic", "factor": 2.0}
     with pytest.raises(ValueError, match="dynamic NTK RoPE scaling is not supported with M-RoPE"):
         PagedEngine(other, tok, num_blocks=16, max_model_len=256)
+
+
+def test_load_weights_updates_the_tower_and_the_language_model(qwen2_vl):
+    model, tok = qwen2_vl
+    engine = PagedEngine(model, tok, num_blocks=128, max_model_len=512)
+    ids, imgs = _prompt(tok, "what?", noise_image(3))
+    before = engine.generate([GenerationRequest(ids, GREEDY, images=imgs)])[0].completions[0].token_ids
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.model.visual.merger.parameters():
+            p.mul_(-3.0)
+        other.model.language_model.layers[0].self_attn.q_proj.bias.add_(1.0)
+    engine.load_weights(other.state_dict())
+    got = engine.generate([GenerationRequest(ids, GREEDY, images=imgs)])[0].completions[0].token_ids
+    assert got == _hf_generate(other, tok, ids, imgs, 10) and got != before

@@ -1,10 +1,10 @@
 """Qwen2-VL (tiny:qwen2_vl): M-RoPE positions against transformers' get_rope_index and by hand, the
 rotary columns, dynamic-resolution layouts, the paged engine against HF `generate` (one image, two of
 different sizes, chunked prefill, prompt-lookup and early-exit drafts), the prefix cache, weight
-reloads, a saved folder; a multi-turn episode with images in turns 1 and 3 replayed into the Learner (padded and packed)
-with the engine's logprobs; the tower frozen by default, the merger trained, LoRA on the language side;
-the SFT loss with an image equal to transformers' cross-entropy; Qwen2.5-VL's windowed tower through
-engine and Learner."""
+reloads, a saved folder; a multi-turn episode with images in turns 1 and 3 replayed into the Learner
+(padded and packed) with the engine's logprobs; the tower frozen by default, the merger trained, LoRA
+on the language side; the SFT loss with an image equal to transformers' cross-entropy; Qwen2.5-VL's
+windowed tower through engine and Learner."""
 
 from __future__ import annotations
 

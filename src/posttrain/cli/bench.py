@@ -1,4 +1,4 @@
-"""`posttrain bench sandbox|engine|learner|rl|retention|curriculum|serve|scale|ci-fix|docs|longctx|envs [OPTIONS] [--json]`: benchmarks that measure their
+"""`posttrain bench sandbox|engine|learner|rl|retention|curriculum|serve|scale|ci-fix|docs|longctx|envs|vision-probe [OPTIONS] [--json]`: benchmarks that measure their
 baseline in the same run. Each is a command with its own options (`posttrain bench NAME --help`); the
 benchmarks themselves live in `posttrain.bench`, one module each, and return their named figures, which
 `--json` prints as one object on stdout's last line.
@@ -716,5 +716,33 @@ def moe(
         repeats=repeats,
         replay_samples=replay_samples,
         replay_tokens=replay_tokens,
+        seed=seed,
+    )
+
+
+@app.command("vision-probe")
+def vision_probe(
+    models: str = typer.Option(
+        "graft",
+        "--models",
+        help="comma list of vision specs: graft (built with --seed), tiny:<family>, a VLM folder",
+    ),
+    domain: str = typer.Option("vision.shapes", "--domain", help="an image-question domain"),
+    difficulty: int = typer.Option(0, "--difficulty", help="the domain's level"),
+    train: int = typer.Option(384, "--train", help="train-split images the probe is fitted on"),
+    heldout: int = typer.Option(192, "--heldout", help="held-out images it is scored on"),
+    seed: int = typer.Option(0, "--seed"),
+    json_out: bool = JSON,
+) -> dict[str, Any]:
+    """Held-out accuracy of a linear probe on a VLM's image features (mean-pooled and flat) and on the
+    encoder's input pixels, against the constant answer."""
+    return _run(
+        "vision_probe",
+        json_out,
+        models=models,
+        domain=domain,
+        difficulty=difficulty,
+        train=train,
+        heldout=heldout,
         seed=seed,
     )

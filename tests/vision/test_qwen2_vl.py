@@ -18,12 +18,12 @@ from posttrain.config import AlgorithmConfig, ModelConfig, TrainerConfig, Vision
 from posttrain.engine import BadRequestError, GenerationRequest, PagedEngine, SamplingParams
 from posttrain.engine.mrope import mrope_columns, mrope_rows
 from posttrain.models import load_tokenizer
+from posttrain.models.qwen2_5_vl import tiny_qwen2_5_vl
 from posttrain.models.qwen2_vl import (
     FAMILY,
     IMAGE_PAD,
     image_runs,
     mrope_positions,
-    tiny_qwen2_5_vl,
     tiny_qwen2_vl,
 )
 from posttrain.models.vision import (
@@ -185,12 +185,16 @@ def test_greedy_equals_hf_generate_and_logprobs_match(qwen2_vl):
 def test_qwen2_5_vl_windowed_tower_through_engine_and_learner():
     model, tok = tiny_qwen2_5_vl(0)
     assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    assert (
+        image_inputs(tok).family.name == "qwen2_5_vl"
+        and image_inputs(load_tokenizer("tiny:qwen2_5_vl")).family.name == "qwen2_5_vl"
+    )
     cases = [_prompt(tok, "two:", noise_image(0, h=64, w=40), "and", noise_image(2, h=24, w=64))]
     engine = PagedEngine(model, tok, num_blocks=128, max_model_len=512, max_num_batched_tokens=32)
     outs = engine.generate([GenerationRequest(ids, GREEDY, images=imgs) for ids, imgs in cases])
     store = ImageStore()
-    learner = Learner(  # the spec gives the image inputs: tiny:qwen2_vl's tokenizer and processor are these
-        ModelConfig(spec="tiny:qwen2_vl"), TrainerConfig(), AlgorithmConfig(), model=copy.deepcopy(model)
+    learner = Learner(
+        ModelConfig(spec="tiny:qwen2_5_vl"), TrainerConfig(), AlgorithmConfig(), model=copy.deepcopy(model)
     )
     learner.vision.store = store
     for (ids, imgs), out in zip(cases, outs, strict=True):

@@ -105,12 +105,13 @@ def image_runs(
 
 
 class Qwen2VLFamily(VisionFamily):
-    """`Qwen2VLForConditionalGeneration` and `Qwen2_5_VLForConditionalGeneration`: the vision transformer
-    `visual` (its `merger` is the projector) maps each image's patches onto the text hidden size, one
-    feature per 2x2 merged patch; the language model is Qwen2 with 3-D (M-RoPE) positions."""
+    """`Qwen2VLForConditionalGeneration`: the vision transformer `visual` (its `merger` is the projector)
+    maps each image's patches onto the text hidden size, one feature per 2x2 merged patch; the language
+    model is Qwen2 with 3-D (M-RoPE) positions. Qwen2.5-VL (models/qwen2_5_vl.py) differs only inside
+    `visual`."""
 
     name = "qwen2_vl"
-    model_types = ("qwen2_vl", "qwen2_5_vl")
+    model_types = ("qwen2_vl",)
     tower_modules = ("visual",)
     projector_modules = ("visual.merger",)
     text_renames = (("model.language_model.", "model."),)
@@ -122,7 +123,7 @@ class Qwen2VLFamily(VisionFamily):
     def folder_inputs(self, config: Any, processor: Any) -> ImageInputs:
         if getattr(config, "image_token_id", None) is None:
             raise ValueError("the Qwen2-VL config has no image_token_id")
-        return _inputs_for(config, processor.tokenizer, processor.image_processor)
+        return _inputs_for(self, config, processor.tokenizer, processor.image_processor)
 
     def grid(self, inputs: ImageInputs, image: ImagePart) -> tuple[int, int, int]:
         """The image's `image_grid_thw` (1, patch rows, patch columns) after the processor's resize."""
@@ -160,10 +161,17 @@ class Qwen2VLFamily(VisionFamily):
         return mrope_positions(length, image_runs(placeholders, grids, merge), merge)
 
     def tiny(self, seed: int) -> tuple[Any, Any]:
-        return tiny_qwen2_vl(seed)
+        from transformers import Qwen2VLForConditionalGeneration
+
+        config, tok = self.tiny_parts()
+        return random_vlm(Qwen2VLForConditionalGeneration, config, seed), tok
+
+    def tiny_parts(self) -> tuple[Any, Any]:
+        """`tiny:<name>`'s config and tokenizer (image inputs attached)."""
+        return tiny_parts(self)
 
     def tiny_tokenizer(self) -> Any:
-        return _tiny_parts()[1]
+        return self.tiny_parts()[1]
 
     def load_processor(self, path: Any) -> Any:
         from transformers import AutoImageProcessor, AutoTokenizer
@@ -213,11 +221,11 @@ def _grid(image_processor: Any, height: int, width: int) -> tuple[int, int, int]
     return 1, h // patch, w // patch
 
 
-def _inputs_for(config: Any, tokenizer: Any, image_processor: Any) -> ImageInputs:
+def _inputs_for(family: VisionFamily, config: Any, tokenizer: Any, image_processor: Any) -> ImageInputs:
     token_id = int(config.image_token_id)
     token = tokenizer.convert_ids_to_tokens(token_id)
     # run_length 0: an image's run of placeholders depends on its size (`layout`)
-    return ImageInputs(FAMILY, image_processor, token, token_id, 0)
+    return ImageInputs(family, image_processor, token, token_id, 0)
 
 
 def qwen2_vl_config(
@@ -275,9 +283,9 @@ def qwen2_vl_config(
     )
 
 
-def _tiny_parts(window_size: int | None = None) -> tuple[Any, Any]:
+def tiny_parts(family: VisionFamily, window_size: int | None = None) -> tuple[Any, Any]:
     """tiny:qwen2_vl's config (Qwen2.5-VL's with `window_size`) and tokenizer (the SmolLM2 tokenizer plus
-    the vision tokens, image inputs attached)."""
+    the vision tokens, `family`'s image inputs attached)."""
     from transformers import Qwen2VLImageProcessorPil
 
     from posttrain.models.loading import load_tokenizer
@@ -307,7 +315,7 @@ def _tiny_parts(window_size: int | None = None) -> tuple[Any, Any]:
         temporal_patch_size=2,
         size={"shortest_edge": _TINY_MIN_PIXELS, "longest_edge": _TINY_MAX_PIXELS},
     )
-    return config, attach_image_inputs(tok, _inputs_for(config, tok, processor))
+    return config, attach_image_inputs(tok, _inputs_for(family, config, tok, processor))
 
 
 def tiny_qwen2_vl(seed: int = 0) -> tuple[Any, Any]:
@@ -315,16 +323,4 @@ def tiny_qwen2_vl(seed: int = 0) -> tuple[Any, Any]:
     image tokens; a 2-block vision transformer of width 32; a 2-layer Qwen2 language model with M-RoPE
     sections 2/3/3) with the SmolLM2 tokenizer plus the vision tokens; (model, tokenizer) with the
     image inputs attached."""
-    from transformers import Qwen2VLForConditionalGeneration
-
-    config, tok = _tiny_parts()
-    return random_vlm(Qwen2VLForConditionalGeneration, config, seed), tok
-
-
-def tiny_qwen2_5_vl(seed: int = 0) -> tuple[Any, Any]:
-    """tiny:qwen2_vl's sizes as a Qwen2.5-VL: its first vision block attends within 16 px windows (2x2
-    image tokens), the second to the whole image; the same tokenizer and image processor."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    config, tok = _tiny_parts(window_size=16)
-    return random_vlm(Qwen2_5_VLForConditionalGeneration, config, seed), tok
+    return FAMILY.tiny(seed)

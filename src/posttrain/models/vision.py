@@ -31,6 +31,7 @@ IMAGE_TOKEN = "<image>"
 _FAMILY_MODULES = {
     "llava": "posttrain.models.vision",
     "qwen2_vl": "posttrain.models.qwen2_vl",
+    "qwen2_5_vl": "posttrain.models.qwen2_5_vl",
     "idefics3": "posttrain.models.vision_idefics3",
 }
 VISION_TINY_FAMILIES = tuple(_FAMILY_MODULES)

@@ -54,6 +54,19 @@ def test_uninformative_features_give_the_majority_class_and_unseen_answers_miss(
     assert fig["correct"] == 1 and fig["accuracy"] == 0.25
 
 
+def test_with_more_features_than_rows_the_fit_is_the_full_dimensional_optimum():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(20, 50, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 4, (20,), generator=g)
+    probe = Probe(l2=0.1).fit(x, y, 4)
+    # the gradient of the full 50-dimensional objective vanishes at the fitted W, b (strictly convex: the minimiser)
+    w, b = probe.w.clone().requires_grad_(), probe.b.clone().requires_grad_()
+    z = (x - x.mean(0)) / x.std(0, unbiased=False)
+    loss = torch.nn.functional.cross_entropy(z @ w + b, y) + 0.05 * (w**2).sum()
+    gw, gb = torch.autograd.grad(loss, (w, b))
+    assert w.shape == (50, 4) and gw.abs().max() < 1e-6 and gb.abs().max() < 1e-6
+
+
 def test_features_are_the_projector_output_transformers_computes():
     model, tok = tiny_llava(0)
     images, answers = domain_images("vision.shapes", "heldout", 0, 3, 0)

@@ -108,7 +108,8 @@ def pixel_features(tokenizer: Any, images: list[ImagePart]) -> torch.Tensor:
 
 class Probe:
     """A multinomial logistic regression on standardised features: `fit` minimises the mean cross-entropy
-    plus `l2 / 2 * |W|^2` (the bias unpenalised) with L-BFGS in float64."""
+    plus `l2 / 2 * |W|^2` (the bias unpenalised) with L-BFGS in float64, in the span of the training rows
+    when there are more features than rows."""
 
     def __init__(self, l2: float, max_iter: int = 200) -> None:
         if l2 < 0:
@@ -127,22 +128,33 @@ class Probe:
         std = x.std(0, unbiased=False)
         self.scale = torch.where(std > 1e-12, std, torch.ones_like(std))
         z = (x - self.mean) / self.scale
-        self.w = torch.zeros(x.shape[1], n_classes, dtype=torch.float64, requires_grad=True)
-        self.b = torch.zeros(n_classes, dtype=torch.float64, requires_grad=True)
+        # with more features than rows, W's part outside the rows' span changes no training logit and only
+        # adds penalty, so the optimum lies in that span: fit coordinates there (the same minimiser)
+        basis = None
+        if z.shape[1] > z.shape[0]:
+            _, sv, vh = torch.linalg.svd(z, full_matrices=False)
+            basis = vh[sv > sv.max() * 1e-10].T if sv.max() > 0 else vh[:0].T
+            z = z @ basis
+        w = torch.zeros(z.shape[1], n_classes, dtype=torch.float64, requires_grad=True)
+        b = torch.zeros(n_classes, dtype=torch.float64, requires_grad=True)
         opt = torch.optim.LBFGS(
-            [self.w, self.b], max_iter=self.max_iter, line_search_fn="strong_wolfe", tolerance_grad=1e-9
+            [w, b],
+            max_iter=self.max_iter,
+            line_search_fn="strong_wolfe",
+            tolerance_grad=1e-9,
+            tolerance_change=1e-12,
         )
 
         def closure() -> torch.Tensor:
             opt.zero_grad()
-            loss = (
-                torch.nn.functional.cross_entropy(z @ self.w + self.b, y) + 0.5 * self.l2 * (self.w**2).sum()
-            )
+            loss = torch.nn.functional.cross_entropy(z @ w + b, y) + 0.5 * self.l2 * (w**2).sum()
             loss.backward()
             return loss
 
         with torch.enable_grad():
             opt.step(closure)
+        self.w = (w if basis is None else basis @ w).detach()
+        self.b = b.detach()
         return self
 
     @torch.no_grad()

@@ -42,6 +42,10 @@ def test_moe_bench_reports_equal_active_and_total_baselines():
     for name in ("free", "replay"):
         assert 0.0 <= replay[name]["routing_mismatch"] <= 1.0
         assert replay[name]["mismatch_max_abs_log_ratio"] >= replay[name]["mismatch_abs_log_ratio"] >= 0.0
+    # identical expert copies (no --expert-noise): which experts run cannot change the Learner's logprobs
+    assert out["expert_noise"] == 0.0
+    free, replayed = replay["free"], replay["replay"]
+    assert abs(free["mismatch_abs_log_ratio"] - replayed["mismatch_abs_log_ratio"]) < 1e-5
 
 
 @pytest.mark.parametrize(
@@ -50,6 +54,7 @@ def test_moe_bench_reports_equal_active_and_total_baselines():
         (["--batch", "0"], "--batch takes a comma list of positive integers"),
         (["--weight-quants", "fp8"], "--weight-quants takes a comma list"),
         (["--top-k", "9"], "--top-k must be in [1, experts=4]"),
+        (["--expert-noise", "-0.1"], "--expert-noise must be >= 0, got -0.1"),
     ],
 )
 def test_moe_bench_usage_errors(args, message, capsys):

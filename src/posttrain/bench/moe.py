@@ -15,6 +15,9 @@ chat prompts, N / 8 samples each, temperature 1, `--replay-tokens` tokens) on th
 the Learner in float32 scores them twice, routing freely and replaying the engine's routing: the
 fraction of (token, layer) top-k sets that differ (`routing_mismatch`) and the behaviour-vs-learner
 log-ratio spread on the sampled tokens (mean and max |log ratio|, KL k3), for both, on the same samples.
+At `--expert-noise 0` every expert is the same copy, so which ones run does not change the output and
+replay cannot move the log ratios; `--expert-noise` > 0 perturbs the replay MoE's copies (relative to
+each weight's std, as `posttrain models upcycle --expert-noise`) so the experts differ, as after training.
 """
 
 from __future__ import annotations
@@ -123,6 +126,8 @@ def main(opts: Any) -> dict:
         raise BenchUsageError(
             "--new-tokens must be >= 2, --repeats >= 1, --replay-samples >= 0 and --replay-tokens >= 1"
         )
+    if opts.expert_noise < 0:
+        raise BenchUsageError(f"--expert-noise must be >= 0, got {opts.expert_noise}")
     try:
         dense = load_policy(opts.model)
         tok = load_tokenizer(opts.model)
@@ -204,7 +209,7 @@ def main(opts: Any) -> dict:
     replay = None
     if opts.replay_samples > 0:
         replay = replay_figures(
-            upcycle(dense, opts.experts, opts.top_k),
+            upcycle(dense, opts.experts, opts.top_k, expert_noise=opts.expert_noise, seed=opts.seed),
             tok,
             opts.model,
             opts.replay_samples,
@@ -220,7 +225,8 @@ def main(opts: Any) -> dict:
     console.print(table)
     if replay is not None:
         console.print(
-            f"routing replay, {replay['samples']} samples ({replay['tokens']} tokens), bf16 engine vs fp32 Learner:"
+            f"routing replay, {replay['samples']} samples ({replay['tokens']} tokens), bf16 engine vs fp32 "
+            f"Learner, expert noise {opts.expert_noise}:"
         )
         for name in ("free", "replay"):
             r = replay[name]
@@ -237,4 +243,5 @@ def main(opts: Any) -> dict:
         "params": {**params, "moe_active": active},
         "rows": rows,
         "replay": replay,
+        "expert_noise": opts.expert_noise,
     }

@@ -698,6 +698,9 @@ def moe(
         32, "--replay-samples", help="bf16 engine samples the Learner scores free and replayed (0: skip)"
     ),
     replay_tokens: int = typer.Option(48, "--replay-tokens", help="tokens per replay sample"),
+    expert_noise: float = typer.Option(
+        0.0, "--expert-noise", help="noise on the replay MoE's expert copies (relative to each weight's std)"
+    ),
     seed: int = typer.Option(0, "--seed"),
     json_out: bool = JSON,
 ) -> dict[str, Any]:
@@ -716,6 +719,7 @@ def moe(
         repeats=repeats,
         replay_samples=replay_samples,
         replay_tokens=replay_tokens,
+        expert_noise=expert_noise,
         seed=seed,
     )
 

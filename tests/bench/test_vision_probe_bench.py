@@ -110,7 +110,10 @@ def test_a_short_run_on_tiny_llava_reports_probes_against_the_constant_answer():
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--models", "tiny:llama"], "--models: 'tiny:llama' is not a vision model"),
+        (
+            ["--models", "tiny:llava,tiny:llama"],
+            "--models 'tiny:llama': not a vision model (use graft, tiny:llava",
+        ),
         (["--models", " , "], "--models takes a comma list of vision model specs"),
         (["--domain", "math"], "has no image part or no meta['answer']"),
         (["--domain", "vision.nope"], "vision.nope"),

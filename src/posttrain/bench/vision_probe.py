@@ -199,16 +199,9 @@ def probe_figures(
 
 
 def _load(spec: str, seed: int) -> tuple[Any, Any]:
-    from posttrain.models.vision import graft_vision, is_vision_spec, load_vision
+    from posttrain.models.vision import graft_vision, load_vision
 
-    if spec == "graft":
-        return graft_vision(seed)
-    if not is_vision_spec(spec):
-        raise ValueError(
-            f"--models: '{spec}' is not a vision model (use graft, tiny:llava, tiny:idefics3, tiny:qwen2_vl or "
-            "a local HF VLM folder)"
-        )
-    return load_vision(spec, seed=seed)
+    return graft_vision(seed) if spec == "graft" else load_vision(spec, seed=seed)
 
 
 def main(opts: Any) -> dict[str, Any]:
@@ -219,6 +212,14 @@ def main(opts: Any) -> dict[str, Any]:
     specs = [s.strip() for s in opts.models.split(",") if s.strip()]
     if not specs:
         raise BenchUsageError(f"--models takes a comma list of vision model specs; got {opts.models!r}")
+    from posttrain.models.vision import is_vision_spec
+
+    bad = [spec for spec in specs if spec != "graft" and not is_vision_spec(spec)]
+    if bad:
+        raise BenchUsageError(
+            f"--models {bad[0]!r}: not a vision model (use graft, tiny:llava, tiny:idefics3, tiny:qwen2_vl or a "
+            "local HF VLM folder)"
+        )
     if opts.train < 2 * CV_FOLDS or opts.heldout < 1:
         raise BenchUsageError(
             f"--train must be >= {2 * CV_FOLDS} (3-fold cross-validation) and --heldout >= 1"
@@ -270,7 +271,7 @@ def main(opts: Any) -> dict[str, Any]:
                     (spec, "pixels", pixel_features(tok, train_images), pixel_features(tok, test_images))
                 )
         except (OSError, ValueError) as err:
-            raise BenchUsageError(f"--models {spec}: {err}") from None
+            raise BenchUsageError(f"--models {spec!r}: {err}") from None
         del model
     for spec, how, x_train, x_test in arms:
         console.print(f"vision-probe: fitting {spec} {how} ({x_train.shape[1]} features)")

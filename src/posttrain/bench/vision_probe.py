@@ -209,11 +209,11 @@ def main(opts: Any) -> dict[str, Any]:
     from rich.console import Console
     from rich.table import Table
 
+    from posttrain.models.vision import is_vision_spec
+
     specs = [s.strip() for s in opts.models.split(",") if s.strip()]
     if not specs:
         raise BenchUsageError(f"--models takes a comma list of vision model specs; got {opts.models!r}")
-    from posttrain.models.vision import is_vision_spec
-
     bad = [spec for spec in specs if spec != "graft" and not is_vision_spec(spec)]
     if bad:
         raise BenchUsageError(

@@ -224,14 +224,14 @@ def test_the_drawing_brief_puts_the_targets_drawing_in_the_first_observation_wit
         b = both.task("train", level, 0)
         (bimg,) = _images(b)
         assert bimg.description == DESCRIPTION and b.prompt[0].text.count(description) == 1
-    # level 0: the worked example comes as a drawing with its script, then the part's drawing
+    # level 0: an earlier exchange, the example's drawing then its script, then the part's drawing
     zero = drawing.task("train", 0, 0)
-    example, task_img = _images(zero)
+    ask_example, answer, ask = zero.prompt
+    assert [m.role for m in zero.prompt] == ["user", "assistant", "user"]
     brief, code = cad.EXAMPLES[zero.meta["family"]]
+    (example,), (task_img,) = ask_example.images, ask.images
     assert example.description == brief and task_img.description == zero.meta["description"]
-    assert code in zero.prompt[0].text and zero.prompt[0].text.index(code) < zero.prompt[0].text.index(
-        zero.meta["description"]
-    )
+    assert answer.content == code and cad.LEVEL0_NOTE in ask.text
 
 
 @needs_cad

@@ -132,14 +132,18 @@ def test_generators_are_deterministic_and_splits_disjoint():
 
 
 @needs_cad
-def test_level_zero_prompts_carry_the_worked_examples_and_never_ask_for_them():
+def test_level_zero_prompts_carry_the_worked_examples_as_an_earlier_exchange_and_never_ask_for_them():
     d = get_domain("cad.modeling")
     for i in range(40):
         task = d.task("train", 0, i)
         brief, code = cad.EXAMPLES[task.meta["family"]]  # an example of the task's own family
-        assert f"Example part: {brief}" in task.prompt[0].text and code in task.prompt[0].text
+        ask_example, answer, ask = task.prompt
+        assert [m.role for m in task.prompt] == ["user", "assistant", "user"]
+        assert ask_example.text.endswith(f"The part: {brief}") and answer.content == code
+        assert ask.text.endswith(f"The part: {task.meta['description']}") and cad.LEVEL0_NOTE in ask.text
         assert task.meta["description"] != brief
-    assert "Example part" not in d.task("train", 1, 0).prompt[0].text
+    (one,) = d.task("train", 1, 0).prompt
+    assert one.role == "user" and cad.LEVEL0_NOTE not in one.text
 
 
 def test_without_cadquery_the_domain_says_which_extra_to_install(monkeypatch):
@@ -197,7 +201,7 @@ def _first_task():
 @needs_cad
 def test_a_wrong_part_scores_its_iou_and_a_right_one_built_differently_succeeds(sandbox):
     task = _first_task()
-    assert "32 mm long (x), 16 mm wide (y) and 39 mm tall (z)" in task.prompt[0].text
+    assert "32 mm long (x), 16 mm wide (y) and 39 mm tall (z)" in task.prompt[-1].text
     env = cad.CadEnv(sandbox, max_turns=1)
     half = 'import cadquery as cq\nresult = cq.Workplane("XY").box(16, 16, 39)'
     res = run(run_episode(env, task, [_reply(half)]))
@@ -215,12 +219,38 @@ HOSTILE = [
     ("import cadquery as cq\nresult = cq.Workplane('XY').box(1, 2", "runtime_error", "SyntaxError"),
     ("raise ValueError('boom')", "runtime_error", "ValueError: boom"),
     (
-        "import cadquery as cq\nbox = cq.Workplane('XY').box(1, 2, 3)",
+        "import cadquery as cq\nsketch = cq.Workplane('XY').rect(1, 2)",
         "runtime_error",
-        "did not assign `result`",
+        "did not assign `result` and builds no solid at the top level: assign the part to `result`",
     ),
+    # a function that builds the part but is never called builds nothing (and is never run by the grader)
+    (
+        "import cadquery as cq\ndef build():\n    open('/usr/lib/posttrain-cad-pwned', 'w')\n"
+        "    return cq.Workplane('XY').box(32, 16, 39)",
+        "runtime_error",
+        "defines `build()` but never builds a part at the top level (a function that is not called builds "
+        "nothing): call it and assign the part to `result` (or pass it to `show_object`), e.g. "
+        "`result = build()`",
+    ),
+    (  # two solids, neither named the part
+        "a = cq.Workplane().box(32, 16, 39)\nb = a.faces('>Z').workplane().hole(2)",
+        "runtime_error",
+        "builds several solids (`a`, `b`) and names none the part",
+    ),
+    ("show_object(5)", "runtime_error", "the object passed to `show_object` is a int, not a CadQuery"),
+    ("show_object(cq.Workplane().rect(3, 3))", "runtime_error", "the part holds no solid (a Wire only)"),
+    (  # the part named, but not a solid: the unnamed solid beside it is not taken instead
+        "block = cq.Workplane().box(32, 16, 39)\nresult = 'block'",
+        "runtime_error",
+        "`result` is a str, not a CadQuery",
+    ),
+    ("while True:\n    show_object(cq.Workplane().box(1, 1, 1))", "timeout", "ran past"),
     ("result = 5", "runtime_error", "is a int, not a CadQuery"),
-    ("import cadquery as cq\nresult = cq.Workplane('XY').rect(3, 3)", "runtime_error", "holds no solid"),
+    (
+        "import cadquery as cq\nresult = cq.Workplane('XY').rect(3, 3)",
+        "runtime_error",
+        "the part holds no solid",
+    ),
     ("import os\nos._exit(0)", "ok", "did not finish"),
     ("import sys\nsys.exit(3)", "runtime_error", "exited with status 3"),
     ("while True:\n    pass", "timeout", "ran past"),
@@ -235,6 +265,61 @@ HOSTILE = [
         "unusable mesh: the mesh has non-finite",
     ),
 ]
+
+
+# CadQuery's ways of saying which object is the part (`cq` is bound for the script, as the worker has it
+# imported): `result`, `show_object` (CQ-editor, cq-server), or the script's one top-level solid
+ACCEPTED = [
+    ("result = cq.Workplane().box(32, 16, 39)", 1.0),
+    (
+        "import cadquery as cq\npart = cq.Workplane('XY').box(32, 16, 39)\nshow_object(part, name='block')",
+        1.0,
+    ),
+    ("show_object(cq.Workplane().box(32, 16, 39).val(), options={'color': 'red'})", 1.0),
+    ("import cadquery as cq\nblock = cq.Workplane('XY').box(32, 16, 39)", 0.0),
+    ("def make(x, y, z):\n    return cq.Workplane().box(x, y, z)\n\npart = make(32, 16, 39)\nsize = 32", 0.0),
+    ("solid = cq.Solid.makeBox(32, 16, 39)", 0.0),
+]
+
+
+@needs_cad
+def test_each_of_cadquerys_conventions_for_the_part_is_graded_on_that_part(sandbox):
+    task = _first_task()  # a block 32 x 16 x 39 mm
+    for code, fmt in ACCEPTED:
+        res = run(run_episode(cad.CadEnv(sandbox, 1), task, [_reply(code)]))
+        assert res.rewards == {"iou": 1.0, "format": fmt, "valid": 1.0, "success": 1.0}, (code, res.info)
+        assert res.reward == pytest.approx(0.9 + 0.1 * fmt), code
+    # `result` names the part even when something else is shown: half the block scores half
+    both = "result = cq.Workplane().box(16, 16, 39)\nshow_object(cq.Workplane().box(32, 16, 39))"
+    res = run(run_episode(cad.CadEnv(sandbox, 1), task, [_reply(both)]))
+    assert res.rewards["success"] == 0.0 and res.rewards["iou"] == pytest.approx(0.5, abs=0.02)
+
+
+def test_the_block_that_names_its_part_is_the_script():
+    shown = "part = cq.Workplane().box(1, 2, 3)\nshow_object(part)"
+    assert cad.script_of(_reply(shown) + "\nThen:\n" + _reply("x = 1")) == (shown + "\n", 1.0, "")
+    # a call inside a function is not the script's own: the last block stands, unformatted
+    nested = "def f():\n    show_object(1)"
+    assert cad.script_of(_reply(nested)) == (nested + "\n", 0.0, "")
+    assert not cad.names_part("show_object = print") and cad.names_part("result: object = 1")
+
+
+@needs_cad
+def test_the_feedback_on_an_uncalled_function_says_to_call_it(sandbox):
+    env = cad.CadEnv(sandbox, max_turns=2)
+    task = _first_task()
+    run(env.reset(task))
+    step = run(env.step(_reply("def build_block():\n    return cq.Workplane().box(32, 16, 39)")))
+    assert not step.done and step.rewards["valid"] == 0.0
+    text = step.observations[0].text
+    assert "Submission 1: no valid solid (the script defines `build_block()` but never builds" in text
+    assert "e.g. `result = build_block()`" in text
+    step = run(
+        env.step(
+            _reply("def build_block():\n    return cq.Workplane().box(32, 16, 39)\n\nresult = build_block()")
+        )
+    )
+    assert step.done and step.rewards["success"] == 1.0
 
 
 @needs_cad

@@ -9,14 +9,16 @@ The option `brief` says how the first observation gives the part: `text` (defaul
 engineering drawing, cad_drawing.py, as an image part whose text description is the text brief) or
 `both`; the grading does not depend on it.
 
-A reply's script (the last ```python block assigning `result`, else the whole reply if it parses as
-Python) runs in the sandbox's warm `cad` profile (`cad_runner`): it must assign the part to `result`
-(a Workplane or a Shape). The mesh it returns is compared with the target's (the reference, run the same
+A reply's script (the last ```python block naming its part, else the last block, else the whole reply
+if it parses as Python) runs in the sandbox's warm `cad` profile (`cad_runner`, with `cq` bound): its
+part, in CadQuery's conventions, is what it assigns to `result`, else what it passes to `show_object`,
+else its one top-level Workplane or Shape variable holding a solid; a function never called builds no
+part. The mesh it returns is compared with the target's (the reference, run the same
 way once per task): `iou` = volume IoU of the two voxelised solids, each centred on its bounding box, in
 mm (`cad_geometry` documents the normalisation and how it differs from CAD-Recode's, which `iou_unit` and
 `chamfer` follow; those two are reported in `info`, not rewarded). Reward = 0.9 * iou + 0.1 * format for
 a valid solid, else 0 with `info["reason"]` (a syntax or runtime error, a timeout, memory, no `result`,
-no solid, an unusable mesh); `format` = the script came from a ```python block and assigns `result`;
+no solid, an unusable mesh); `format` = the script came from a ```python block that assigns `result` or calls `show_object`;
 `valid` = a solid came back. `success` is strict: iou >= SUCCESS_IOU.
 
 Multi-turn (`max_turns`, default 3): after a submission that is not a success, the next observation
@@ -56,6 +58,7 @@ SUCCESS_IOU = 0.95
 MAX_CODE_CHARS = 20_000
 MAX_LOG_CHARS = 600
 RESULT_NAME = "result"
+SHOW_NAME = "show_object"
 PROFILE = "cad"
 JOB_LIMITS = Limits(
     wall_time_s=10.0,
@@ -72,21 +75,23 @@ INSTALL_HINT = (
 )
 INSTRUCTION = (
     "Write a CadQuery (Python) script that builds this part. Units are millimetres; x is length, y is "
-    "width, z is height. Assign the finished solid to a variable named `result`. Reply with the script "
-    "in one ```python code block."
+    "width, z is height. Assign the finished solid to a variable named `result` (`cq` is CadQuery, already "
+    "imported). Reply with the script in one ```python code block."
 )
-# Level 0's worked example: a part of the task's own family with other numbers, so that copying its
-# form and changing the numbers solves the task (the 135M model otherwise wraps `result` in functions).
+# Level 0's worked example, given as an earlier exchange: a part of the task's own family with other
+# numbers, so that copying its form and changing the numbers solves the task. The 135M model otherwise
+# wraps the part in functions it never calls, and it misspells plane names ("XYZ"), hence `Workplane()`.
 EXAMPLES = {
     "box": (
         "A rectangular block 30 mm long (x), 20 mm wide (y) and 10 mm tall (z).",
-        '```python\nimport cadquery as cq\nresult = cq.Workplane("XY").box(30, 20, 10)\n```',
+        "```python\nimport cadquery as cq\nresult = cq.Workplane().box(30, 20, 10)\n```",
     ),
     "cylinder": (
         "A solid cylinder 24 mm in diameter and 16 mm tall, its axis along z.",
-        '```python\nimport cadquery as cq\nresult = cq.Workplane("XY").circle(12).extrude(16)\n```',
+        "```python\nimport cadquery as cq\nresult = cq.Workplane().circle(12).extrude(16)\n```",
     ),
 }
+LEVEL0_NOTE = "Write it at the top level, without functions."
 EXAMPLE_KEYS = {("box", (30, 20, 10)), ("cylinder", (24, 16))}
 BRIEFS = ("text", "drawing", "both")
 DRAWING_NOTE = (
@@ -277,48 +282,46 @@ FAMILIES: dict[int, list[Callable[[random.Random], Part]]] = {
 }
 
 
-def prompt_text(part: Part, difficulty: int) -> str:
-    if difficulty == 0:
-        brief, code = EXAMPLES[part.family]
-        return (
-            f"{INSTRUCTION} Write it at the top level, without functions.\n\nExample part: {brief}\n"
-            f"Example script:\n{code}\n\nThe part: {part.description}"
-        )
-    return f"{INSTRUCTION}\n\nThe part: {part.description}"
-
-
 def drawing_part(family: str, dims: tuple[Any, ...], description: str) -> ImagePart:
     """A part's engineering drawing as an image part; `description` is what a text-only model reads."""
     return image_part(render_part(family, dims).pixels, description)
 
 
-def prompt_content(part: Part, difficulty: int, brief: str) -> str | list[ContentPart]:
-    """The first user turn's content for a `brief`: the text (`text`); the drawing, whose description
-    for a text-only model is the text brief (`drawing`); or the text and the drawing (`both`). Level 0's
-    worked example comes in the same form as the brief (an example drawing with its script)."""
+def brief_content(
+    family: str, dims: tuple[Any, ...], description: str, head: str, brief: str
+) -> str | list[ContentPart]:
+    """A user turn asking for one part in a `brief`'s form: the text (`text`); the drawing, whose
+    description for a text-only model is the text brief (`drawing`); or the text and the drawing (`both`)."""
     if brief == "text":
-        return prompt_text(part, difficulty)
-    head = INSTRUCTION + (" Write it at the top level, without functions." if difficulty == 0 else "")
-    parts: list[ContentPart] = [TextPart(head)]
-    if difficulty == 0:
-        example, code = EXAMPLES[part.family]
-        dims = next(d for f, d in EXAMPLE_KEYS if f == part.family)
-        parts += [
-            TextPart(f"Example part ({DRAWING_NOTE}):"),
-            drawing_part(part.family, dims, example),
-            TextPart(f"Example script:\n{code}"),
-        ]
+        return f"{head}\n\nThe part: {description}"
     if brief == "drawing":
-        parts += [
+        return [
+            TextPart(head),
             TextPart(f"The part ({DRAWING_NOTE}):"),
-            drawing_part(part.family, part.dims, part.description),
+            drawing_part(family, dims, description),
         ]
-    else:
-        parts += [
-            TextPart(f"The part: {part.description}\nIts drawing ({DRAWING_NOTE}):"),
-            drawing_part(part.family, part.dims, DRAWING_DESCRIPTION),
-        ]
-    return parts
+    return [
+        TextPart(head),
+        TextPart(f"The part: {description}\nIts drawing ({DRAWING_NOTE}):"),
+        drawing_part(family, dims, DRAWING_DESCRIPTION),
+    ]
+
+
+def prompt_messages(part: Part, difficulty: int, brief: str) -> list[Message]:
+    """The task's first turns. At level 0 a worked example of the task's own family comes first as an
+    earlier exchange (the example part asked in the brief's form, its script as the assistant's reply),
+    then the part; at other levels the part alone."""
+    head = INSTRUCTION + (f" {LEVEL0_NOTE}" if difficulty == 0 else "")
+    ask = Message("user", brief_content(part.family, part.dims, part.description, head, brief))
+    if difficulty != 0:
+        return [ask]
+    example, code = EXAMPLES[part.family]
+    dims = next(d for f, d in EXAMPLE_KEYS if f == part.family)
+    return [
+        Message("user", brief_content(part.family, dims, example, head, brief)),
+        Message("assistant", code),
+        ask,
+    ]
 
 
 # ---- grading ------------------------------------------------------------------------------------------
@@ -355,14 +358,15 @@ class Built:
 
 
 def script_of(text: str) -> tuple[str | None, float, str]:
-    """(code, format, reason): the last ```python block assigning `result` (format 1), else the whole
-    reply when it parses as Python (format 0), else None with why."""
+    """(code, format, reason): the last ```python block that names its part (assigns `result` or calls
+    `show_object`; format 1), else the last block, else the whole reply when it parses as Python
+    (format 0), else None with why."""
     if not isinstance(text, str) or not text.strip():
         return None, 0.0, "empty reply"
     blocks = code_blocks(text, "python")
-    assigning = [b for b in blocks if _assigns_result(b)]
-    if assigning:
-        return assigning[-1], 1.0, ""
+    naming = [b for b in blocks if names_part(b)]
+    if naming:
+        return naming[-1], 1.0, ""
     if blocks:
         return blocks[-1], 0.0, ""
     try:
@@ -372,12 +376,18 @@ def script_of(text: str) -> tuple[str | None, float, str]:
     return text, 0.0, ""
 
 
-def _assigns_result(code: str) -> bool:
+def names_part(code: str) -> bool:
+    """Whether `code` names its part in one of CadQuery's conventions at the top level: it assigns
+    `result`, or it calls `show_object(...)` (the runner also takes a lone solid variable, unnamed)."""
     try:
         tree = ast.parse(code)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return False
     for node in tree.body:
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+            func = node.value.func
+            if isinstance(func, ast.Name) and func.id == SHOW_NAME:
+                return True
         targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
         if any(isinstance(t, ast.Name) and t.id == RESULT_NAME for t in targets):
             return True
@@ -637,7 +647,7 @@ class CadModelingDomain(Domain):
                     id="",
                     domain=self.name,
                     difficulty=difficulty,
-                    prompt=[Message("user", prompt_content(part, difficulty, self.brief))],
+                    prompt=prompt_messages(part, difficulty, self.brief),
                     meta=meta,
                 )
 

@@ -145,6 +145,37 @@ def test_pass_at_with_intervals_for_model_baseline_and_delta():
     assert d2["ci_low"] <= d2["delta"] <= d2["ci_high"]
 
 
+def _iou(success: float, iou: float | None, valid: float) -> EpisodeScore:
+    parts = {"valid": valid} if iou is None else {"iou": iou, "valid": valid}
+    return EpisodeScore(success, 0.9 * (iou or 0.0), parts)
+
+
+def test_reward_components_get_intervals_and_paired_deltas_over_tasks():
+    model, base = EvalReport("m", {}), EvalReport("b", {})
+    model.add("cad", [_iou(1, 1.0, 1), _iou(0, 0.5, 1)])  # task means: iou 0.75, valid 1
+    model.add("cad", [_iou(0, None, 0), _iou(0, 0.25, 1)])  # iou 0.25 (of the one that has it), valid 0.5
+    model.add("cad", [])  # every sample an infrastructure failure: in no mean
+    base.add("cad", [_iou(0, 0.5, 1), _iou(0, None, 0)])  # iou 0.5, valid 0.5
+    base.add("cad", [_iou(0, None, 0), _iou(0, None, 0)])  # no iou, valid 0
+    base.add("cad", [_iou(0, 0.0, 1)])
+    assert model.component("cad", "iou") == [0.75, 0.25, None] and base.component("cad", "iou") == [
+        0.5,
+        None,
+        0.0,
+    ]
+    model.summarise(seed=0)
+    got = model.per_domain["cad"]["components"]
+    assert got["iou"]["value"] == pytest.approx(0.5) and got["iou"]["n"] == 2
+    assert (
+        got["valid"]["value"] == pytest.approx(0.75)
+        and got["valid"]["ci_low"] <= 0.75 <= got["valid"]["ci_high"]
+    )
+    assert model.per_domain["cad"]["mean_components"] == pytest.approx({"iou": 0.5, "valid": 0.75})
+    comp = paired_delta(model, base, seed=0)["per_domain"]["cad"]["components"]
+    assert comp["iou"]["delta"] == pytest.approx(0.25) and comp["iou"]["n_tasks"] == 1  # tasks scored in both
+    assert comp["valid"]["delta"] == pytest.approx((0.5 + 0.5) / 2) and comp["valid"]["n_tasks"] == 2
+
+
 def test_pass_at_skips_tasks_with_too_few_scored_samples():
     r = EvalReport("m", {})
     r.add("math", [_ok(1), _ok(0), _ok(0), _ok(0)])

@@ -352,8 +352,14 @@ def _eval_table(reports: list[Any], delta: dict[str, Any] | None, pass_at: list[
                 )
             )
         for name in sorted({c for d in shaped for c in d.get("mean_components", {})}):
-            vals = [d.get("mean_components", {}).get(name) for d in shaped]
-            rows.append((f"mean {name}", [f"{v:.3f}" if v is not None else "" for v in vals], ""))
+            cells = []
+            for d in shaped:
+                c = d.get("components", {}).get(name)
+                cells.append(f"{ci(c['value'], c['ci_low'], c['ci_high'])} n={c['n']}" if c else "")
+            cd = dd.get("components", {}).get(name) if dd else None
+            rows.append(
+                (f"mean {name}", cells, ci(cd["delta"], cd["ci_low"], cd["ci_high"], "+") if cd else "")
+            )
         for i, (figure, cells, change) in enumerate(rows):
             table.add_row(dom if i == 0 else "", figure, *cells, *([change] if delta else []))
     if delta:

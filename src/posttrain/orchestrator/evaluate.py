@@ -231,6 +231,15 @@ class EvalReport:
             out.append(pass_at_k(len(eps), c, k) if len(eps) >= k else None)
         return out
 
+    def component(self, domain: str, name: str) -> list[float | None]:
+        """Each task's mean of one reward component over its scored episodes that report it (None where
+        none did), in task order like `per_task`."""
+        out: list[float | None] = []
+        for eps in self.episodes.get(domain, []):
+            got = [e.components[name] for e in eps if name in e.components]
+            out.append(float(np.mean(got)) if got else None)
+        return out
+
     def summarise(self, seed: int = 0, pass_at: Sequence[int] = ()) -> None:
         for dom, scores in self.per_task.items():
             vals = np.array([s for s in scores if s is not None], dtype=float)
@@ -255,6 +264,10 @@ class EvalReport:
                             if (got := [e.components[name] for e in eps if name in e.components])
                         ]
                     )
+                    for name in names
+                }
+                entry["components"] = {  # the same means over tasks, with bootstrap intervals
+                    name: _interval([v for v in self.component(dom, name) if v is not None], seed)
                     for name in names
                 }
             if pass_at:
@@ -410,8 +423,8 @@ def paired_delta(
     model: EvalReport, baseline: EvalReport, seed: int = 0, pass_at: Sequence[int] = ()
 ) -> dict[str, Any]:
     """Mean difference (model - baseline) over tasks scored in both, per domain and over all tasks, with
-    paired bootstrap 95% intervals: of strict accuracy, and of pass@k for each k in `pass_at` (under
-    "pass_at", keyed by str(k))."""
+    paired bootstrap 95% intervals: of strict accuracy, of pass@k for each k in `pass_at` (under
+    "pass_at", keyed by str(k)), and of each reward component both report per task (under "components")."""
     out: dict[str, Any] = {"per_domain": {}}
     all_diffs: list[float] = []
     all_pass: dict[int, list[float]] = {k: [] for k in pass_at}
@@ -425,6 +438,13 @@ def paired_delta(
                 pdiffs = _paired(model.pass_at(dom, k), baseline.pass_at(dom, k))
                 entry["pass_at"][str(k)] = _delta(pdiffs, seed)
                 all_pass[k].extend(pdiffs)
+        names = {c for eps in model.episodes.get(dom, []) for e in eps for c in e.components}
+        names &= {c for eps in baseline.episodes.get(dom, []) for e in eps for c in e.components}
+        if names:
+            entry["components"] = {
+                name: _delta(_paired(model.component(dom, name), baseline.component(dom, name)), seed)
+                for name in sorted(names)
+            }
         out["per_domain"][dom] = entry
     out.update(_delta(all_diffs, seed))
     if pass_at:

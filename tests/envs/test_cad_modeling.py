@@ -140,10 +140,10 @@ def test_level_zero_prompts_carry_the_worked_examples_as_an_earlier_exchange_and
         ask_example, answer, ask = task.prompt
         assert [m.role for m in task.prompt] == ["user", "assistant", "user"]
         assert ask_example.text.endswith(f"The part: {brief}") and answer.content == code
-        assert ask.text.endswith(f"The part: {task.meta['description']}") and cad.LEVEL0_NOTE in ask.text
+        assert ask.text.endswith(f"The part: {task.meta['description']}")
         assert task.meta["description"] != brief
     (one,) = d.task("train", 1, 0).prompt
-    assert one.role == "user" and cad.LEVEL0_NOTE not in one.text
+    assert one.role == "user" and one.text.startswith(cad.INSTRUCTION) and "Example" not in one.text
 
 
 def test_without_cadquery_the_domain_says_which_extra_to_install(monkeypatch):

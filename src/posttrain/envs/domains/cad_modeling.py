@@ -75,8 +75,8 @@ INSTALL_HINT = (
 )
 INSTRUCTION = (
     "Write a CadQuery (Python) script that builds this part. Units are millimetres; x is length, y is "
-    "width, z is height. Assign the finished solid to a variable named `result` (`cq` is CadQuery, already "
-    "imported). Reply with the script in one ```python code block."
+    "width, z is height. Assign the finished solid to a variable named `result`. Reply with the script "
+    "in one ```python code block."
 )
 # Level 0's worked example, given as an earlier exchange: a part of the task's own family with other
 # numbers, so that copying its form and changing the numbers solves the task. The 135M model otherwise
@@ -91,7 +91,6 @@ EXAMPLES = {
         "```python\nimport cadquery as cq\nresult = cq.Workplane().circle(12).extrude(16)\n```",
     ),
 }
-LEVEL0_NOTE = "Write it at the top level, without functions."
 EXAMPLE_KEYS = {("box", (30, 20, 10)), ("cylinder", (24, 16))}
 BRIEFS = ("text", "drawing", "both")
 DRAWING_NOTE = (
@@ -288,20 +287,20 @@ def drawing_part(family: str, dims: tuple[Any, ...], description: str) -> ImageP
 
 
 def brief_content(
-    family: str, dims: tuple[Any, ...], description: str, head: str, brief: str
+    family: str, dims: tuple[Any, ...], description: str, brief: str
 ) -> str | list[ContentPart]:
     """A user turn asking for one part in a `brief`'s form: the text (`text`); the drawing, whose
     description for a text-only model is the text brief (`drawing`); or the text and the drawing (`both`)."""
     if brief == "text":
-        return f"{head}\n\nThe part: {description}"
+        return f"{INSTRUCTION}\n\nThe part: {description}"
     if brief == "drawing":
         return [
-            TextPart(head),
+            TextPart(INSTRUCTION),
             TextPart(f"The part ({DRAWING_NOTE}):"),
             drawing_part(family, dims, description),
         ]
     return [
-        TextPart(head),
+        TextPart(INSTRUCTION),
         TextPart(f"The part: {description}\nIts drawing ({DRAWING_NOTE}):"),
         drawing_part(family, dims, DRAWING_DESCRIPTION),
     ]
@@ -311,14 +310,13 @@ def prompt_messages(part: Part, difficulty: int, brief: str) -> list[Message]:
     """The task's first turns. At level 0 a worked example of the task's own family comes first as an
     earlier exchange (the example part asked in the brief's form, its script as the assistant's reply),
     then the part; at other levels the part alone."""
-    head = INSTRUCTION + (f" {LEVEL0_NOTE}" if difficulty == 0 else "")
-    ask = Message("user", brief_content(part.family, part.dims, part.description, head, brief))
+    ask = Message("user", brief_content(part.family, part.dims, part.description, brief))
     if difficulty != 0:
         return [ask]
     example, code = EXAMPLES[part.family]
     dims = next(d for f, d in EXAMPLE_KEYS if f == part.family)
     return [
-        Message("user", brief_content(part.family, dims, example, head, brief)),
+        Message("user", brief_content(part.family, dims, example, brief)),
         Message("assistant", code),
         ask,
     ]

@@ -534,7 +534,14 @@ def test_status_watch_follows_the_queue_and_stops_on_ctrl_c(tmp_path, batch):
         read_until(lambda: "4" in queued_counts())
     finally:
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=30)
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # report what it printed, not only that it hung
+            proc.kill()
+            out, err = proc.communicate()
+            pytest.fail(
+                f"status --watch ignored SIGINT for 60 s; stdout {(seen + out)[-1500:]!r} stderr {err[-1500:]!r}"
+            )
     assert proc.returncode == 0 and b"Traceback" not in err, err[-2000:]
 
 

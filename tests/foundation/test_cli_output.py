@@ -126,3 +126,15 @@ def test_no_module_imports_an_upper_layer_and_packages_form_no_cycle():
     cycles = sorted(f"{a} <-> {b}" for a, b in edges if reaches(b, a, {b}))
     assert not cycles, cycles
     assert ("bench", "cli") not in edges and not any(b == "bench" for a, b in edges if a != "cli")
+
+
+def test_error_messages_keep_colon_pairs_as_written(capsys):
+    """A model spec such as tiny:llama:x is printed as written, not with :llama: turned into an emoji."""
+    import typer
+
+    from posttrain.cli.common import fail
+
+    with pytest.raises(typer.Exit) as exc:
+        fail("no model tiny:llama:x (nor :smile:)", 2)
+    assert exc.value.exit_code == 2
+    assert "error: no model tiny:llama:x (nor :smile:)" in capsys.readouterr().err

@@ -18,8 +18,10 @@ EXIT_USAGE = 2
 
 # soft_wrap: long lines (code, tokens, URLs) are never broken; piped output is not cut to 80 columns
 PIPED_WIDTH = 200
-console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else PIPED_WIDTH)
-err_console = Console(stderr=True, soft_wrap=True, width=None if sys.stderr.isatty() else PIPED_WIDTH)
+console = Console(soft_wrap=True, emoji=False, width=None if sys.stdout.isatty() else PIPED_WIDTH)
+err_console = Console(
+    stderr=True, soft_wrap=True, emoji=False, width=None if sys.stderr.isatty() else PIPED_WIDTH
+)
 
 
 def fail(message: str, code: int = EXIT_RUNTIME) -> NoReturn:

@@ -512,7 +512,15 @@ def test_status_watch_follows_the_queue_and_stops_on_ctrl_c(tmp_path, batch):
         "--home",
         str(home),
     ]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # started with SIGINT ignored, as a background job of a script is: Ctrl-C must still end the view
+    proc = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
     os.set_blocking(proc.stdout.fileno(), False)
     seen = b""
 

@@ -219,8 +219,13 @@ def status_cmd(
 
     q, database = _open(home, queue, db)
     if watch:
+        import signal
+
         from rich.live import Live
 
+        # Ctrl-C (SIGINT) ends the view even when the process was started with SIGINT ignored (a
+        # background job of a non-interactive shell inherits SIG_IGN, and Python then keeps it)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             with Live(
                 _status_table(_guard(status, database, q)), console=console, refresh_per_second=4

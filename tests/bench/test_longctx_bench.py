@@ -50,3 +50,29 @@ def test_a_tiny_run_measures_both_variants_at_every_length():
     ring = out["ring_saved_bytes_per_rank"]  # q, k, v, out and the log-sum-exp of 256 / ranks tokens
     assert ring["2"] == 4 * (4 * 9 * 128 * 64 + 9 * 128) and ring["4"] == ring["2"] // 2
     assert ring["1"] > 9 * 256 * 256 * 4  # plain attention keeps the softmax: quadratic
+
+
+def test_the_prefill_flop_oracle_matches_a_hand_count_of_the_embedded_models_shape():
+    from types import SimpleNamespace
+
+    from posttrain.bench.longctx import prefill_flops_per_token
+
+    # SmolLM2-135M: 30 layers, hidden 576, 9 heads (3 KV) of 64, MLP 1536, vocab 49152
+    cfg = SimpleNamespace(
+        hidden_size=576,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        intermediate_size=1536,
+        vocab_size=49152,
+    )
+    per_layer = 576 * 576 * 2 + 576 * 192 * 2 + 3 * 576 * 1536  # q, o; k, v; gate, up, down
+    assert per_layer == 3_538_944
+    linear = 2 * 30 * per_layer
+    pair = 4 * 30 * 9 * 64  # QK and PV over every head of every layer
+    at = {n: linear + 2 * 576 * 49152 / n + pair * (n + 1) / 2 for n in (4096, 32768)}
+    assert prefill_flops_per_token(cfg, 4096) == at[4096]
+    assert prefill_flops_per_token(cfg, 32768) == at[32768]
+    # an exact causal prefill of 32k tokens costs 3.8x a 4k one per token: the attention term grows
+    assert round(at[32768] / at[4096], 2) == 3.8

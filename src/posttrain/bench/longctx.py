@@ -12,7 +12,11 @@ only (the baseline's L x L tensors would not fit). `fits_32k` is whether a 32k t
 under the machine's memory, false when it went over or ran out of memory, null when 32k was not run or
 failed otherwise (a timeout, a kill, a crash). Ring attention (`--ring-tokens N`): the bytes one
 rank keeps for backward and the seconds of forward + backward of causal attention over N tokens with the
-embedded model's heads, in 1 (plain attention), 2 and 4 gloo processes.
+embedded model's heads, in 1 (plain attention), 2 and 4 gloo processes. `prefill_flops_per_token` is
+the oracle for the prefill times: the floating-point operations per prompt token of an exact causal
+prefill of L tokens (the decoder's matmuls plus QK and PV over the L(L+1)/2 causal pairs), from the
+model's config; `prefill_flop_ratio_32k_over_4k` is what any exact-attention prefill running at one
+FLOP rate would show as `prefill_per_token_32k_over_4k`.
 """
 
 from __future__ import annotations
@@ -48,6 +52,20 @@ def _rss_bytes() -> int:
 
 def _peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def prefill_flops_per_token(config: Any, length: int) -> float:
+    """FLOPs per token of an exact causal prefill of `length` tokens: 2 x the decoder's matmul weights
+    (q, k, v, o, gate, up, down of every layer; the LM head runs on the last token only, 1/length of
+    it) plus 4 x layers x heads x head_dim per causal (query, key) pair (QK and PV), averaged."""
+    h, layers = config.hidden_size, config.num_hidden_layers
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    hd = getattr(config, "head_dim", None) or h // heads
+    per_layer = h * heads * hd * 2 + h * kv * hd * 2 + 3 * h * config.intermediate_size
+    linear = 2 * layers * per_layer + 2 * h * config.vocab_size / length
+    attention = 4 * layers * heads * hd * (length + 1) / 2
+    return float(linear + attention)
 
 
 def child(kind: str, length: int, features: bool, model: str) -> dict[str, Any]:
@@ -263,6 +281,17 @@ def main(opts: Any) -> dict[str, Any]:
     per_token = {n: s / int(n) for n, s in result["prefill_s"].items() if s}
     if "32768" in per_token and "4096" in per_token:
         result["prefill_per_token_32k_over_4k"] = per_token["32768"] / per_token["4096"]
+    try:
+        from posttrain.models import load_policy
+
+        config = load_policy(opts.model).config  # after every child: the parent's memory is not measured
+    except Exception as err:  # a model whose config cannot be read still gets its measurements
+        result["errors"]["prefill_flops"] = f"{type(err).__name__}: {err}"[:200]
+    else:
+        flops = {str(n): prefill_flops_per_token(config, n) for n in lengths}
+        result["prefill_flops_per_token"] = flops
+        if "32768" in flops and "4096" in flops:
+            result["prefill_flop_ratio_32k_over_4k"] = flops["32768"] / flops["4096"]
     result["fits_32k"] = fits(rows["train_features"].get(32768))
 
     table = Table(title=f"long context: {opts.model} (load {result['load_avg_1m']:.1f})")

@@ -18,7 +18,9 @@ simple, not faster. A critic is not supported under data parallelism yet.
 
 `tensor_parallel_learner(learner)` splits each decoder layer's attention heads and MLP columns over
 the ranks instead (Megatron's column-in, row-out split, `TP_PLAN`); all ranks run the whole batch.
-Full fine-tuning without a critic; composing it with FSDP2 (2-D) is not built.
+LoRA adapters follow their base layer's split (`tp_plan`). `parallelize_2d(learner, dp, tp)` composes
+the two on a (dp, tp) DeviceMesh: tensor parallel inside each "tp" group, FSDP2 over "dp", each dp group
+taking its share of the micro-batches. No critic under either.
 
 Checkpoints: `save_sharded` writes a torch.distributed.checkpoint folder (each rank its shards of the
 weights and optimizer state, plus the learner's counters), and `load_sharded` reads it on any number
@@ -177,6 +179,51 @@ TP_PLAN = {
 }
 
 
+def tp_plan(layer: torch.nn.Module) -> dict[str, Any]:
+    """The `parallelize_module` plan of one decoder layer: `TP_PLAN`, and for a peft LoRA layer its base
+    layer split the same way, with the adapter that touches the split dimension split to match: a
+    column-parallel layer's B by output columns (A replicated), a row-parallel layer's A by input
+    columns (B replicated). Every rank then adds its share of B @ A to its share of the output."""
+    from peft.tuners.lora import LoraLayer
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan: dict[str, Any] = {}
+    for name, style in TP_PLAN.items():
+        module = layer.get_submodule(name)
+        if not isinstance(module, LoraLayer):
+            plan[name] = styles[style]()
+            continue
+        if any(module.use_dora.get(ad, False) for ad in module.lora_A):
+            raise ValueError("tensor parallelism does not split DoRA adapters; use plain LoRA")
+        plan[f"{name}.base_layer"] = styles[style]()
+        for ad in module.lora_A:
+            if style == "colwise":
+                plan[f"{name}.lora_B.{ad}"] = ColwiseParallel()
+            else:
+                plan[f"{name}.lora_A.{ad}"] = RowwiseParallel()
+    return plan
+
+
+def _check_tp_split(learner: Any, tp: int) -> None:
+    config = causal_lm(learner.model).config
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        if getattr(config, name) % tp:
+            raise ValueError(
+                f"tensor parallelism over {tp} ranks needs {name}={getattr(config, name)} divisible by it"
+            )
+
+
+def _dtensor_adamw(learner: Any) -> torch.optim.Optimizer:
+    tc = learner.trainer_cfg
+    learner.trainable = [p for p in learner.model.parameters() if p.requires_grad]
+    # the per-parameter loop: the fused and foreach kernels cannot take replicas and DTensors (on
+    # different meshes) together
+    return torch.optim.AdamW(
+        learner.trainable, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay, foreach=False
+    )
+
+
 @dataclass
 class TensorParallel:
     """This process's place in a tensor-parallel group: every rank runs every row of the batch, each
@@ -189,65 +236,104 @@ class TensorParallel:
 
 def tensor_parallel_learner(learner: Any, group: Any = None) -> TensorParallel:
     """Split `learner`'s decoder layers over the process group with DTensor `parallelize_module`
-    (`TP_PLAN`; embeddings, norms and head stay replicated) and rebuild its optimizer; every rank then
-    calls the same methods with the same batch. Heads and KV heads must divide by the world size."""
+    (`tp_plan`; embeddings, norms and head stay replicated, LoRA adapters split with their base layer)
+    and rebuild its optimizer; every rank then calls the same methods with the same batch. Heads, KV
+    heads and MLP columns must divide by the world size."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
     _refuse_vision(learner, "tensor-parallel")
 
     if not dist.is_initialized():
         raise RuntimeError("tensor_parallel_learner needs torch.distributed initialised (init_process_group)")
-    if learner.lora or learner.critic is not None:
-        raise ValueError("tensor-parallel learner ranks support full fine-tuning without a critic only")
+    if learner.critic is not None:
+        raise ValueError("tensor-parallel learner ranks do not support a critic (trainer.critic=none)")
     if learner.cp is not None:
         raise ValueError("tensor-parallel learner ranks do not compose with trainer.context_parallel > 1 yet")
     if learner.optimizer_steps:
         raise ValueError("split a learner before its first update (its optimizer state would be lost)")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    config = causal_lm(learner.model).config
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        if getattr(config, name) % world:
-            raise ValueError(
-                f"tensor parallelism over {world} ranks needs {name}={getattr(config, name)} divisible by it"
-            )
+    _check_tp_split(learner, world)
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
     mesh = DeviceMesh(learner.device.type, ranks)
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    plan = {name: styles[style]() for name, style in TP_PLAN.items()}
     for layer in decoder_layers(learner.model):
-        parallelize_module(layer, mesh, plan)
-    tc = learner.trainer_cfg
-    learner.trainable = [p for p in learner.model.parameters() if p.requires_grad]
-    # the per-parameter loop: the fused and foreach kernels cannot take replicas and DTensors together
-    learner.optimizer = torch.optim.AdamW(
-        learner.trainable, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay, foreach=False
-    )
+        parallelize_module(layer, mesh, tp_plan(layer))
+    learner.optimizer = _dtensor_adamw(learner)
     learner.tp = TensorParallel(rank, world, group)
     return learner.tp
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, group: Any = None) -> torch.Tensor:
-    """`torch.nn.utils.clip_grad_norm_` for a mix of replicated tensors and sharded DTensors (what tensor
-    parallelism leaves): a shard's squares are summed over the ranks, a replica's counted once."""
+def parallelize_2d(learner: Any, dp: int, tp: int) -> Any:
+    """Make `learner` one rank of a dp x tp learner over all of torch.distributed's ranks (PyTorch's 2-D
+    recipe): a DeviceMesh of shape (dp, tp) named ("dp", "tp"); every decoder layer split over its "tp"
+    group (`tp_plan`), then it and the root sharded with FSDP2 over "dp"; the optimizer rebuilt over the
+    DTensor parameters. Each dp group takes its share of every mini-batch's micro-batches (the ranks of
+    one tp group run the same ones); gradient clipping takes the norm over the whole model. Sets
+    `learner.dp` and `learner.tp`; returns the mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    _refuse_vision(learner, "2-D parallel")
+
+    if not dist.is_initialized():
+        raise RuntimeError("parallelize_2d needs torch.distributed initialised (init_process_group)")
+    if dp < 1 or tp < 1 or dp * tp != dist.get_world_size():
+        raise ValueError(
+            f"a dp={dp} x tp={tp} mesh needs dp*tp={dp * tp} ranks; torch.distributed has "
+            f"{dist.get_world_size()} (the world size)"
+        )
+    if learner.critic is not None:
+        raise ValueError("2-D parallel learner ranks do not support a critic (trainer.critic=none)")
+    if learner.cp is not None:
+        raise ValueError("2-D parallel learner ranks do not compose with trainer.context_parallel > 1 yet")
+    if learner.optimizer_steps:
+        raise ValueError("split a learner before its first update (its optimizer state would be lost)")
+    _check_tp_split(learner, tp)
+    mesh = init_device_mesh(learner.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    for layer in decoder_layers(learner.model):
+        parallelize_module(layer, mesh["tp"], tp_plan(layer))
+        fully_shard(layer, mesh=mesh["dp"])
+    root = _Root(learner.model, learner)
+    fully_shard(root, mesh=mesh["dp"])
+    learner.optimizer = _dtensor_adamw(learner)
+    learner.dp = DataParallel(mesh["dp"].get_local_rank(), dp, mesh["dp"].get_group(), root=root)
+    learner.tp = TensorParallel(mesh["tp"].get_local_rank(), tp, mesh["tp"].get_group())
+    return mesh
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` for a mix of plain tensors and DTensors on different meshes (what
+    tensor and 2-D parallelism leave): a DTensor's squares are summed over the mesh dimensions it is
+    sharded on, a replica (plain, or replicated on a dimension) counted once."""
     from torch.distributed.tensor import DTensor
 
     local = torch.zeros((), dtype=torch.float64)
-    sharded = torch.zeros((), dtype=torch.float64)
+    # (mesh, the dimensions it is sharded on) -> the sum of those shards' squares on this rank; every
+    # rank meets the parameters in the same order, so the collectives below line up
+    sharded: dict[tuple[int, tuple[int, ...]], tuple[Any, list[int], torch.Tensor]] = {}
     for p in params:
         if p.grad is None:
             continue
         g = p.grad
-        if isinstance(g, DTensor):
-            part = g.to_local().double().pow(2).sum()
-            if any(pl.is_shard() for pl in g.placements):
-                sharded += part
-            else:
-                local += part
-        else:
+        if not isinstance(g, DTensor):
             local += g.double().pow(2).sum()
-    dist.all_reduce(sharded, op=dist.ReduceOp.SUM, group=group)
-    total = (local + sharded).sqrt()
+            continue
+        # not `is_shard()`: FSDP2 over a tensor-parallel split shards with `_StridedShard`, which is not
+        dims = [i for i, pl in enumerate(g.placements) if not pl.is_replicate()]
+        part = g.to_local().double().pow(2).sum()
+        if not dims:
+            local += part
+            continue
+        key = (id(g.device_mesh), tuple(dims))
+        mesh, _, acc = sharded.setdefault(key, (g.device_mesh, dims, torch.zeros((), dtype=torch.float64)))
+        acc += part
+    total = local.clone()
+    for mesh, dims, acc in sharded.values():
+        for d in dims:
+            dist.all_reduce(acc, op=dist.ReduceOp.SUM, group=mesh.get_group(d))
+        total += acc
+    total = total.sqrt()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:
         if p.grad is not None:
@@ -255,10 +341,15 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, group: Any
     return total.float()
 
 
+def _whole(t: Any) -> Any:
+    """The whole tensor of a DTensor (gathered from its shards), a plain tensor as it is."""
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t
+
+
 def full_value(x: Any) -> float:
     """A float from a tensor that may be a DTensor (a sharded grad norm)."""
-    full = getattr(x, "full_tensor", None)
-    return float(full() if callable(full) else x)
+    return float(_whole(x))
 
 
 def full_weights(learner: Any) -> dict[str, torch.Tensor]:
@@ -281,7 +372,7 @@ def _counters(learner: Any) -> dict[str, Any]:
         "optimizer_steps": learner.optimizer_steps,
         "kl": dict(learner.kl_ctl.state_dict()),
         "generator": learner.generator.get_state().tolist(),
-        "world": learner.dp.world if getattr(learner, "dp", None) is not None else 1,
+        "world": dist.get_world_size() if dist.is_initialized() else 1,
     }
 
 
@@ -293,10 +384,11 @@ def save_sharded(learner: Any, directory: str | Path) -> None:
 
     model_sd, optim_sd = get_state_dict(learner.model, learner.optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory))
-    if getattr(learner, "dp", None) is None or learner.dp.rank == 0:
+    dp, tp = getattr(learner, "dp", None), getattr(learner, "tp", None)
+    if (dp is None or dp.rank == 0) and (tp is None or tp.rank == 0):
         (Path(directory) / "learner_counters.json").write_text(json.dumps(_counters(learner)))
     if dist.is_initialized():
-        dist.barrier(group=getattr(getattr(learner, "dp", None), "group", None))
+        dist.barrier(group=dp.group if dp is not None and tp is None else None)
 
 
 def load_sharded(learner: Any, directory: str | Path) -> None:
@@ -320,3 +412,14 @@ def load_sharded(learner: Any, directory: str | Path) -> None:
     learner.optimizer_steps = int(counters["optimizer_steps"])
     learner.kl_ctl.load_state_dict(counters["kl"])
     learner.generator.set_state(torch.tensor(counters["generator"], dtype=torch.uint8))
+
+
+def full_lora_update(learner: Any, version: int) -> Any:
+    """`weight_sync.lora_update` of a tensor-parallel (or 2-D) LoRA learner: the split adapters gathered
+    whole, so the receiver merges the same A and B one process would push. A collective: every rank
+    calls it."""
+    from posttrain.orchestrator.weight_sync import lora_update
+
+    update = lora_update(learner.model, version)
+    update.tensors = {k: _whole(v) for k, v in update.tensors.items()}
+    return update

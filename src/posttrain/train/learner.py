@@ -518,7 +518,7 @@ class Learner:
         if self.tp is not None:  # replicated tensors and sharded DTensors: torch's clip cannot mix them
             from posttrain.train.distributed import clip_grad_norm
 
-            return clip_grad_norm(self.trainable, max_norm, self.tp.group)
+            return clip_grad_norm(self.trainable, max_norm)
         return torch.nn.utils.clip_grad_norm_(self.trainable, max_norm)
 
     def _set_lr(self) -> float:

@@ -81,3 +81,29 @@ def test_step_after_done_repeats_the_result():
 
     first, again = run(go())
     assert first.done and again.reward == first.reward == 1.0
+
+
+def test_levels_make_each_entry_its_own_difficulty():
+    d = get_domain(
+        "math",
+        levels=["gcd", {"chain_sum": {"min_terms": 3, "max_terms": 3, "max_digits": 1}}, ["lcm", "products"]],
+    )
+    assert d.difficulties == [0, 1, 2]
+    assert {d.task("train", 0, i).meta["dataset"] for i in range(6)} == {"gcd"}
+    assert {d.task("heldout", 1, i).meta["dataset"] for i in range(6)} == {"chain_sum"}
+    assert {d.task("train", 2, i).meta["dataset"] for i in range(20)} == {"lcm", "products"}
+    task = d.task("heldout", 1, 3)
+    assert task.id.endswith(":d1:s0:3") and _score(task, d.reference(task)[0]).reward == 1.0
+    with pytest.raises(ValueError, match="has no difficulty 3"):
+        d.task("train", 3, 0)
+
+
+def test_levels_errors_name_the_level():
+    with pytest.raises(ValueError, match="give 'datasets' \\(one level\\) or 'levels'"):
+        get_domain("math", datasets=["gcd"], levels=["gcd"])
+    with pytest.raises(ValueError, match="'levels' must be a non-empty list"):
+        get_domain("math", levels=[])
+    with pytest.raises(ValueError, match="levels\\[1\\]: unknown reasoning-gym dataset 'gsm9k'"):
+        get_domain("math", levels=["gcd", "gsm9k"])
+    with pytest.raises(ValueError, match="levels\\[0\\]: dataset 'gcd' refuses config"):
+        get_domain("math", levels=[{"gcd": {"min_value": 50, "max_value": 10}}])

@@ -348,6 +348,8 @@ def test_dynamic_sampling_drops_equal_reward_groups_and_bounds_refills(tmp_path,
     # the first round plus at most max_resample_rounds refills, each of batch.prompts_per_step groups
     assert row["rollout/episodes"] == 3 * cfg.batch.prompts_per_step * cfg.batch.samples_per_prompt
     assert row["rollout/empty_after_filter"] == 1.0
+    assert row["rollout/zero_advantage_groups"] == 3 * cfg.batch.prompts_per_step
+    assert row["rollout/zero_advantage_tokens"] == row["rollout/generated_tokens"] > 0
     assert seen == []
     rl.close()
 
@@ -716,6 +718,9 @@ def test_a_group_left_with_one_member_is_dropped_and_counted(tmp_path, monkeypat
     row = read_metrics(run_dir.metrics)[-1]
     assert row["rollout/dropped_singleton_groups"] == 1.0 and row["counters/dropped_singleton_groups"] == 1.0
     assert {t.group_id for t in seen} == {1, 2}  # the lone member's group never reaches the learner
+    # the tiny policy scores 0 on math: groups 1 and 2 have zero advantage; the lone member is not a group
+    assert row["rollout/zero_advantage_groups"] == 2.0
+    assert row["rollout/zero_advantage_tokens"] == sum(sum(s.loss_mask) for s in seen)
     assert len(seen) == 2 * cfg.batch.samples_per_prompt
     rl.close()
 

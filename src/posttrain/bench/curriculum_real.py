@@ -10,6 +10,10 @@ both samplers the same steps instead (then the adaptive probes are extra).
 `--reuse-uniform RESULT` runs only the adaptive sampler, against the uniform runs of a saved result (same
 seeds, budgets, sizes and held-out tasks): the way to compare a second adaptive setting (`--set KEY=VALUE`)
 without training uniform again.
+`--layout many` trains 25 arms instead of the 3-domain default: reasoning-gym families at several levels
+(one `math` entry with its `levels` option: arms the model is meant to solve often, sometimes, never),
+code.unit_tests 0-2 and tools.apis 0-3, scored per arm, with the tokens of zero-advantage groups and the
+retention figures (when `--run-set curriculum.retention=...` sets suites) per run.
 """
 
 from __future__ import annotations
@@ -29,6 +33,85 @@ import numpy as np
 SAMPLERS = ["uniform_by_domain", "adaptive"]  # uniform first: its tokens set the adaptive run's budget
 MAX_STEPS_FACTOR = 3  # an adaptive run under a token budget may take up to this many times uniform's steps
 DEFAULT_DOMAINS = "math:0,1;code.unit_tests:1;tools.apis:0"
+LAYOUTS = ("default", "many")
+MANY_DOMAINS = (
+    "layout many"  # the `domains` a --layout many result records (its arms are MANY_MATH_LEVELS + MANY_OTHER)
+)
+_ARITH = {"allow_parentheses": False, "allow_negation": False}
+# --layout many: the math domain's levels, in order (arm math:i = entry i), each with the share of its tasks
+# the embedded 135M model is expected to solve ("often", "sometimes", "never"): a guess from the task's size,
+# not a measurement; the benchmark's base-model row measures it. Ranges within a family do not overlap, so
+# two arms never hold the same question; within an arm a small space repeats (math:0 has 200 questions, about
+# 40 of them held out).
+MANY_MATH_LEVELS: list[tuple[str, dict[str, dict[str, Any]]]] = [
+    (
+        "often",
+        {
+            "basic_arithmetic": {
+                "min_terms": 2,
+                "max_terms": 2,
+                "min_digits": 1,
+                "max_digits": 1,
+                "operators": ["+", "-"],
+                **_ARITH,
+            }
+        },
+    ),
+    (
+        "sometimes",
+        {
+            "basic_arithmetic": {
+                "min_terms": 2,
+                "max_terms": 2,
+                "min_digits": 2,
+                "max_digits": 2,
+                "operators": ["+", "-"],
+                **_ARITH,
+            }
+        },
+    ),
+    (
+        "never",
+        {
+            "basic_arithmetic": {
+                "min_terms": 3,
+                "max_terms": 3,
+                "min_digits": 3,
+                "max_digits": 3,
+                "operators": ["+", "-", "*"],
+                **_ARITH,
+            }
+        },
+    ),
+    ("sometimes", {"chain_sum": {"min_terms": 3, "max_terms": 3, "min_digits": 1, "max_digits": 1}}),
+    ("never", {"chain_sum": {"min_terms": 5, "max_terms": 5, "min_digits": 2, "max_digits": 2}}),
+    ("often", {"letter_counting": {"min_words": 1, "max_words": 2}}),
+    ("sometimes", {"letter_counting": {"min_words": 6, "max_words": 10}}),
+    ("sometimes", {"spell_backward": {"min_word_len": 3, "max_word_len": 3}}),
+    ("never", {"spell_backward": {"min_word_len": 8, "max_word_len": 10}}),
+    ("often", {"gcd": {"min_value": 1, "max_value": 20}}),
+    ("never", {"gcd": {"min_value": 100, "max_value": 1000}}),
+    (
+        "often",
+        {
+            "number_sorting": {
+                "min_numbers": 3,
+                "max_numbers": 3,
+                "min_decimals": 0,
+                "max_decimals": 0,
+                "min_value": 0,
+                "max_value": 9,
+            }
+        },
+    ),
+    ("never", {"number_sorting": {"min_numbers": 8, "max_numbers": 8}}),
+    ("sometimes", {"leg_counting": {"min_animals": 1, "max_animals": 1, "max_instances": 2}}),
+    ("never", {"count_bits": {}}),
+    ("never", {"arc_1d": {}}),
+    ("never", {"knights_knaves": {}}),
+    ("never", {"mini_sudoku": {}}),
+]
+MANY_OTHER = "code.unit_tests:0,1,2;tools.apis:0,1,2,3"
 # Sizes of the full run and of --quick (a few minutes). Explicit flags override either preset. Measured on
 # 2 bf16-capable CPU cores with the default domains: 24 steps at 96 new tokens took 18 min per uniform run
 # (code and tool prompts are long), so the full preset takes about 40 min per run.
@@ -87,14 +170,42 @@ def parse_domains(text: str) -> list[tuple[str, list[int]]]:
     return out
 
 
+def domain_entries(layout: str, domains: str) -> list[dict[str, Any]]:
+    """The `envs.domains` entries of a layout: "default" -> the `--domains` spec, "many" -> one math entry
+    whose `levels` are MANY_MATH_LEVELS, then MANY_OTHER. ValueError names an unknown layout."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"--real --layout: unknown layout '{layout}' (valid: {', '.join(LAYOUTS)})")
+    spec = MANY_OTHER if layout == "many" else domains
+    entries = [{"name": n, "difficulties": lv} for n, lv in parse_domains(spec)]
+    if layout == "many":
+        math = {
+            "name": "math",
+            "difficulties": list(range(len(MANY_MATH_LEVELS))),
+            "options": {"levels": [entry for _, entry in MANY_MATH_LEVELS]},
+        }
+        entries.insert(0, math)
+    return entries
+
+
+def layout_arms(layout: str) -> dict[str, str]:
+    """Arm key -> what the arm is, for the report: a math level's family, config and expected mastery."""
+    if layout != "many":
+        return {}
+    out = {}
+    for i, (role, entry) in enumerate(MANY_MATH_LEVELS):
+        ((name, cfg),) = entry.items()
+        out[f"math:{i}"] = f"{name} {json.dumps(cfg, sort_keys=True)} (expected: {role})"
+    for n, levels in parse_domains(MANY_OTHER):
+        out.update({f"{n}:{lv}": f"{n} level {lv}" for lv in levels})
+    return out
+
+
 def run_overrides(ns: argparse.Namespace, sizes: dict[str, int]) -> list[str]:
     """Config overrides shared by every run of the matrix (the sampler and seed are added per run)."""
-    doms = ", ".join(
-        f"{{name: {n}, difficulties: [{', '.join(map(str, lv))}]}}" for n, lv in parse_domains(ns.domains)
-    )
+    doms = json.dumps(domain_entries(getattr(ns, "layout", "default"), ns.domains))
     return [
         f"model.spec={ns.model}",
-        f"envs.domains=[{doms}]",
+        f"envs.domains={doms}",
         f"orchestrator.steps={sizes['steps']}",
         f"batch.prompts_per_step={sizes['prompts_per_step']}",
         f"batch.samples_per_prompt={sizes['samples_per_prompt']}",
@@ -108,6 +219,25 @@ def run_overrides(ns: argparse.Namespace, sizes: dict[str, int]) -> list[str]:
         *[f"curriculum.{o}" for o in ns.overrides],
         *ns.run_overrides,
     ]
+
+
+def macro_accuracy(
+    per_task: dict[str, list[float | None]], seed: int, n_boot: int = 1000
+) -> dict[str, float]:
+    """The mean over arms of each arm's held-out accuracy, with a 95% interval from a bootstrap that
+    resamples tasks within each arm (every arm weighs the same, however many tasks it scored)."""
+    arms = [np.array([s for s in v if s is not None], dtype=np.float64) for v in per_task.values()]
+    arms = [a for a in arms if len(a)]
+    if not arms:
+        return {"accuracy": float("nan"), "ci_low": float("nan"), "ci_high": float("nan"), "arms": 0}
+    rng = np.random.default_rng(seed)
+    boots = np.mean([a[rng.integers(0, len(a), size=(n_boot, len(a)))].mean(axis=1) for a in arms], axis=0)
+    return {
+        "accuracy": float(np.mean([a.mean() for a in arms])),
+        "ci_low": float(np.percentile(boots, 2.5)),
+        "ci_high": float(np.percentile(boots, 97.5)),
+        "arms": len(arms),
+    }
 
 
 def _pooled(scores: list[float | None], seed: int) -> dict[str, float]:
@@ -131,10 +261,12 @@ def train_and_eval(
     n_eval: int,
     eval_seed: int,
     keep_checkpoints: bool = False,
+    by_arm: bool = False,
 ) -> dict[str, Any]:
-    """One RL run with `sampler`, its policy exported and scored on the held-out tasks of `eval_seed`.
-    The run's checkpoints (learner and optimizer, ~2 GB for 135M) are deleted unless keep_checkpoints;
-    the exported `policy/` folder, config and metrics stay."""
+    """One RL run with `sampler`, its policy exported and scored on the held-out tasks of `eval_seed`
+    (per domain, or per arm with `by_arm`). The run's checkpoints (learner and optimizer, ~2 GB for 135M)
+    are deleted unless keep_checkpoints; the exported `policy/` folder, config and metrics stay. Also
+    returns the rollout tokens of zero-advantage groups and the last scored retention figures (if any)."""
     from posttrain.config import load_config, save_config
     from posttrain.orchestrator import RLRun
     from posttrain.orchestrator.evaluate import evaluate_local
@@ -171,11 +303,16 @@ def train_and_eval(
     rows = read_metrics(run_dir.metrics)
     sandbox = make_sandbox(cfg.sandbox)
     try:
-        report = evaluate_local(str(policy), cfg, domains, arms, n_eval, eval_seed, sandbox)
+        report = evaluate_local(str(policy), cfg, domains, arms, n_eval, eval_seed, sandbox, by_arm=by_arm)
     finally:
         asyncio.run(sandbox.close())
         gc.collect()
+    scored = [r for r in rows if any(str(k).startswith("retention") for k in r)]
     return {
+        "zero_advantage_tokens": sum(float(r.get("rollout/zero_advantage_tokens", 0.0)) for r in rows),
+        "retention": {k: v for k, v in scored[-1].items() if str(k).startswith("retention")}
+        if scored
+        else {},
         "report": report,
         "train_s": train_s,
         "steps": len(rows),
@@ -186,7 +323,7 @@ def train_and_eval(
     }
 
 
-def base_eval(overrides: list[str], n_eval: int, eval_seed: int) -> Any:
+def base_eval(overrides: list[str], n_eval: int, eval_seed: int, by_arm: bool = False) -> Any:
     """The untrained model on the same held-out tasks (the reference both samplers start from)."""
     from posttrain.config import load_config
     from posttrain.curriculum.arms import Arm
@@ -199,7 +336,7 @@ def base_eval(overrides: list[str], n_eval: int, eval_seed: int) -> Any:
     arms = [Arm(d.name, lvl) for d in cfg.envs.domains for lvl in d.difficulties]
     sandbox = make_sandbox(cfg.sandbox)
     try:
-        return evaluate_local(cfg.model.spec, cfg, domains, arms, n_eval, eval_seed, sandbox)
+        return evaluate_local(cfg.model.spec, cfg, domains, arms, n_eval, eval_seed, sandbox, by_arm=by_arm)
     finally:
         asyncio.run(sandbox.close())
         gc.collect()
@@ -216,6 +353,10 @@ def _take_saved(ns: argparse.Namespace, saved: dict[str, Any]) -> dict[str, int]
             "uniform runs must match the adaptive ones (leave the flag out to take the saved value)"
         )
 
+    kept_layout = saved.get("layout", "default")
+    if getattr(ns, "layout", "default") not in ("default", kept_layout):
+        raise clash("--layout", ns.layout, kept_layout)
+    ns.layout = kept_layout
     for key in REUSED_FLAGS:
         given = getattr(ns, key)
         if given is not None and given != saved[key]:
@@ -249,6 +390,12 @@ def main_real(ns: argparse.Namespace) -> dict[str, Any]:
         sizes = _take_saved(ns, saved)
         seeds = [int(row["seed"]) for row in saved["per_seed"][SAMPLERS[0]]]
     else:
+        ns.layout = getattr(ns, "layout", "default")
+        domain_entries(ns.layout, DEFAULT_DOMAINS)  # an unknown layout fails here
+        if ns.layout == "many":
+            if ns.domains is not None:
+                raise ValueError("--domains and --layout many both choose the arms; give one of them")
+            ns.domains = MANY_DOMAINS
         for key, default in REUSED_FLAGS.items():
             if getattr(ns, key, None) is None:
                 setattr(ns, key, default)
@@ -271,9 +418,12 @@ def main_real(ns: argparse.Namespace) -> dict[str, Any]:
     adaptive_cfg = {**cfg.curriculum.model_dump(mode="json"), "sampler": "adaptive"}
     root = Path(ns.out) if ns.out else Path(tempfile.mkdtemp(prefix="bench-curriculum-real-"))
     t0 = time.perf_counter()
+    by_arm = ns.layout == "many"
     if saved is None:
-        b = base_eval(overrides, sizes["n_eval"], ns.eval_seed)
+        b = base_eval(overrides, sizes["n_eval"], ns.eval_seed, by_arm)
         base = {**b.per_domain, "all": _pooled([x for v in b.per_task.values() for x in v], ns.eval_seed)}
+        if by_arm:
+            base["macro"] = macro_accuracy(b.per_task, ns.eval_seed)
     else:  # the same model on the same held-out tasks, greedy: the saved scores are what a rerun would give
         base = saved["base"]
     per_seed: dict[str, list[dict[str, Any]]] = {s: [] for s in SAMPLERS}
@@ -291,7 +441,14 @@ def main_real(ns: argparse.Namespace) -> dict[str, Any]:
                     f"orchestrator.steps={MAX_STEPS_FACTOR * sizes['steps']}",
                 ]
             r = train_and_eval(
-                [*overrides, *extra], sampler, seed, root, sizes["n_eval"], ns.eval_seed, ns.keep_checkpoints
+                [*overrides, *extra],
+                sampler,
+                seed,
+                root,
+                sizes["n_eval"],
+                ns.eval_seed,
+                ns.keep_checkpoints,
+                by_arm,
             )
             per_seed[sampler].append(
                 {
@@ -303,6 +460,8 @@ def main_real(ns: argparse.Namespace) -> dict[str, Any]:
                     "probe_tokens": r["probe_tokens"],
                     "probes": r["probes"],
                     "groups_by_arm": r["groups_by_arm"],
+                    "zero_advantage_tokens": r["zero_advantage_tokens"],
+                    "retention": r["retention"],
                     "per_task": r["report"].per_task,
                 }  # held-out scores in task order, for pooling across invocations
             )
@@ -317,6 +476,7 @@ def main_real(ns: argparse.Namespace) -> dict[str, Any]:
         "eval_seed": ns.eval_seed,
         "budget": ns.budget,
         "quick": bool(ns.quick),
+        **({"layout": ns.layout, "arms": layout_arms(ns.layout)} if ns.layout != "default" else {}),
         "run_overrides": list(ns.run_overrides),
         # --set values: the adaptive runs', and the uniform runs' (the same unless they come from --reuse-uniform)
         "adaptive_overrides": list(ns.overrides),
@@ -343,8 +503,9 @@ def summarise(
     budgets: list[int | None],
 ) -> dict[str, Any]:
     """The report of a run matrix from its per-seed rows (each with the held-out `per_task` scores): accuracy
-    per domain with every seed's tasks pooled, adaptive - uniform paired per seed and, over several seeds,
-    pooled over (task, seed) pairs. `main_real` and `pool_results` both build their output here."""
+    per domain (per arm for --layout many) with every seed's tasks pooled, the macro accuracy over them,
+    the rollout tokens spent on zero-advantage groups, adaptive - uniform paired per seed and, over several
+    seeds, pooled over (task, seed) pairs. `main_real` and `pool_results` both build their output here."""
     from posttrain.orchestrator.evaluate import EvalReport, paired_delta
 
     seeds = [row["seed"] for row in per_seed[SAMPLERS[0]]]
@@ -357,6 +518,8 @@ def summarise(
         "per_domain": {},
         "per_seed": per_seed,
         "delta_adaptive_minus_uniform": {},
+        "macro": {},
+        "zero_advantage_tokens": {},
     }
     reports = {
         s: [EvalReport(f"{s}-seed{row['seed']}", row["per_task"]) for row in per_seed[s]] for s in SAMPLERS
@@ -365,6 +528,12 @@ def summarise(
         pooled = _pool(reports[sampler]).per_task
         out["per_domain"][sampler] = {d: _pooled(s, eval_seed) for d, s in pooled.items()}
         out["per_domain"][sampler]["all"] = _pooled([x for s in pooled.values() for x in s], eval_seed)
+        out["macro"][sampler] = macro_accuracy(pooled, eval_seed)
+        rows = per_seed[sampler]
+        if all("zero_advantage_tokens" in r for r in rows):  # absent from results saved before it was counted
+            zero = sum(float(r["zero_advantage_tokens"]) for r in rows)
+            spent = sum(float(r["generated_tokens"]) for r in rows)
+            out["zero_advantage_tokens"][sampler] = {"tokens": zero, "share": zero / spent if spent else 0.0}
     for seed, a, u in zip(seeds, reports["adaptive"], reports["uniform_by_domain"], strict=True):
         out["delta_adaptive_minus_uniform"][str(seed)] = paired_delta(a, u, eval_seed)
     if len(seeds) > 1:  # every run is scored on the same held-out tasks: pair (task, seed) across the seeds
@@ -496,6 +665,7 @@ def pool_results(paths: list[str], check_adaptive_config: bool = True) -> dict[s
         k: first[k]
         for k in ("mode", "model", "domains", "sizes", "eval_seed", "budget", "rollouts_per_uniform_run")
     }
+    meta.update({k: first[k] for k in ("layout", "arms") if k in first})
     settings = _settings(first)
     known = [s for s in (_settings(r)["--run-set values"] for r in results) if s is not None]
     meta.update(
@@ -637,6 +807,19 @@ def _print_real(out: dict[str, Any]) -> None:
         t.add_row(d, cell(out["base"][d]), *[cell(out["per_domain"][s][d]) for s in SAMPLERS])
     console = Console(width=170)
     console.print(t)
+    for key, what in out.get("arms", {}).items():
+        console.print(f"  {key}: {what}")
+    macro = ", ".join(
+        f"{s} {m['accuracy']:.3f} [{m['ci_low']:.3f}, {m['ci_high']:.3f}]" for s, m in out["macro"].items()
+    )
+    console.print(
+        f"  macro accuracy (mean over {'arms' if out.get('layout') == 'many' else 'domains'}): {macro}"
+    )
+    for s, z in out["zero_advantage_tokens"].items():
+        console.print(
+            f"  {s}: {z['tokens']:.0f} rollout tokens in zero-advantage groups (all rewards equal), "
+            f"{z['share']:.1%} of its rollout tokens"
+        )
     for seed, dd in out["delta_adaptive_minus_uniform"].items():
         per = ", ".join(
             f"{d} {v['delta']:+.3f} [{v['ci_low']:+.3f}, {v['ci_high']:+.3f}]"
@@ -652,6 +835,8 @@ def _print_real(out: dict[str, Any]) -> None:
                 f"{r['probe_tokens']:.0f} probe tokens ({r['probes']} probes), train {r['train_s']} s, "
                 f"groups {r['groups_by_arm']}"
             )
+            if r.get("retention"):
+                console.print(f"    retention at its last scoring: {r['retention']}")
     if out.get("adaptive_overrides") or out.get("uniform_overrides"):
         console.print(
             f"  --set values: adaptive {out['adaptive_overrides']}, uniform {out['uniform_overrides']}"

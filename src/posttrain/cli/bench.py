@@ -305,7 +305,9 @@ def curriculum(
         "default",
         "--layout",
         metavar="NAME|SPEC",
-        help="simulated arms: a preset (default, idle_heavy, ...) or domain:level=role,...",
+        help="simulated arms: a preset (default, idle_heavy, ...) or domain:level=role,...; with --real: "
+        "default (the --domains arms) or many (25 arms: reasoning-gym families at several levels, "
+        "code.unit_tests 0-2, tools.apis 0-3)",
     ),
     budget_steps: int | None = typer.Option(
         None, "--budget-steps", help="token budget in full batches at the mean rollout length"

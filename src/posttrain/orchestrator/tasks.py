@@ -117,7 +117,9 @@ def collect_step(
     With dynamic sampling (algorithm.dynamic_sampling, or a sampler that filters groups: dapo_filter_only)
     groups whose rewards are all equal are dropped and refilled, for at most algorithm.max_resample_rounds
     more rounds. A group that infrastructure failures left with one member (no baseline) is dropped and
-    counted, unless the advantage estimator needs no group."""
+    counted, unless the advantage estimator needs no group. Groups of two or more scored members whose
+    rewards are all equal (zero advantage under a group baseline) are counted with their generated tokens,
+    kept or dropped."""
     from posttrain.algos import uses_group_baseline
 
     filtering = cfg.algorithm.dynamic_sampling or tasks.sampler.filters_groups
@@ -129,7 +131,7 @@ def collect_step(
     wall = 0.0
     offset = 0
     rounds = cfg.algorithm.max_resample_rounds if filtering else 0
-    dropped = total_groups = singletons = 0
+    dropped = total_groups = singletons = zero_groups = zero_tokens = 0
     for round_ in range(rounds + 1):
         picks = tasks.pick(want if round_ == 0 else want - len({t.group_id for t in kept}), progress)
         batch = rollout(picks, step, offset)
@@ -152,6 +154,9 @@ def collect_step(
             if len(members) == 1 < cfg.batch.samples_per_prompt and not lone_ok:
                 singletons += 1  # its advantage would be its raw score: no group to compare with
                 continue
+            if len(members) > 1 and len(set(rewards)) == 1:  # every member's group advantage is 0
+                zero_groups += 1
+                zero_tokens += sum(t.num_generated for t in members)
             if filtering and len(set(rewards)) == 1:
                 dropped += 1
                 continue
@@ -166,4 +171,6 @@ def collect_step(
     stats["rollout/dropped_group_frac"] = dropped / total_groups if total_groups else 0.0
     stats["rollout/dropped_groups"] = float(dropped)
     stats["rollout/dropped_singleton_groups"] = float(singletons)
+    stats["rollout/zero_advantage_groups"] = float(zero_groups)  # all rewards equal, refills included
+    stats["rollout/zero_advantage_tokens"] = float(zero_tokens)
     return kept, groups_for_sampler, stats

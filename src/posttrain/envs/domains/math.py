@@ -3,7 +3,10 @@ scorer after robust answer extraction (`posttrain.envs.extract`). Single turn.
 
 Default: a curated easy-to-hard family set (difficulty 0 = one-step addition/subtraction of numbers up
 to 10). `get_domain("math", datasets=["gcd", "knights_knaves"])` or `datasets={"chain_sum": {"min_terms":
-3}}` uses any reasoning-gym datasets by name instead (one difficulty level, 0).
+3}}` uses any reasoning-gym datasets by name instead (one difficulty level, 0). `levels=[...]` makes each
+entry its own difficulty level, in order (level i = entry i, each a name, a list of names or a mapping of
+name to config, as `datasets`): one domain entry then holds several families, each at several levels, as
+separate curriculum arms (`math:0`, `math:1`, ...).
 
 Reward = 0.85 * correct + 0.15 * format, where `correct` is the dataset scorer's value on the extracted
 answer (a numeric answer equal after normalisation - "7.0" vs "7", "1,200" vs "1200" - counts as 1) and
@@ -106,6 +109,39 @@ def _entry(name: str, config: dict[str, Any], index: int) -> dict[str, Any]:
     return _dataset(name, _freeze(config))[index]
 
 
+def _families(datasets: Any, where: str) -> list[tuple[str, dict[str, Any]]]:
+    """[(reasoning-gym dataset, config)] of one level given as a list of names or a mapping of name to
+    config; ValueError names `where` (the option) and what is wrong, a config the dataset refuses included."""
+    import reasoning_gym
+
+    if not isinstance(datasets, list | tuple | dict):
+        raise ValueError(
+            f"math: '{where}' must be a list of reasoning-gym dataset names or a mapping of "
+            f"name to config, got {type(datasets).__name__} {datasets!r} (e.g. datasets=[gcd])"
+        )
+    if not all(isinstance(n, str) for n in datasets):
+        raise ValueError(f"math: '{where}' names must be strings, got {list(datasets)!r}")
+    chosen = {n: {} for n in datasets} if isinstance(datasets, list | tuple) else dict(datasets)
+    if not chosen:
+        raise ValueError(f"math: '{where}' is empty; give reasoning-gym dataset names")
+    valid = sorted(reasoning_gym.factory.DATASETS)
+    for n, cfg in chosen.items():
+        if n not in valid:
+            raise ValueError(
+                f"math: {where}: unknown reasoning-gym dataset '{n}' (valid: {', '.join(valid)})"
+            )
+        if not isinstance(cfg, dict):
+            raise ValueError(
+                f"math: {where}: config for dataset '{n}' must be a mapping, got {type(cfg).__name__}"
+            )
+        try:
+            with _RG_LOCK:
+                reasoning_gym.create_dataset(n, seed=0, size=1, **dict(_freeze(cfg)))
+        except Exception as err:  # noqa: BLE001 - each dataset validates its config its own way
+            raise ValueError(f"math: {where}: dataset '{n}' refuses config {cfg!r}: {err}") from None
+    return list(chosen.items())
+
+
 def score_math(text: str, meta: dict[str, Any]) -> tuple[float, dict[str, float], dict[str, Any]]:
     """(reward, components, info) for one answer text; never raises on any text."""
     extracted = extract_answer(text)
@@ -159,31 +195,26 @@ class MathEnv(Environment):
 class MathDomain(Domain):
     description = "reasoning-gym math/logic questions; answer in <answer></answer> tags"
 
-    def __init__(self, datasets: list[str] | dict[str, dict[str, Any]] | None = None) -> None:
-        if datasets is None:
-            self.families = CURATED
-        else:
-            import reasoning_gym
-
-            if not isinstance(datasets, list | tuple | dict):
+    def __init__(
+        self,
+        datasets: list[str] | dict[str, dict[str, Any]] | None = None,
+        levels: list[str | list[str] | dict[str, dict[str, Any]]] | None = None,
+    ) -> None:
+        if datasets is not None and levels is not None:
+            raise ValueError("math: give 'datasets' (one level) or 'levels' (one entry per level), not both")
+        if levels is not None:
+            if not isinstance(levels, list | tuple) or not levels:
                 raise ValueError(
-                    f"math: 'datasets' must be a list of reasoning-gym dataset names or a mapping of "
-                    f"name to config, got {type(datasets).__name__} {datasets!r} (e.g. datasets=[gcd])"
+                    f"math: 'levels' must be a non-empty list, one entry per difficulty level, got {levels!r} "
+                    "(e.g. levels=[gcd, {chain_sum: {min_terms: 3}}])"
                 )
-            if not all(isinstance(n, str) for n in datasets):
-                raise ValueError(f"math: 'datasets' names must be strings, got {list(datasets)!r}")
-            chosen = {n: {} for n in datasets} if isinstance(datasets, list | tuple) else dict(datasets)
-            if not chosen:
-                raise ValueError("math: 'datasets' is empty; give reasoning-gym dataset names")
-            valid = sorted(reasoning_gym.factory.DATASETS)
-            for n, cfg in chosen.items():
-                if n not in valid:
-                    raise ValueError(f"math: unknown reasoning-gym dataset '{n}' (valid: {', '.join(valid)})")
-                if not isinstance(cfg, dict):
-                    raise ValueError(
-                        f"math: config for dataset '{n}' must be a mapping, got {type(cfg).__name__}"
-                    )
-            self.families = {0: list(chosen.items())}
+            self.families = {
+                i: _families([e] if isinstance(e, str) else e, f"levels[{i}]") for i, e in enumerate(levels)
+            }
+        elif datasets is not None:
+            self.families = {0: _families(datasets, "datasets")}
+        else:
+            self.families = CURATED
         self.difficulties = sorted(self.families)
 
     def task(self, split: str, difficulty: int, index: int, seed: int = 0) -> Task:

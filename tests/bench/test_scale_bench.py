@@ -10,12 +10,15 @@ def test_bench_scale_reports_every_transport_against_memcpy():
     out = run_bench(
         "scale", ["--model", "tiny:llama", "--repeats", "1", "--lora-rank", "2", "--skip-broadcast"]
     )
-    assert set(out["weight_sync_s"]) == {"in_process", "shared_file", "lora"}
+    assert set(out["weight_sync_s"]) == {"in_process", "shared_file", "shared_file_transport", "lora"}
     for name, seconds in out["weight_sync_s"].items():
         moved = out["lora_bytes"] if name == "lora" else out["weight_bytes"]
         assert out["bytes_per_s"][name] == pytest.approx(moved / seconds)
     assert out["shared_file_frac_of_memcpy"] == pytest.approx(
         out["bytes_per_s"]["shared_file"] / out["memcpy_bytes_per_s"]
+    )
+    assert out["shared_file_transport_frac_of_memcpy"] == pytest.approx(
+        out["bytes_per_s"]["shared_file_transport"] / out["memcpy_bytes_per_s"]
     )
     assert 0 < out["lora_bytes"] < out["weight_bytes"] and out["ray_overhead_frac"] is None
 

@@ -5,6 +5,7 @@ and nothing of it is applied; the broadcast transport between two gloo processes
 from __future__ import annotations
 
 import copy
+import json
 import os
 
 import pytest
@@ -53,7 +54,7 @@ def test_shared_file_round_trip_is_bit_exact_in_buckets(tmp_path):
     w = some_weights()
     stats = t.push(ws.full_update(w, version=3))
     assert stats.nbytes == sum(x.numel() * x.element_size() for x in w.values()) and stats.version == 3
-    assert len(list((tmp_path / "v3").glob("bucket-*.safetensors"))) == 2  # 1600 B alone, then 128 + 512 + 32
+    assert len(list((tmp_path / "v3").glob("bucket-*.bin"))) == 2  # 1600 B alone, then 128 + 512 + 32
     engine = RecordingEngine()
     rx = ws.Receiver(engine)
     assert t.pull(rx) is True and engine.version == 3 and rx.version == 3
@@ -90,21 +91,19 @@ def test_versions_only_move_forward(tmp_path):
 def test_an_interrupted_push_is_never_applied(tmp_path, monkeypatch):
     t = ws.SharedFile(tmp_path, bucket_bytes=1024)
     t.push(ws.full_update(some_weights(1), version=1))
-    import safetensors.torch
-
-    real_save = safetensors.torch.save
+    real_write = ws.write_bucket
     calls = []
 
-    def dying_save(tensors, metadata=None):
+    def dying_write(path, group):
         calls.append(1)
         if len(calls) == 2:
             raise OSError("disk gone mid-push")
-        return real_save(tensors, metadata)
+        return real_write(path, group)
 
-    monkeypatch.setattr(safetensors.torch, "save", dying_save)
+    monkeypatch.setattr(ws, "write_bucket", dying_write)
     with pytest.raises(OSError, match="disk gone"):
         t.push(ws.full_update(some_weights(2), version=2))
-    monkeypatch.setattr(safetensors.torch, "save", real_save)
+    monkeypatch.setattr(ws, "write_bucket", real_write)
     assert t.latest() == 1 and (tmp_path / ".v2.partial").exists() and not (tmp_path / "v2").exists()
     engine = RecordingEngine()
     t.pull(ws.Receiver(engine))
@@ -112,22 +111,68 @@ def test_an_interrupted_push_is_never_applied(tmp_path, monkeypatch):
     assert_same(engine.weights, some_weights(1))
 
 
+def test_odd_layouts_round_trip_bit_exact(tmp_path):
+    g = torch.Generator().manual_seed(3)
+    w = {
+        "transposed": torch.randn(6, 5, generator=g).T,  # not contiguous
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "empty": torch.empty(0, 4),
+        "odd_bytes": torch.arange(7, dtype=torch.int8),  # 7 B: the next tensor is realigned to 64
+        "half": torch.randn(3, 3, generator=g).half(),
+    }
+    t = ws.SharedFile(tmp_path)
+    t.push(ws.full_update(w, version=1))
+    back = t.read()
+    assert_same(back.tensors, w)
+    offsets = [
+        e[3] for e in json.loads((tmp_path / "v1" / "manifest.json").read_text())["buckets"][0]["tensors"]
+    ]
+    assert all(o % 64 == 0 for o in offsets) and offsets == sorted(offsets)
+
+
+def test_pruned_folders_are_rewritten_in_place_and_read_bit_exact(tmp_path):
+    t = ws.SharedFile(tmp_path, bucket_bytes=1024, keep=2)
+    rx_side = ws.SharedFile(tmp_path, bucket_bytes=1024, keep=2)  # the reader, as in another process
+    big = some_weights(1)  # 2 buckets
+    small = {"model.norm.weight": torch.full((8,), 3.0)}  # 1 bucket
+    inodes = set()
+    for v, w in enumerate([big, big, small, big, small, big], start=1):
+        t.push(ws.full_update(w, version=v))
+        assert_same(rx_side.read(v).tensors, w)
+        files = sorted(p.name for p in (tmp_path / f"v{v}").iterdir())
+        assert files == [*[f"bucket-{i:05d}.bin" for i in range(2 if w is big else 1)], "manifest.json"]
+        inodes.update(p.stat().st_ino for p in (tmp_path / f"v{v}").glob("bucket-*"))
+    assert sorted(p.name for p in tmp_path.glob("v*")) == ["v5", "v6"] and (tmp_path / ".spare").is_dir()
+    assert len(inodes) <= 5  # bucket files recycled across 3 folders, not 10 fresh ones
+    fresh = ws.SharedFile(tmp_path / "fresh", bucket_bytes=1024, reuse_files=False)
+    for v in (1, 2, 3):
+        fresh.push(ws.full_update(big, version=v))
+    assert not (tmp_path / "fresh" / ".spare").exists() and fresh.read(3).version == 3
+
+
 def test_a_corrupt_or_missing_bucket_is_refused_by_name(tmp_path):
     t = ws.SharedFile(tmp_path, bucket_bytes=1024)
     t.push(ws.full_update(some_weights(), version=4))
-    bucket = tmp_path / "v4" / "bucket-00001.safetensors"
-    data = bytearray(bucket.read_bytes())
-    data[-1] ^= 0xFF
-    bucket.write_bytes(bytes(data))
+    bucket = tmp_path / "v4" / "bucket-00001.bin"
+    good = bucket.read_bytes()
     engine = RecordingEngine()
     rx = ws.Receiver(engine)
+    for at in (0, len(good) // 2, len(good) - 1):  # one flipped bit anywhere in the bucket
+        data = bytearray(good)
+        data[at] ^= 0x01
+        bucket.write_bytes(bytes(data))
+        with pytest.raises(
+            ws.PartialUpdate,
+            match=r"v4: bucket bucket-00001.bin has (\d+) bytes and XXH3-64 \d+, the manifest says \1 and",
+        ):
+            t.pull(rx)
+    bucket.write_bytes(good[:-4])
     with pytest.raises(
-        ws.PartialUpdate,
-        match=r"v4: bucket bucket-00001.safetensors has (\d+) bytes and CRC-32 \d+, the manifest says \1 and",
+        ws.PartialUpdate, match=rf"bucket-00001.bin has {len(good) - 4} bytes .* says {len(good)} "
     ):
         t.pull(rx)
     bucket.unlink()
-    with pytest.raises(ws.PartialUpdate, match="bucket bucket-00001.safetensors is missing"):
+    with pytest.raises(ws.PartialUpdate, match="bucket bucket-00001.bin is missing"):
         t.pull(rx)
     assert engine.loads == 0 and rx.version is None
 

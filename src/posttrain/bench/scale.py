@@ -3,11 +3,12 @@ bandwidth measured in the same run.
 
 Transports (`orchestrator.weight_sync`): `in_process` (the tensors copied into a live paged engine),
 `shared_file` (a push into a folder on /dev/shm, then the read, verification and load into the same
-engine, as an engine in another process does), `broadcast` (torch.distributed over gloo between two
-processes on 127.0.0.1: the wire time of the push, process start excluded) and `lora` (a rank-R
-adapter push through shared_file, merged at the receiver). The baseline is a plain copy of the same
-bytes into preallocated buffers (`memcpy`): what moving the weights once costs on this machine. Each
-figure is the median of `--repeats`.
+engine, as an engine in another process does), `shared_file_transport` (the same push and verified read,
+without the engine's load: what the transport itself costs), `broadcast` (torch.distributed over gloo
+between two processes on 127.0.0.1: the wire time of the push, process start excluded) and `lora` (a
+rank-R adapter push through shared_file, merged at the receiver). The baseline is a plain copy of the
+same bytes into preallocated buffers (`memcpy`): what moving the weights once costs on this machine.
+Each figure is the median of `--repeats`.
 
 With `--ray-steps N`: N RL steps of the default recipe on the model, sync mode, with the local backend
 (engine in process, in-process weights) and with the Ray backend (one engine actor, shared-file
@@ -191,6 +192,10 @@ def main(opts: Any) -> dict:
             shared.push(ws.full_update(weights, next(version)))
             shared.pull(receiver)
 
+        def shared_file_transport() -> None:
+            shared.push(ws.full_update(weights, next(version)))
+            shared.read()
+
         lora_model = wrap_lora(
             load_policy(opts.model, dtype=opts.dtype),
             rank=opts.lora_rank,
@@ -207,7 +212,13 @@ def main(opts: Any) -> dict:
             lora_shared.pull(lora_receiver)
 
         console.print(f"[dim]measuring {nbytes / 1e6:.0f} MB of {opts.model} weights ({opts.dtype}) ...[/]")
-        runners = {"memcpy": memcpy, "in_process": in_process, "shared_file": shared_file, "lora": lora}
+        runners = {
+            "memcpy": memcpy,
+            "in_process": in_process,
+            "shared_file": shared_file,
+            "shared_file_transport": shared_file_transport,
+            "lora": lora,
+        }
         for fn in runners.values():
             fn()  # warm: page faults, allocator
         seconds = {name: _median_s(fn, opts.repeats) for name, fn in runners.items()}
@@ -240,6 +251,7 @@ def main(opts: Any) -> dict:
         "bytes_per_s": {k: v for k, v in rates.items() if k != "memcpy"},
         "memcpy_bytes_per_s": rates["memcpy"],
         "shared_file_frac_of_memcpy": rates["shared_file"] / rates["memcpy"],
+        "shared_file_transport_frac_of_memcpy": rates["shared_file_transport"] / rates["memcpy"],
         **_ray_overhead(opts),
         "load_avg_1m": load,
         "cpu_count": os.cpu_count(),

@@ -6,11 +6,15 @@ into the engine's base weights on the receiving side. Transports:
 
 - `InProcess`: the engine lives in this process; the tensors are handed over as they are.
 - `SharedFile`: a directory (``/dev/shm`` by default: shared memory) that engines in other processes on
-  this host read. A push writes safetensors buckets of at most `bucket_bytes` into a temporary
-  directory, fsyncs them, writes a manifest with each bucket's size and CRC-32, renames the directory
-  to ``v{version}`` and only then points ``LATEST`` at it (atomic rename). A push interrupted half-way
-  is never referenced; a bucket whose size or checksum does not match the manifest is refused by name
-  and nothing of that version is applied.
+  this host read. A push writes the raw tensor bytes (64-byte aligned) into bucket files of at most
+  `bucket_bytes`, hashing each tensor's bytes with XXH3-64 while they are still in cache, fsyncs them,
+  writes a manifest (each tensor's dtype, shape and offset; each bucket's size and XXH3-64) into a
+  temporary directory, renames it to ``v{version}`` and only then points ``LATEST`` at it (atomic
+  rename). The reader maps each bucket (`mmap`), checks its size and hash, and hands zero-copy views
+  (`torch.frombuffer`) to the engine, whose `load_weights` copies them into its own tensors: one copy
+  on each side. A push interrupted half-way is never referenced; a bucket whose size or hash does not
+  match the manifest (a truncated, rewritten or bit-flipped file) is refused by name and nothing of
+  that version is applied.
 - `Broadcast`: torch.distributed from the learner's rank to engine workers (NCCL on GPUs, gloo on
   CPUs): a header, then one flat buffer per bucket and dtype. A sender that fails mid-push makes the
   collective fail on the receivers, which apply nothing.
@@ -22,10 +26,11 @@ it is not applied twice. `apply()` is the single place an update enters an engin
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import shutil
 import time
-import zlib
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -211,50 +216,158 @@ def _buckets(tensors: dict[str, torch.Tensor], bucket_bytes: int) -> Iterator[di
         yield group
 
 
+FORMAT = "posttrain-raw-1"  # the manifest's "format": raw aligned tensor bytes, XXH3-64 per bucket
+_ALIGN = 64
+_HASH_CHUNK = 4 << 20  # hashed right after it is written, while it is still in cache
+
+
+def _raw_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of `t` on the CPU, C-contiguous (a view when it already is)."""
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def write_bucket(path: Path, group: dict[str, torch.Tensor]) -> dict:
+    """Write `group`'s tensors into `path` (rewritten in place if it exists), each at a 64-byte aligned
+    offset, hashing them as they are written; fsync it. Returns its manifest entry: file, bytes, xxh3_64 and the tensors' layout."""
+    import xxhash
+
+    digest = xxhash.xxh3_64()
+    layout = []
+    offset = 0
+    with open(path, "r+b" if path.exists() else "wb", buffering=0) as f:
+        for name, t in group.items():
+            pad = -offset % _ALIGN
+            if pad:
+                f.write(bytes(pad))
+                digest.update(bytes(pad))
+                offset += pad
+            raw = _raw_bytes(t)
+            layout.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), offset])
+            for i in range(0, len(raw), _HASH_CHUNK):
+                chunk = raw[i : i + _HASH_CHUNK]
+                f.write(chunk)
+                digest.update(chunk)
+            offset += len(raw)
+        f.truncate(offset)
+        os.fsync(f.fileno())
+    return {"file": path.name, "bytes": offset, "xxh3_64": digest.intdigest(), "tensors": layout}
+
+
+def read_bucket(
+    path: Path,
+    entry: dict,
+    version: int,
+    maps: dict[tuple[int, int], Any] | None = None,
+    used: set[tuple[int, int]] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Map the bucket `entry` describes, check its size and XXH3-64 (PartialUpdate naming the file if
+    either differs) and return read-only tensor views of it. `maps` ((device, inode) -> mapping) keeps
+    the mappings of files the writer rewrites in place, so their page tables are built once; the key
+    of the one used goes into `used`."""
+    import xxhash
+
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        raise PartialUpdate(f"weight update v{version}: bucket {entry['file']} is missing") from None
+    with f:
+        st = os.fstat(f.fileno())
+        size, key = st.st_size, (st.st_dev, st.st_ino)
+        mapped: Any = maps.get(key) if maps is not None else None
+        if mapped is None or len(mapped) != size:
+            mapped = (
+                mmap.mmap(
+                    f.fileno(),
+                    0,
+                    flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                    prot=mmap.PROT_READ,
+                )
+                if size
+                else b""
+            )
+        if maps is not None:
+            maps[key] = mapped
+        if used is not None:
+            used.add(key)
+    digest = xxhash.xxh3_64_intdigest(mapped)
+    if size != entry["bytes"] or digest != entry["xxh3_64"]:
+        raise PartialUpdate(
+            f"weight update v{version}: bucket {entry['file']} has {size} bytes and XXH3-64 {digest}, "
+            f"the manifest says {entry['bytes']} and {entry['xxh3_64']}"
+        )
+    out: dict[str, torch.Tensor] = {}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        for name, dtype, shape, offset in entry["tensors"]:
+            dt = getattr(torch, dtype)
+            count = int(torch.Size(shape).numel())
+            if count == 0:
+                out[name] = torch.empty(shape, dtype=dt)
+                continue
+            out[name] = torch.frombuffer(mapped, dtype=dt, count=count, offset=offset).view(shape)
+    return out
+
+
 class SharedFile:
     """Pushes into `directory` (writer) and reads from it (reader): see the module docstring.
-    `keep` versions are kept so that a reader still loading the previous one is not cut off."""
+    `keep` versions are kept so that a reader still loading the previous one is not cut off. The
+    folder of a version pruned that way becomes the spare that the next push rewrites in place
+    (`reuse_files`): rewriting pages /dev/shm already holds costs half of allocating fresh ones. Its
+    files are renamed away before they are rewritten, so a reader more than `keep` versions behind
+    finds them missing, unless it had mapped them already (the Ray placement has no such reader: it
+    waits until every engine has loaded a push before it makes the next)."""
 
     name = "shared_file"
 
-    def __init__(self, directory: str | Path, bucket_bytes: int = 256 << 20, keep: int = 2) -> None:
+    def __init__(
+        self, directory: str | Path, bucket_bytes: int = 256 << 20, keep: int = 2, reuse_files: bool = True
+    ) -> None:
         if bucket_bytes < 1 or keep < 1:
             raise ValueError("bucket_bytes and keep must be >= 1")
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.bucket_bytes = bucket_bytes
         self.keep = keep
+        self.reuse_files = reuse_files
+        self.spare = self.dir / ".spare"
+        self._maps: dict[tuple[int, int], Any] = {}  # the reader's mappings, by (device, inode)
+        self._last_read: dict[tuple[int, int], int] = {}
+        self._reads = 0
 
     # writer ------------------------------------------------------------------------------------------
 
     def reset(self) -> None:
         """Remove every published and partial version (a run's pushes start afresh, a resumed one too)."""
         (self.dir / "LATEST").unlink(missing_ok=True)
+        shutil.rmtree(self.spare, ignore_errors=True)
         for path in self.dir.glob("*v*"):
             if path.is_dir() and (path.name.startswith("v") or path.name.startswith(".v")):
                 shutil.rmtree(path, ignore_errors=True)
 
     def push(self, update: WeightUpdate) -> PushStats:
-        from safetensors.torch import save
-
         t0 = time.perf_counter()
         latest = self.latest()
         if latest is not None and update.version <= latest:
             raise StaleUpdate(f"push of v{update.version}: v{latest} is already published in {self.dir}")
         tmp = self.dir / f".v{update.version}.partial"
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        buckets = []
+        if self.spare.is_dir():
+            self.spare.rename(tmp)
+            (tmp / "manifest.json").unlink(missing_ok=True)
+        else:
+            tmp.mkdir()
         unique, aliases = dedupe(update.tensors)
-        for i, group in enumerate(_buckets(unique, self.bucket_bytes)):
-            path = tmp / f"bucket-{i:05d}.safetensors"
-            data = save({k: v.detach().contiguous() for k, v in group.items()})
-            with open(path, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            buckets.append({"file": path.name, "bytes": len(data), "crc32": zlib.crc32(data)})
+        buckets = [
+            write_bucket(tmp / f"bucket-{i:05d}.bin", group)
+            for i, group in enumerate(_buckets(unique, self.bucket_bytes))
+        ]
+        written = {b["file"] for b in buckets}
+        for old in tmp.glob("bucket-*"):
+            if old.name not in written:
+                old.unlink()
         manifest = {
+            "format": FORMAT,
             "version": update.version,
             "kind": update.kind,
             "scaling": update.scaling,
@@ -281,7 +394,11 @@ class SharedFile:
     def _prune(self, newest: int) -> None:
         versions = sorted(int(p.name[1:]) for p in self.dir.glob("v*") if p.name[1:].isdigit())
         for v in versions:
-            if v <= newest - self.keep:
+            if v > newest - self.keep:
+                continue
+            if self.reuse_files and not self.spare.exists():
+                (self.dir / f"v{v}").rename(self.spare)
+            else:
                 shutil.rmtree(self.dir / f"v{v}", ignore_errors=True)
 
     # reader ------------------------------------------------------------------------------------------
@@ -293,9 +410,8 @@ class SharedFile:
             return None
 
     def read(self, version: int | None = None) -> WeightUpdate:
-        """The published update `version` (default: the latest), verified whole before it is returned."""
-        from safetensors.torch import load
-
+        """The published update `version` (default: the latest), every bucket's size and hash checked
+        before it is returned. Its tensors are read-only views of the mapped files: copy, never write."""
         version = self.latest() if version is None else version
         if version is None:
             raise FileNotFoundError(f"no weight update published in {self.dir}")
@@ -304,18 +420,21 @@ class SharedFile:
             manifest = json.loads((folder / "manifest.json").read_text())
         except FileNotFoundError:
             raise PartialUpdate(f"weight update v{version} in {self.dir} has no manifest") from None
+        if manifest.get("format") != FORMAT:
+            raise PartialUpdate(
+                f"weight update v{version} in {self.dir} has format {manifest.get('format')!r}, "
+                f"this reader reads {FORMAT!r}"
+            )
         tensors: dict[str, torch.Tensor] = {}
+        used: set[tuple[int, int]] = set()
         for b in manifest["buckets"]:
-            try:
-                data = (folder / b["file"]).read_bytes()
-            except FileNotFoundError:
-                raise PartialUpdate(f"weight update v{version}: bucket {b['file']} is missing") from None
-            if len(data) != b["bytes"] or zlib.crc32(data) != b["crc32"]:
-                raise PartialUpdate(
-                    f"weight update v{version}: bucket {b['file']} has {len(data)} bytes and CRC-32 "
-                    f"{zlib.crc32(data)}, the manifest says {b['bytes']} and {b['crc32']}"
-                )
-            tensors.update(load(data))
+            tensors.update(read_bucket(folder / b["file"], b, version, self._maps, used))
+        self._reads += 1
+        for key in used:
+            self._last_read[key] = self._reads
+        for key, n in list(self._last_read.items()):
+            if n <= self._reads - self.keep - 1:  # not one of this reader's recent files
+                del self._maps[key], self._last_read[key]
         for alias, name in manifest["aliases"].items():
             tensors[alias] = tensors[name]
         return WeightUpdate(

@@ -366,13 +366,19 @@ def full_weights(learner: Any) -> dict[str, torch.Tensor]:
     return merge_lora_state(get_base(), {k.removeprefix("base_model.model."): v for k, v in sd.items()})
 
 
+def _learner_ranks(learner: Any) -> int:
+    """How many processes hold this learner: its data-parallel times its tensor-parallel ranks."""
+    dp, tp = getattr(learner, "dp", None), getattr(learner, "tp", None)
+    return (dp.world if dp is not None else 1) * (tp.world if tp is not None else 1)
+
+
 def _counters(learner: Any) -> dict[str, Any]:
     return {
         "version": learner.version,
         "optimizer_steps": learner.optimizer_steps,
         "kl": dict(learner.kl_ctl.state_dict()),
         "generator": learner.generator.get_state().tolist(),
-        "world": dist.get_world_size() if dist.is_initialized() else 1,
+        "world": _learner_ranks(learner),
     }
 
 
@@ -388,7 +394,9 @@ def save_sharded(learner: Any, directory: str | Path) -> None:
     if (dp is None or dp.rank == 0) and (tp is None or tp.rank == 0):
         (Path(directory) / "learner_counters.json").write_text(json.dumps(_counters(learner)))
     if dist.is_initialized():
-        dist.barrier(group=dp.group if dp is not None and tp is None else None)
+        # one parallelism: its group; both (a 2-D mesh over the whole world) or neither: the world
+        alone = dp if tp is None else tp if dp is None else None
+        dist.barrier(group=alone.group if alone is not None else None)
 
 
 def load_sharded(learner: Any, directory: str | Path) -> None:

@@ -605,7 +605,24 @@ class TrainerConfig(Section):
         "(one Learner per rank of an initialised torch.distributed group of this size); needs packing=false, "
         "no critic, no dynamic NTK; shared-prompt micro-batches are off under it",
     )
+    data_parallel: int = Field(
+        1,
+        ge=1,
+        description="FSDP2 data-parallel learner ranks (`train.distributed.shard_learner`), started and "
+        "driven by the run (orchestrator.learner_group); no critic",
+    )
+    tensor_parallel: int = Field(
+        1,
+        ge=1,
+        description="tensor-parallel learner ranks (`train.distributed.tensor_parallel_learner`), started "
+        "and driven by the run; full fine-tuning, no critic, heads divisible by it",
+    )
     moe: MoeTrainConfig = Field(default_factory=MoeTrainConfig)
+
+    @property
+    def learner_ranks(self) -> int:
+        """Learner processes this config asks for: data x tensor x context parallel."""
+        return self.data_parallel * self.tensor_parallel * self.context_parallel
 
 
 class OrchestratorConfig(Section):
@@ -658,6 +675,17 @@ class PlacementConfig(Section):
     )
     weight_sync_dir: str | None = Field(
         None, description="shared_file: the folder pushes go through; unset = a fresh one in /dev/shm"
+    )
+    learner_ranks: int | None = Field(
+        None,
+        ge=1,
+        description="learner rank processes; unset = trainer.data_parallel x tensor_parallel x "
+        "context_parallel, which it must equal when set",
+    )
+    learner_cpus: float = Field(
+        1.0,
+        gt=0,
+        description="ray: CPUs per learner rank actor (learner ranks > 1; one placement group, PACK)",
     )
 
 
@@ -943,7 +971,24 @@ class RunConfig(Section):
             raise ValueError(
                 "algorithm.advantage=gae needs a value function: set trainer.critic to 'copy' or 'separate'"
             )
+        self._check_learner_ranks()
         return self
+
+    def _check_learner_ranks(self) -> None:
+        t, p = self.trainer, self.placement
+        parallel = {
+            k: getattr(t, k)
+            for k in ("data_parallel", "tensor_parallel", "context_parallel")
+            if getattr(t, k) > 1
+        }
+        if len(parallel) > 1:
+            given = " and ".join(f"trainer.{k}={v}" for k, v in parallel.items())
+            raise ValueError(f"{given}: these learner modes do not compose yet; set all but one of them to 1")
+        if p.learner_ranks is not None and p.learner_ranks != t.learner_ranks:
+            raise ValueError(
+                f"placement.learner_ranks={p.learner_ranks} but trainer.data_parallel x tensor_parallel x "
+                f"context_parallel = {t.learner_ranks}: make them equal (or unset placement.learner_ranks)"
+            )
 
 
 def _registered(kind: str, name: str, names: list[str]) -> str:

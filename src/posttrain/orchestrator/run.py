@@ -131,7 +131,12 @@ class RLRun:
             cfg.curriculum, arms, seed=cfg.seed, domain_weights={d.name: d.weight for d in cfg.envs.domains}
         )
         self.tasks = TaskSource(sampler, domains, arms, cfg.seed)
-        self.learner = Learner(cfg.model, cfg.trainer, cfg.algorithm, seed=cfg.seed, batch_cfg=cfg.batch)
+        if cfg.trainer.learner_ranks > 1:  # ranks in processes of their own, driven from here
+            from posttrain.orchestrator.learner_group import start_learner_group
+
+            self.learner = start_learner_group(cfg)
+        else:
+            self.learner = Learner(cfg.model, cfg.trainer, cfg.algorithm, seed=cfg.seed, batch_cfg=cfg.batch)
         if self.learner.vision is not None:  # trajectories' images, by content hash, for the Learner
             from posttrain.models.vision import ImageStore
 
@@ -601,9 +606,10 @@ class RLRun:
         }
 
     def close(self) -> None:
-        close_engine = getattr(getattr(self, "engine", None), "close", None)
-        if callable(close_engine):
-            close_engine()
+        for role in ("engine", "learner"):  # a Ray engine set, a learner group
+            close_role = getattr(getattr(self, role, None), "close", None)
+            if callable(close_role):
+                close_role()
         if getattr(self, "weight_dir_owned", None):
             import shutil
 

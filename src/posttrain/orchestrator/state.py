@@ -95,8 +95,12 @@ def load_run(run: RLRun) -> list[str]:
     run.build()
     path, warnings = latest_valid(run.run_dir.checkpoints)
     state = json.loads((path / RUN_STATE).read_text())
-    _, learner_state = read_learner_state(path / LEARNER_DIR)
-    run.learner.load_state_dict(learner_state)
+    restore = getattr(run.learner, "restore", None)
+    if callable(restore):  # a learner group: every rank reads the folder itself
+        restore(path / LEARNER_DIR)
+    else:
+        _, learner_state = read_learner_state(path / LEARNER_DIR)
+        run.learner.load_state_dict(learner_state)
     run.step = state["step"]
     tasks = run.tasks
     tasks.cursors = state["cursors"]

@@ -1,0 +1,56 @@
+"""Resume through a learner group's checkpoint: a 1-step run with 2 FSDP ranks (a sharded learner folder)
+or 2 context-parallel ranks (rank 0's single-process folder), resumed by a fresh group to step 2, logs
+the straight single-process run's step-2 metrics and ends with its weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from posttrain.orchestrator.checkpoint import step_name
+from posttrain.orchestrator.learner_group import LearnerGroup
+from posttrain.orchestrator.state import LEARNER_DIR
+from posttrain.telemetry import read_metrics
+
+from .test_loop import _cfg, _run, _untimed
+
+pytestmark = pytest.mark.slow  # about 80 s each here: three runs, two of them starting 2 ranks
+
+STEPS = [
+    "curriculum.probe_every=0",
+    "trainer.share_prompt_prefix=false",
+    "trainer.single_pass_old_logprobs=false",
+]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    rl = _run(_cfg(tmp_path_factory.mktemp("straight"), *STEPS, "orchestrator.steps=2"), "straight")
+    out = _untimed(read_metrics(rl.run_dir.metrics)), {k: v.clone() for k, v in rl.learner.weights().items()}
+    rl.close()
+    return out
+
+
+@pytest.mark.parametrize(
+    ("mode", "sharded"),
+    [("data_parallel", True), pytest.param("context_parallel", False, marks=pytest.mark.slow)],
+)
+def test_a_group_run_resumes_from_its_checkpoint_as_the_straight_run(straight, tmp_path, mode, sharded):
+    rows, weights = straight
+    first = _run(_cfg(tmp_path, *STEPS, f"trainer.{mode}=2", "orchestrator.steps=1"), "resumed")
+    first.close()
+    learner_dir = first.run_dir.checkpoints / step_name(1) / LEARNER_DIR
+    assert (learner_dir / "learner_counters.json").is_file() == sharded
+    again = _run(_cfg(tmp_path, *STEPS, f"trainer.{mode}=2", "orchestrator.steps=2"), "resumed", resume=True)
+    try:
+        assert isinstance(again.learner, LearnerGroup)
+        got = _untimed(read_metrics(again.run_dir.metrics))
+        assert [r["step"] for r in got] == [1, 2]
+        for k in rows[1]:  # the resumed step; mismatch figures are float rounding of two logprobs
+            tol = 3e-4 if k.startswith("train/mismatch") else 1e-4
+            assert got[1][k] == pytest.approx(rows[1][k], rel=1e-4, abs=tol), k
+        final = again.learner.weights()
+        for k in weights:
+            assert torch.allclose(final[k].float(), weights[k].float(), atol=1e-4, rtol=0), k
+    finally:
+        again.close()

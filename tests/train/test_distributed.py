@@ -23,6 +23,7 @@ from posttrain.train.distributed import (
     save_sharded,
     shard_learner,
 )
+from posttrain.train.forward import causal_lm
 
 # 4 micro-batches of 2 rows over 2 mini-batches: each rank gets some; odd splits get a weight-0 repeat
 BATCH = BatchConfig(micro_batch_tokens=24, mini_batches=2)
@@ -148,21 +149,24 @@ def test_two_tensor_parallel_ranks_train_as_one_process(tmp_path):
 CLIP = 0.1
 
 
-def _mesh_worker(rank: int, port: int, ckpt: str, out_path: str) -> None:
+def _mesh_worker(rank: int, port: int, lora: bool, ckpt: str, out_path: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     init_local_gloo(rank, 4, port, timeout_s=120)
-    learner = make_learner(False, max_grad_norm=CLIP)
+    learner = make_learner(lora, max_grad_norm=CLIP)
     mesh = parallelize_2d(learner, dp=2, tp=2)
-    q = learner.model.model.layers[0].self_attn.q_proj.weight
+    q = causal_lm(learner.model).model.layers[0].self_attn.q_proj
+    q = q.base_layer.weight if lora else q.weight
     m1 = learner.step(samples(1))
     save_sharded(learner, ckpt)
     w1 = learner.weights()
     m2 = learner.step(samples(2))
     w2 = learner.weights()
+    adapters = full_lora_update(learner, version=2).tensors if lora else {}
     if rank == 0:
         out = {"m1": m1, "m2": m2, "w1": w1, "w2": w2, "local_q": tuple(q.to_local().shape)}
+        out["adapters"] = adapters
         torch.save(
             out | {"mesh": tuple(mesh.shape), "dp": learner.dp.world, "tp": learner.tp.world}, out_path
         )
@@ -170,27 +174,34 @@ def _mesh_worker(rank: int, port: int, ckpt: str, out_path: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_a_2x2_mesh_of_fsdp_and_tensor_parallel_trains_as_one_process_and_its_checkpoint_loads_on_one(
-    tmp_path,
+    tmp_path, lora
 ):
+    from posttrain.orchestrator.weight_sync import lora_update
+
     ckpt, out_path = str(tmp_path / "ckpt"), str(tmp_path / "rank0.pt")
-    mp.start_processes(_mesh_worker, args=(_free_port(), ckpt, out_path), nprocs=4, start_method="spawn")
+    args = (_free_port(), lora, ckpt, out_path)
+    mp.start_processes(_mesh_worker, args=args, nprocs=4, start_method="spawn")
     ranks = torch.load(out_path, weights_only=False)
     assert (ranks["mesh"], ranks["dp"], ranks["tp"]) == ((2, 2), 2, 2)
     assert ranks["local_q"] == (16, 64)  # q_proj [64, 64]: split in 2 by heads, then in 2 by FSDP
 
-    single = make_learner(False, max_grad_norm=CLIP)
+    single = make_learner(lora, max_grad_norm=CLIP)
     m1 = single.step(samples(1))
     _close(ranks["w1"], single.weights())  # float32, 2e-5 absolute (2e-6 seen)
     for key in METRICS:
         assert ranks["m1"][key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
-    assert m1["grad_norm"] > CLIP  # the clip took effect, with the whole model's norm
+    if not lora:
+        assert m1["grad_norm"] > CLIP  # the clip took effect, with the whole model's norm
     m2 = single.step(samples(2))
     _close(ranks["w2"], single.weights())
     for key in METRICS:
         assert ranks["m2"][key] == pytest.approx(m2[key], rel=1e-4, abs=1e-6), key
+    if lora:  # the weight sync pushes the whole adapters one process would
+        _close(ranks["adapters"], lora_update(single.model, 2).tensors)
 
-    resumed = make_learner(False, max_grad_norm=CLIP)  # one process, from the 4 ranks' shards
+    resumed = make_learner(lora, max_grad_norm=CLIP)  # one process, from the 4 ranks' shards
     load_sharded(resumed, ckpt)
     assert (resumed.version, resumed.optimizer_steps) == (single.version - 1, single.optimizer_steps - 2)
     _close(resumed.weights(), ranks["w1"], atol=0.0)

@@ -46,22 +46,27 @@ def _tol(key: str) -> float:
     return 3e-4 if key.startswith("train/mismatch") else 1e-4
 
 
+def _assert_same(rows: list[dict], weights: dict, rl) -> None:
+    """`rl`'s step metrics and final weights are the reference's."""
+    got = _untimed(read_metrics(rl.run_dir.metrics))
+    assert [r["step"] for r in got] == [1, 2]
+    for a, b in zip(rows, got, strict=True):
+        assert set(a) ^ set(b) == set()
+        for k in a:
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=_tol(k)), k
+    final = rl.learner.weights()
+    assert final.keys() == weights.keys()
+    for k in weights:
+        assert torch.allclose(final[k].float(), weights[k].float(), atol=1e-4, rtol=0), k
+
+
 def _same_run(single, tmp_path, mode: str, *sets: str) -> None:
     rows, weights = single(*sets)
     rl = _run(_cfg(tmp_path, *STEPS, *sets, f"trainer.{mode}=2"), mode)
     try:
         assert isinstance(rl.learner, LearnerGroup)
         procs = list(rl.learner.procs)
-        got = _untimed(read_metrics(rl.run_dir.metrics))
-        assert [r["step"] for r in got] == [1, 2]
-        for a, b in zip(rows, got, strict=True):
-            assert set(a) ^ set(b) == set()
-            for k in a:
-                assert b[k] == pytest.approx(a[k], rel=1e-4, abs=_tol(k)), k
-        final = rl.learner.weights()
-        assert final.keys() == weights.keys()
-        for k in weights:
-            assert torch.allclose(final[k].float(), weights[k].float(), atol=1e-4, rtol=0), k
+        _assert_same(rows, weights, rl)
     finally:
         rl.close()
     assert procs and not any(p.is_alive() for p in procs)
@@ -145,15 +150,7 @@ def test_ray_rank_actors_run_as_one_process(single, tmp_path):
         )
         try:
             assert isinstance(rl.learner, RayLearnerGroup)
-            got = _untimed(read_metrics(rl.run_dir.metrics))
-            assert [r["step"] for r in got] == [1, 2]
-            for a, b in zip(rows, got, strict=True):
-                assert set(a) ^ set(b) == set()
-                for k in a:
-                    assert b[k] == pytest.approx(a[k], rel=1e-4, abs=_tol(k)), k
-            final = rl.learner.weights()
-            for k in weights:
-                assert torch.allclose(final[k].float(), weights[k].float(), atol=1e-4, rtol=0), k
+            _assert_same(rows, weights, rl)
         finally:
             rl.close()
         assert not rl.learner.actors and rl.learner.pg is None

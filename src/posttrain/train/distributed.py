@@ -133,6 +133,17 @@ def _refuse_vision(learner: Any, what: str) -> None:
         )
 
 
+def _refuse_unsplittable(learner: Any, what: str, verb: str) -> None:
+    """Refuse what the sharded learner ranks do not handle: a critic, context parallelism, and an
+    optimizer that already holds state."""
+    if learner.critic is not None:
+        raise ValueError(f"{what} learner ranks do not support a critic (trainer.critic=none)")
+    if learner.cp is not None:
+        raise ValueError(f"{what} learner ranks do not compose with trainer.context_parallel > 1 yet")
+    if learner.optimizer_steps:
+        raise ValueError(f"{verb} a learner before its first update (its optimizer state would be lost)")
+
+
 def shard_learner(learner: Any, group: Any = None) -> DataParallel:
     """Shard `learner`'s policy over the process group (initialised by the caller) and rebuild its
     optimizer over this rank's shards; returns the rank's `DataParallel`, also set as `learner.dp`."""
@@ -145,12 +156,7 @@ def shard_learner(learner: Any, group: Any = None) -> DataParallel:
 
     if not dist.is_initialized():
         raise RuntimeError("shard_learner needs torch.distributed initialised (init_process_group)")
-    if learner.critic is not None:
-        raise ValueError("data-parallel learner ranks do not support a critic yet (trainer.critic=none)")
-    if learner.cp is not None:
-        raise ValueError("data-parallel learner ranks do not compose with trainer.context_parallel > 1 yet")
-    if learner.optimizer_steps:
-        raise ValueError("shard a learner before its first update (its optimizer state would be lost)")
+    _refuse_unsplittable(learner, "data-parallel", "shard")
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     device_type = learner.device.type
@@ -246,12 +252,7 @@ def tensor_parallel_learner(learner: Any, group: Any = None) -> TensorParallel:
 
     if not dist.is_initialized():
         raise RuntimeError("tensor_parallel_learner needs torch.distributed initialised (init_process_group)")
-    if learner.critic is not None:
-        raise ValueError("tensor-parallel learner ranks do not support a critic (trainer.critic=none)")
-    if learner.cp is not None:
-        raise ValueError("tensor-parallel learner ranks do not compose with trainer.context_parallel > 1 yet")
-    if learner.optimizer_steps:
-        raise ValueError("split a learner before its first update (its optimizer state would be lost)")
+    _refuse_unsplittable(learner, "tensor-parallel", "split")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     _check_tp_split(learner, world)
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
@@ -283,12 +284,7 @@ def parallelize_2d(learner: Any, dp: int, tp: int) -> Any:
             f"a dp={dp} x tp={tp} mesh needs dp*tp={dp * tp} ranks; torch.distributed has "
             f"{dist.get_world_size()} (the world size)"
         )
-    if learner.critic is not None:
-        raise ValueError("2-D parallel learner ranks do not support a critic (trainer.critic=none)")
-    if learner.cp is not None:
-        raise ValueError("2-D parallel learner ranks do not compose with trainer.context_parallel > 1 yet")
-    if learner.optimizer_steps:
-        raise ValueError("split a learner before its first update (its optimizer state would be lost)")
+    _refuse_unsplittable(learner, "2-D parallel", "split")
     _check_tp_split(learner, tp)
     mesh = init_device_mesh(learner.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
     for layer in decoder_layers(learner.model):

@@ -145,8 +145,9 @@ def test_two_tensor_parallel_ranks_train_as_one_process(tmp_path):
     assert ranks["m2"]["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-4)
 
 
-# clipping at 0.1 bites on both steps (the tiny model's norms are about 0.15): the whole-model norm decides
-CLIP = 0.1
+# the clip bites on both steps (the tiny model's norms are about 0.15 full, 0.025 LoRA): the whole-model
+# norm decides
+CLIP = {False: 0.1, True: 0.02}
 
 
 def _mesh_worker(rank: int, port: int, lora: bool, ckpt: str, out_path: str) -> None:
@@ -154,7 +155,7 @@ def _mesh_worker(rank: int, port: int, lora: bool, ckpt: str, out_path: str) -> 
 
     torch.set_num_threads(1)
     init_local_gloo(rank, 4, port, timeout_s=120)
-    learner = make_learner(lora, max_grad_norm=CLIP)
+    learner = make_learner(lora, max_grad_norm=CLIP[lora])
     mesh = parallelize_2d(learner, dp=2, tp=2)
     q = causal_lm(learner.model).model.layers[0].self_attn.q_proj
     q = q.base_layer.weight if lora else q.weight
@@ -187,21 +188,20 @@ def test_a_2x2_mesh_of_fsdp_and_tensor_parallel_trains_as_one_process_and_its_ch
     assert (ranks["mesh"], ranks["dp"], ranks["tp"]) == ((2, 2), 2, 2)
     assert ranks["local_q"] == (16, 64)  # q_proj [64, 64]: split in 2 by heads, then in 2 by FSDP
 
-    single = make_learner(lora, max_grad_norm=CLIP)
+    single = make_learner(lora, max_grad_norm=CLIP[lora])
     m1 = single.step(samples(1))
     _close(ranks["w1"], single.weights())  # float32, 2e-5 absolute (2e-6 seen)
     for key in METRICS:
         assert ranks["m1"][key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
-    if not lora:
-        assert m1["grad_norm"] > CLIP  # the clip took effect, with the whole model's norm
     m2 = single.step(samples(2))
+    assert min(m1["grad_norm"], m2["grad_norm"]) > CLIP[lora]  # the clip took effect on both steps
     _close(ranks["w2"], single.weights())
     for key in METRICS:
         assert ranks["m2"][key] == pytest.approx(m2[key], rel=1e-4, abs=1e-6), key
     if lora:  # the weight sync pushes the whole adapters one process would
         _close(ranks["adapters"], lora_update(single.model, 2).tensors)
 
-    resumed = make_learner(lora, max_grad_norm=CLIP)  # one process, from the 4 ranks' shards
+    resumed = make_learner(lora, max_grad_norm=CLIP[lora])  # one process, from the 4 ranks' shards
     load_sharded(resumed, ckpt)
     assert (resumed.version, resumed.optimizer_steps) == (single.version - 1, single.optimizer_steps - 2)
     _close(resumed.weights(), ranks["w1"], atol=0.0)

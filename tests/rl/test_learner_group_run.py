@@ -1,6 +1,8 @@
-"""Resume through a learner group's checkpoint: a 1-step run with 2 FSDP ranks (a sharded learner folder)
-or 2 context-parallel ranks (rank 0's single-process folder), resumed by a fresh group to step 2, logs
-the straight single-process run's step-2 metrics and ends with its weights."""
+"""The run's other uses of a learner group. Resume: a 1-step run with 2 FSDP ranks (a sharded learner
+folder) or 2 context-parallel ranks (rank 0's single-process folder), resumed by a fresh group to step 2,
+logs the straight single-process run's step-2 metrics and ends with its weights. The drift probe
+(score_tokens), the drift-steered KL coefficient (kl_ctl) and optimizer offload/reload through 2 FSDP
+ranks log the single-process run's figures."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from posttrain.telemetry import read_metrics
 
 from .test_loop import _cfg, _run, _untimed
 
-pytestmark = pytest.mark.slow  # about 80 s each here: three runs, two of them starting 2 ranks
+pytestmark = pytest.mark.slow  # 60-95 s each here: two or three runs, starting 2 ranks once or twice
 
 STEPS = [
     "curriculum.probe_every=0",
@@ -54,3 +56,36 @@ def test_a_group_run_resumes_from_its_checkpoint_as_the_straight_run(straight, t
             assert torch.allclose(final[k].float(), weights[k].float(), atol=1e-4, rtol=0), k
     finally:
         again.close()
+
+
+def test_drift_probe_kl_steering_and_offload_through_fsdp_ranks(tmp_path):
+    sets = [
+        *STEPS,
+        "orchestrator.steps=2",
+        "curriculum.drift_every=1",
+        "curriculum.drift_prompts=2",
+        "orchestrator.offload_optimizer=true",
+        "algorithm.kl_coef=0.05",
+        "algorithm.kl_target=0.01",
+        "algorithm.kl_control=drift",
+    ]
+    one = _run(_cfg(tmp_path, *sets), "one")
+    rows, weights = _untimed(read_metrics(one.run_dir.metrics)), one.learner.weights()
+    one.close()
+    group = _run(_cfg(tmp_path, *sets, "trainer.data_parallel=2"), "group")
+    try:
+        assert isinstance(group.learner, LearnerGroup)
+        got = _untimed(read_metrics(group.run_dir.metrics))
+        assert all("drift/kl_k3" in r and "drift/kl_coef" in r for r in got)
+        assert rows[1]["drift/kl_coef"] != rows[0]["drift/kl_coef"]  # the probe steered it
+        for a, b in zip(rows, got, strict=True):
+            assert a.keys() == b.keys()
+            for k in a:
+                tol = 3e-4 if k.startswith("train/mismatch") else 1e-4
+                assert b[k] == pytest.approx(a[k], rel=1e-4, abs=tol), k
+        assert group.learner.kl_ctl.value == pytest.approx(rows[-1]["drift/kl_coef"], rel=1e-6)
+        final = group.learner.weights()
+        for k in weights:
+            assert torch.allclose(final[k].float(), weights[k].float(), atol=1e-4, rtol=0), k
+    finally:
+        group.close()

@@ -80,6 +80,18 @@ def test_two_fsdp_ranks_run_as_one_process(single, tmp_path):
     _same_run(single, tmp_path, "data_parallel", *FSDP_REF)
 
 
+@pytest.mark.slow
+def test_a_2x2_mesh_of_ranks_runs_as_one_process(single, tmp_path):
+    """Four ranks: FSDP over 2 groups of 2 tensor-parallel ranks (`parallelize_2d`)."""
+    rows, weights = single(*FSDP_REF)
+    rl = _run(_cfg(tmp_path, *STEPS, *FSDP_REF, "trainer.data_parallel=2", "trainer.tensor_parallel=2"), "2d")
+    try:
+        assert isinstance(rl.learner, LearnerGroup) and len(rl.learner.procs) == 4
+        _assert_same(rows, weights, rl)
+    finally:
+        rl.close()
+
+
 def _pids_gone(pids: list[int]) -> bool:
     for pid in pids:
         try:
@@ -117,7 +129,7 @@ def test_a_rank_that_dies_is_named_and_every_rank_ends(tmp_path):
 @pytest.mark.parametrize(
     ("sets", "message"),
     [
-        (["trainer.data_parallel=2", "trainer.context_parallel=2"], "do not compose yet"),
+        (["trainer.data_parallel=2", "trainer.context_parallel=2"], "does not compose with FSDP"),
         (["trainer.data_parallel=2", "placement.learner_ranks=3"], "placement.learner_ranks=3 but"),
         (["trainer.context_parallel=2", "placement.learner_cpus=0"], "learner_cpus"),
     ],

@@ -1,5 +1,5 @@
-"""The learner group: `trainer.data_parallel`, `tensor_parallel` or `context_parallel` > 1 starts that
-many Learner ranks, each in a process of its own (torch.multiprocessing spawn, one process group over
+"""The learner group: `trainer.data_parallel` x `tensor_parallel` (a 2-D mesh when both are > 1), or
+`context_parallel`, > 1 starts that many Learner ranks, each in a process of its own (torch.multiprocessing spawn, one process group over
 127.0.0.1: gloo, plus NCCL for CUDA tensors where CUDA exists), and drives them from the controller.
 
 Every rank gets the same call in the same order over its command channel (a pipe); rank 0's result comes
@@ -55,11 +55,16 @@ def build_rank_learner(cfg: RunConfig) -> Any:
     from posttrain.train import Learner
 
     learner = Learner(cfg.model, cfg.trainer, cfg.algorithm, seed=cfg.seed, batch_cfg=cfg.batch)
-    if cfg.trainer.data_parallel > 1:
+    dp, tp = cfg.trainer.data_parallel, cfg.trainer.tensor_parallel
+    if dp > 1 and tp > 1:
+        from posttrain.train.distributed import parallelize_2d
+
+        parallelize_2d(learner, dp, tp)
+    elif dp > 1:
         from posttrain.train.distributed import shard_learner
 
         shard_learner(learner)
-    elif cfg.trainer.tensor_parallel > 1:
+    elif tp > 1:
         from posttrain.train.distributed import tensor_parallel_learner
 
         tensor_parallel_learner(learner)

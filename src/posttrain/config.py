@@ -981,9 +981,12 @@ class RunConfig(Section):
             for k in ("data_parallel", "tensor_parallel", "context_parallel")
             if getattr(t, k) > 1
         }
-        if len(parallel) > 1:
+        if len(parallel) > 1 and "context_parallel" in parallel:  # data x tensor: a 2-D mesh
             given = " and ".join(f"trainer.{k}={v}" for k, v in parallel.items())
-            raise ValueError(f"{given}: these learner modes do not compose yet; set all but one of them to 1")
+            raise ValueError(
+                f"{given}: context parallelism does not compose with FSDP or tensor parallelism yet; "
+                "set trainer.context_parallel=1 or the others to 1"
+            )
         if p.learner_ranks is not None and p.learner_ranks != t.learner_ranks:
             raise ValueError(
                 f"placement.learner_ranks={p.learner_ranks} but trainer.data_parallel x tensor_parallel x "

@@ -615,7 +615,7 @@ class TrainerConfig(Section):
         1,
         ge=1,
         description="tensor-parallel learner ranks (`train.distributed.tensor_parallel_learner`), started "
-        "and driven by the run; full fine-tuning, no critic, heads divisible by it",
+        "and driven by the run; no critic, heads divisible by it; with data_parallel a 2-D mesh",
     )
     moe: MoeTrainConfig = Field(default_factory=MoeTrainConfig)
 

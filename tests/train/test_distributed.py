@@ -13,6 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from posttrain.config import AlgorithmConfig, BatchConfig, ModelConfig, TrainerConfig
+from posttrain.orchestrator.weight_sync import lora_update
 from posttrain.train import Learner, Sample
 from posttrain.train.distributed import (
     DataParallel,
@@ -112,37 +113,57 @@ def test_shard_learner_needs_a_process_group():
         shard_learner(make_learner(False))
 
 
-def _tp_worker(rank: int, port: int, out_path: str) -> None:
+def _tp_worker(rank: int, port: int, lora: bool, out_path: str) -> None:
     import torch.distributed as dist
 
     from posttrain.train.distributed import tensor_parallel_learner
 
     torch.set_num_threads(1)
     init_local_gloo(rank, 2, port, timeout_s=120)
-    learner = make_learner(False)
+    learner = make_learner(lora)
     tensor_parallel_learner(learner)
-    local_q = learner.model.model.layers[0].self_attn.q_proj.weight.to_local().shape
+    attn = causal_lm(learner.model).model.layers[0].self_attn
+    if lora:
+        shapes = {
+            "q_B": tuple(attn.q_proj.lora_B["default"].weight.to_local().shape),
+            "q_A": tuple(attn.q_proj.lora_A["default"].weight.shape),
+            "o_A": tuple(attn.o_proj.lora_A["default"].weight.to_local().shape),
+            "o_B": tuple(attn.o_proj.lora_B["default"].weight.shape),
+        }
+    else:
+        shapes = {"q": tuple(attn.q_proj.weight.to_local().shape)}
     m1 = learner.step(samples(1))
     m2 = learner.step(samples(2))
     w = learner.weights()
+    adapters = full_lora_update(learner, version=2).tensors if lora else {}
     if rank == 0:
-        torch.save({"m1": m1, "m2": m2, "w": w, "local_q": tuple(local_q)}, out_path)
+        torch.save({"m1": m1, "m2": m2, "w": w, "adapters": adapters, "shapes": shapes}, out_path)
     dist.destroy_process_group()
 
 
+TP_SHAPES = {
+    False: {"q": (32, 64)},  # 4 heads of 16 dims split in 2: each rank holds 2 heads
+    # rank 4 over hidden 64: q_proj's B split by output rows, o_proj's A by input columns; the others whole
+    True: {"q_B": (32, 4), "q_A": (4, 64), "o_A": (4, 32), "o_B": (64, 4)},
+}
+
+
 @pytest.mark.slow
-def test_two_tensor_parallel_ranks_train_as_one_process(tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_two_tensor_parallel_ranks_train_as_one_process_and_push_the_whole_adapters(tmp_path, lora):
     out_path = str(tmp_path / "rank0.pt")
-    mp.start_processes(_tp_worker, args=(_free_port(), out_path), nprocs=2, start_method="spawn")
+    mp.start_processes(_tp_worker, args=(_free_port(), lora, out_path), nprocs=2, start_method="spawn")
     ranks = torch.load(out_path, weights_only=False)
-    single = make_learner(False)
-    assert ranks["local_q"] == (32, 64)  # 4 heads of 16 dims split in 2: each rank holds 2 heads
+    assert ranks["shapes"] == TP_SHAPES[lora]
+    single = make_learner(lora)
     m1 = single.step(samples(1))
     m2 = single.step(samples(2))
-    _close(ranks["w"], single.weights())
+    _close(ranks["w"], single.weights())  # LoRA merged; float32, 2e-5 absolute
     for key in METRICS:
         assert ranks["m1"][key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
-    assert ranks["m2"]["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-4)
+        assert ranks["m2"][key] == pytest.approx(m2[key], rel=1e-4, abs=1e-6), key
+    if lora:  # the weight sync pushes the whole adapters one process would
+        _close(ranks["adapters"], lora_update(single.model, 2).tensors)
 
 
 # the clip bites on both steps (the tiny model's norms are about 0.15 full, 0.025 LoRA): the whole-model
@@ -179,8 +200,6 @@ def _mesh_worker(rank: int, port: int, lora: bool, ckpt: str, out_path: str) -> 
 def test_a_2x2_mesh_of_fsdp_and_tensor_parallel_trains_as_one_process_and_its_checkpoint_loads_on_one(
     tmp_path, lora
 ):
-    from posttrain.orchestrator.weight_sync import lora_update
-
     ckpt, out_path = str(tmp_path / "ckpt"), str(tmp_path / "rank0.pt")
     args = (_free_port(), lora, ckpt, out_path)
     mp.start_processes(_mesh_worker, args=args, nprocs=4, start_method="spawn")
@@ -222,47 +241,3 @@ def test_a_mesh_that_is_not_the_world_size_is_refused(tmp_path):
             parallelize_2d(make_learner(False), dp=0, tp=1)
     finally:
         dist.destroy_process_group()
-
-
-def _tp_lora_worker(rank: int, port: int, out_path: str) -> None:
-    import torch.distributed as dist
-
-    from posttrain.train.distributed import tensor_parallel_learner
-
-    torch.set_num_threads(1)
-    init_local_gloo(rank, 2, port, timeout_s=120)
-    learner = make_learner(True)
-    tensor_parallel_learner(learner)
-    attn = learner.model.base_model.model.model.layers[0].self_attn
-    shapes = {
-        "q_B": tuple(attn.q_proj.lora_B["default"].weight.to_local().shape),
-        "q_A": tuple(attn.q_proj.lora_A["default"].weight.shape),
-        "o_A": tuple(attn.o_proj.lora_A["default"].weight.to_local().shape),
-        "o_B": tuple(attn.o_proj.lora_B["default"].weight.shape),
-    }
-    m1 = learner.step(samples(1))
-    m2 = learner.step(samples(2))
-    w = learner.weights()
-    update = full_lora_update(learner, version=2)
-    if rank == 0:
-        torch.save({"m1": m1, "m2": m2, "w": w, "adapters": update.tensors, "shapes": shapes}, out_path)
-    dist.destroy_process_group()
-
-
-@pytest.mark.slow
-def test_two_tensor_parallel_lora_ranks_train_as_one_process_and_push_the_whole_adapters(tmp_path):
-    from posttrain.orchestrator.weight_sync import lora_update
-
-    out_path = str(tmp_path / "rank0.pt")
-    mp.start_processes(_tp_lora_worker, args=(_free_port(), out_path), nprocs=2, start_method="spawn")
-    ranks = torch.load(out_path, weights_only=False)
-    # rank 4 over hidden 64: q_proj's B split by output rows, o_proj's A by input columns; the others whole
-    assert ranks["shapes"] == {"q_B": (32, 4), "q_A": (4, 64), "o_A": (4, 32), "o_B": (64, 4)}
-    single = make_learner(True)
-    m1 = single.step(samples(1))
-    m2 = single.step(samples(2))
-    _close(ranks["w"], single.weights())  # merged weights, float32, 2e-5 absolute
-    _close(ranks["adapters"], lora_update(single.model, 2).tensors)
-    for key in METRICS:
-        assert ranks["m1"][key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
-        assert ranks["m2"][key] == pytest.approx(m2[key], rel=1e-4, abs=1e-6), key

@@ -135,15 +135,16 @@ def test_pruned_folders_are_rewritten_in_place_and_read_bit_exact(tmp_path):
     rx_side = ws.SharedFile(tmp_path, bucket_bytes=1024, keep=2)  # the reader, as in another process
     big = some_weights(1)  # 2 buckets
     small = {"model.norm.weight": torch.full((8,), 3.0)}  # 1 bucket
-    inodes = set()
+    inodes = {}
     for v, w in enumerate([big, big, small, big, small, big], start=1):
         t.push(ws.full_update(w, version=v))
         assert_same(rx_side.read(v).tensors, w)
         files = sorted(p.name for p in (tmp_path / f"v{v}").iterdir())
         assert files == [*[f"bucket-{i:05d}.bin" for i in range(2 if w is big else 1)], "manifest.json"]
-        inodes.update(p.stat().st_ino for p in (tmp_path / f"v{v}").glob("bucket-*"))
+        inodes[v] = [p.stat().st_ino for p in sorted((tmp_path / f"v{v}").glob("bucket-*"))]
     assert sorted(p.name for p in tmp_path.glob("v*")) == ["v5", "v6"] and (tmp_path / ".spare").is_dir()
-    assert len(inodes) <= 5  # bucket files recycled across 3 folders, not 10 fresh ones
+    # v4 rewrote v1's files, v5 v2's (one bucket fewer), v6 v3's (and one more)
+    assert inodes[4] == inodes[1] and inodes[5] == inodes[2][:1] and inodes[6][0] == inodes[3][0]
     fresh = ws.SharedFile(tmp_path / "fresh", bucket_bytes=1024, reuse_files=False)
     for v in (1, 2, 3):
         fresh.push(ws.full_update(big, version=v))
@@ -316,10 +317,13 @@ def test_lora_adapters_through_shared_file_resume_and_train_exactly_as_in_proces
     b.close()
 
 
-def test_nccl_sync_is_refused_before_work(tmp_path):
+def test_nccl_and_a_local_broadcast_are_refused_before_work(tmp_path):
     from posttrain.orchestrator import RLRun
 
     from .test_loop import _cfg
 
-    with pytest.raises(ValueError, match="placement.weight_sync='nccl' is not yet available"):
-        RLRun.check(_cfg(tmp_path, "placement.weight_sync=nccl"))
+    with pytest.raises(ValueError, match="'nccl' is not a transport of its own: use 'broadcast'"):
+        RLRun.check(_cfg(tmp_path, "placement.weight_sync=nccl", "placement.backend=ray"))
+    with pytest.raises(ValueError, match="'broadcast' sends to rollout engines in other processes: it needs"):
+        RLRun.check(_cfg(tmp_path, "placement.weight_sync=broadcast"))
+    RLRun.check(_cfg(tmp_path, "placement.weight_sync=broadcast", "placement.backend=ray"))

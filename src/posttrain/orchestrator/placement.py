@@ -5,12 +5,15 @@ engines as Ray actors (each `placement.engine_cpus` CPUs, in one placement group
 unless `placement.ray_address` names one) behind `RayEngines`, which gives the controller the same
 `Engine` interface: requests go to the engine with the fewest in flight, awaited without blocking the
 event loop, so continuous batching works across callers as in-process. Weights reach the actors
-through the shared-file transport (`weight_sync`): the controller pushes, each actor reads, verifies
-and loads, and the controller checks every actor reports the pushed version.
+through the shared-file transport (`weight_sync`: the controller pushes, each actor reads, verifies
+and loads) or, with `placement.weight_sync: broadcast`, by a torch.distributed broadcast from the
+controller (rank 0) to a group the actors join at start (gloo on CPU engines, NCCL on CUDA ones). Either
+way the controller checks every actor reports the pushed version.
 
 An actor that dies mid-step is restarted by Ray (up to `MAX_RESTARTS` times); the new actor loads the
 latest published weights, then runs the requests that were in flight again (a request is pure: seeded
-sampling of given tokens). Past the restarts, requests fail, and the rollout code counts their
+sampling of given tokens). A broadcast group cannot take in a replacement, so under `broadcast` an
+actor is not restarted: its requests fail as past the restarts. Past the restarts, requests fail, and the rollout code counts their
 episodes as infrastructure failures, never as scores. In async mode a replacement may load weights
 pushed after an in-flight request started: that request's tokens then come from the newer policy.
 """
@@ -28,9 +31,10 @@ MAX_RESTARTS = 3
 
 
 class EngineWorker:
-    """A rollout engine inside a Ray actor: built from the run config, fed by the shared-file transport."""
+    """A rollout engine inside a Ray actor: built from the run config, fed by the shared-file transport
+    (`weight_dir`) or by the broadcast group it joins (`join_broadcast`)."""
 
-    def __init__(self, cfg_json: str, weight_dir: str, threads: int) -> None:
+    def __init__(self, cfg_json: str, weight_dir: str | None, threads: int) -> None:
         import torch
 
         from posttrain.config import RunConfig
@@ -48,10 +52,30 @@ class EngineWorker:
         # LoRA pushes carry adapters only: keep the base weights they are merged into
         base = {k: v.detach().clone() for k, v in model.state_dict().items()} if cfg.model.lora_rank else None
         self.engine = make_engine(cfg.engine, model, tokenizer)
-        self.transport = ws.SharedFile(weight_dir)
+        self.device = cfg.engine.device
+        self.transport = ws.SharedFile(weight_dir) if weight_dir is not None else None
+        self.broadcast: ws.Broadcast | None = None
         self.receiver = ws.Receiver(self.engine, base=base)
-        if self.transport.latest() is not None:  # a restarted actor catches up before it serves
+        if self.transport is not None and self.transport.latest() is not None:  # a restarted actor catches up
             self.transport.pull(self.receiver)
+
+    def join_broadcast(self, address: str, rank: int, world: int, timeout_s: float) -> None:
+        """Join the controller's weight-broadcast group as `rank` (blocks until every member has)."""
+        from posttrain.orchestrator import weight_sync as ws
+
+        join_broadcast_group(address, rank, world, self.device, timeout_s)
+        self.broadcast = ws.Broadcast(src=0, device=self.device)
+
+    def receive_broadcast(self) -> int | None:
+        """Take part in one broadcast push from rank 0; the version this engine now holds."""
+        if self.broadcast is None:
+            raise RuntimeError("this engine has not joined a broadcast group")
+        self.broadcast.push(None, self.receiver)
+        return self.receiver.version
+
+    def rewind(self) -> None:
+        """Forget the version held (a resumed run pushes from its checkpoint's version again)."""
+        self.receiver.version = None
 
     def ready(self) -> int | None:
         return self.receiver.version
@@ -64,6 +88,8 @@ class EngineWorker:
 
     def pull(self) -> int | None:
         """Load the latest published weights if they are new; the version this engine now holds."""
+        if self.transport is None:
+            raise RuntimeError("this engine receives weights by broadcast, not from a folder")
         self.transport.pull(self.receiver)
         return self.receiver.version
 
@@ -71,12 +97,32 @@ class EngineWorker:
         self.engine.release_kv_cache()
 
 
+def join_broadcast_group(address: str, rank: int, world: int, device: str, timeout_s: float) -> None:
+    """init_process_group for the weight broadcast: gloo for CPU engines, NCCL for CUDA ones."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            "placement.weight_sync=broadcast: torch.distributed is already initialised in this process"
+        )
+    dist.init_process_group(
+        "nccl" if device.startswith("cuda") else "gloo",
+        init_method=f"tcp://{address}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
 class RayEngines(Engine):
-    """The `Engine` interface over rollout-engine actors (see the module docstring)."""
+    """The `Engine` interface over rollout-engine actors (see the module docstring). `weight_dir`: the
+    shared-file folder the actors read; None: weights travel by broadcast (`broadcast_weights`)."""
 
     caches_prefixes = True
 
-    def __init__(self, cfg: Any, weight_dir: str) -> None:
+    def __init__(self, cfg: Any, weight_dir: str | None) -> None:
         try:
             import ray
             from ray.util.placement_group import placement_group, remove_placement_group
@@ -100,9 +146,8 @@ class RayEngines(Engine):
             self.started_ray = True
         self.pg = placement_group([{"CPU": p.engine_cpus}] * p.num_engines, strategy="PACK")
         ray.get(self.pg.ready(), timeout=120)
-        actor = ray.remote(num_cpus=p.engine_cpus, max_restarts=MAX_RESTARTS, max_concurrency=1000)(
-            EngineWorker
-        )
+        restarts = MAX_RESTARTS if weight_dir is not None else 0
+        actor = ray.remote(num_cpus=p.engine_cpus, max_restarts=restarts, max_concurrency=1000)(EngineWorker)
         cfg_json = cfg.model_dump_json()
         self.actors = [
             actor.options(
@@ -114,6 +159,27 @@ class RayEngines(Engine):
         self.in_flight = [0] * len(self.actors)
         self.restarting: set[int] = set()
         self.version = 0
+        self.pushed: int | None = None  # the last version broadcast (None: none yet)
+        self.broadcaster = None if weight_dir is not None else self._form_broadcast_group(cfg.engine.device)
+
+    def _form_broadcast_group(self, device: str, timeout_s: float = 600.0) -> Any:
+        """This process as rank 0, actor i as rank i + 1, rendezvous at this node's address."""
+        import socket
+
+        from posttrain.orchestrator import weight_sync as ws
+
+        host = self._ray.util.get_node_ip_address()
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+        world = len(self.actors) + 1
+        joins = [
+            a.join_broadcast.remote(f"{host}:{port}", i + 1, world, timeout_s)
+            for i, a in enumerate(self.actors)
+        ]
+        join_broadcast_group(f"{host}:{port}", 0, world, device, timeout_s)
+        self._ray.get(joins, timeout=timeout_s)
+        return ws.Broadcast(src=0, device=device)
 
     # -- Engine ------------------------------------------------------------------------------------------
 
@@ -163,9 +229,33 @@ class RayEngines(Engine):
 
     def load_weights(self, weights: Any, version: int | None = None) -> None:
         raise RuntimeError(
-            "rollout engines on Ray load weights through the shared-file transport (pull_weights), not in "
-            "this process"
+            "rollout engines on Ray load weights through the shared-file transport (pull_weights) or the "
+            "broadcast (broadcast_weights), not in this process"
         )
+
+    def broadcast_weights(self, update: Any) -> None:
+        """Broadcast `update` (a `weight_sync.WeightUpdate`) to every actor; each must report its version."""
+        from posttrain.orchestrator import weight_sync as ws
+
+        if self.broadcaster is None:
+            raise RuntimeError("these rollout engines read weights from a folder (pull_weights)")
+        if self.pushed is not None and update.version <= self.pushed:  # a receiver refusing it would hang
+            raise ws.StaleUpdate(f"broadcast of v{update.version}: the engines hold v{self.pushed}")
+        got = [a.receive_broadcast.remote() for a in self.actors]
+        self.broadcaster.push(update)
+        self._check_versions(self._ray.get(got, timeout=600), update.version)
+        self.pushed = update.version
+
+    def rewind_weights(self) -> None:
+        """Forget the pushed versions on both sides (a resume pushes its checkpoint's version again)."""
+        self._ray.get([a.rewind.remote() for a in self.actors], timeout=600)
+        self.pushed = None
+
+    def _check_versions(self, got: list[int | None], version: int) -> None:
+        wrong = [f"engine {i}: v{v}" for i, v in enumerate(got) if v != version]
+        if wrong:
+            raise RuntimeError(f"weight push v{version} did not reach every engine ({', '.join(wrong)})")
+        self.version = version
 
     def pull_weights(self, version: int) -> None:
         """Every actor loads the pushed `version`; an actor that reports another one is an error."""
@@ -181,10 +271,7 @@ class RayEngines(Engine):
                     time.sleep(0.2)
             else:
                 raise RuntimeError(f"engine {self.actors.index(a)} did not come back within 5 minutes")
-        wrong = [f"engine {i}: v{v}" for i, v in enumerate(got) if v != version]
-        if wrong:
-            raise RuntimeError(f"weight push v{version} did not reach every engine ({', '.join(wrong)})")
-        self.version = version
+        self._check_versions(got, version)
 
     def release_kv_cache(self) -> None:
         self._ray.get([a.release_kv_cache.remote() for a in self.actors], timeout=600)
@@ -197,6 +284,11 @@ class RayEngines(Engine):
         for a in self.actors:
             self._ray.kill(a, no_restart=True)
         self.actors = []
+        if self.broadcaster is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+            self.broadcaster = None
         self._remove_pg(self.pg)
         if self.started_ray:
             self._ray.shutdown()

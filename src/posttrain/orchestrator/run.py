@@ -80,15 +80,21 @@ class RLRun:
                 "algorithm.kl_control='drift' needs curriculum.drift_every > 0 (the probe it reads), "
                 "algorithm.kl_target and algorithm.kl_coef > 0 (the coefficient it steers)"
             )
-        if cfg.placement.weight_sync == "nccl":
+        sync, backend = cfg.placement.weight_sync, cfg.placement.backend
+        if sync == "nccl":
             raise ValueError(
-                "placement.weight_sync='nccl' is not yet available (it needs GPU engine workers); use "
-                "'in_process' or 'shared_file'"
+                "placement.weight_sync='nccl' is not a transport of its own: use 'broadcast' (NCCL between "
+                "CUDA engines, gloo on CPU ones; needs placement.backend='ray')"
             )
-        if cfg.placement.backend == "ray" and cfg.placement.weight_sync != "shared_file":
+        if sync == "broadcast" and backend != "ray":
+            raise ValueError(
+                "placement.weight_sync='broadcast' sends to rollout engines in other processes: it needs "
+                "placement.backend='ray' (the local backend takes 'in_process' or 'shared_file')"
+            )
+        if backend == "ray" and sync == "in_process":
             raise ValueError(
                 "placement.backend='ray' runs the rollout engines in other processes: set "
-                "placement.weight_sync='shared_file'"
+                "placement.weight_sync='shared_file' or 'broadcast'"
             )
         for d in cfg.envs.domains:
             valid = get_domain(d.name, **d.options).difficulties
@@ -149,8 +155,8 @@ class RLRun:
 
             del engine_model  # each actor loads its own
             self.make_weight_sync()
-            assert self.weight_transport is not None
-            self.engine = RayEngines(cfg, str(self.weight_transport.dir))
+            folder = None if self.weight_transport is None else str(self.weight_transport.dir)
+            self.engine = RayEngines(cfg, folder)  # no folder: weights travel by broadcast
         else:
             self.engine: Engine = make_engine(cfg.engine, engine_model, self.tokenizer)
             self.make_weight_sync()
@@ -277,6 +283,8 @@ class RLRun:
             self.weight_transport.reset()
             if self.weight_receiver is not None:
                 self.weight_receiver.version = None
+        elif self.cfg.placement.weight_sync == "broadcast":
+            self.engine.rewind_weights()  # type: ignore[attr-defined]
 
     def sync_weights(self, weights: dict[str, Any]) -> float:
         """Load the learner's `weights` into the engine (`push_weights`); returns the seconds it took."""
@@ -287,23 +295,29 @@ class RLRun:
 
     def push_weights(self, weights: dict[str, Any], version: int | None = None) -> None:
         """`weights` of policy `version` (default: the learner's current ones) into the engine through the
-        configured transport. Under LoRA with shared_file, the learner's adapters travel instead of the
-        merged weights when they are the learner's current ones."""
+        configured transport. Under LoRA with shared_file or broadcast, the learner's adapters travel
+        instead of the merged weights when they are the learner's current ones."""
         from posttrain.orchestrator import weight_sync as ws
 
         own = version is None
         version = self.learner.version if version is None else version
-        if self.weight_transport is None:
+        broadcast = self.cfg.placement.weight_sync == "broadcast"
+        if self.weight_transport is None and not broadcast:
             self.engine.load_weights(weights, version=version)
             self.sync_bytes = sum(t.numel() * t.element_size() for t in weights.values())
             return
-        if self.weight_transport.latest() == version:  # the learner did not step: nothing new to send
+        pushed = self.engine.pushed if broadcast else self.weight_transport.latest()  # type: ignore
+        if pushed == version:  # the learner did not step: nothing new to send
             self.sync_bytes = 0
             return
         if own and self.learner.lora:
             update = ws.lora_update(self.learner.model, version)
         else:
             update = ws.full_update(weights, version)
+        if broadcast:
+            self.engine.broadcast_weights(update)  # type: ignore[attr-defined]
+            self.sync_bytes = update.nbytes
+            return
         self.weight_transport.push(update)
         if self.weight_receiver is None:  # engines in other processes read the push themselves
             self.engine.pull_weights(update.version)  # type: ignore[attr-defined]

@@ -13,8 +13,8 @@ way the controller checks every actor reports the pushed version.
 An actor that dies mid-step is restarted by Ray (up to `MAX_RESTARTS` times); the new actor loads the
 latest published weights, then runs the requests that were in flight again (a request is pure: seeded
 sampling of given tokens). A broadcast group cannot take in a replacement, so under `broadcast` an
-actor is not restarted: its requests fail as past the restarts. Past the restarts, requests fail, and the rollout code counts their
-episodes as infrastructure failures, never as scores. In async mode a replacement may load weights
+actor is not restarted: its requests go to the engines left. Past the restarts, requests fail, and
+the rollout code counts their episodes as infrastructure failures, never as scores. In async mode a replacement may load weights
 pushed after an in-flight request started: that request's tokens then come from the newer policy.
 """
 

@@ -17,7 +17,6 @@ from posttrain.orchestrator.weight_sync import lora_update
 from posttrain.train import Learner, Sample
 from posttrain.train.distributed import (
     DataParallel,
-    full_lora_update,
     init_local_gloo,
     load_sharded,
     parallelize_2d,
@@ -135,7 +134,7 @@ def _tp_worker(rank: int, port: int, lora: bool, out_path: str) -> None:
     m1 = learner.step(samples(1))
     m2 = learner.step(samples(2))
     w = learner.weights()
-    adapters = full_lora_update(learner, version=2).tensors if lora else {}
+    adapters = lora_update(learner.model, version=2).tensors if lora else {}
     if rank == 0:
         torch.save({"m1": m1, "m2": m2, "w": w, "adapters": adapters, "shapes": shapes}, out_path)
     dist.destroy_process_group()
@@ -185,7 +184,7 @@ def _mesh_worker(rank: int, port: int, lora: bool, ckpt: str, out_path: str) -> 
     w1 = learner.weights()
     m2 = learner.step(samples(2))
     w2 = learner.weights()
-    adapters = full_lora_update(learner, version=2).tensors if lora else {}
+    adapters = lora_update(learner.model, version=2).tensors if lora else {}
     if rank == 0:
         out = {"m1": m1, "m2": m2, "w1": w1, "w2": w2, "local_q": tuple(q.to_local().shape)}
         out["adapters"] = adapters

@@ -89,8 +89,16 @@ def full_update(weights: dict[str, torch.Tensor], version: int) -> WeightUpdate:
     return WeightUpdate(version=int(version), kind="full", tensors=dict(weights))
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value, gathered from its shards (a collective); a plain tensor as it is."""
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t
+
+
 def lora_update(model: Any, version: int) -> WeightUpdate:
-    """The active LoRA adapters of a peft model, HF-named by module (``base_model.model.`` stripped)."""
+    """The active LoRA adapters of a peft model, HF-named by module (``base_model.model.`` stripped).
+    Adapters split by tensor parallelism are gathered whole, so the receiver merges the A and B one
+    process would push; then every rank must call it (the gather is a collective)."""
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model()
@@ -106,8 +114,8 @@ def lora_update(model: Any, version: int) -> WeightUpdate:
         ad = adapters[0]
         if module.use_dora.get(ad, False):
             raise ValueError("syncing DoRA adapters is not supported; use plain LoRA")
-        tensors[name + LORA_A] = module.lora_A[ad].weight.detach()
-        tensors[name + LORA_B] = module.lora_B[ad].weight.detach()
+        tensors[name + LORA_A] = _whole(module.lora_A[ad].weight.detach())
+        tensors[name + LORA_B] = _whole(module.lora_B[ad].weight.detach())
         scaling[name] = float(module.scaling[ad])
         if getattr(module, "fan_in_fan_out", False):
             transposed.append(name)

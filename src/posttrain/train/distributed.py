@@ -416,14 +416,3 @@ def load_sharded(learner: Any, directory: str | Path) -> None:
     learner.optimizer_steps = int(counters["optimizer_steps"])
     learner.kl_ctl.load_state_dict(counters["kl"])
     learner.generator.set_state(torch.tensor(counters["generator"], dtype=torch.uint8))
-
-
-def full_lora_update(learner: Any, version: int) -> Any:
-    """`weight_sync.lora_update` of a tensor-parallel (or 2-D) LoRA learner: the split adapters gathered
-    whole, so the receiver merges the same A and B one process would push. A collective: every rank
-    calls it."""
-    from posttrain.orchestrator.weight_sync import lora_update
-
-    update = lora_update(learner.model, version)
-    update.tensors = {k: _whole(v) for k, v in update.tensors.items()}
-    return update

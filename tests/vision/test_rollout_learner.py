@@ -76,9 +76,20 @@ def _step(learner: Learner, model_tok) -> None:
     vis = image_inputs(tok)
     store = learner.vision.store
     img = noise_image(2)
-    ids = [1, 2] + tok.encode(vis.placeholder(img), add_special_tokens=False) + [5, 6, 7, 8]
-    mask = [0] * (len(ids) - 3) + [1, 1, 1]
-    samples = [Sample(ids, mask, [-1.0] * len(ids), float(r), 0, images=[store.put(img)]) for r in (0.0, 1.0)]
+    prompt = [1, 2] + tok.encode(vis.placeholder(img), add_special_tokens=False) + [5]
+    # two different responses: the same tokens with rewards 0 and 1 would have opposite advantages and
+    # gradients that cancel to rounding noise (exactly 0 on some CPUs)
+    samples = [
+        Sample(
+            prompt + resp,
+            [0] * len(prompt) + [1, 1, 1],
+            [-1.0] * (len(prompt) + 3),
+            r,
+            0,
+            images=[store.put(img)],
+        )
+        for resp, r in (([6, 7, 8], 0.0), ([9, 10, 11], 1.0))
+    ]
     learner.step(samples)
 
 

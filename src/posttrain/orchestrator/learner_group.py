@@ -357,14 +357,9 @@ class RayLearnerGroup(LearnerGroup):
     node address. The same interface and failure rules as the local group."""
 
     def __init__(self, cfg: RunConfig, start_timeout_s: float = 300.0) -> None:
-        try:
-            import ray
-            from ray.util.placement_group import placement_group, remove_placement_group
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        except ImportError:
-            raise RuntimeError(
-                "placement.backend=ray needs the [ray] extra: pip install 'posttrain[ray]'"
-            ) from None
+        from posttrain.orchestrator.placement import import_ray
+
+        ray, placement_group, remove_placement_group, PlacementGroupSchedulingStrategy = import_ray()
         import os
 
         p = cfg.placement

@@ -116,6 +116,20 @@ def join_broadcast_group(address: str, rank: int, world: int, device: str, timeo
     )
 
 
+def import_ray() -> tuple[Any, Any, Any, Any]:
+    """ray, placement_group, remove_placement_group and PlacementGroupSchedulingStrategy, or a clear
+    error naming the extra to install."""
+    try:
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    except ImportError:
+        raise RuntimeError(
+            "placement.backend=ray needs the [ray] extra: pip install 'posttrain[ray]'"
+        ) from None
+    return ray, placement_group, remove_placement_group, PlacementGroupSchedulingStrategy
+
+
 class RayEngines(Engine):
     """The `Engine` interface over rollout-engine actors (see the module docstring). `weight_dir`: the
     shared-file folder the actors read; None: weights travel by broadcast (`broadcast_weights`)."""
@@ -123,14 +137,7 @@ class RayEngines(Engine):
     caches_prefixes = True
 
     def __init__(self, cfg: Any, weight_dir: str | None) -> None:
-        try:
-            import ray
-            from ray.util.placement_group import placement_group, remove_placement_group
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        except ImportError:
-            raise RuntimeError(
-                "placement.backend=ray needs the [ray] extra: pip install 'posttrain[ray]'"
-            ) from None
+        ray, placement_group, remove_placement_group, PlacementGroupSchedulingStrategy = import_ray()
         p = cfg.placement
         self._ray = ray
         self._remove_pg = remove_placement_group

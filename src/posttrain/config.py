@@ -691,16 +691,28 @@ class PlacementConfig(Section):
 
 
 class SandboxConfig(Section):
-    """Where untrusted code runs: a local warm pool of jailed workers, or a remote sandbox service."""
+    """Where untrusted code runs: a local warm pool of jailed workers, one or several remote sandbox
+    services, or warm pools inside Ray actors."""
 
-    mode: Literal["local", "remote"] = "local"
+    mode: Literal["local", "remote", "ray"] = "local"
     url: str | None = Field(
         None,
         description="remote mode: http://host:port of `posttrain sandbox serve`; several, comma-separated, "
         "make a fleet (least-loaded first, a failed service's jobs retried on another)",
     )
     token: str | None = Field(None, description="remote mode: the service's bearer token")
-    pool_size: int = Field(0, ge=0, description="workers per profile; 0 = follow the CPU count")
+    ray_actors: int = Field(
+        2, ge=1, description="ray mode: sandbox actors, each owning a warm pool (least in flight first)"
+    )
+    ray_actor_cpus: float = Field(
+        1.0, gt=0, description="ray mode: CPUs reserved per sandbox actor (one placement group, SPREAD)"
+    )
+    pool_size: int = Field(
+        0,
+        ge=0,
+        description="workers per profile (ray mode: per actor); 0 = follow the CPU count "
+        "(ray mode: the actor's CPUs, rounded up)",
+    )
     recycle_after: int = Field(500, ge=1, description="replace a worker after this many jobs")
     allow_unisolated: bool = Field(
         False, description="run without namespaces (bwrap) when unavailable: unsafe"
@@ -717,7 +729,7 @@ class SandboxConfig(Section):
     memory_backstop_mb: int = Field(2048, ge=64, description="cgroup memory cap per worker (all its jobs)")
     max_pids: int = Field(128, ge=8, description="cgroup pids cap per worker (worker + job processes)")
     remote_timeout_s: float = Field(
-        600.0, gt=0.0, description="remote mode: the client's bound on one request"
+        600.0, gt=0.0, description="remote and ray modes: the client's bound on one request (batch)"
     )
     max_request_mb: int = Field(16, ge=1, description="`sandbox serve`: largest accepted request body")
     max_concurrent_jobs: int = Field(

@@ -61,7 +61,7 @@ def test_make_sandbox_builds_a_fleet_from_comma_separated_urls():
     from posttrain.config import SandboxConfig
 
     fleet = make_sandbox(SandboxConfig(mode="remote", url="http://a:1,http://b:2", token="t"))
-    assert isinstance(fleet.inner, SandboxFleet) and [n.url for n in fleet.inner.nodes] == [
+    assert isinstance(fleet.inner, SandboxFleet) and [n.name for n in fleet.inner.nodes] == [
         "http://a:1",
         "http://b:2",
     ]

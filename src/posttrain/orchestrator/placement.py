@@ -21,6 +21,7 @@ pushed after an in-flight request started: that request's tokens then come from 
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 from typing import Any
@@ -143,12 +144,16 @@ class RayEngines(Engine):
         self._remove_pg = remove_placement_group
         self.started_ray = False
         if not ray.is_initialized():
+            s = cfg.sandbox  # a local cluster has room for the sandbox actors the run starts next
+            wanted = p.num_engines * p.engine_cpus + (
+                s.ray_actors * s.ray_actor_cpus if s.mode == "ray" else 0
+            )
             ray.init(
                 address=p.ray_address,
                 include_dashboard=False,
                 log_to_driver=False,
                 configure_logging=False,
-                num_cpus=None if p.ray_address else max(os.cpu_count() or 1, p.num_engines * p.engine_cpus),
+                num_cpus=None if p.ray_address else max(os.cpu_count() or 1, math.ceil(wanted)),
             )
             self.started_ray = True
         self.pg = placement_group([{"CPU": p.engine_cpus}] * p.num_engines, strategy="PACK")

@@ -220,10 +220,11 @@ class RLRun:
         return self.tasks.domains
 
     def make_sandbox(self) -> Any:
-        """The run's sandbox: the config's backend with its per-job limits (a test hook)."""
+        """The run's sandbox: the config's backend with its per-job limits (a test hook). Sandbox actors
+        (`sandbox.mode: ray`) join the Ray cluster of the engines, or the one at placement.ray_address."""
         from posttrain.sandbox import make_sandbox
 
-        return make_sandbox(self.cfg.sandbox)
+        return make_sandbox(self.cfg.sandbox, ray_address=self.cfg.placement.ray_address)
 
     def sampling_params(self, train: bool) -> SamplingParams:
         """Training rollouts sample at algorithm.temperature; probes decode greedily."""

@@ -1,6 +1,6 @@
 """Isolated execution of untrusted code: the contract (`api`), warm jailed worker pools (`pool`),
-isolation layers (`isolation`, `jailed/`), graders (`grading`), an HTTP service and its client (`remote`)
-and a client over several services (`fleet`).
+isolation layers (`isolation`, `jailed/`), graders (`grading`), an HTTP service and its client (`remote`),
+a client over several services (`fleet`) and warm pools inside Ray actors (`ray_pool`).
 Must not import torch.
 """
 
@@ -14,13 +14,18 @@ from posttrain.sandbox.isolation import SandboxUnavailable
 from posttrain.sandbox.pool import LocalSandbox
 
 
-def make_sandbox(cfg: Any = None) -> ConfiguredSandbox:
-    """The sandbox a run config asks for: `LocalSandbox` (mode local), or in mode remote `RemoteSandbox`
-    (one URL) or `SandboxFleet` (several, comma-separated),
+def make_sandbox(cfg: Any = None, ray_address: str | None = None) -> ConfiguredSandbox:
+    """The sandbox a run config asks for: `LocalSandbox` (mode local), in mode remote `RemoteSandbox`
+    (one URL) or `SandboxFleet` (several, comma-separated), in mode ray `RaySandboxPool` (in the Ray
+    cluster this process is connected to, else the one at `ray_address`, else a local one),
     wrapped so that every job gets the config's wall-time ceiling and memory limit."""
     from posttrain.config import SandboxConfig
 
     cfg = cfg if cfg is not None else SandboxConfig()
+    if cfg.mode == "ray":
+        from posttrain.sandbox.ray_pool import RaySandboxPool
+
+        return ConfiguredSandbox(RaySandboxPool(cfg, ray_address=ray_address), cfg)
     if cfg.mode == "remote":
         from posttrain.sandbox.fleet import SandboxFleet, parse_urls
         from posttrain.sandbox.remote import RemoteSandbox

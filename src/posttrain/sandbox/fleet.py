@@ -1,11 +1,12 @@
-"""A fleet: several `posttrain sandbox serve` services behind one `Sandbox` client.
+"""Several sandboxes behind one `Sandbox` client: `BalancedSandbox` (the balancing and retry), and
+`SandboxFleet` over `posttrain sandbox serve` services (`RaySandboxPool` in `ray_pool` is the other kind).
 
-Jobs go to the service with the fewest jobs in flight (ties: the one used least recently). A service
-that cannot be reached or does not answer is taken out of rotation for `cooldown_s` and must pass a
-health check (`GET /health`) before it gets jobs again; the jobs it lost are sent to another service.
-A job only becomes `SANDBOX_ERROR` (an infrastructure failure, never a score) when every service has
+Jobs go to the node with the fewest jobs in flight (ties: the one used least recently). A node that
+cannot be reached or does not answer is taken out of rotation for `cooldown_s` and must pass a health
+check (a service's `GET /health`) before it gets jobs again; the jobs it lost are sent to another node.
+A job only becomes `SANDBOX_ERROR` (an infrastructure failure, never a score) when every node has
 failed it or none is reachable. A job is safe to run twice: jobs are isolated and return their result,
-so retrying one whose service died mid-run changes nothing but the time it takes.
+so retrying one whose node died mid-run changes nothing but the time it takes.
 
 A request a service refuses (bad token, a job over the limits, a malformed job) raises
 `RemoteSandboxError` as `RemoteSandbox` does: another service would refuse it too.
@@ -17,14 +18,29 @@ import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from posttrain.sandbox.api import ExecResult, ExecStatus, Job
 from posttrain.sandbox.remote import RemoteSandbox
 
 
+class NodeClient(Protocol):
+    """One node of a `BalancedSandbox`: `try_batch` gives (results, "") or (None, why) when the node
+    failed (nothing is known about the jobs then); `health` raises when the node is not usable."""
+
+    @property
+    def name(self) -> str: ...
+
+    async def try_batch(self, jobs: Sequence[Job]) -> tuple[list[ExecResult] | None, str]: ...
+
+    async def health(self, timeout_s: float | None = None) -> dict: ...
+
+    async def close(self) -> None: ...
+
+
 @dataclass
 class _Node:
-    client: RemoteSandbox
+    client: NodeClient
     in_flight: int = 0
     last_used: float = 0.0
     down_until: float = 0.0  # monotonic time; 0: in rotation
@@ -34,8 +50,8 @@ class _Node:
     probe: asyncio.Task | None = field(default=None, repr=False)
 
     @property
-    def url(self) -> str:
-        return self.client.url
+    def name(self) -> str:
+        return self.client.name
 
 
 def parse_urls(spec: str | Sequence[str]) -> list[str]:
@@ -53,20 +69,16 @@ def parse_urls(spec: str | Sequence[str]) -> list[str]:
     return urls
 
 
-class SandboxFleet:
-    """`Sandbox` over several services, with load balancing, health checks and retry elsewhere."""
+class BalancedSandbox:
+    """`Sandbox` over several nodes, with load balancing, health checks and retry elsewhere (see the
+    module docstring). `what` names a node in the error of a job no node could run."""
 
-    def __init__(
-        self,
-        urls: str | Sequence[str],
-        token: str | None,
-        timeout_s: float = 600.0,
-        cooldown_s: float = 5.0,
-        health_timeout_s: float = 2.0,
-    ) -> None:
+    what = "sandbox node"
+
+    def __init__(self, clients: Sequence[NodeClient], cooldown_s: float, health_timeout_s: float) -> None:
         if cooldown_s <= 0 or health_timeout_s <= 0:
             raise ValueError("cooldown_s and health_timeout_s must be > 0")
-        self.nodes = [_Node(RemoteSandbox(u, token, timeout_s=timeout_s)) for u in parse_urls(urls)]
+        self.nodes = [_Node(c) for c in clients]
         self.cooldown_s = cooldown_s
         self.health_timeout_s = health_timeout_s
         self.stats = {"jobs": 0, "retried": 0, "sandbox_errors": 0, "node_failures": 0}
@@ -137,7 +149,7 @@ class SandboxFleet:
                     res = None if got is None else got[pos]
                     if res is None:
                         tried[k].add(node_idx)
-                        errors[k].append(f"{self.nodes[node_idx].url}: {why}")
+                        errors[k].append(f"{self.nodes[node_idx].name}: {why}")
                         pending.append(k)
                     else:
                         results[k] = res
@@ -146,16 +158,16 @@ class SandboxFleet:
         return done
 
     def _failed(self, tried: set[int], errors: list[str]) -> ExecResult:
-        """The infrastructure failure of a job no service could run, with every service's reason."""
+        """The infrastructure failure of a job no node could run, with every node's reason."""
         reasons = list(errors) + [
-            f"{n.url}: out of rotation ({n.last_error or 'down'})"
+            f"{n.name}: out of rotation ({n.last_error or 'down'})"
             for i, n in enumerate(self.nodes)
             if i not in tried
         ]
         self.stats["sandbox_errors"] += 1
         return ExecResult(
             status=ExecStatus.SANDBOX_ERROR,
-            error=f"no sandbox service could run this job ({len(tried)} of {len(self.nodes)} tried, "
+            error=f"no {self.what} could run this job ({len(tried)} of {len(self.nodes)} tried, "
             f"the rest out of rotation): " + "; ".join(reasons),
         )
 
@@ -174,17 +186,17 @@ class SandboxFleet:
         return got, why
 
     async def health(self) -> dict:
-        """Each service's health (or its error), and the fleet's counters."""
+        """Each node's health (or its error), and the counters."""
 
         async def one(node: _Node) -> dict:
             try:
                 return {
-                    "url": node.url,
+                    "name": node.name,
                     "ok": True,
                     **await node.client.health(timeout_s=self.health_timeout_s),
                 }
-            except Exception as err:  # reported, not raised: one service down is what this shows
-                return {"url": node.url, "ok": False, "error": f"{type(err).__name__}: {err}"}
+            except Exception as err:  # reported, not raised: one node down is what this shows
+                return {"name": node.name, "ok": False, "error": f"{type(err).__name__}: {err}"}
 
         nodes = await asyncio.gather(*(one(n) for n in self.nodes))
         for entry, node in zip(nodes, self.nodes, strict=True):
@@ -197,8 +209,25 @@ class SandboxFleet:
                 node.probe.cancel()
             await node.client.close()
 
-    async def __aenter__(self) -> SandboxFleet:
+    async def __aenter__(self) -> BalancedSandbox:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+class SandboxFleet(BalancedSandbox):
+    """`BalancedSandbox` over `posttrain sandbox serve` services, one `RemoteSandbox` client each."""
+
+    what = "sandbox service"
+
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        token: str | None,
+        timeout_s: float = 600.0,
+        cooldown_s: float = 5.0,
+        health_timeout_s: float = 2.0,
+    ) -> None:
+        clients = [RemoteSandbox(u, token, timeout_s=timeout_s) for u in parse_urls(urls)]
+        super().__init__(clients, cooldown_s, health_timeout_s)

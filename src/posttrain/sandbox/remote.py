@@ -341,6 +341,11 @@ class RemoteSandbox:
         self.connect_timeout_s = connect_timeout_s
         self._clients: dict[int, httpx.AsyncClient] = {}
 
+    @property
+    def name(self) -> str:
+        """The service's URL (how a `SandboxFleet` names this node)."""
+        return self.url
+
     def _client(self) -> httpx.AsyncClient:
         loop = asyncio.get_running_loop()
         client = self._clients.get(id(loop))

@@ -1,0 +1,164 @@
+"""The sandbox pool as Ray actors (`sandbox.mode: ray`): `sandbox.ray_actors` actors of
+`sandbox.ray_actor_cpus` CPUs each, in one placement group (SPREAD), each owning a `LocalSandbox` warm
+pool. `RaySandboxPool` spreads jobs over them with `BalancedSandbox`, the fleet's balancing and retry.
+
+An actor that dies takes its jobs in flight with it: they are retried on another actor, and the dead
+one is out of rotation until Ray has restarted it (up to `MAX_RESTARTS` times) and it passes a health
+check. A job no actor could run is `SANDBOX_ERROR`, never a score. A job an actor refuses (a bad job)
+raises its `ValueError` here, as `LocalSandbox` does. Ray is imported lazily (the [ray] extra).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from posttrain.sandbox.api import ExecResult, Job
+from posttrain.sandbox.fleet import BalancedSandbox
+
+MAX_RESTARTS = 3
+
+
+class SandboxWorker:
+    """A `LocalSandbox` inside a Ray actor, built from the sandbox config and warmed at start."""
+
+    def __init__(self, cfg_json: str) -> None:
+        from posttrain.config import SandboxConfig
+        from posttrain.sandbox.pool import LocalSandbox
+
+        self.sandbox = LocalSandbox(SandboxConfig.model_validate_json(cfg_json))
+        self.sandbox.warm()
+
+    async def run_batch(self, jobs: list[Job]) -> list[ExecResult]:
+        return await self.sandbox.run_batch(jobs)
+
+    def health(self) -> dict:
+        return {"pid": os.getpid(), "layers": self.sandbox.layers, "stats": dict(self.sandbox.stats)}
+
+    def close(self) -> None:
+        """Stop the pools and kill their workers (before the actor itself is killed)."""
+        self.sandbox.close_blocking()
+
+
+class ActorClient:
+    """One sandbox actor as a `BalancedSandbox` node: a dead or unanswering actor is a failed node."""
+
+    def __init__(self, handle: Any, index: int, timeout_s: float) -> None:
+        self.handle = handle
+        self.index = index
+        self.timeout_s = timeout_s
+
+    @property
+    def name(self) -> str:
+        return f"sandbox actor {self.index}"
+
+    async def try_batch(self, jobs: Sequence[Job]) -> tuple[list[ExecResult] | None, str]:
+        from ray.exceptions import RayActorError
+
+        if not jobs:
+            return [], ""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await self.handle.run_batch.remote(list(jobs)), ""
+        except TimeoutError:
+            return None, f"sandbox actor did not answer within {self.timeout_s} s"
+        except RayActorError as err:  # died, or unreachable while Ray restarts it
+            return None, f"sandbox actor failed: {type(err).__name__}: {str(err)[:300]}"
+
+    async def health(self, timeout_s: float | None = None) -> dict:
+        async with asyncio.timeout(timeout_s if timeout_s is not None else self.timeout_s):
+            return await self.handle.health.remote()
+
+    async def close(self) -> None:
+        return None
+
+
+def ray_worker_config(cfg: Any) -> Any:
+    """The sandbox config each actor's `LocalSandbox` gets: local mode, and `pool_size` 0 resolved to the
+    actor's CPUs rounded up (the node's CPU count is not the actor's share)."""
+    pool_size = cfg.pool_size or max(1, math.ceil(cfg.ray_actor_cpus))
+    return cfg.model_copy(update={"mode": "local", "pool_size": pool_size})
+
+
+class RaySandboxPool(BalancedSandbox):
+    """`BalancedSandbox` over `cfg.ray_actors` sandbox actors (see the module docstring). Joins the Ray
+    cluster this process is connected to, or connects to `ray_address` (None: starts a local one, which
+    `close` stops)."""
+
+    what = "sandbox actor"
+
+    def __init__(
+        self,
+        cfg: Any,
+        ray_address: str | None = None,
+        cooldown_s: float = 5.0,
+        health_timeout_s: float = 10.0,
+        ready_timeout_s: float = 300.0,
+    ) -> None:
+        try:
+            import ray
+            from ray.util.placement_group import placement_group, remove_placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        except ImportError:
+            raise RuntimeError(
+                "sandbox.mode=ray needs the [ray] extra: pip install 'posttrain[ray]'"
+            ) from None
+        self._ray = ray
+        self._remove_pg = remove_placement_group
+        self.started_ray = False
+        n, cpus = cfg.ray_actors, cfg.ray_actor_cpus
+        if not ray.is_initialized():
+            ray.init(
+                address=ray_address,
+                include_dashboard=False,
+                log_to_driver=False,
+                configure_logging=False,
+                num_cpus=None if ray_address else max(os.cpu_count() or 1, math.ceil(n * cpus)),
+            )
+            self.started_ray = True
+        self.pg = placement_group([{"CPU": cpus}] * n, strategy="SPREAD")
+        if not self.pg.wait(timeout_seconds=int(ready_timeout_s)):
+            self._remove_pg(self.pg)
+            raise RuntimeError(
+                f"sandbox.mode=ray: the Ray cluster has no room for {n} sandbox actors of {cpus} CPUs "
+                f"(sandbox.ray_actors x sandbox.ray_actor_cpus) within {ready_timeout_s:.0f} s"
+            )
+        actor = ray.remote(num_cpus=cpus, max_restarts=MAX_RESTARTS, max_concurrency=1000)(SandboxWorker)
+        worker_json = ray_worker_config(cfg).model_dump_json()
+        handles = [
+            actor.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)
+            ).remote(worker_json)
+            for i in range(n)
+        ]
+        ray.get([h.health.remote() for h in handles], timeout=ready_timeout_s)
+        self.handles = handles
+        super().__init__(
+            [ActorClient(h, i, cfg.remote_timeout_s) for i, h in enumerate(handles)],
+            cooldown_s,
+            health_timeout_s,
+        )
+
+    def kill(self, index: int) -> None:
+        """Kill actor `index` the way a crash would (Ray restarts it): for failure tests."""
+        self._ray.kill(self.handles[index], no_restart=False)
+
+    async def close(self) -> None:
+        await super().close()
+        if not self.handles or not self._ray.is_initialized():  # closed, or the cluster went first
+            self.handles = []
+            return
+        try:  # the workers first: killing an actor does not reach a worker it is still starting
+            async with asyncio.timeout(60):
+                await asyncio.gather(*(h.close.remote() for h in self.handles), return_exceptions=True)
+        except TimeoutError:
+            pass
+        for handle in self.handles:
+            self._ray.kill(handle, no_restart=True)
+        self.handles = []
+        self._remove_pg(self.pg)
+        if self.started_ray:
+            self._ray.shutdown()

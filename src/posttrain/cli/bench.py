@@ -572,6 +572,9 @@ def docs(
     n: int = typer.Option(8, "--n", min=1, help="generated reports (the issue's figure is 100)"),
     tokens: str = typer.Option("2048,4096,8192,32768", "--tokens", help="report lengths in tokens, cycled"),
     model: str = typer.Option("smollm2-135m", "--model", help="model spec of the in-process engine"),
+    compare_model: str = typer.Option(
+        None, "--compare-model", help="a second model (e.g. runs/docs-sft/policy) on the same documents"
+    ),
     workers: int = typer.Option(2, "--workers", min=1, help="worker processes"),
     concurrency: int = typer.Option(1, "--concurrency", min=1, help="jobs in flight per worker"),
     backends: str = typer.Option(
@@ -597,6 +600,7 @@ def docs(
         n=n,
         tokens=tokens,
         model=model,
+        compare_model=compare_model,
         workers=workers,
         concurrency=concurrency,
         backends=backends,

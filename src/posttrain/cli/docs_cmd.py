@@ -1,4 +1,4 @@
-"""`posttrain docs ingest|worker|status|query|export|report|demo`: the document-analysis pipeline of
+"""`posttrain docs ingest|worker|status|query|export|report|demo|sft-data`: the document-analysis pipeline of
 `posttrain.apps.docs`. This module parses options, calls the app and prints; bad input exits 2."""
 
 from __future__ import annotations
@@ -349,3 +349,32 @@ def demo_cmd(
         f"dead-lettered {summary['dead']}\nreport: {summary['report']}\n"
         f'try: posttrain docs query --home {home} "SELECT url, kind, n_pages FROM documents"'
     )
+
+
+@app.command("sft-data")
+def sft_data_cmd(
+    out: Path = typer.Option(..., "--out", help="JSONL file to write (chat rows for `posttrain sft --data`)"),
+    n: int = typer.Option(96, "--n", min=1, help="examples (generated reports)"),
+    tokens: str = typer.Option("1024,2048", "--tokens", help="report lengths in tokens, cycled"),
+    seed: int = typer.Option(0, "--seed", min=0, max=(1 << 20) - 1),
+) -> None:
+    """Supervised extraction data from generated `docs.financial` reports that no benchmark batch or demo
+    uses: each report parsed as a worker parses it (Markdown and PDF alternately), the worker's exact
+    extraction prompt, and the gold JSON object as the reply."""
+    from posttrain.apps.docs.demo import sft_rows
+
+    try:
+        lengths = [int(t) for t in tokens.split(",")]
+    except ValueError:
+        fail(f"--tokens '{tokens}' is not a comma list of integers", EXIT_USAGE)
+    if any(t < 256 for t in lengths):
+        fail("--tokens: each length must be >= 256", EXIT_USAGE)
+    if out.exists():
+        fail(f"--out {out} exists; give a new file", EXIT_USAGE)
+    with console.status(f"generating {n} reports of {tokens} tokens"):
+        rows = sft_rows(n, lengths, seed=seed)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(out)
+    console.print(f"wrote {len(rows)} examples to {out}; train with: posttrain sft --data {out}")

@@ -90,6 +90,15 @@ def _partial_schema(schema: dict[str, Any]) -> dict[str, Any]:
 SYSTEM = "You extract facts from business documents. You answer only from the document given."
 
 
+def extraction_messages(text: str, schema: dict[str, Any], part: str = "") -> list[dict[str, str]]:
+    """The chat a worker sends to extract `schema` from `text` (a whole document, or one chunk when
+    `part` names it); `posttrain docs sft-data` trains on exactly these."""
+    return [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": _extract_prompt(text, schema, part)},
+    ]
+
+
 def _extract_prompt(text: str, schema: dict[str, Any], part: str) -> str:
     return (
         f"Document{part}:\n{text}\n---\nExtract the data described by this JSON Schema from the document"
@@ -148,10 +157,7 @@ async def _extract_chunk(
     model: ChatModel, tally: _Tally, text: str, schema: dict[str, Any], part: str, max_tokens: int
 ) -> tuple[dict[str, Any], bool]:
     """(object, repaired) for one chunk: one attempt plus one repair turn naming the error."""
-    messages = [
-        {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": _extract_prompt(text, schema, part)},
-    ]
+    messages = extraction_messages(text, schema, part)
     constraint = bounded(schema)
     reply = await tally.ask(model, messages, max_tokens, constraint)
     obj = parse_json_object(reply)

@@ -1,6 +1,7 @@
 """`posttrain docs demo` and the batch the benchmark runs: generate `docs.financial` reports (Markdown
 and PDF alternately) into a store folder, ingest them, run workers until the queue is empty, and
-compare the rows with the generated ground truth (field-level F1, lost and duplicate results).
+compare the rows with the generated ground truth (field-level F1, lost and duplicate results). Also the
+supervised data `posttrain docs sft-data` writes: other reports, parsed and prompted as a worker does.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from posttrain.apps.docs.analyze import ChatModel
+from posttrain.apps.docs.analyze import ChatModel, extraction_messages
 from posttrain.apps.docs.db import Database, task_key
+from posttrain.apps.docs.parse import parse_document
 from posttrain.apps.docs.pipeline import ingest
 from posttrain.apps.docs.queue import JobQueue
 from posttrain.apps.docs.store import ObjectStore
@@ -35,7 +37,7 @@ def write_batch(
     store = ObjectStore(str(store_dir))
     truth = {}
     for i in range(n):
-        report = df.generate_report(seed * 100_003 + i, tokens[i % len(tokens)], tokenizer)
+        report = df.generate_report(report_seed(seed, i), tokens[i % len(tokens)], tokenizer)
         if i % 2 == 0:
             url = store.write(f"report-{i:04d}.md", report.markdown().encode())
         else:
@@ -45,10 +47,51 @@ def write_batch(
     return Batch(store_dir, truth)
 
 
-def score_batch(db: Database, truth: dict[str, dict[str, Any]], key: str) -> dict[str, Any]:
+# reports of a batch use seeds seed * 100_003 + i; training reports start past every such seed
+SFT_SEED_BASE = 1 << 40
+
+
+def report_seed(seed: int, i: int, training: bool = False) -> int:
+    """The generator seed of the i-th report of a batch (or of the supervised data) with `seed`."""
+    if not 0 <= seed < 1 << 20 or not 0 <= i < 100_003:
+        raise ValueError(f"seed must be in [0, 2^20) and index in [0, 100003) (got {seed}, {i})")
+    return (SFT_SEED_BASE if training else 0) + seed * 100_003 + i
+
+
+def sft_rows(
+    n: int, tokens: list[int], seed: int = 0, tokenizer: str = "smollm2-135m"
+) -> list[dict[str, Any]]:
+    """`n` supervised extraction examples: the i-th report (of `tokens[i % len(tokens)]` tokens, Markdown
+    or PDF alternately, seeds disjoint from every benchmark batch's) parsed as a worker parses it, the
+    worker's extraction chat for the whole document, and the gold JSON object as the assistant's reply
+    (keys in the schema's order, json.dumps' separators: what constrained decoding lets the model write)."""
+    rows = []
+    for i in range(n):
+        report = df.generate_report(report_seed(seed, i, training=True), tokens[i % len(tokens)], tokenizer)
+        if i % 2 == 0:
+            doc = parse_document(report.markdown().encode(), f"report-{i}.md")
+        else:
+            doc = parse_document(df.render_pdf(report), f"report-{i}.pdf")
+        gold = df.gold_extraction(report.facts)
+        reply = json.dumps({k: gold[k] for k in df.EXTRACTION_SCHEMA["properties"]})
+        rows.append(
+            {
+                "messages": [
+                    *extraction_messages(doc.text, df.EXTRACTION_SCHEMA),
+                    {"role": "assistant", "content": reply},
+                ]
+            }
+        )
+    return rows
+
+
+def score_batch(
+    db: Database, truth: dict[str, dict[str, Any]], key: str, per_document: bool = False
+) -> dict[str, Any]:
     """Field-level F1 of the stored extractions against the truth (a missing result scores 0), and the
     counts the pipeline promises to keep at zero: `lost` (no result and not dead-lettered) and
-    `duplicates` (more than one result row for a document and task)."""
+    `duplicates` (more than one result row for a document and task). With `per_document`, also
+    `f1_by_url` (object URL -> that document's field F1)."""
     sa = db.sa
     e, d, j = db.extractions, db.documents, db.jobs
     with db.engine.connect() as conn:
@@ -81,6 +124,7 @@ def score_batch(db: Database, truth: dict[str, dict[str, Any]], key: str) -> dic
         "duplicates": int(dup or 0),
         "field_f1": sum(f1) / len(f1) if f1 else 0.0,
         "exact": sum(1 for x in f1 if x == 1.0),
+        **({"f1_by_url": dict(zip(truth, f1, strict=True))} if per_document else {}),
     }
 
 

@@ -354,8 +354,8 @@ def demo_cmd(
 @app.command("sft-data")
 def sft_data_cmd(
     out: Path = typer.Option(..., "--out", help="JSONL file to write (chat rows for `posttrain sft --data`)"),
-    n: int = typer.Option(96, "--n", min=1, help="examples (generated reports)"),
-    tokens: str = typer.Option("1024,2048", "--tokens", help="report lengths in tokens, cycled"),
+    n: int = typer.Option(64, "--n", min=1, help="examples (generated reports)"),
+    tokens: str = typer.Option("768,1024", "--tokens", help="report lengths in tokens, cycled"),
     seed: int = typer.Option(0, "--seed", min=0, max=(1 << 20) - 1),
 ) -> None:
     """Supervised extraction data from generated `docs.financial` reports that no benchmark batch or demo

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from posttrain.engine.decode_stage import DecodeStage
 from posttrain.engine.moe import MOE_MODEL_TYPES, MoeSpec, route, sparse_experts
 from posttrain.engine.mrope import MROPE_MODEL_TYPES, mrope_columns, mrope_rows
+from posttrain.engine.onednn import PACK_BATCH_HINT, PackedWeight
 from posttrain.engine.quant import (
     KV_INT8,
     WEIGHT_QUANTS,
@@ -98,9 +99,14 @@ class ModelSpec:
 # Weights of the CPU GEMMs, pre-packed for oneDNN: on this project's machine (AMD, AVX-512) oneDNN's fp32
 # GEMM ran 1.9x (1 row) to 2.5x (64-512 rows) faster than torch's default BLAS path; for bfloat16 F.linear
 # already uses oneDNN, and the packed weights win only for few rows (2.3x at 1 row, slower at 512).
-_PACK_BATCH_HINT = 64
 _BF16_PACKED_MAX_ROWS = 128
 _PACKED = ("wqkv", "wo", "wgu", "wd")
+
+
+def _slot_key(gemm_key: str) -> str:
+    """The layer tensor a `_gemm_weights` key is (part of): an expert's "gu.E" / "d.E" are slices of
+    "experts_gu" / "experts_d"."""
+    return {"gu": "experts_gu", "d": "experts_d"}.get(gemm_key.split(".")[0], gemm_key)
 
 
 def _gemm_weights(layer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -121,7 +127,7 @@ def onednn_packing_works(device: torch.device, dtype: torch.dtype) -> bool:
     try:
         w = torch.randn(8, 16).to(dtype)
         x = torch.randn(3, 16).to(dtype)
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH_HINT)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
         got = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     except (AttributeError, RuntimeError):
         return False
@@ -243,6 +249,8 @@ class ModelRunner:
         self._init_weights()
         self.packed: list[dict[str, torch.Tensor]] | None = None
         self.packed_lm_head: torch.Tensor | None = None
+        self._packers: list[dict[str, PackedWeight]] | None = None  # what `packed` holds, refreshed per load
+        self._packer_lm_head: PackedWeight | None = None
         self.quantized: list[dict[str, QuantLinear]] | None = None
         self.quantized_lm_head: QuantLinear | None = None
         self.use_packed = onednn_packing_works(self.device, self.dtype)
@@ -325,22 +333,25 @@ class ModelRunner:
 
     _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
-    def _target(self, name: str) -> torch.Tensor | None:
-        """The engine tensor (or fused slice of one) that the HF parameter `name` maps to; None to skip."""
+    def weight_for(self, name: str) -> tuple[torch.Tensor, tuple[int, str]] | None:
+        """The engine tensor (or fused slice of one) that the HF parameter `name` maps to, and its slot
+        (layer index, key; -1 and the name outside the layers); None to skip."""
         s = self.spec
-        if name == "model.embed_tokens.weight":
-            return self.embed
-        if name == "lm_head.weight":
-            return self.lm_head
-        if name == "model.norm.weight":
-            return self.final_norm
+        top = {
+            "model.embed_tokens.weight": "embed",
+            "lm_head.weight": "lm_head",
+            "model.norm.weight": "final_norm",
+        }
+        if name in top:
+            return getattr(self, top[name]), (-1, top[name])
         if name.endswith("rotary_emb.inv_freq"):
             return None
         m = self._LAYER_RE.match(name)
         if not m or int(m.group(1)) >= s.num_layers:
             raise KeyError(name)
-        layer, rest = self.layers[int(m.group(1))], m.group(2)
-        q, kv, inter = self.q_size, self.kv_size, self._mlp_size(int(m.group(1)))
+        li = int(m.group(1))
+        layer, rest = self.layers[li], m.group(2)
+        q, kv, inter = self.q_size, self.kv_size, self._mlp_size(li)
         if "router" in layer:  # an MoE layer: its MLP names are the shared expert's
             rest = {
                 "mlp.gate.weight": "router",
@@ -349,7 +360,7 @@ class ModelRunner:
                 "mlp.shared_expert_gate.weight": "shared_gate",
             }.get(rest, rest.replace("mlp.shared_expert.", "mlp.", 1))
             if rest in layer:
-                return layer[rest]
+                return layer[rest], (li, rest)
         table: dict[str, tuple[str, int, int] | str] = {
             "input_layernorm.weight": "in_norm",
             "post_attention_layernorm.weight": "post_norm",
@@ -372,27 +383,29 @@ class ModelRunner:
         if isinstance(entry, str):
             if entry not in layer:
                 raise KeyError(name)
-            return layer[entry]
+            return layer[entry], (li, entry)
         key, lo, hi = entry
         if key not in layer:
             raise KeyError(name)
-        return layer[key][lo:hi]
+        return layer[key][lo:hi], (li, key)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = False) -> int:
         """Copy HF-named tensors into the engine's weights in place; returns how many were loaded.
 
         `strict` requires every engine tensor to be covered (used at construction)."""
         loaded: set[str] = set()
+        touched: set[tuple[int, str]] = set()
         unknown: list[str] = []
         for raw_name, tensor in weights:
             name = raw_name.removeprefix("base_model.model.")
             try:
-                target = self._target(name)
+                found = self.weight_for(name)
             except KeyError:
                 unknown.append(raw_name)
                 continue
-            if target is None:
+            if found is None:
                 continue
+            target, slot = found
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(
                     f"weight '{raw_name}' has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
@@ -400,6 +413,7 @@ class ModelRunner:
             with torch.no_grad():
                 target.copy_(tensor.detach())
             loaded.add(name)
+            touched.add(slot)
         if unknown:
             raise ValueError(f"unknown parameter names for a {self.spec.model_type} model: {unknown[:5]}")
         if strict:
@@ -425,8 +439,19 @@ class ModelRunner:
         if loaded and self.weight_quant != "none":
             self._quantize()
         if self.use_packed and loaded:
-            self._pack()
+            self._pack(touched)
         return len(loaded)
+
+    def packed_weights(self) -> list[tuple[str, torch.Tensor, PackedWeight]]:
+        """(name, dense weight, its oneDNN-packed copy) of every packed GEMM weight; empty when none is packed."""
+        out = [
+            (f"{li}.{k}", _gemm_weights(layer)[k], p)
+            for li, (layer, packers) in enumerate(zip(self.layers, self._packers or [], strict=False))
+            for k, p in packers.items()
+        ]
+        if self._packer_lm_head is not None:
+            out.append(("lm_head", self.lm_head, self._packer_lm_head))
+        return out
 
     def _mlp_names(self, li: int) -> list[str]:
         """HF names of layer li's MLP parameters (after the shared expert's renaming in _target)."""
@@ -450,16 +475,28 @@ class ModelRunner:
         head = self.lm_head_quant
         self.quantized_lm_head = quantize_linear(self.lm_head, head) if head != "none" else None
 
-    def _pack(self) -> None:
-        """Re-pack for oneDNN every GEMM weight not quantized (after each load: the packed copies are not views)."""
-        pack = torch.ops.mkldnn._reorder_linear_weight
+    def _pack(self, touched: set[tuple[int, str]]) -> None:
+        """Bring the oneDNN-packed copies of the GEMM weights not quantized up to date after a load (they
+        are not views): built on the first load; afterwards those of the `touched` slots are refreshed,
+        in place where their layout allows (engine/onednn.py)."""
         if self.quantized is None or self.quant_max_rows:
-            self.packed = [
-                {k: pack(w, _PACK_BATCH_HINT) for k, w in _gemm_weights(layer).items()}
-                for layer in self.layers
-            ]
+            if self._packers is None:
+                self._packers = [
+                    {k: PackedWeight(w) for k, w in _gemm_weights(layer).items()} for layer in self.layers
+                ]
+            else:
+                for li, layer in enumerate(self.layers):
+                    for k, w in _gemm_weights(layer).items():
+                        if (li, _slot_key(k)) in touched:
+                            self._packers[li][k].refresh(w)
+            self.packed = [{k: p.tensor for k, p in layer.items()} for layer in self._packers]
         if self.quantized_lm_head is None or self.quant_max_rows:
-            self.packed_lm_head = pack(self.lm_head, _PACK_BATCH_HINT)
+            head = {(-1, "lm_head"), (-1, "embed")} if self.spec.tie_word_embeddings else {(-1, "lm_head")}
+            if self._packer_lm_head is None:
+                self._packer_lm_head = PackedWeight(self.lm_head)
+            elif touched & head:
+                self._packer_lm_head.refresh(self.lm_head)
+            self.packed_lm_head = self._packer_lm_head.tensor
 
     def weight_bytes(self) -> int:
         """Bytes of GEMM weights held (quantized where quantized; every expert of an MoE), embedding lookup

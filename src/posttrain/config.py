@@ -923,11 +923,23 @@ class RewardConfig(Section):
     batch_size: int = Field(16, ge=1, description="sequences per reward-model forward or server request")
     max_concurrent_requests: int = Field(4, ge=1, description="url: requests in flight at once")
     timeout_s: float = Field(60.0, gt=0.0, description="url: bound on one request")
+    ray_actors: int = Field(
+        0,
+        ge=0,
+        description="model: reward-model Ray actors (batch_size sequences per call, to the actor with the "
+        "fewest in flight; one placement group, PACK); 0 = the model runs in this process",
+    )
+    ray_actor_cpus: float = Field(1.0, gt=0, description="ray_actors: CPUs (torch threads) per reward actor")
 
     @model_validator(mode="after")
     def _one_source(self) -> RewardConfig:
         if self.model is not None and self.url is not None:
             raise ValueError("give reward.model or reward.url, not both")
+        if self.ray_actors and self.model is None:
+            raise ValueError(
+                "reward.ray_actors runs reward.model in Ray actors: set reward.model (a reward server at "
+                "reward.url is scaled where it runs)"
+            )
         if self.length_penalty and not self.enabled:
             raise ValueError(
                 "reward.length_penalty applies to a learned reward: set reward.model or reward.url"

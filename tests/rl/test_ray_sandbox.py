@@ -74,7 +74,7 @@ def test_sandbox_actors_join_the_ray_engines_cluster_and_go_with_it(tmp_path):
     rl = RLRun(cfg, RunDir.create(cfg.telemetry.run_dir, "joined"))
     rl.build()
     pool = rl.sandbox.inner
-    assert isinstance(pool, RaySandboxPool) and not pool.started_ray and rl.engine.started_ray
+    assert isinstance(pool, RaySandboxPool) and not pool.group.started_ray and rl.engine.started_ray
     assert ray.cluster_resources()["CPU"] >= 2  # room for 1 engine CPU and 2 x 0.5 sandbox CPUs
     res = rl.loop.run_until_complete(rl.sandbox.run(Job(code="print(6 * 7)")))
     assert res.stdout == b"42\n"

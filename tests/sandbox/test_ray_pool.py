@@ -90,7 +90,7 @@ def test_an_actor_killed_mid_batch_loses_no_job_and_its_replacement_gets_jobs_ag
             before = await pool.health()
             batch = asyncio.ensure_future(pool.run_batch(jobs))
             await asyncio.sleep(0.6)  # both actors are running jobs of the batch
-            pool.kill(0)
+            pool.group.kill(0)
             results = await batch
             deadline = time.monotonic() + 120
             while True:  # Ray restarts the actor; it is back once a health check passes
@@ -122,7 +122,7 @@ def test_a_job_no_actor_can_run_is_an_infra_failure_and_a_bad_job_raises(ray_clu
             with pytest.raises(ValueError, match="unknown language 'cobol'"):
                 await pool.run(Job(code="x", language="cobol"))
             assert pool.stats["node_failures"] == 0  # a refused job is not the actor's failure
-            ray_cluster.kill(pool.handles[0], no_restart=True)
+            pool.group.kill(0, restart=False)
             return await pool.run(Job(code="print(1)")), dict(pool.stats)
         finally:
             await pool.close()

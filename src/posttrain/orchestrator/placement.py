@@ -144,9 +144,11 @@ class RayEngines(Engine):
         self._remove_pg = remove_placement_group
         self.started_ray = False
         if not ray.is_initialized():
-            s = cfg.sandbox  # a local cluster has room for the sandbox actors the run starts next
-            wanted = p.num_engines * p.engine_cpus + (
-                s.ray_actors * s.ray_actor_cpus if s.mode == "ray" else 0
+            s, r = cfg.sandbox, cfg.reward  # a local cluster has room for the sandbox and reward actors too
+            wanted = (
+                p.num_engines * p.engine_cpus
+                + (s.ray_actors * s.ray_actor_cpus if s.mode == "ray" else 0)
+                + r.ray_actors * r.ray_actor_cpus
             )
             ray.init(
                 address=p.ray_address,

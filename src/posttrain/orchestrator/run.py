@@ -184,7 +184,7 @@ class RLRun:
             )
             self.engine.release_kv_cache()
         self.sandbox = self.make_sandbox()
-        self.reward = make_learned_reward(cfg.reward, self.tokenizer)
+        self.reward = make_learned_reward(cfg.reward, self.tokenizer, ray_address=cfg.placement.ray_address)
         self.sampling = self.sampling_params(train=True)
         self.limits = EpisodeLimits(
             cfg.envs.max_turns, cfg.envs.max_episode_tokens, cfg.engine.max_new_tokens
@@ -630,6 +630,10 @@ class RLRun:
 
             shutil.rmtree(self.weight_dir_owned, ignore_errors=True)
             self.weight_dir_owned = None
+        # reward actors go before the sandbox, whose pool may have started the Ray cluster they are in
+        scorer = getattr(self.reward, "scorer", None)
+        if callable(getattr(scorer, "close", None)):
+            scorer.close()
         if self.sandbox is not None:
             self.loop.run_until_complete(self.sandbox.close())
             self.sandbox = None

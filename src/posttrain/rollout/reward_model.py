@@ -1,7 +1,8 @@
 """Learned rewards for rollouts: a reward model scores each finished trajectory's token ids, in process
-(`LocalRewardScorer`) or behind an HTTP reward server (`make_reward_app`, served by `posttrain rm
-serve`; `RemoteRewardScorer`, its async batched client), and `LearnedReward` mixes the score with the
-environment's verifier reward, keeping both in `Trajectory.rewards` ("verifier", "reward_model").
+(`LocalRewardScorer`), in Ray actors (`RayRewardScorer`, `reward.ray_actors`) or behind an HTTP reward
+server (`make_reward_app`, served by `posttrain rm serve`; `RemoteRewardScorer`, its async batched
+client), and `LearnedReward` mixes the score with the environment's verifier reward, keeping both in
+`Trajectory.rewards` ("verifier", "reward_model").
 
 A sequence the reward model cannot score (server down, timeout, bad answer) marks its trajectory
 `REWARD_ERROR`, an infrastructure failure: excluded from training and counted, never scored 0. The
@@ -12,12 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import httpx
 
 from posttrain.algos import mix_rewards
+from posttrain.sandbox.ray_pool import MAX_RESTARTS, ActorGroup
 from posttrain.types import Trajectory, TrajectoryStatus
 
 
@@ -53,6 +56,91 @@ class LocalRewardScorer:
                 for i in rows:
                     out[i] = RewardModelError(f"reward model forward failed: {type(err).__name__}: {err}")
         return out
+
+
+class RewardWorker:
+    """A `train.RewardModel` inside a Ray actor, loaded from `folder`, scoring with `threads` torch threads."""
+
+    def __init__(self, folder: str, threads: int) -> None:
+        import torch
+
+        from posttrain.train import load_reward_model
+
+        torch.set_num_threads(max(1, threads))
+        self.model = load_reward_model(folder)
+
+    def score(self, sequences: list[list[int]]) -> list[float]:
+        return self.model.score(sequences)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class RayRewardScorer:
+    """`n` `RewardWorker` actors of `cpus` CPUs each (an `ActorGroup`, PACK): `batch_size` sequences per
+    call, each to the actor with the fewest calls in flight. A call whose actor died is sent again, to
+    another actor when there is one (Ray restarts the dead one, up to `MAX_RESTARTS` times); past that, or
+    when the forward raised, its sequences fail. The actors join the Ray cluster this process is
+    connected to, else the one at `ray_address`, else a local one (stopped by `close`)."""
+
+    def __init__(
+        self, folder: str, n: int, cpus: float, batch_size: int = 16, ray_address: str | None = None
+    ) -> None:
+        self.batch_size = batch_size
+        self.group = ActorGroup(
+            RewardWorker,
+            (folder, math.ceil(cpus)),
+            n,
+            cpus,
+            what="reward.ray_actors",
+            strategy="PACK",
+            ray_address=ray_address,
+        )
+        self.group.ray.get([a.pid.remote() for a in self.actors], timeout=600)
+        self.in_flight = [0] * n
+
+    @property
+    def actors(self) -> list[Any]:
+        return self.group.handles
+
+    async def _call(self, batch: list[list[int]]) -> list[float]:
+        from ray.exceptions import RayActorError
+
+        failed: set[int] = set()
+        for attempt in range(MAX_RESTARTS + 1):
+            live = [i for i in range(len(self.actors)) if i not in failed] or list(range(len(self.actors)))
+            i = min(live, key=lambda j: self.in_flight[j])
+            self.in_flight[i] += 1
+            try:
+                return await self.actors[i].score.remote(batch)
+            except RayActorError as err:
+                if attempt == MAX_RESTARTS:
+                    raise RewardModelError(
+                        f"reward actors failed {attempt + 1} times: {type(err).__name__}: {str(err)[:300]}"
+                    ) from None
+                failed.add(i)
+            finally:
+                self.in_flight[i] -= 1
+        raise AssertionError("unreachable")
+
+    async def score(self, sequences: list[list[int]]) -> list[float | Exception]:
+        out: list[float | Exception] = [0.0] * len(sequences)
+        chunks = _chunks(len(sequences), self.batch_size)
+        results = await asyncio.gather(
+            *(self._call([sequences[i] for i in rows]) for rows in chunks), return_exceptions=True
+        )
+        for rows, res in zip(chunks, results, strict=True):
+            for k, i in enumerate(rows):
+                if isinstance(res, RewardModelError):
+                    out[i] = res
+                elif isinstance(res, BaseException):  # the forward raised inside the actor
+                    out[i] = RewardModelError(f"reward model forward failed: {type(res).__name__}: {res}")
+                else:
+                    out[i] = res[k]
+        return out
+
+    def close(self) -> None:
+        self.group.close()
 
 
 class RemoteRewardScorer:
@@ -146,10 +234,11 @@ class LearnedReward:
 
 
 def make_learned_reward(
-    reward_cfg: Any, tokenizer: Any, micro_batch_tokens: int = 4096
+    reward_cfg: Any, tokenizer: Any, micro_batch_tokens: int = 4096, ray_address: str | None = None
 ) -> LearnedReward | None:
     """The `reward` config section's learned reward (None when it names neither a model nor a server).
-    Checks that the reward model reads the policy's token ids (same tokenizer fingerprint)."""
+    Checks that the reward model reads the policy's token ids (same tokenizer fingerprint). Reward actors
+    (`reward.ray_actors`) join this process's Ray cluster, else the one at `ray_address`, else a local one."""
     from posttrain.train import tokenizer_fingerprint
 
     if reward_cfg.model is None and reward_cfg.url is None:
@@ -170,12 +259,17 @@ def make_learned_reward(
         folder = reward_model_path(reward_cfg.model)
         got = tokenizer_fingerprint(load_tokenizer(str(folder)))
         where = f"reward.model={reward_cfg.model}"
-        scorer = LocalRewardScorer(load_reward_model(folder), reward_cfg.batch_size)
     if got != want:
         raise RewardModelError(
             f"{where}: the reward model's tokenizer (fingerprint {got}) is not the policy's ({want}); it must "
             "score the policy's token ids (train it from the same model family)"
         )
+    if reward_cfg.url is None and reward_cfg.ray_actors:
+        scorer = RayRewardScorer(
+            str(folder), reward_cfg.ray_actors, reward_cfg.ray_actor_cpus, reward_cfg.batch_size, ray_address
+        )
+    elif reward_cfg.url is None:
+        scorer = LocalRewardScorer(load_reward_model(folder), reward_cfg.batch_size)
     return LearnedReward(
         scorer, reward_cfg.verifier_weight, reward_cfg.model_weight, reward_cfg.length_penalty
     )

@@ -1,6 +1,8 @@
 """The sandbox pool as Ray actors (`sandbox.mode: ray`): `sandbox.ray_actors` actors of
 `sandbox.ray_actor_cpus` CPUs each, in one placement group (SPREAD), each owning a `LocalSandbox` warm
 pool. `RaySandboxPool` spreads jobs over them with `BalancedSandbox`, the fleet's balancing and retry.
+`ActorGroup` (start the actors of one class in one placement group, stop them) serves the reward-model
+actors too.
 
 An actor that dies takes its jobs in flight with it: they are retried on another actor, and the dead
 one is out of rotation until Ray has restarted it (up to `MAX_RESTARTS` times) and it passes a health
@@ -83,10 +85,77 @@ def ray_worker_config(cfg: Any) -> Any:
     return cfg.model_copy(update={"mode": "local", "pool_size": pool_size})
 
 
+class ActorGroup:
+    """`n` Ray actors of `cls` (built with `args`), `cpus` CPUs each, one per bundle of one placement
+    group (`strategy`), restarted by Ray up to `MAX_RESTARTS` times. Joins the Ray cluster this process
+    is connected to, or connects to `ray_address` (None: starts a local one, which `close` stops).
+    `what` (the config key) names the errors: the missing [ray] extra, a cluster with no room."""
+
+    def __init__(
+        self,
+        cls: type,
+        args: tuple,
+        n: int,
+        cpus: float,
+        *,
+        what: str,
+        strategy: str,
+        max_concurrency: int = 1,
+        ray_address: str | None = None,
+        ready_timeout_s: float = 300.0,
+    ) -> None:
+        try:
+            import ray
+            from ray.util.placement_group import placement_group, remove_placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        except ImportError:
+            raise RuntimeError(f"{what} needs the [ray] extra: pip install 'posttrain[ray]'") from None
+        self.ray, self._remove_pg = ray, remove_placement_group
+        self.started_ray = False
+        if not ray.is_initialized():
+            ray.init(
+                address=ray_address,
+                include_dashboard=False,
+                log_to_driver=False,
+                configure_logging=False,
+                num_cpus=None if ray_address else max(os.cpu_count() or 1, math.ceil(n * cpus)),
+            )
+            self.started_ray = True
+        self.pg = placement_group([{"CPU": cpus}] * n, strategy=strategy)
+        if not self.pg.wait(timeout_seconds=int(ready_timeout_s)):
+            self._remove_pg(self.pg)
+            raise RuntimeError(
+                f"{what}: the Ray cluster has no room for {n} actors of {cpus} CPUs "
+                f"within {ready_timeout_s:.0f} s"
+            )
+        actor = ray.remote(num_cpus=cpus, max_restarts=MAX_RESTARTS, max_concurrency=max_concurrency)(cls)
+        self.handles = [
+            actor.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)
+            ).remote(*args)
+            for i in range(n)
+        ]
+
+    def kill(self, index: int, restart: bool = True) -> None:
+        """Kill actor `index` the way a crash would (Ray restarts it unless `restart` is False)."""
+        self.ray.kill(self.handles[index], no_restart=not restart)
+
+    def close(self) -> None:
+        """Kill every actor and free the placement group (nothing when closed, or the cluster went first)."""
+        if not self.handles or not self.ray.is_initialized():
+            self.handles = []
+            return
+        for handle in self.handles:
+            self.ray.kill(handle, no_restart=True)
+        self.handles = []
+        self._remove_pg(self.pg)
+        if self.started_ray:
+            self.ray.shutdown()
+
+
 class RaySandboxPool(BalancedSandbox):
-    """`BalancedSandbox` over `cfg.ray_actors` sandbox actors (see the module docstring). Joins the Ray
-    cluster this process is connected to, or connects to `ray_address` (None: starts a local one, which
-    `close` stops)."""
+    """`BalancedSandbox` over `cfg.ray_actors` sandbox actors (an `ActorGroup`, SPREAD; see the module
+    docstring)."""
 
     what = "sandbox actor"
 
@@ -98,67 +167,33 @@ class RaySandboxPool(BalancedSandbox):
         health_timeout_s: float = 10.0,
         ready_timeout_s: float = 300.0,
     ) -> None:
-        try:
-            import ray
-            from ray.util.placement_group import placement_group, remove_placement_group
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        except ImportError:
-            raise RuntimeError(
-                "sandbox.mode=ray needs the [ray] extra: pip install 'posttrain[ray]'"
-            ) from None
-        self._ray = ray
-        self._remove_pg = remove_placement_group
-        self.started_ray = False
-        n, cpus = cfg.ray_actors, cfg.ray_actor_cpus
-        if not ray.is_initialized():
-            ray.init(
-                address=ray_address,
-                include_dashboard=False,
-                log_to_driver=False,
-                configure_logging=False,
-                num_cpus=None if ray_address else max(os.cpu_count() or 1, math.ceil(n * cpus)),
-            )
-            self.started_ray = True
-        self.pg = placement_group([{"CPU": cpus}] * n, strategy="SPREAD")
-        if not self.pg.wait(timeout_seconds=int(ready_timeout_s)):
-            self._remove_pg(self.pg)
-            raise RuntimeError(
-                f"sandbox.mode=ray: the Ray cluster has no room for {n} sandbox actors of {cpus} CPUs "
-                f"(sandbox.ray_actors x sandbox.ray_actor_cpus) within {ready_timeout_s:.0f} s"
-            )
-        actor = ray.remote(num_cpus=cpus, max_restarts=MAX_RESTARTS, max_concurrency=1000)(SandboxWorker)
-        worker_json = ray_worker_config(cfg).model_dump_json()
-        handles = [
-            actor.options(
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)
-            ).remote(worker_json)
-            for i in range(n)
-        ]
-        ray.get([h.health.remote() for h in handles], timeout=ready_timeout_s)
-        self.handles = handles
+        self.group = ActorGroup(
+            SandboxWorker,
+            (ray_worker_config(cfg).model_dump_json(),),
+            cfg.ray_actors,
+            cfg.ray_actor_cpus,
+            what="sandbox.mode=ray",
+            strategy="SPREAD",
+            max_concurrency=1000,
+            ray_address=ray_address,
+            ready_timeout_s=ready_timeout_s,
+        )
+        handles = self.group.handles
+        self.group.ray.get([h.health.remote() for h in handles], timeout=ready_timeout_s)
         super().__init__(
             [ActorClient(h, i, cfg.remote_timeout_s) for i, h in enumerate(handles)],
             cooldown_s,
             health_timeout_s,
         )
 
-    def kill(self, index: int) -> None:
-        """Kill actor `index` the way a crash would (Ray restarts it): for failure tests."""
-        self._ray.kill(self.handles[index], no_restart=False)
-
     async def close(self) -> None:
         await super().close()
-        if not self.handles or not self._ray.is_initialized():  # closed, or the cluster went first
-            self.handles = []
-            return
-        try:  # the workers first: killing an actor does not reach a worker it is still starting
-            async with asyncio.timeout(60):
-                await asyncio.gather(*(h.close.remote() for h in self.handles), return_exceptions=True)
-        except TimeoutError:
-            pass
-        for handle in self.handles:
-            self._ray.kill(handle, no_restart=True)
-        self.handles = []
-        self._remove_pg(self.pg)
-        if self.started_ray:
-            self._ray.shutdown()
+        if self.group.handles and self.group.ray.is_initialized():
+            try:  # the workers first: killing an actor does not reach a worker it is still starting
+                async with asyncio.timeout(60):
+                    await asyncio.gather(
+                        *(h.close.remote() for h in self.group.handles), return_exceptions=True
+                    )
+            except TimeoutError:
+                pass
+        self.group.close()

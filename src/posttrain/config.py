@@ -688,6 +688,11 @@ class PlacementConfig(Section):
         gt=0,
         description="ray: CPUs per learner rank actor (learner ranks > 1; one placement group, PACK)",
     )
+    offload_engine_weights: bool = Field(
+        False,
+        description="free the paged engine's weights with its KV cache before each learner update; the push "
+        "after it restores them (sync mode, local backend, full weights pushed)",
+    )
 
 
 class SandboxConfig(Section):
@@ -997,7 +1002,28 @@ class RunConfig(Section):
                 "algorithm.advantage=gae needs a value function: set trainer.critic to 'copy' or 'separate'"
             )
         self._check_learner_ranks()
+        self._check_weight_offload()
         return self
+
+    def _check_weight_offload(self) -> None:
+        """placement.offload_engine_weights frees what the next push restores, so every push must bring
+        every weight, and nothing may generate between the release and that push."""
+        if not self.placement.offload_engine_weights:
+            return
+        why = None
+        if self.orchestrator.mode == "async":
+            why = "orchestrator.mode=async generates during the update; use mode sync"
+        elif self.engine.backend != "paged":
+            why = f"engine.backend={self.engine.backend} has no weight release; use backend paged"
+        elif self.placement.backend != "local":
+            why = "the Ray engine actors do not release their weights yet; use placement.backend local"
+        elif self.model.lora_rank and self.placement.weight_sync != "in_process":
+            why = (
+                f"LoRA pushes through placement.weight_sync={self.placement.weight_sync} carry only the "
+                "adapters, not the weights released; use weight_sync in_process"
+            )
+        if why is not None:
+            raise ValueError(f"placement.offload_engine_weights: {why}")
 
     def _check_learner_ranks(self) -> None:
         t, p = self.trainer, self.placement

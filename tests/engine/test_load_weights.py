@@ -112,3 +112,30 @@ def test_a_lora_merged_load_holds_the_merged_weights_and_generates_as_a_fresh_en
     fresh = PagedEngine((base_model.config, state), tokenizer, block_size=8, num_blocks=64)
     prompts = random_prompts([7, 26], seed=4)
     assert _greedy(engine, prompts) == _greedy(fresh, prompts)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_released_weights_hold_no_memory_refuse_requests_and_come_back_whole(tokenizer, dtype):
+    model = load_policy("tiny:qwen2", seed=0, dtype=dtype)  # q/k/v biases: fused slices of their own
+    prompts = random_prompts([6, 21], seed=6)
+    engine = PagedEngine(model, tokenizer, dtype=dtype, block_size=8, num_blocks=64)
+    before = _greedy(engine, prompts)
+    held = engine.runner.weight_storage_bytes()
+    dense = sum(v.numel() * v.element_size() for k, v in model.state_dict().items() if k != "lm_head.weight")
+    assert held >= dense
+    engine.release_weights()
+    assert engine.runner.weight_storage_bytes() == 0 and engine.runner.k_cache is None
+    assert all(t.untyped_storage().nbytes() == 0 for t in engine.runner.weight_tensors())
+    with pytest.raises(RuntimeError, match="weights are released"):
+        _greedy(engine, prompts)
+    weights = {k: v.detach() for k, v in model.state_dict().items()}
+    partial = {k: v for k, v in weights.items() if k != "model.norm.weight"}
+    with pytest.raises(ValueError, match=r"weights were released.*model\.norm\.weight"):
+        engine.load_weights(partial)
+    assert engine.runner.weight_storage_bytes() == 0  # a failed load leaves them released
+    with pytest.raises(RuntimeError, match="weights are released"):
+        _greedy(engine, prompts)
+    engine.load_weights(weights, version=2)
+    assert engine.runner.weight_storage_bytes() == held and engine.version == 2
+    _assert_engine_holds(engine, weights)
+    assert _greedy(engine, prompts) == before

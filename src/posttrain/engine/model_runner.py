@@ -251,6 +251,8 @@ class ModelRunner:
         self.packed_lm_head: torch.Tensor | None = None
         self._packers: list[dict[str, PackedWeight]] | None = None  # what `packed` holds, refreshed per load
         self._packer_lm_head: PackedWeight | None = None
+        self.weights_released = False  # release_weights() freed them; the next load brings them all
+        self._released: list[tuple[torch.Tensor, int]] = []  # (tensor, storage bytes) to re-allocate
         self.quantized: list[dict[str, QuantLinear]] | None = None
         self.quantized_lm_head: QuantLinear | None = None
         self.use_packed = onednn_packing_works(self.device, self.dtype)
@@ -392,7 +394,58 @@ class ModelRunner:
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = False) -> int:
         """Copy HF-named tensors into the engine's weights in place; returns how many were loaded.
 
-        `strict` requires every engine tensor to be covered (used at construction)."""
+        `strict` requires every engine tensor to be covered (used at construction, and after
+        `release_weights`, whose storage is re-allocated first; a load that fails leaves it released)."""
+        restoring = self.weights_released
+        if restoring:
+            for tensor, nbytes in self._released:
+                tensor.untyped_storage().resize_(nbytes)
+        try:
+            count = self._load(weights, strict or restoring)
+        except ValueError as err:
+            if restoring:
+                self._free_weights()
+                raise ValueError(
+                    f"the engine's weights were released; a load must bring all of them: {err}"
+                ) from None
+            raise
+        self.weights_released = False
+        self._released = []
+        return count
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """Every dense weight tensor, each once (a tied head is the embedding tensor)."""
+        tensors = [
+            self.embed,
+            self.lm_head,
+            self.final_norm,
+            *(t for layer in self.layers for t in layer.values()),
+        ]
+        return list({id(t): t for t in tensors}.values())
+
+    def weight_storage_bytes(self) -> int:
+        """Bytes of memory the weights hold now: dense storages, oneDNN-packed and quantized copies."""
+        total = sum(t.untyped_storage().nbytes() for t in self.weight_tensors())
+        total += sum(torch.ops.mkldnn._nbytes(w.tensor) for _, _, w in self.packed_weights())
+        quantized = [*(q for layer in self.quantized or [] for q in layer.values()), self.quantized_lm_head]
+        return total + sum(q.nbytes() for q in quantized if q is not None)
+
+    def release_weights(self) -> None:
+        """Free the weights' memory: dense storages resized to 0 bytes (the tensors and their views stay),
+        packed and quantized copies dropped. Nothing may run a forward until the next `load_weights`,
+        which must bring every weight (the caller, PagedEngine, refuses requests until then)."""
+        if not self.weights_released:
+            self._released = [(t, t.untyped_storage().nbytes()) for t in self.weight_tensors()]
+        self._free_weights()
+
+    def _free_weights(self) -> None:
+        for tensor, _ in self._released:
+            tensor.untyped_storage().resize_(0)
+        self.packed = self.packed_lm_head = self._packers = self._packer_lm_head = None
+        self.quantized = self.quantized_lm_head = None
+        self.weights_released = True
+
+    def _load(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool) -> int:
         loaded: set[str] = set()
         touched: set[tuple[int, str]] = set()
         unknown: list[str] = []

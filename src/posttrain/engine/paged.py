@@ -203,6 +203,7 @@ class PagedEngine(Engine):
     # ---- requests ------------------------------------------------------------------------------
 
     def _make_state(self, req: GenerationRequest) -> tuple[_RequestState, list[Sequence]]:
+        self._check_weights()
         validate_request(req, self.runner.spec.vocab_size, self.max_model_len, self.vision is not None)
         p = req.params
         need = -(-min(len(req.prompt_token_ids) + p.max_tokens, self.max_model_len) // self.block_size)
@@ -448,6 +449,7 @@ class PagedEngine(Engine):
     def _step(self) -> list[tuple[_RequestState, Sequence, int, float, str | None]]:
         """Run one scheduled forward and sample; returns (state, seq, token, logprob, finish_reason) events."""
         with self._step_lock:
+            self._check_weights()
             self._propose_drafts()
             work = self.scheduler.schedule()
             if not work:
@@ -771,12 +773,31 @@ class PagedEngine(Engine):
     def release_kv_cache(self) -> None:
         """Free the KV block pool (e.g. while a colocated learner trains); the next step re-allocates it."""
         with self._step_lock:
-            if self.scheduler.has_work() or self._pending:
-                raise RuntimeError("cannot release the KV cache while requests are in flight")
-            self.runner.release_kv_cache()
-            self.bm.reset_prefix_cache()
-            if self.stager is not None:
-                self.stager.clear()
+            self._release_kv("the KV cache")
+
+    def release_weights(self) -> None:
+        """Free the weights' memory and the KV pool (a colocated learner is about to train). Requests are
+        refused (RuntimeError) until the next `load_weights`, which must bring every weight and
+        re-allocates them; an image model's vision tower keeps its weights."""
+        with self._step_lock:
+            self._release_kv("the weights")
+            self.runner.release_weights()
+            self._routing_cache.clear()
+
+    def _release_kv(self, what: str) -> None:
+        if self.scheduler.has_work() or self._pending:
+            raise RuntimeError(f"cannot release {what} while requests are in flight")
+        self.runner.release_kv_cache()
+        self.bm.reset_prefix_cache()
+        if self.stager is not None:
+            self.stager.clear()
+
+    def _check_weights(self) -> None:
+        if self.runner.weights_released:
+            raise RuntimeError(
+                "the engine's weights are released (release_weights, placement.offload_engine_weights) "
+                "until the next load_weights; no request runs on freed memory"
+            )
 
     def kv_stats(self) -> dict:
         """Current and peak KV usage: blocks allocated, tokens stored, waste fraction, prefix-cache hits."""

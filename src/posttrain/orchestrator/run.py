@@ -390,6 +390,9 @@ class RLRun:
         if o.free_kv_during_update and not overlapped:
             self.engine.release_kv_cache()
             self.phases.add("release_kv")
+        if self.cfg.placement.offload_engine_weights:  # sync mode (validated): the next push restores them
+            self.engine.release_weights()  # type: ignore[attr-defined]
+            self.phases.add("release_weights")
         if o.offload_optimizer:
             self.learner.reload_optimizer()
             self.phases.add("reload_optimizer")

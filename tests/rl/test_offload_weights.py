@@ -1,0 +1,107 @@
+"""placement.offload_engine_weights: the paged engine's weights are freed around each learner update and
+restored by the push after it; a run with it equals the run without, and configs it cannot serve are
+refused by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from posttrain.config import ConfigError, load_config, save_config
+from posttrain.orchestrator import RLRun
+from posttrain.telemetry import RunDir, read_metrics
+
+TINY = [
+    "model.spec=tiny:llama",
+    "engine.num_kv_blocks=256",
+    "engine.max_new_tokens=16",
+    "engine.max_num_seqs=8",
+    "envs.max_episode_tokens=64",
+    "envs.max_turns=1",
+    "envs.domains=[{name: math, difficulties: [0]}]",
+    "batch.samples_per_prompt=2",
+    "batch.prompts_per_step=2",
+    "orchestrator.steps=2",
+    "orchestrator.checkpoint_every=0",
+    "curriculum.probe_every=0",
+    "trainer.lr=1e-3",
+    "telemetry.progress=false",
+    "telemetry.tensorboard=false",
+]
+
+
+def _run(tmp_path: Path, name: str, *extra: str) -> tuple[RLRun, list[int]]:
+    """A 2-step run; the engine's weight bytes seen at the start of every learner step."""
+    cfg = load_config(None, [*TINY, f"telemetry.run_dir={tmp_path}", *extra])
+    run_dir = RunDir.create(cfg.telemetry.run_dir, name)
+    save_config(cfg, run_dir.config)
+    rl = RLRun(cfg, run_dir)
+    rl.build()
+    seen: list[int] = []
+    step = rl.learner.step
+
+    def observed_step(*args, **kwargs):
+        seen.append(rl.engine.runner.weight_storage_bytes())
+        return step(*args, **kwargs)
+
+    rl.learner.step = observed_step
+    rl.train()
+    return rl, seen
+
+
+def _untimed(rl: RLRun) -> list[dict]:
+    """The run's logged rows without wall-clock figures (seconds, rates, timestamps)."""
+    return [
+        {
+            k: v
+            for k, v in r.items()
+            if not k.startswith(("timeline/", "time")) and not k.endswith(("_s", "_per_s"))
+        }
+        for r in read_metrics(rl.run_dir.metrics)
+    ]
+
+
+@pytest.mark.parametrize("sync", ["in_process", "shared_file"])
+def test_a_run_with_engine_weights_offloaded_equals_the_run_without(tmp_path, sync):
+    plain, kept = _run(tmp_path, f"plain-{sync}", f"placement.weight_sync={sync}")
+    off, freed = _run(
+        tmp_path, f"off-{sync}", f"placement.weight_sync={sync}", "placement.offload_engine_weights=true"
+    )
+    try:
+        assert len(kept) == len(freed) == 2
+        assert all(b > 0 for b in kept) and freed == [0, 0]  # released during every update
+        rows = _untimed(off)
+        assert rows == _untimed(plain) and len(rows) == 2 and "train/loss" in rows[0]
+        for name, tensor in plain.learner.weights().items():
+            assert torch.equal(tensor, off.learner.weights()[name]), name
+        # restored by the last push: the engine holds the learner's final weights, whole
+        assert off.engine.runner.weight_storage_bytes() == plain.engine.runner.weight_storage_bytes()
+        for name, tensor in off.learner.weights().items():
+            found = off.engine.runner.weight_for(name)
+            if found is not None:
+                assert torch.equal(found[0], tensor.to(found[0].dtype)), name
+        events = [e for e in off.phases.events if e in ("release_weights", "update", "sync_weights")]
+        assert events == ["sync_weights"] + ["release_weights", "update", "sync_weights"] * 2
+    finally:
+        plain.close()
+        off.close()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["orchestrator.mode=async"], "offload_engine_weights: orchestrator.mode=async generates during"),
+        (["engine.backend=hf"], "offload_engine_weights: engine.backend=hf has no weight release"),
+        (["placement.backend=ray"], "offload_engine_weights: the Ray engine actors"),
+        (
+            ["model.lora_rank=4", "placement.weight_sync=shared_file"],
+            "offload_engine_weights: LoRA pushes through placement.weight_sync=shared_file",
+        ),
+    ],
+)
+def test_weight_offload_is_refused_where_it_cannot_work(tmp_path, extra, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [*TINY, "placement.offload_engine_weights=true", *extra])
+    load_config(None, [*TINY, *extra])  # the same config without the key is valid

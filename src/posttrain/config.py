@@ -609,13 +609,13 @@ class TrainerConfig(Section):
         1,
         ge=1,
         description="FSDP2 data-parallel learner ranks (`train.distributed.shard_learner`), started and "
-        "driven by the run (orchestrator.learner_group); no critic",
+        "driven by the run (orchestrator.learner_group); a critic is sharded with the policy",
     )
     tensor_parallel: int = Field(
         1,
         ge=1,
         description="tensor-parallel learner ranks (`train.distributed.tensor_parallel_learner`), started "
-        "and driven by the run; no critic, heads divisible by it; with data_parallel a 2-D mesh",
+        "and driven by the run; heads divisible by it (a critic's too); with data_parallel a 2-D mesh",
     )
     moe: MoeTrainConfig = Field(default_factory=MoeTrainConfig)
 

@@ -2,11 +2,16 @@
 ranks (a sharded learner folder) or 2 context-parallel ranks (rank 0's single-process folder), resumed by
 a fresh group to step 2, logs the straight single-process run's metrics and ends with its weights. The
 drift probe (score_tokens), the drift-steered KL coefficient (kl_ctl) and optimizer offload/reload
-through 2 FSDP ranks log the single-process run's figures."""
+through 2 FSDP ranks log the single-process run's figures. PPO with a copied critic on 2 FSDP or 2
+tensor-parallel ranks, straight or resumed from a sharded checkpoint, logs the single-process run's
+metrics and ends with its policy and critic."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 
 from posttrain.orchestrator.checkpoint import step_name
 from posttrain.orchestrator.learner_group import LearnerGroup
@@ -77,3 +82,96 @@ def test_drift_probe_kl_steering_and_offload_through_fsdp_ranks(tmp_path):
         assert group.learner.kl_ctl.value == pytest.approx(rows[-1]["drift/kl_coef"], rel=1e-6)
     finally:
         group.close()
+
+
+# PPO: GAE advantages from a copied critic (the policy's decoder under a zero value head). Engine and
+# learner in float32: under bfloat16 the tensor-parallel split's rounding moves the critic's grad norm by
+# 8e-4 of itself, and the step-1 weights it pushes sample other step-2 completions
+CRITIC = [
+    *STEPS,
+    "trainer.critic=copy",
+    "trainer.critic_lr=1e-3",
+    "algorithm.advantage=gae",
+    "engine.dtype=float32",
+]
+# the tiny random model earns no math or tool reward: a dataset domain pays by completion length (its last digit)
+REWARD_FN = """
+def by_length(prompts, completions, **columns):
+    return [len(c) % 10 / 10 for c in completions]
+"""
+
+
+@pytest.fixture(scope="module")
+def critic_sets(tmp_path_factory) -> list[str]:
+    d = tmp_path_factory.mktemp("length_data")
+    rows = [{"prompt": f"Say something about {w}.", "answer": "", "split": "train"} for w in "abcdefgh"]
+    (d / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "length_reward.py").write_text(REWARD_FN)
+    domain = f"{{name: dataset, difficulties: [0], options: {{path: '{d / 'rows.jsonl'}', "
+    domain += f"reward_fn: '{d / 'length_reward.py'}:by_length', split_key: split}}}}"
+    return [*CRITIC, f"envs.domains=[{domain}]"]
+
+
+def _critic_state(rl, step: int) -> dict:
+    """The whole critic of `rl`'s checkpoint at `step`, read by one process (sharded or not)."""
+    from posttrain.train import Learner
+    from posttrain.train.distributed import load_sharded
+
+    cfg = rl.cfg
+    learner = Learner(
+        cfg.model,
+        cfg.trainer.model_copy(update={"data_parallel": 1, "tensor_parallel": 1}),
+        cfg.algorithm,
+        seed=cfg.seed,
+        batch_cfg=cfg.batch,
+    )
+    load_sharded(learner, rl.run_dir.checkpoints / step_name(step) / LEARNER_DIR)
+    return {k: v.detach().clone() for k, v in learner.critic.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def straight_critic(tmp_path_factory, critic_sets):
+    rl = _run(
+        _cfg(tmp_path_factory.mktemp("straight_critic"), *critic_sets, "orchestrator.steps=2"), "straight"
+    )
+    rows = _untimed(read_metrics(rl.run_dir.metrics))
+    weights = {k: v.clone() for k, v in rl.learner.weights().items()}
+    critic = {k: v.detach().clone() for k, v in rl.learner.critic.state_dict().items()}
+    rl.close()
+    return rows, weights, critic
+
+
+def _assert_same_critic(critic: dict, rl) -> None:
+    got = _critic_state(rl, 2)
+    assert got.keys() == critic.keys()
+    for k in critic:
+        assert torch.allclose(got[k], critic[k], atol=1e-4, rtol=0), (k, (got[k] - critic[k]).abs().max())
+
+
+@pytest.mark.parametrize("mode", ["data_parallel", pytest.param("tensor_parallel", marks=pytest.mark.slow)])
+def test_a_critic_on_sharded_ranks_runs_ppo_as_one_process(straight_critic, critic_sets, tmp_path, mode):
+    rows, weights, critic = straight_critic
+    assert all(r["train/value_loss"] > 0 for r in rows)
+    rl = _run(_cfg(tmp_path, *critic_sets, f"trainer.{mode}=2", "orchestrator.steps=2"), mode)
+    try:
+        assert isinstance(rl.learner, LearnerGroup)
+        _assert_same(rows, weights, rl)
+        _assert_same_critic(critic, rl)
+    finally:
+        rl.close()
+
+
+def test_a_group_run_with_a_critic_resumes_from_its_sharded_checkpoint(
+    straight_critic, critic_sets, tmp_path
+):
+    rows, weights, critic = straight_critic
+    first = _run(_cfg(tmp_path, *critic_sets, "trainer.data_parallel=2", "orchestrator.steps=1"), "resumed")
+    first.close()
+    assert (first.run_dir.checkpoints / step_name(1) / LEARNER_DIR / "learner_counters.json").is_file()
+    sets = [*critic_sets, "trainer.data_parallel=2", "orchestrator.steps=2"]
+    again = _run(_cfg(tmp_path, *sets), "resumed", resume=True)
+    try:
+        _assert_same(rows, weights, again)  # step 1 by the first group, step 2 by the resumed one
+        _assert_same_critic(critic, again)
+    finally:
+        again.close()

@@ -14,16 +14,18 @@ what one process would.
 
 No-grad passes (old and reference logprobs) and the supervised and preference steps run the whole
 batch on every rank: correct (the averaged gradient of identical losses is that loss's gradient) and
-simple, not faster. A critic is not supported under data parallelism yet.
+simple, not faster. A critic (`trainer.critic`) is sharded the same way, as a root of its own (the
+Learner calls its forward), its value loss scaled and shared out with the policy's micro-batches.
 
 `tensor_parallel_learner(learner)` splits each decoder layer's attention heads and MLP columns over
 the ranks instead (Megatron's column-in, row-out split, `TP_PLAN`); all ranks run the whole batch.
 LoRA adapters follow their base layer's split (`tp_plan`). `parallelize_2d(learner, dp, tp)` composes
 the two on a (dp, tp) DeviceMesh: tensor parallel inside each "tp" group, FSDP2 over "dp", each dp group
-taking its share of the micro-batches. No critic under either.
+taking its share of the micro-batches. A critic's decoder layers are split (and sharded) as the
+policy's.
 
 Checkpoints: `save_sharded` writes a torch.distributed.checkpoint folder (each rank its shards of the
-weights and optimizer state, plus the learner's counters), and `load_sharded` reads it on any number
+weights and optimizer states, the critic's included, plus the learner's counters), and `load_sharded` reads it on any number
 of ranks, one included (no process group needed).
 """
 
@@ -106,6 +108,14 @@ def decoder_layers(model: Any) -> list[torch.nn.Module]:
     return list(layers)
 
 
+def critic_layers(critic: Any) -> list[torch.nn.Module]:
+    """The decoder layers of a critic (`train.forward.ValueModel`): split and sharded as the policy's."""
+    layers = getattr(critic.decoder, "layers", None)
+    if layers is None:
+        raise ValueError(f"cannot find the decoder layers of the critic ({type(critic.decoder).__name__})")
+    return list(layers)
+
+
 class _Root(torch.nn.Module):
     """The FSDP root around the policy. The Learner never calls the model's own forward (it runs the
     decoder, then its head in chunks), so the parameters outside the decoder layers (embeddings, final
@@ -134,10 +144,8 @@ def _refuse_vision(learner: Any, what: str) -> None:
 
 
 def _refuse_unsplittable(learner: Any, what: str, verb: str) -> None:
-    """Refuse what the sharded learner ranks do not handle: a critic, context parallelism, and an
-    optimizer that already holds state."""
-    if learner.critic is not None:
-        raise ValueError(f"{what} learner ranks do not support a critic (trainer.critic=none)")
+    """Refuse what the sharded learner ranks do not handle: context parallelism, and an optimizer that
+    already holds state."""
     if learner.cp is not None:
         raise ValueError(f"{what} learner ranks do not compose with trainer.context_parallel > 1 yet")
     if learner.optimizer_steps:
@@ -145,8 +153,8 @@ def _refuse_unsplittable(learner: Any, what: str, verb: str) -> None:
 
 
 def shard_learner(learner: Any, group: Any = None) -> DataParallel:
-    """Shard `learner`'s policy over the process group (initialised by the caller) and rebuild its
-    optimizer over this rank's shards; returns the rank's `DataParallel`, also set as `learner.dp`."""
+    """Shard `learner`'s policy (and critic) over the process group (initialised by the caller) and
+    rebuild their optimizers over this rank's shards; returns the rank's `DataParallel`, also set as `learner.dp`."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
@@ -169,6 +177,12 @@ def shard_learner(learner: Any, group: Any = None) -> DataParallel:
     tc = learner.trainer_cfg
     learner.trainable = [p for p in learner.model.parameters() if p.requires_grad]
     learner.optimizer = make_adamw(learner.trainable, tc.lr, tuple(tc.betas), tc.weight_decay)
+    if learner.critic is not None:  # the Learner calls the critic's own forward: it is its own root
+        for layer in critic_layers(learner.critic):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(learner.critic, mesh=mesh)
+        params = list(learner.critic.parameters())
+        learner.critic_optimizer = make_adamw(params, tc.critic_lr, tuple(tc.betas), tc.weight_decay)
     learner.dp = DataParallel(rank, world, group, root=root)
     return learner.dp
 
@@ -212,22 +226,33 @@ def tp_plan(layer: torch.nn.Module) -> dict[str, Any]:
 
 
 def _check_tp_split(learner: Any, tp: int) -> None:
-    config = causal_lm(learner.model).config
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        if getattr(config, name) % tp:
-            raise ValueError(
-                f"tensor parallelism over {tp} ranks needs {name}={getattr(config, name)} divisible by it"
-            )
+    configs = [("", causal_lm(learner.model).config)]
+    if learner.critic is not None:
+        configs.append(("the critic's ", learner.critic.decoder.config))
+    for whose, config in configs:
+        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+            if getattr(config, name) % tp:
+                raise ValueError(
+                    f"tensor parallelism over {tp} ranks needs {whose}{name}={getattr(config, name)} "
+                    "divisible by it"
+                )
 
 
-def _dtensor_adamw(learner: Any) -> torch.optim.Optimizer:
-    tc = learner.trainer_cfg
-    learner.trainable = [p for p in learner.model.parameters() if p.requires_grad]
+def _dtensor_adamw(params: list[torch.nn.Parameter], lr: float, tc: Any) -> torch.optim.Optimizer:
     # the per-parameter loop: the fused and foreach kernels cannot take replicas and DTensors (on
     # different meshes) together
     return torch.optim.AdamW(
-        learner.trainable, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay, foreach=False
+        params, lr=lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay, foreach=False
     )
+
+
+def _dtensor_optimizers(learner: Any) -> None:
+    """Rebuild the policy's (and the critic's) optimizer over their split parameters."""
+    tc = learner.trainer_cfg
+    learner.trainable = [p for p in learner.model.parameters() if p.requires_grad]
+    learner.optimizer = _dtensor_adamw(learner.trainable, tc.lr, tc)
+    if learner.critic is not None:
+        learner.critic_optimizer = _dtensor_adamw(list(learner.critic.parameters()), tc.critic_lr, tc)
 
 
 @dataclass
@@ -241,9 +266,9 @@ class TensorParallel:
 
 
 def tensor_parallel_learner(learner: Any, group: Any = None) -> TensorParallel:
-    """Split `learner`'s decoder layers over the process group with DTensor `parallelize_module`
-    (`tp_plan`; embeddings, norms and head stay replicated, LoRA adapters split with their base layer)
-    and rebuild its optimizer; every rank then calls the same methods with the same batch. Heads, KV
+    """Split `learner`'s decoder layers (the policy's and the critic's) over the process group with
+    DTensor `parallelize_module` (`tp_plan`; embeddings, norms and heads stay replicated, LoRA adapters
+    split with their base layer) and rebuild the optimizers; every rank then calls the same methods with the same batch. Heads, KV
     heads and MLP columns must divide by the world size."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import parallelize_module
@@ -259,7 +284,10 @@ def tensor_parallel_learner(learner: Any, group: Any = None) -> TensorParallel:
     mesh = DeviceMesh(learner.device.type, ranks)
     for layer in decoder_layers(learner.model):
         parallelize_module(layer, mesh, tp_plan(layer))
-    learner.optimizer = _dtensor_adamw(learner)
+    if learner.critic is not None:
+        for layer in critic_layers(learner.critic):
+            parallelize_module(layer, mesh, tp_plan(layer))
+    _dtensor_optimizers(learner)
     learner.tp = TensorParallel(rank, world, group)
     return learner.tp
 
@@ -267,8 +295,8 @@ def tensor_parallel_learner(learner: Any, group: Any = None) -> TensorParallel:
 def parallelize_2d(learner: Any, dp: int, tp: int) -> Any:
     """Make `learner` one rank of a dp x tp learner over all of torch.distributed's ranks (PyTorch's 2-D
     recipe): a DeviceMesh of shape (dp, tp) named ("dp", "tp"); every decoder layer split over its "tp"
-    group (`tp_plan`), then it and the root sharded with FSDP2 over "dp"; the optimizer rebuilt over the
-    DTensor parameters. Each dp group takes its share of every mini-batch's micro-batches (the ranks of
+    group (`tp_plan`), then it and the root sharded with FSDP2 over "dp" (the critic's likewise); the
+    optimizers rebuilt over the DTensor parameters. Each dp group takes its share of every mini-batch's micro-batches (the ranks of
     one tp group run the same ones); gradient clipping takes the norm over the whole model. Sets
     `learner.dp` and `learner.tp`; returns the mesh."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -292,7 +320,12 @@ def parallelize_2d(learner: Any, dp: int, tp: int) -> Any:
         fully_shard(layer, mesh=mesh["dp"])
     root = _Root(learner.model, learner)
     fully_shard(root, mesh=mesh["dp"])
-    learner.optimizer = _dtensor_adamw(learner)
+    if learner.critic is not None:
+        for layer in critic_layers(learner.critic):
+            parallelize_module(layer, mesh["tp"], tp_plan(layer))
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(learner.critic, mesh=mesh["dp"])
+    _dtensor_optimizers(learner)
     learner.dp = DataParallel(mesh["dp"].get_local_rank(), dp, mesh["dp"].get_group(), root=root)
     learner.tp = TensorParallel(mesh["tp"].get_local_rank(), tp, mesh["tp"].get_group())
     return mesh
@@ -375,17 +408,28 @@ def _counters(learner: Any) -> dict[str, Any]:
         "kl": dict(learner.kl_ctl.state_dict()),
         "generator": learner.generator.get_state().tolist(),
         "world": _learner_ranks(learner),
+        "critic": learner.critic is not None,
     }
 
 
-def save_sharded(learner: Any, directory: str | Path) -> None:
-    """Every rank writes its shards of the weights and optimizer state into `directory` (a
-    torch.distributed.checkpoint folder); rank 0 adds the learner's counters."""
-    import torch.distributed.checkpoint as dcp
+def _dcp_state(learner: Any) -> dict[str, Any]:
+    """The state dicts a sharded checkpoint holds: the policy's and its optimizer's, and the critic's
+    and its optimizer's when there is a critic."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(learner.model, learner.optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory))
+    state = {"model": model_sd, "optim": optim_sd}
+    if learner.critic is not None:
+        state["critic"], state["critic_optim"] = get_state_dict(learner.critic, learner.critic_optimizer)
+    return state
+
+
+def save_sharded(learner: Any, directory: str | Path) -> None:
+    """Every rank writes its shards of the weights and optimizer states (policy, and critic if any)
+    into `directory` (a torch.distributed.checkpoint folder); rank 0 adds the learner's counters."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_dcp_state(learner), checkpoint_id=str(directory))
     dp, tp = getattr(learner, "dp", None), getattr(learner, "tp", None)
     if (dp is None or dp.rank == 0) and (tp is None or tp.rank == 0):
         (Path(directory) / "learner_counters.json").write_text(json.dumps(_counters(learner)))
@@ -398,20 +442,31 @@ def save_sharded(learner: Any, directory: str | Path) -> None:
 def load_sharded(learner: Any, directory: str | Path) -> None:
     """Restore a `save_sharded` folder into `learner`, sharded over any number of ranks or none."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     path = Path(directory)
     if not (path / "learner_counters.json").is_file():
         raise FileNotFoundError(f"{path} is not a sharded learner checkpoint (no learner_counters.json)")
-    model_sd, optim_sd = get_state_dict(learner.model, learner.optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    counters = json.loads((path / "learner_counters.json").read_text())
+    if bool(counters.get("critic", False)) != (learner.critic is not None):
+        raise ValueError(
+            f"{path} and this learner disagree on having a critic (trainer.critic): the checkpoint "
+            f"{'has' if counters.get('critic') else 'has none'}"
+        )
+    state = _dcp_state(learner)
     with warnings.catch_warnings():  # without a process group DCP loads in one process: what we want
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=str(path))
     set_state_dict(
         learner.model, learner.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
-    counters = json.loads((path / "learner_counters.json").read_text())
+    if learner.critic is not None:
+        set_state_dict(
+            learner.critic,
+            learner.critic_optimizer,
+            model_state_dict=state["critic"],
+            optim_state_dict=state["critic_optim"],
+        )
     learner.version = int(counters["version"])
     learner.optimizer_steps = int(counters["optimizer_steps"])
     learner.kl_ctl.load_state_dict(counters["kl"])

@@ -521,6 +521,15 @@ class Learner:
             return clip_grad_norm(self.trainable, max_norm)
         return torch.nn.utils.clip_grad_norm_(self.trainable, max_norm)
 
+    def _clip_critic_grad_norm(self, max_norm: float) -> float:
+        assert self.critic is not None
+        params = list(self.critic.parameters())
+        if self.tp is not None:  # replicated tensors and sharded DTensors, as the policy's
+            from posttrain.train.distributed import clip_grad_norm
+
+            return full_value(clip_grad_norm(params, max_norm))
+        return full_value(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
     def _set_lr(self) -> float:
         tc = self.trainer_cfg
         f = lr_factor(self.optimizer_steps, tc.warmup_steps, tc.lr_schedule, tc.lr_decay_steps)
@@ -655,6 +664,21 @@ class Learner:
                             if counted:
                                 add_local("kl_loss", float(kl_term.item()))
                         (loss if scale == 1.0 else loss * scale).backward()
+                        if self.critic is not None:  # a weight-0 repeat too: a sharded critic's collectives
+                            v = self._value_forward(mi, mi.loss_mask, inputs)
+                            vl, vclipped = value_loss(
+                                v, mi.old_values, mi.returns, mi.loss_mask, a.value_clip
+                            )
+                            vloss = (vl * wt).sum()
+                            (a.value_coef * scale * vloss).backward()
+                            if counted:
+                                mb_vloss += float(vloss.item())
+                                nv = float(mi.loss_mask.sum().item())
+                                add_local(
+                                    "vf_clipfrac",
+                                    float(vclipped[mi.loss_mask > 0].float().mean().item()),
+                                    nv,
+                                )
                         if not counted:
                             continue
                         mb_loss += pg
@@ -677,18 +701,6 @@ class Learner:
                             )
                             if n_mi:
                                 ratio_max = max(ratio_max, float(out.ratio[m].max().item()))
-                        if self.critic is not None:
-                            v = self._value_forward(mi, mi.loss_mask, inputs)
-                            vl, vclipped = value_loss(
-                                v, mi.old_values, mi.returns, mi.loss_mask, a.value_clip
-                            )
-                            vloss = (vl * wt).sum()
-                            (a.value_coef * vloss).backward()
-                            mb_vloss += float(vloss.item())
-                            nv = float(mi.loss_mask.sum().item())
-                            add_local(
-                                "vf_clipfrac", float(vclipped[mi.loss_mask > 0].float().mean().item()), nv
-                            )
                     if replay is not None:
                         r_rows = list(
                             range(round(k * replay.size / n_mini), round((k + 1) * replay.size / n_mini))
@@ -701,10 +713,7 @@ class Learner:
                     grad_norm = self._clip_grad_norm(tc.max_grad_norm)
                     self.optimizer.step()
                     if self.critic is not None and self.critic_optimizer is not None:
-                        add(
-                            "critic_grad_norm",
-                            float(torch.nn.utils.clip_grad_norm_(self.critic.parameters(), tc.max_grad_norm)),
-                        )
+                        add("critic_grad_norm", self._clip_critic_grad_norm(tc.max_grad_norm))
                         self.critic_optimizer.step()
                         add("value_loss", mb_vloss)
                     self.optimizer_steps += 1

@@ -4,7 +4,8 @@ a fresh group to step 2, logs the straight single-process run's metrics and ends
 drift probe (score_tokens), the drift-steered KL coefficient (kl_ctl) and optimizer offload/reload
 through 2 FSDP ranks log the single-process run's figures. PPO with a copied critic on 2 FSDP or 2
 tensor-parallel ranks, straight or resumed from a sharded checkpoint, logs the single-process run's
-metrics and ends with its policy and critic."""
+metrics and ends with its policy and critic. A LoRA run on 2 FSDP ranks pushes only the adapters, and
+its engine holds the group's merged weights."""
 
 from __future__ import annotations
 
@@ -102,14 +103,20 @@ def by_length(prompts, completions, **columns):
 
 
 @pytest.fixture(scope="module")
-def critic_sets(tmp_path_factory) -> list[str]:
+def length_domain(tmp_path_factory) -> str:
+    """The `envs.domains` override of a dataset domain paid by `by_length`."""
     d = tmp_path_factory.mktemp("length_data")
     rows = [{"prompt": f"Say something about {w}.", "answer": "", "split": "train"} for w in "abcdefgh"]
     (d / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (d / "length_reward.py").write_text(REWARD_FN)
     domain = f"{{name: dataset, difficulties: [0], options: {{path: '{d / 'rows.jsonl'}', "
     domain += f"reward_fn: '{d / 'length_reward.py'}:by_length', split_key: split}}}}"
-    return [*CRITIC, f"envs.domains=[{domain}]"]
+    return f"envs.domains=[{domain}]"
+
+
+@pytest.fixture(scope="module")
+def critic_sets(length_domain) -> list[str]:
+    return [*CRITIC, length_domain]
 
 
 def _critic_state(rl, step: int) -> dict:
@@ -175,3 +182,50 @@ def test_a_group_run_with_a_critic_resumes_from_its_sharded_checkpoint(
         _assert_same_critic(critic, again)
     finally:
         again.close()
+
+
+def test_a_lora_group_pushes_only_its_adapters_and_the_engine_holds_its_merged_weights(
+    length_domain, tmp_path
+):
+    from posttrain.engine import make_engine
+    from posttrain.models import load_policy
+    from posttrain.orchestrator import weight_sync as ws
+
+    sets = [
+        *STEPS,
+        "model.lora_rank=4",
+        "model.lora_alpha=8",
+        "engine.dtype=float32",
+        "placement.weight_sync=shared_file",
+        f"placement.weight_sync_dir={tmp_path / 'w'}",
+        "trainer.data_parallel=2",
+        "orchestrator.steps=1",
+        length_domain,  # rewards that vary: the step moves the adapters
+    ]
+    rl = _run(_cfg(tmp_path, *sets), "lora")
+    try:
+        assert isinstance(rl.learner, LearnerGroup) and rl.learner.lora
+        pushed = rl.weight_transport.read()  # the step's push, as the engine read it
+        assert pushed.kind == "lora" and pushed.version == 1 == rl.weight_receiver.version
+        modules = set(pushed.scaling)  # every adapted module: its A and B, nothing else
+        assert pushed.tensors.keys() == {m + s for m in modules for s in (ws.LORA_A, ws.LORA_B)}
+        assert len(modules) == 2 * 7  # 2 layers x q, k, v, o, gate, up, down
+        merged = rl.learner.weights()
+        sent = read_metrics(rl.run_dir.metrics)[-1]["timeline/weight_sync_bytes"]
+        adapter_bytes = sum(t.numel() * t.element_size() for t in pushed.tensors.values())
+        assert sent == pushed.nbytes == adapter_bytes < ws.full_update(merged, 1).nbytes / 10
+        cfg = rl.cfg  # an engine given the group's merged weights whole holds what the adapters made
+        whole = make_engine(
+            cfg.engine, load_policy(cfg.model.spec, dtype="float32", seed=cfg.seed), rl.tokenizer
+        )
+        initial = [{k: v.clone() for k, v in layer.items()} for layer in whole.runner.layers]
+        whole.load_weights(merged, version=1)
+        moved = 0
+        for got, want, before in zip(rl.engine.runner.layers, whole.runner.layers, initial, strict=True):
+            assert got.keys() == want.keys()
+            for k in want:
+                assert torch.allclose(got[k], want[k], atol=1e-6, rtol=0), k
+                moved += not torch.allclose(got[k], before[k], atol=1e-6, rtol=0)
+        assert moved  # the step changed the engine's weights: the adapters were merged in
+    finally:
+        rl.close()

@@ -107,6 +107,10 @@ def dispatch(learner: Any, cfg: RunConfig, rank: int, name: str, args: tuple, kw
             result = save_rank(learner, cfg, rank, *args)
         elif name == "restore":
             result = restore_rank(learner, cfg, *args)
+        elif name in ("lora_update", "lora_base"):  # gathered whole: every rank takes part
+            from posttrain.orchestrator import weight_sync
+
+            result = getattr(weight_sync, name)(learner.model, *args)
         else:
             target = _resolve(learner, name)
             result = target(*args, **kwargs) if callable(target) else target
@@ -178,10 +182,9 @@ class _KlControl:
 
 class LearnerGroup:
     """`cfg.trainer.learner_ranks` Learner ranks in local processes, offering what the run uses of the
-    Learner. `weights()` are full (LoRA merged), so the run's weight sync sends them whole (`lora` is
-    False here)."""
+    Learner. `weights()` are full (LoRA merged); under LoRA (`lora`) `lora_update` and `lora_base` give
+    the adapters and their base weights whole, so the run's weight sync pushes adapters only."""
 
-    lora = False
     vision = None
 
     def __init__(self, cfg: RunConfig, start_timeout_s: float = 300.0) -> None:
@@ -189,6 +192,7 @@ class LearnerGroup:
         import torch.multiprocessing as mp
 
         self.cfg = cfg
+        self.lora = cfg.model.lora_rank > 0
         self.world = cfg.trainer.learner_ranks
         self.version = 0
         self.kl_ctl = _KlControl(self)
@@ -277,6 +281,14 @@ class LearnerGroup:
     def score_tokens(self, samples: list[Any]) -> Any:
         return self.call("score_tokens", samples)
 
+    def lora_update(self, version: int) -> Any:
+        """`weight_sync.lora_update` of the ranks' policy: its adapters, gathered whole, as `version`."""
+        return self.call("lora_update", version)
+
+    def lora_base(self) -> dict[str, Any]:
+        """`weight_sync.lora_base` of the ranks' policy: the adapted modules' base weights, whole."""
+        return self.call("lora_base")
+
     def offload_optimizer(self) -> None:
         self.call("offload_optimizer")
 
@@ -364,6 +376,7 @@ class RayLearnerGroup(LearnerGroup):
 
         p = cfg.placement
         self.cfg = cfg
+        self.lora = cfg.model.lora_rank > 0
         self.world = cfg.trainer.learner_ranks
         self.version = 0
         self.kl_ctl = _KlControl(self)

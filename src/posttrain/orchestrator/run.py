@@ -275,8 +275,14 @@ class RLRun:
         if self.cfg.placement.backend == "ray":  # each engine actor reads the folder itself
             return
         if self.learner.lora:  # adapters travel alone; the receiver keeps the base weights they adapt
-            base = ws.lora_base(self.learner.model)
+            base = self.learner.lora_base() if self._group() else ws.lora_base(self.learner.model)
         self.weight_receiver = ws.Receiver(self.engine, base=base)
+
+    def _group(self) -> bool:
+        """Whether the learner is a group of rank processes (`orchestrator.learner_group`)."""
+        from posttrain.orchestrator.learner_group import LearnerGroup
+
+        return isinstance(self.learner, LearnerGroup)
 
     def rewind_weight_sync(self) -> None:
         """Forget pushed versions (a resume goes back to the checkpoint's, which may be older)."""
@@ -311,7 +317,9 @@ class RLRun:
         if pushed == version:  # the learner did not step: nothing new to send
             self.sync_bytes = 0
             return
-        if own and self.learner.lora:
+        if own and self.learner.lora and self._group():  # the ranks gather their adapters
+            update = self.learner.lora_update(version)
+        elif own and self.learner.lora:
             update = ws.lora_update(self.learner.model, version)
         else:
             update = ws.full_update(weights, version)

@@ -175,11 +175,12 @@ class Receiver:
 
 def lora_base(model: Any) -> dict[str, torch.Tensor]:
     """Copies of the base ``{module}.weight`` of each LoRA-adapted module of a peft model: what a LoRA
-    `Receiver` keeps to merge adapters into."""
+    `Receiver` keeps to merge adapters into. Weights sharded or split over ranks are gathered whole
+    (then every rank must call it, as `lora_update`)."""
     from peft.tuners.lora import LoraLayer
 
     return {
-        f"{name}.weight": module.get_base_layer().weight.detach().clone()
+        f"{name}.weight": _whole(module.get_base_layer().weight.detach()).clone()
         for name, module in model.get_base_model().named_modules()
         if isinstance(module, LoraLayer)
     }

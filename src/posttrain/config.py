@@ -667,12 +667,12 @@ class PlacementConfig(Section):
     ray_address: str | None = Field(
         None, description="ray: the cluster to join (ray://host:10001 or auto); unset = a local one"
     )
-    weight_sync: Literal["in_process", "shared_file", "broadcast", "nccl"] = Field(
+    weight_sync: Literal["in_process", "shared_file", "broadcast"] = Field(
         "in_process",
         description="how weights reach the engine: in_process (handed over), shared_file (hashed pushes "
         "through weight_sync_dir, as engines in other processes read them), broadcast (torch.distributed "
         "from this process to the Ray engine actors: gloo on CPU engines, NCCL on CUDA ones; needs "
-        "backend ray); nccl is refused with a pointer to broadcast",
+        "backend ray)",
     )
     weight_sync_dir: str | None = Field(
         None, description="shared_file: the folder pushes go through; unset = a fresh one in /dev/shm"

@@ -317,13 +317,17 @@ def test_lora_adapters_through_shared_file_resume_and_train_exactly_as_in_proces
     b.close()
 
 
-def test_nccl_and_a_local_broadcast_are_refused_before_work(tmp_path):
+def test_nccl_is_no_transport_and_a_local_broadcast_is_refused_before_work(tmp_path):
+    from posttrain.config import ConfigError
     from posttrain.orchestrator import RLRun
 
     from .test_loop import _cfg
 
-    with pytest.raises(ValueError, match="'nccl' is not a transport of its own: use 'broadcast'"):
-        RLRun.check(_cfg(tmp_path, "placement.weight_sync=nccl", "placement.backend=ray"))
+    with pytest.raises(
+        ConfigError,
+        match=r"'placement.weight_sync': got \"nccl\": Input should be 'in_process', 'shared_file' or 'broadcast'",
+    ):
+        _cfg(tmp_path, "placement.weight_sync=nccl", "placement.backend=ray")
     with pytest.raises(ValueError, match="'broadcast' sends to rollout engines in other processes: it needs"):
         RLRun.check(_cfg(tmp_path, "placement.weight_sync=broadcast"))
     RLRun.check(_cfg(tmp_path, "placement.weight_sync=broadcast", "placement.backend=ray"))

@@ -81,11 +81,6 @@ class RLRun:
                 "algorithm.kl_target and algorithm.kl_coef > 0 (the coefficient it steers)"
             )
         sync, backend = cfg.placement.weight_sync, cfg.placement.backend
-        if sync == "nccl":
-            raise ValueError(
-                "placement.weight_sync='nccl' is not a transport of its own: use 'broadcast' (NCCL between "
-                "CUDA engines, gloo on CPU ones; needs placement.backend='ray')"
-            )
         if sync == "broadcast" and backend != "ray":
             raise ValueError(
                 "placement.weight_sync='broadcast' sends to rollout engines in other processes: it needs "

@@ -13,6 +13,7 @@ keeps K/V in int8 with per-token-per-head scales (the kernels are quant.py). Doe
 
 from __future__ import annotations
 
+import ctypes
 import math
 import re
 from collections.abc import Iterable
@@ -132,6 +133,16 @@ def onednn_packing_works(device: torch.device, dtype: torch.dtype) -> bool:
     except (AttributeError, RuntimeError):
         return False
     return got.shape == (3, 8) and torch.allclose(got.float(), F.linear(x, w).float(), rtol=1e-2, atol=1e-2)
+
+
+def _trim_heap() -> None:
+    """Hand the C heap's free pages back to the OS (glibc's malloc_trim): weight tensors below glibc's
+    mmap threshold live on the heap, and freeing them alone would leave them in the process's RSS.
+    A no-op elsewhere."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):
+        pass
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -444,6 +455,8 @@ class ModelRunner:
         self.packed = self.packed_lm_head = self._packers = self._packer_lm_head = None
         self.quantized = self.quantized_lm_head = None
         self.weights_released = True
+        if self.device.type == "cpu":
+            _trim_heap()
 
     def _load(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool) -> int:
         loaded: set[str] = set()

@@ -691,7 +691,7 @@ class PlacementConfig(Section):
     offload_engine_weights: bool = Field(
         False,
         description="free the paged engine's weights with its KV cache before each learner update; the push "
-        "after it restores them (sync mode, local backend, full weights pushed)",
+        "after it restores them (sync mode, paged engines, full weights pushed)",
     )
 
 
@@ -1015,8 +1015,6 @@ class RunConfig(Section):
             why = "orchestrator.mode=async generates during the update; use mode sync"
         elif self.engine.backend != "paged":
             why = f"engine.backend={self.engine.backend} has no weight release; use backend paged"
-        elif self.placement.backend != "local":
-            why = "the Ray engine actors do not release their weights yet; use placement.backend local"
         elif self.model.lora_rank and self.placement.weight_sync != "in_process":
             why = (
                 f"LoRA pushes through placement.weight_sync={self.placement.weight_sync} carry only the "

@@ -41,9 +41,15 @@ def _run(tmp_path: Path, name: str, *extra: str) -> tuple[RLRun, list[int]]:
     rl.build()
     seen: list[int] = []
     step = rl.learner.step
+    actors = getattr(rl.engine, "actors", None)  # the Ray placement: the bytes of every engine actor's
 
     def observed_step(*args, **kwargs):
-        seen.append(rl.engine.runner.weight_storage_bytes())
+        if actors is None:
+            seen.append(rl.engine.runner.weight_storage_bytes())
+        else:
+            import ray
+
+            seen.append(sum(ray.get([a.weight_storage_bytes.remote() for a in actors], timeout=60)))
         return step(*args, **kwargs)
 
     rl.learner.step = observed_step
@@ -94,7 +100,6 @@ def test_a_run_with_engine_weights_offloaded_equals_the_run_without(tmp_path, sy
     [
         (["orchestrator.mode=async"], "offload_engine_weights: orchestrator.mode=async generates during"),
         (["engine.backend=hf"], "offload_engine_weights: engine.backend=hf has no weight release"),
-        (["placement.backend=ray"], "offload_engine_weights: the Ray engine actors"),
         (
             ["model.lora_rank=4", "placement.weight_sync=shared_file"],
             "offload_engine_weights: LoRA pushes through placement.weight_sync=shared_file",
@@ -105,3 +110,23 @@ def test_weight_offload_is_refused_where_it_cannot_work(tmp_path, extra, message
     with pytest.raises(ConfigError, match=message):
         load_config(None, [*TINY, "placement.offload_engine_weights=true", *extra])
     load_config(None, [*TINY, *extra])  # the same config without the key is valid
+
+
+@pytest.mark.slow
+def test_ray_engine_actors_offload_their_weights_and_train_as_the_local_run(tmp_path):
+    pytest.importorskip("ray")
+    ray_sets = ["placement.backend=ray", "placement.weight_sync=shared_file", "placement.engine_cpus=1"]
+    local, kept = _run(tmp_path, "local")
+    remote, freed = _run(tmp_path, "ray", *ray_sets, "placement.offload_engine_weights=true")
+    try:
+        assert all(b > 0 for b in kept) and freed == [0, 0]  # the actor's engine held nothing
+        rows_l, rows_r = _untimed(local), _untimed(remote)
+        assert len(rows_r) == 2
+        for a, b in zip(rows_l, rows_r, strict=True):
+            assert b["reward/mean"] == a["reward/mean"]
+            assert b["rollout/generated_tokens"] == a["rollout/generated_tokens"]
+            # the actor's logprobs depend on which requests shared a decode batch (see test_ray_placement)
+            assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-4, abs=1e-6)
+    finally:
+        local.close()
+        remote.close()

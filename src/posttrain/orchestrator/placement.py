@@ -97,6 +97,13 @@ class EngineWorker:
     def release_kv_cache(self) -> None:
         self.engine.release_kv_cache()
 
+    def release_weights(self) -> None:
+        """Free the engine's weights and KV cache until the next push (placement.offload_engine_weights)."""
+        self.engine.release_weights()
+
+    def weight_storage_bytes(self) -> int:
+        return self.engine.runner.weight_storage_bytes()
+
 
 def join_broadcast_group(address: str, rank: int, world: int, device: str, timeout_s: float) -> None:
     """init_process_group for the weight broadcast: gloo for CPU engines, NCCL for CUDA ones."""
@@ -289,6 +296,11 @@ class RayEngines(Engine):
 
     def release_kv_cache(self) -> None:
         self._ray.get([a.release_kv_cache.remote() for a in self.actors], timeout=600)
+
+    def release_weights(self) -> None:
+        """Every actor frees its engine's weights until the next push; an actor Ray restarts meanwhile
+        loads the latest published weights, whole, before the push brings the new ones."""
+        self._ray.get([a.release_weights.remote() for a in self.actors], timeout=600)
 
     def kill(self, index: int) -> None:
         """Kill engine `index` the way a crash would (Ray restarts it): for failure tests."""

@@ -34,7 +34,9 @@ Completions (what the trainer relies on):
   sequence); the i-th of `n` samples uses a generator derived from (seed, i). Without a seed, seeds
   come from the engine's own generator (seeded at construction), so a run is reproducible.
 - The model's EOS ids always stop a completion unless `SamplingParams.ignore_eos` (benchmarks use it).
-- PagedEngine extras: `enable_prefix_caching`, `device` ("cpu", "cuda", ...), `seed`, `decode_staging`
+- PagedEngine extras: `release_weights()` (frees the weights with the KV pool; requests are refused
+  until the next `load_weights`, which must bring every weight), `enable_prefix_caching`, `device`
+  ("cpu", "cuda", ...), `seed`, `decode_staging`
   (default on: decoding sequences keep a contiguous copy of their K/V across steps, so decode attends
   without gathering blocks; costs a second copy of those sequences' K/V, `kv_stats()["decode_stage_bytes"]`);
   requests that can never fit (prompt >= max_model_len, more blocks than the pool) raise

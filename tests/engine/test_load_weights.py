@@ -139,3 +139,21 @@ def test_released_weights_hold_no_memory_refuse_requests_and_come_back_whole(tok
     assert engine.runner.weight_storage_bytes() == held and engine.version == 2
     _assert_engine_holds(engine, weights)
     assert _greedy(engine, prompts) == before
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_quantized_weights_are_released_and_rebuilt_by_the_next_load(tokenizer, quant):
+    from posttrain.engine.quant import weight_quant_works
+
+    if weight_quant_works(quant, torch.device("cpu")) is not None:
+        pytest.skip(f"{quant} kernels do not run here")
+    model = tiny("llama", 0)
+    prompts = random_prompts([9, 17], seed=7)
+    engine = PagedEngine(model, tokenizer, block_size=8, num_blocks=64, weight_quant=quant)
+    before = _greedy(engine, prompts)
+    held = engine.runner.weight_storage_bytes()
+    engine.release_weights()
+    assert engine.runner.weight_storage_bytes() == 0 and engine.runner.quantized is None
+    engine.load_weights(model.state_dict())
+    assert engine.runner.weight_storage_bytes() == held
+    assert _greedy(engine, prompts) == before

@@ -1,7 +1,9 @@
 """The Llama-family forward pass over a paged KV cache, in plain PyTorch (CPU or GPU).
 
-Owns the engine's copy of the weights (q/k/v and gate/up fused for fewer matmuls), the per-layer
-KV block pools `[num_blocks, block_size, kv_heads, head_dim]`, RoPE tables, and one varlen forward
+Owns the engine's copy of the weights (q/k/v and gate/up fused for fewer matmuls; on CPU also their
+oneDNN-packed copies, rewritten in place by each load, onednn.py; all of it freed by `release_weights`
+until the next full load), the per-layer KV block pools `[num_blocks, block_size, kv_heads,
+head_dim]`, RoPE tables, and one varlen forward
 that runs decode tokens (batched per group over its decode stage, or a padded gather of its blocks)
 and prefill chunks (one attention call per sequence, no padding) together. Supports Llama, Qwen2 (q/k/v bias), Qwen3
 (q/k RMSNorm), Mistral without a sliding window, Qwen2-VL's language model (M-RoPE: 3-D positions for

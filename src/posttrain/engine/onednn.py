@@ -45,9 +45,17 @@ def _blocked(dense: torch.Tensor, rows: int, k: int) -> torch.Tensor:
 @functools.cache
 def find_layout(out: int, inp: int, dtype: torch.dtype) -> tuple[int, int] | None:
     """(B, K) when oneDNN packs an `[out, inp]` weight of `dtype` as `[out/B][in/K][B][K]` without
-    padding, checked on a random weight; None otherwise (such weights are re-packed on every load)."""
+    padding, checked on a random weight; None otherwise (such weights are re-packed on every load), also
+    where this torch lacks the ops that expose a packed tensor's memory."""
     if out < 2 or inp < 2:
         return None
+    try:
+        return _probe_layout(out, inp, dtype)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _probe_layout(out: int, inp: int, dtype: torch.dtype) -> tuple[int, int] | None:
     size = torch.tensor([], dtype=dtype).element_size()
     probe = torch.zeros(out, inp, dtype=dtype)
     probe[1, 0] = 1.0  # lands at K: the words' length

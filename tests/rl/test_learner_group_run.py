@@ -2,10 +2,10 @@
 ranks (a sharded learner folder) or 2 context-parallel ranks (rank 0's single-process folder), resumed by
 a fresh group to step 2, logs the straight single-process run's metrics and ends with its weights. The
 drift probe (score_tokens), the drift-steered KL coefficient (kl_ctl) and optimizer offload/reload
-through 2 FSDP ranks log the single-process run's figures. PPO with a copied critic on 2 FSDP or 2
-tensor-parallel ranks, straight or resumed from a sharded checkpoint, logs the single-process run's
-metrics and ends with its policy and critic. A LoRA run on 2 FSDP ranks pushes only the adapters, and
-its engine holds the group's merged weights."""
+through 2 FSDP ranks log the single-process run's figures. PPO with a copied critic on 2 FSDP ranks,
+2 tensor-parallel ranks or a 2x2 mesh, straight or (FSDP) resumed from a sharded checkpoint, logs the
+single-process run's metrics and ends with its policy and critic. A LoRA run on 2 FSDP ranks pushes
+only the adapters, and its engine holds the group's merged weights."""
 
 from __future__ import annotations
 
@@ -155,13 +155,23 @@ def _assert_same_critic(critic: dict, rl) -> None:
         assert torch.allclose(got[k], critic[k], atol=1e-4, rtol=0), (k, (got[k] - critic[k]).abs().max())
 
 
-@pytest.mark.parametrize("mode", ["data_parallel", pytest.param("tensor_parallel", marks=pytest.mark.slow)])
-def test_a_critic_on_sharded_ranks_runs_ppo_as_one_process(straight_critic, critic_sets, tmp_path, mode):
+@pytest.mark.parametrize(
+    ("ranks", "sets"),
+    [
+        (2, ["trainer.data_parallel=2"]),
+        pytest.param(2, ["trainer.tensor_parallel=2"], marks=pytest.mark.slow),
+        pytest.param(4, ["trainer.data_parallel=2", "trainer.tensor_parallel=2"], marks=pytest.mark.slow),
+    ],
+    ids=["fsdp", "tp", "2x2"],
+)
+def test_a_critic_on_sharded_ranks_runs_ppo_as_one_process(
+    straight_critic, critic_sets, tmp_path, ranks, sets
+):
     rows, weights, critic = straight_critic
     assert all(r["train/value_loss"] > 0 for r in rows)
-    rl = _run(_cfg(tmp_path, *critic_sets, f"trainer.{mode}=2", "orchestrator.steps=2"), mode)
+    rl = _run(_cfg(tmp_path, *critic_sets, *sets, "orchestrator.steps=2"), "group")
     try:
-        assert isinstance(rl.learner, LearnerGroup)
+        assert isinstance(rl.learner, LearnerGroup) and len(rl.learner.procs) == ranks
         _assert_same(rows, weights, rl)
         _assert_same_critic(critic, rl)
     finally:

@@ -439,7 +439,7 @@ class ModelRunner:
     def weight_storage_bytes(self) -> int:
         """Bytes of memory the weights hold now: dense storages, oneDNN-packed and quantized copies."""
         total = sum(t.untyped_storage().nbytes() for t in self.weight_tensors())
-        total += sum(torch.ops.mkldnn._nbytes(w.tensor) for _, _, w in self.packed_weights())
+        total += sum(w.nbytes for _, _, w in self.packed_weights())
         quantized = [*(q for layer in self.quantized or [] for q in layer.values()), self.quantized_lm_head]
         return total + sum(q.nbytes() for q in quantized if q is not None)
 

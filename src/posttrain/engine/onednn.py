@@ -97,6 +97,14 @@ class PackedWeight:
             self._words = words.view(out // rows, inp // k, rows)
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of the packed tensor (its element count's, where this torch does not say)."""
+        try:
+            return int(torch.ops.mkldnn._nbytes(self.tensor))
+        except (AttributeError, RuntimeError):
+            return self.tensor.numel() * self.tensor.element_size()
+
+    @property
     def in_place(self) -> bool:
         """Whether `refresh` rewrites the packed memory in place (else it packs a fresh copy)."""
         return self._words is not None

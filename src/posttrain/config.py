@@ -1036,6 +1036,11 @@ class RunConfig(Section):
                 f"{given}: context parallelism does not compose with FSDP or tensor parallelism yet; "
                 "set trainer.context_parallel=1 or the others to 1"
             )
+        if t.context_parallel > 1 and t.critic != "none":  # FSDP and tensor parallel ranks shard one
+            raise ValueError(
+                f"trainer.context_parallel={t.context_parallel} with trainer.critic={t.critic}: context-parallel "
+                "ranks do not run a critic yet; use trainer.data_parallel or tensor_parallel, or critic=none"
+            )
         if p.learner_ranks is not None and p.learner_ranks != t.learner_ranks:
             raise ValueError(
                 f"placement.learner_ranks={p.learner_ranks} but trainer.data_parallel x tensor_parallel x "

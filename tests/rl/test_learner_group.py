@@ -132,6 +132,10 @@ def test_a_rank_that_dies_is_named_and_every_rank_ends(tmp_path):
         (["trainer.data_parallel=2", "trainer.context_parallel=2"], "does not compose with FSDP"),
         (["trainer.data_parallel=2", "placement.learner_ranks=3"], "placement.learner_ranks=3 but"),
         (["trainer.context_parallel=2", "placement.learner_cpus=0"], "learner_cpus"),
+        (
+            ["trainer.context_parallel=2", "trainer.critic=copy", "algorithm.advantage=gae"],
+            "context_parallel=2 with trainer.critic=copy: context-parallel ranks do not run a critic",
+        ),
     ],
 )
 def test_bad_learner_rank_configs_are_refused(tmp_path, sets, message):

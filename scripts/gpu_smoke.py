@@ -1,8 +1,9 @@
 """The GPU checks, one short run (`scripts/gpu_smoke.sh` on a lent GPU machine; `--device cpu` runs the
 same code here): our paged engine on the device (greedy decode tok/s, its logprobs against the
 Learner's forward on the same device), Learner GRPO steps on the device, one FSDP2 step over NCCL
-(gloo on CPU), the vLLM backend where vLLM is installed (its logprobs against the Learner's), and a
-LLaVA-style VLM through the paged engine and the Learner (check_vlm).
+(gloo on CPU), the vLLM backend where vLLM is installed (its logprobs against the Learner's), a
+LLaVA-style VLM through the paged engine and the Learner (check_vlm), and the engine's weights released
+and restored on the device (check_weight_offload).
 Prints one JSON object, the last line."""
 
 from __future__ import annotations
@@ -105,6 +106,31 @@ def check_engine_and_learner(args: argparse.Namespace, out: dict[str, Any]) -> N
     out["learner_loss_finite"] = all(v == v and abs(v) != float("inf") for v in metrics.values())
     engine.load_weights(dict(learner.model.state_dict()))
     out["weights_reloaded_version"] = engine.version
+    check_weight_offload(engine, prompts[:4], dict(learner.model.state_dict()), args.device, out)
+
+
+def check_weight_offload(
+    engine: Any, prompts: list[list[int]], weights: dict[str, Any], device: str, out: dict[str, Any]
+) -> None:
+    """placement.offload_engine_weights on the device: release_weights frees the engine's weights and KV
+    pool (on CUDA into torch's caching allocator: memory_allocated drops by them), and a full load brings
+    them back: the same greedy tokens as before the release."""
+    before, _ = _decode(engine, prompts, 8)
+    held = engine.runner.weight_storage_bytes()
+    cuda = device.startswith("cuda")
+    allocated = torch.cuda.memory_allocated() if cuda else 0
+    kv = engine.runner.kv_cache_bytes() if engine.runner.k_cache is not None else 0
+    engine.release_weights()
+    out["offload_weight_bytes_held"] = held
+    out["offload_weight_bytes_after_release"] = engine.runner.weight_storage_bytes()
+    if cuda:
+        out["offload_cuda_allocated_drop_bytes"] = allocated - torch.cuda.memory_allocated()
+        out["offload_cuda_expected_drop_bytes"] = held + kv
+    engine.load_weights(weights)
+    after, _ = _decode(engine, prompts, 8)
+    out["offload_restored_greedy_equal"] = [o.completions[0].token_ids for o in after] == [
+        o.completions[0].token_ids for o in before
+    ]
 
 
 def check_fsdp(args: argparse.Namespace, out: dict[str, Any]) -> None:

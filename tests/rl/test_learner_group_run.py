@@ -4,7 +4,7 @@ a fresh group to step 2, logs the straight single-process run's metrics and ends
 drift probe (score_tokens), the drift-steered KL coefficient (kl_ctl) and optimizer offload/reload
 through 2 FSDP ranks log the single-process run's figures. PPO with a copied critic on 2 FSDP ranks,
 2 tensor-parallel ranks or a 2x2 mesh, straight or (FSDP) resumed from a sharded checkpoint, logs the
-single-process run's metrics and ends with its policy and critic. A LoRA run on 2 FSDP ranks pushes
+single-process run's metrics and ends with its policy and critic. A LoRA run on 2 FSDP (or 2 TP) ranks pushes
 only the adapters, and its engine holds the group's merged weights."""
 
 from __future__ import annotations
@@ -194,8 +194,11 @@ def test_a_group_run_with_a_critic_resumes_from_its_sharded_checkpoint(
         again.close()
 
 
+@pytest.mark.parametrize(
+    "mode", ["data_parallel", pytest.param("tensor_parallel", marks=pytest.mark.slow)], ids=["fsdp", "tp"]
+)
 def test_a_lora_group_pushes_only_its_adapters_and_the_engine_holds_its_merged_weights(
-    length_domain, tmp_path
+    length_domain, tmp_path, mode
 ):
     from posttrain.engine import make_engine
     from posttrain.models import load_policy
@@ -208,7 +211,7 @@ def test_a_lora_group_pushes_only_its_adapters_and_the_engine_holds_its_merged_w
         "engine.dtype=float32",
         "placement.weight_sync=shared_file",
         f"placement.weight_sync_dir={tmp_path / 'w'}",
-        "trainer.data_parallel=2",
+        f"trainer.{mode}=2",
         "orchestrator.steps=1",
         length_domain,  # rewards that vary: the step moves the adapters
     ]

@@ -30,10 +30,11 @@ def test_bench_scale_refuses_an_unknown_dtype():
 
 
 @pytest.mark.slow
-def test_bench_scale_ray_overhead_from_two_runs_of_the_same_recipe():
+def test_bench_scale_ray_overhead_from_runs_of_the_same_recipe():
     pytest.importorskip("ray")
     out = run_bench(
         "scale", ["--model", "tiny:llama", "--repeats", "1", "--skip-broadcast", "--ray-steps", "1"]
     )
     assert out["ray_overhead_frac"] == pytest.approx(out["ray_step_s"] / out["local_step_s"] - 1.0)
+    assert out["ray_async_vs_local"] == pytest.approx(out["ray_async_step_s"] / out["local_step_s"])
     assert out["ray_steps"] == 1

@@ -10,10 +10,12 @@ rank-R adapter push through shared_file, merged at the receiver). The baseline i
 same bytes into preallocated buffers (`memcpy`): what moving the weights once costs on this machine.
 Each figure is the median of `--repeats`.
 
-With `--ray-steps N`: N RL steps of the default recipe on the model, sync mode, with the local backend
-(engine in process, in-process weights) and with the Ray backend (one engine actor, shared-file
-weights), same seed; `ray_overhead_frac` = median step time with Ray / without - 1, the first step
-(start-up) left out. Null without `--ray-steps`.
+With `--ray-steps N`: N RL steps of the default recipe on the model with the local backend (engine in
+process, in-process weights, sync), with the Ray backend colocated (one engine actor on every CPU,
+shared-file weights, sync) and with the Ray backend disaggregated (one engine actor on 1 CPU, async with
+one step of staleness), same seed; `ray_overhead_frac` = median colocated Ray step time / local - 1 and
+`ray_async_vs_local` = median async Ray step time / local, the first step (start-up) left out. Null
+without `--ray-steps`.
 """
 
 from __future__ import annotations
@@ -142,15 +144,34 @@ def _ray_overhead(opts: Any) -> dict:
                 f"placement.engine_cpus={os.cpu_count() or 1}",
             ],
         )
+        # disaggregated: the engine actor on one CPU generates the next batch while the learner, in
+        # this process, updates on the current one (async, one step of staleness)
+        ray_async = _step_seconds(
+            opts.model,
+            opts.ray_steps + 1,
+            root,
+            "ray-async",
+            [
+                "placement.backend=ray",
+                "placement.weight_sync=shared_file",
+                "placement.engine_cpus=1",
+                "orchestrator.mode=async",
+                "orchestrator.max_staleness=1",
+            ],
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     med_local, med_ray = statistics.median(local[1:]), statistics.median(ray[1:])
+    med_async = statistics.median(ray_async[1:])
     return {
         "ray_overhead_frac": med_ray / med_local - 1.0,
         "ray_step_s": med_ray,
         "local_step_s": med_local,
+        "ray_async_step_s": med_async,
+        "ray_async_vs_local": med_async / med_local,
         "ray_steps": opts.ray_steps,
-        "ray_note": f"sync, one engine actor with {os.cpu_count()} CPUs, median of {opts.ray_steps} steps after the first",
+        "ray_note": f"colocated sync: one engine actor with {os.cpu_count()} CPUs; disaggregated async: one "
+        f"engine actor with 1 CPU, max_staleness 1; median of {opts.ray_steps} steps after the first",
     }
 
 

@@ -503,7 +503,10 @@ def scale(
     lora_rank: int = typer.Option(16, "--lora-rank", min=1, help="rank of the LoRA adapter push"),
     skip_broadcast: bool = typer.Option(False, "--skip-broadcast", help="leave out the 2-process gloo run"),
     ray_steps: int = typer.Option(
-        0, "--ray-steps", min=0, help="RL steps (after a first) with the local and the Ray backend (0: skip)"
+        0,
+        "--ray-steps",
+        min=0,
+        help="RL steps (after a first): local, Ray colocated sync, Ray disaggregated async (0: skip)",
     ),
     json_out: bool = JSON,
 ) -> dict[str, Any]:

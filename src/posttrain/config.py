@@ -603,7 +603,8 @@ class TrainerConfig(Section):
         ge=1,
         description="split every sequence zigzag over this many processes, attention by ring attention "
         "(one Learner per rank of an initialised torch.distributed group of this size); needs packing=false, "
-        "no critic, no dynamic NTK; shared-prompt micro-batches are off under it",
+        "no critic, no dynamic NTK; shared-prompt micro-batches are off under it; with data_parallel a dp x cp "
+        "mesh (`train.distributed.parallelize_dp_cp`), not with tensor_parallel",
     )
     data_parallel: int = Field(
         1,
@@ -1030,11 +1031,11 @@ class RunConfig(Section):
             for k in ("data_parallel", "tensor_parallel", "context_parallel")
             if getattr(t, k) > 1
         }
-        if len(parallel) > 1 and "context_parallel" in parallel:  # data x tensor: a 2-D mesh
-            given = " and ".join(f"trainer.{k}={v}" for k, v in parallel.items())
+        if len(parallel) > 1 and {"context_parallel", "tensor_parallel"} <= set(parallel):
+            given = " and ".join(f"trainer.{k}={v}" for k, v in parallel.items())  # data x one: a 2-D mesh
             raise ValueError(
-                f"{given}: context parallelism does not compose with FSDP or tensor parallelism yet; "
-                "set trainer.context_parallel=1 or the others to 1"
+                f"{given}: context parallelism does not compose with tensor parallelism yet; set "
+                "trainer.context_parallel=1 or trainer.tensor_parallel=1"
             )
         if t.context_parallel > 1 and t.critic != "none":  # FSDP and tensor parallel ranks shard one
             raise ValueError(

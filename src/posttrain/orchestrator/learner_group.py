@@ -1,13 +1,13 @@
-"""The learner group: `trainer.data_parallel` x `tensor_parallel` (a 2-D mesh when both are > 1), or
-`context_parallel`, > 1 starts that many Learner ranks, each in a process of its own (torch.multiprocessing spawn, one process group over
+"""The learner group: `trainer.data_parallel`, `tensor_parallel` or `context_parallel` > 1 (data x tensor
+or data x context parallel: a 2-D mesh) starts that many Learner ranks, each in a process of its own (torch.multiprocessing spawn, one process group over
 127.0.0.1: gloo, plus NCCL for CUDA tensors where CUDA exists), and drives them from the controller.
 
 Every rank gets the same call in the same order over its command channel (a pipe); rank 0's result comes
 back. A rank that raises or dies stops the group: every rank process is ended and `LearnerRankError`
-names the rank and its error. Checkpoints: FSDP and tensor-parallel ranks write and read sharded
-torch.distributed.checkpoint folders (`save_sharded` / `load_sharded`); context-parallel ranks hold the
-whole model, identical on every rank, so rank 0 writes the single-process Learner's folder and every rank
-reads it. Does not know about environments or engines.
+names the rank and its error. Checkpoints: FSDP and tensor-parallel ranks (context-parallel ones inside
+a dp x cp mesh too) write and read sharded torch.distributed.checkpoint folders (`save_sharded` /
+`load_sharded`); context-parallel ranks alone hold the whole model, identical on every rank, so rank 0
+writes the single-process Learner's folder and every rank reads it. Does not know about environments or engines.
 """
 
 from __future__ import annotations
@@ -55,8 +55,12 @@ def build_rank_learner(cfg: RunConfig) -> Any:
     from posttrain.train import Learner
 
     learner = Learner(cfg.model, cfg.trainer, cfg.algorithm, seed=cfg.seed, batch_cfg=cfg.batch)
-    dp, tp = cfg.trainer.data_parallel, cfg.trainer.tensor_parallel
-    if dp > 1 and tp > 1:
+    dp, tp, cp = cfg.trainer.data_parallel, cfg.trainer.tensor_parallel, cfg.trainer.context_parallel
+    if dp > 1 and cp > 1:
+        from posttrain.train.distributed import parallelize_dp_cp
+
+        parallelize_dp_cp(learner, dp, cp)
+    elif dp > 1 and tp > 1:
         from posttrain.train.distributed import parallelize_2d
 
         parallelize_2d(learner, dp, tp)

@@ -11,9 +11,11 @@ The gathered matrices pass their gradient straight back (every rank computes the
 backward returns each rank the dK/dV its tokens received from the others, and the parameter gradients
 are summed over the ranks before clipping: the sum is the single-process gradient.
 
-Rows are padded, one sequence each (causal attention never reads the padding at a row's end); packing,
-shared-prompt micro-batches, a critic, dynamic NTK (its frequencies depend on a rank's positions) and
-composing with FSDP or tensor parallelism are not supported. Does not know about environments.
+With trainer.data_parallel > 1 too, `train.distributed.parallelize_dp_cp` makes each rank one of a cp
+group inside a dp x cp mesh (FSDP2 sums the gradients then). Rows are padded, one sequence each (causal
+attention never reads the padding at a row's end); packing, shared-prompt micro-batches, a critic, dynamic
+NTK (its frequencies depend on a rank's positions) and composing with tensor parallelism are not
+supported. Does not know about environments.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ the ranks instead (Megatron's column-in, row-out split, `TP_PLAN`); all ranks ru
 LoRA adapters follow their base layer's split (`tp_plan`). `parallelize_2d(learner, dp, tp)` composes
 the two on a (dp, tp) DeviceMesh: tensor parallel inside each "tp" group, FSDP2 over "dp", each dp group
 taking its share of the micro-batches. A critic's decoder layers are split (and sharded) as the
-policy's.
+policy's. `parallelize_dp_cp(learner, dp, cp)` composes FSDP2 with context parallelism on a (dp, cp)
+mesh: each cp group splits every sequence of its dp group's micro-batches, FSDP shards over all ranks.
 
 Checkpoints: `save_sharded` writes a torch.distributed.checkpoint folder (each rank its shards of the
 weights and optimizer states, the critic's included, plus the learner's counters), and `load_sharded` reads it on any number
@@ -32,6 +33,7 @@ of ranks, one included (no process group needed).
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,16 +55,19 @@ class DataParallel:
     group: Any = None
     root: Any = None
     inside: bool = False  # the root's forward is running the Learner's own forward
+    # how many ranks FSDP averages the gradients over (None: `world`; a dp x cp mesh shards over both)
+    grad_ranks: int | None = None
 
     def share(self, micro_batches: list[Any]) -> list[tuple[Any, float]]:
         """This rank's micro-batches with the loss scale each runs with: round-robin, each scaled by the
-        world size, padded with weight-0 repeats so that every rank runs as many."""
+        number of ranks FSDP averages over, padded with weight-0 repeats so that every rank runs as many."""
         n = len(micro_batches)
         rounds = -(-n // self.world) if n else 0
+        scale = float(self.grad_ranks or self.world)
         out = []
         for r in range(rounds):
             i = r * self.world + self.rank
-            out.append((micro_batches[i], float(self.world)) if i < n else (micro_batches[0], 0.0))
+            out.append((micro_batches[i], scale) if i < n else (micro_batches[0], 0.0))
         return out
 
     def sum_(self, values: list[float]) -> list[float]:
@@ -331,6 +336,56 @@ def parallelize_2d(learner: Any, dp: int, tp: int) -> Any:
     return mesh
 
 
+def parallelize_dp_cp(learner: Any, dp: int, cp: int) -> Any:
+    """Make `learner` (built with trainer.context_parallel=cp in each process, same config and seed) one
+    rank of a dp x cp learner over all of torch.distributed's ranks: a DeviceMesh of shape (dp, cp) named
+    ("dp", "cp"); each "cp" group splits every sequence of its rows zigzag, attention round the ring over
+    that group (`train.context_parallel`); each dp group takes its share of every mini-batch's
+    micro-batches. The policy is sharded with FSDP2 over all dp x cp ranks (torchtitan's choice): the
+    ranks of a cp group hold the same weights, so sharding over them too divides the memory by dp x cp,
+    and FSDP's one reduce-scatter both sums the cp ranks' partial gradients (each holds those of its
+    positions) and averages over the dp groups, each rank's loss being scaled by dp x cp. The reference
+    stays whole on every rank. Sets `learner.dp` and `learner.cp`; returns the mesh."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from posttrain.train.context_parallel import context_parallel_learner
+    from posttrain.train.learner import make_adamw
+
+    _refuse_vision(learner, "data x context parallel")
+    if not dist.is_initialized():
+        raise RuntimeError("parallelize_dp_cp needs torch.distributed initialised (init_process_group)")
+    world = dist.get_world_size()
+    if dp < 1 or cp < 2 or dp * cp != world:
+        raise ValueError(
+            f"a dp={dp} x cp={cp} mesh needs cp > 1 and dp*cp={dp * cp} ranks; torch.distributed has {world} "
+            "(the world size)"
+        )
+    tc = learner.trainer_cfg
+    if tc.context_parallel != cp:
+        raise ValueError(
+            f"parallelize_dp_cp(cp={cp}) needs a Learner built with trainer.context_parallel={cp}"
+        )
+    if tc.tensor_parallel > 1:
+        raise ValueError(
+            "context parallelism does not compose with tensor parallelism (trainer.tensor_parallel=1)"
+        )
+    _refuse_unsplittable(learner, "data x context parallel", "shard")
+    mesh = init_device_mesh(learner.device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
+    learner.cp = context_parallel_learner(learner, mesh["cp"].get_group())
+    flat = DeviceMesh(learner.device.type, list(range(world)))  # the FSDP mesh: every rank
+    for layer in decoder_layers(learner.model):
+        fully_shard(layer, mesh=flat)
+    root = _Root(learner.model, learner)
+    fully_shard(root, mesh=flat)
+    learner.trainable = [p for p in learner.model.parameters() if p.requires_grad]
+    learner.optimizer = make_adamw(learner.trainable, tc.lr, tuple(tc.betas), tc.weight_decay)
+    learner.dp = DataParallel(
+        mesh["dp"].get_local_rank(), dp, mesh["dp"].get_group(), root=root, grad_ranks=world
+    )
+    return mesh
+
+
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
     """`torch.nn.utils.clip_grad_norm_` for a mix of plain tensors and DTensors on different meshes (what
     tensor and 2-D parallelism leave): a DTensor's squares are summed over the mesh dimensions it is
@@ -395,10 +450,14 @@ def full_weights(learner: Any) -> dict[str, torch.Tensor]:
     return merge_lora_state(get_base(), {k.removeprefix("base_model.model."): v for k, v in sd.items()})
 
 
+def _parallel(learner: Any) -> list[Any]:
+    """This rank's places in the learner's parallelisms (data, tensor, context), those it has."""
+    return [x for x in (getattr(learner, a, None) for a in ("dp", "tp", "cp")) if x is not None]
+
+
 def _learner_ranks(learner: Any) -> int:
-    """How many processes hold this learner: its data-parallel times its tensor-parallel ranks."""
-    dp, tp = getattr(learner, "dp", None), getattr(learner, "tp", None)
-    return (dp.world if dp is not None else 1) * (tp.world if tp is not None else 1)
+    """How many processes hold this learner: the product of its parallelisms' sizes."""
+    return math.prod(x.world for x in _parallel(learner))
 
 
 def _counters(learner: Any) -> dict[str, Any]:
@@ -430,13 +489,12 @@ def save_sharded(learner: Any, directory: str | Path) -> None:
     import torch.distributed.checkpoint as dcp
 
     dcp.save(_dcp_state(learner), checkpoint_id=str(directory))
-    dp, tp = getattr(learner, "dp", None), getattr(learner, "tp", None)
-    if (dp is None or dp.rank == 0) and (tp is None or tp.rank == 0):
+    parts = _parallel(learner)
+    if all(x.rank == 0 for x in parts):
         (Path(directory) / "learner_counters.json").write_text(json.dumps(_counters(learner)))
     if dist.is_initialized():
-        # one parallelism: its group; both (a 2-D mesh over the whole world) or neither: the world
-        alone = dp if tp is None else tp if dp is None else None
-        dist.barrier(group=alone.group if alone is not None else None)
+        # one parallelism: its group; two (a 2-D mesh over the whole world) or none: the world
+        dist.barrier(group=parts[0].group if len(parts) == 1 else None)
 
 
 def load_sharded(learner: Any, directory: str | Path) -> None:

@@ -218,7 +218,8 @@ class Learner:
                     "trainer.context_parallel > 1 does not run vision-language policies (their images "
                     "enter at the embeddings on the single-process path); set it to 1"
                 )
-            self.cp = context_parallel_learner(self)
+            if trainer_cfg.data_parallel == 1:  # else train.distributed.parallelize_dp_cp makes the mesh
+                self.cp = context_parallel_learner(self)
 
     # ------------------------------------------------------------------------------------------
     # forward passes
@@ -513,8 +514,8 @@ class Learner:
     # the optimisation
 
     def _clip_grad_norm(self, max_norm: float) -> Tensor:
-        if self.cp is not None:  # each rank holds the gradient of its positions: sum them first
-            self.cp.all_reduce_grads(self.trainable)
+        if self.cp is not None and self.dp is None:  # each rank holds its positions' gradient: sum them
+            self.cp.all_reduce_grads(self.trainable)  # (under FSDP its reduce-scatter sums them)
         if self.tp is not None:  # replicated tensors and sharded DTensors: torch's clip cannot mix them
             from posttrain.train.distributed import clip_grad_norm
 

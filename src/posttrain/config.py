@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -665,6 +666,12 @@ class PlacementConfig(Section):
     engine_cpus: float = Field(
         1.0, gt=0, description="ray: CPUs per rollout-engine actor (its torch threads)"
     )
+    engine_gpus: float = Field(
+        0.0,
+        ge=0,
+        description="ray: GPUs per rollout-engine actor (fractions share one); > 0 needs engine.device "
+        "cuda, which under ray needs > 0 (Ray hides the GPUs from actors that reserve none)",
+    )
     ray_address: str | None = Field(
         None, description="ray: the cluster to join (ray://host:10001 or auto); unset = a local one"
     )
@@ -1004,7 +1011,37 @@ class RunConfig(Section):
             )
         self._check_learner_ranks()
         self._check_weight_offload()
+        self._check_engine_gpus()
         return self
+
+    def _check_engine_gpus(self) -> None:
+        """Ray makes an actor's reserved GPUs its only visible ones (cuda:0 first), and none when it
+        reserves none: placement.engine_gpus and engine.device must agree."""
+        p, device = self.placement, self.engine.device
+        cuda = device.startswith("cuda")
+        if p.engine_gpus > 0 and p.backend != "ray":
+            raise ValueError(
+                f"placement.engine_gpus={p.engine_gpus} reserves GPUs for Ray engine actors: set "
+                "placement.backend=ray, or leave engine_gpus 0 (a local engine uses engine.device)"
+            )
+        if p.backend != "ray":
+            return
+        if p.engine_gpus > 0 and not cuda:
+            raise ValueError(
+                f"placement.engine_gpus={p.engine_gpus} with engine.device={device}: the engine would not "
+                "use its GPU; set engine.device=cuda (or engine_gpus 0)"
+            )
+        if cuda and p.engine_gpus == 0:
+            raise ValueError(
+                f"engine.device={device} with placement.backend=ray and placement.engine_gpus=0: Ray hides "
+                "the GPUs from an actor that reserves none; set placement.engine_gpus (e.g. 1)"
+            )
+        index = device.partition(":")[2]
+        if cuda and index.isdigit() and int(index) >= math.ceil(p.engine_gpus):
+            raise ValueError(
+                f"engine.device={device} in a Ray actor of placement.engine_gpus={p.engine_gpus}: the actor "
+                f"sees its {math.ceil(p.engine_gpus)} GPU(s) as cuda:0..; use engine.device=cuda"
+            )
 
     def _check_weight_offload(self) -> None:
         """placement.offload_engine_weights frees what the next push restores, so every push must bring
@@ -1075,12 +1112,13 @@ REMOVED_KEYS: dict[str, tuple[str | None, str]] = {
         "engine.device picks the engine's torch device; the learner runs on CPU",
     ),
     "placement.num_gpus": (
-        None,
-        "no multi-GPU backend exists yet (no Ray or FSDP): a run is one local process",
+        "placement.engine_gpus",
+        "GPUs are reserved per Ray actor: placement.engine_gpus per rollout engine (placement.num_engines "
+        "of them); the learner ranks (trainer.data_parallel, ...) run on CPU",
     ),
     "placement.num_nodes": (
-        None,
-        "no multi-node backend exists yet (no Ray or FSDP): a run is one local process",
+        "placement.ray_address",
+        "nodes are those of the Ray cluster at placement.ray_address; Ray places the actors on them",
     ),
     "sandbox.max_concurrent_requests": (
         "sandbox.max_concurrent_jobs",

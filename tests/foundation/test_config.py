@@ -167,8 +167,8 @@ def test_native_bf16_reads_the_cpu_flags(monkeypatch, tmp_path):
     [
         ("engine.temperature=0.7", "unknown key 'engine.temperature'; did you mean 'algorithm.temperature'?"),
         ("placement.device=cuda", "unknown key 'placement.device'; did you mean 'engine.device'?"),
-        ("placement.num_gpus=8", "unknown key 'placement.num_gpus' (removed: no multi-GPU backend"),
-        ("placement.num_nodes=2", "unknown key 'placement.num_nodes' (removed: no multi-node backend"),
+        ("placement.num_gpus=8", "unknown key 'placement.num_gpus'; did you mean 'placement.engine_gpus'?"),
+        ("placement.num_nodes=2", "unknown key 'placement.num_nodes'; did you mean 'placement.ray_address'?"),
     ],
 )
 def test_keys_that_did_nothing_are_gone_with_the_unknown_key_error(override, expected):

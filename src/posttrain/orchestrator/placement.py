@@ -1,8 +1,8 @@
 """Placement backends: where the rollout engines run.
 
 `local` (the default) builds the engine in this process. `ray` runs `placement.num_engines` rollout
-engines as Ray actors (each `placement.engine_cpus` CPUs, in one placement group; a local Ray cluster
-unless `placement.ray_address` names one) behind `RayEngines`, which gives the controller the same
+engines as Ray actors (each `placement.engine_cpus` CPUs and `placement.engine_gpus` GPUs, in one
+placement group; a local Ray cluster unless `placement.ray_address` names one) behind `RayEngines`, which gives the controller the same
 `Engine` interface: requests go to the engine with the fewest in flight, awaited without blocking the
 event loop, so continuous batching works across callers as in-process. Weights reach the actors
 through the shared-file transport (`weight_sync`: the controller pushes, each actor reads, verifies
@@ -138,6 +138,49 @@ def import_ray() -> tuple[Any, Any, Any, Any]:
     return ray, placement_group, remove_placement_group, PlacementGroupSchedulingStrategy
 
 
+def actor_resources(cpus: float, gpus: float) -> tuple[dict[str, float], dict[str, float]]:
+    """One actor's placement-group bundle and its Ray actor options for `cpus` CPUs and `gpus` GPUs (a
+    bundle names GPU only when it reserves some: Ray refuses a bundle of zero of a resource)."""
+    bundle = {"CPU": cpus} | ({"GPU": gpus} if gpus > 0 else {})
+    return bundle, {"num_cpus": cpus, "num_gpus": gpus}
+
+
+def engine_resources(cfg: Any) -> tuple[dict[str, float], dict[str, float]]:
+    """`actor_resources` of one rollout-engine actor: `placement.engine_cpus`, `placement.engine_gpus`."""
+    return actor_resources(cfg.placement.engine_cpus, cfg.placement.engine_gpus)
+
+
+def start_actors(
+    cls: type,
+    args: list[tuple],
+    bundle: dict[str, float],
+    options: dict[str, Any],
+    strategy: str = "PACK",
+    timeout_s: float = 120.0,
+) -> tuple[Any, list[Any]]:
+    """One placement group of `len(args)` copies of `bundle` (`strategy`), and an actor of `cls` in each
+    bundle, built with its `args` under `options` (num_cpus, num_gpus, max_restarts, ...). Waits up to
+    `timeout_s` for the cluster to have room (else a RuntimeError); the caller removes the group."""
+    ray, placement_group, remove_placement_group, PlacementGroupSchedulingStrategy = import_ray()
+    pg = placement_group([bundle] * len(args), strategy=strategy)
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        raise RuntimeError(
+            f"the Ray cluster has no room for {len(args)} actors of {bundle} within {timeout_s:g} s "
+            f"(it has {ray.cluster_resources()})"
+        ) from None
+    actor = ray.remote(**options)(cls)
+    actors = [
+        actor.options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+        ).remote(*a)
+        for i, a in enumerate(args)
+    ]
+    return pg, actors
+
+
 class RayEngines(Engine):
     """The `Engine` interface over rollout-engine actors (see the module docstring). `weight_dir`: the
     shared-file folder the actors read; None: weights travel by broadcast (`broadcast_weights`)."""
@@ -145,7 +188,7 @@ class RayEngines(Engine):
     caches_prefixes = True
 
     def __init__(self, cfg: Any, weight_dir: str | None) -> None:
-        ray, placement_group, remove_placement_group, PlacementGroupSchedulingStrategy = import_ray()
+        ray, _, remove_placement_group, _ = import_ray()
         p = cfg.placement
         self._ray = ray
         self._remove_pg = remove_placement_group
@@ -165,17 +208,15 @@ class RayEngines(Engine):
                 num_cpus=None if p.ray_address else max(os.cpu_count() or 1, math.ceil(wanted)),
             )
             self.started_ray = True
-        self.pg = placement_group([{"CPU": p.engine_cpus}] * p.num_engines, strategy="PACK")
-        ray.get(self.pg.ready(), timeout=120)
+        bundle, options = engine_resources(cfg)
         restarts = MAX_RESTARTS if weight_dir is not None else 0
-        actor = ray.remote(num_cpus=p.engine_cpus, max_restarts=restarts, max_concurrency=1000)(EngineWorker)
         cfg_json = cfg.model_dump_json()
-        self.actors = [
-            actor.options(
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)
-            ).remote(cfg_json, weight_dir, int(p.engine_cpus))
-            for i in range(p.num_engines)
-        ]
+        self.pg, self.actors = start_actors(
+            EngineWorker,
+            [(cfg_json, weight_dir, int(p.engine_cpus))] * p.num_engines,
+            bundle,
+            options | {"max_restarts": restarts, "max_concurrency": 1000},
+        )
         ray.get([a.ready.remote() for a in self.actors], timeout=600)
         self.in_flight = [0] * len(self.actors)
         self.restarting: set[int] = set()

@@ -92,3 +92,20 @@ def test_engine_actors_reserve_distinct_logical_gpus():
         ray.util.remove_placement_group(pg)
     finally:
         ray.shutdown()
+
+
+def test_the_multi_node_example_in_the_docs_is_a_valid_config(tmp_path):
+    """docs/scale-out.md's Multi-node YAML loads, and its bundles fill the nodes the way the text says:
+    8 engines use a GPU node's 16 CPUs, the learner and sandbox actors the CPU node's 64."""
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "scale-out.md").read_text()
+    section = doc.split("## Multi-node", 1)[1]
+    block = section.split("```yaml\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "multinode.yaml").write_text(block)
+    cfg = load_config(tmp_path / "multinode.yaml")
+    p, s = cfg.placement, cfg.sandbox
+    assert engine_resources(cfg) == ({"CPU": 2.0, "GPU": 1.0}, {"num_cpus": 2.0, "num_gpus": 1.0})
+    assert (p.num_engines, cfg.trainer.learner_ranks, s.ray_actors) == (16, 2, 4)
+    assert 8 * p.engine_cpus == 16 and p.learner_cpus > 16  # a learner bundle fits no GPU node
+    assert cfg.trainer.learner_ranks * p.learner_cpus + s.ray_actors * s.ray_actor_cpus == 64

@@ -373,9 +373,9 @@ class RayLearnerGroup(LearnerGroup):
     node address. The same interface and failure rules as the local group."""
 
     def __init__(self, cfg: RunConfig, start_timeout_s: float = 300.0) -> None:
-        from posttrain.orchestrator.placement import import_ray
+        from posttrain.orchestrator.placement import actor_resources, import_ray, start_actors
 
-        ray, placement_group, remove_placement_group, PlacementGroupSchedulingStrategy = import_ray()
+        ray, _, remove_placement_group, _ = import_ray()
         import os
 
         p = cfg.placement
@@ -398,17 +398,13 @@ class RayLearnerGroup(LearnerGroup):
                 num_cpus=None if p.ray_address else max(os.cpu_count() or 1, math.ceil(need)),
             )
         try:
-            self.pg = placement_group([{"CPU": p.learner_cpus}] * self.world, strategy="PACK")
-            ray.get(self.pg.ready(), timeout=120)
-            actor = ray.remote(num_cpus=p.learner_cpus, max_restarts=0)(RankActor)
-            self.actors = [
-                actor.options(
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        self.pg, placement_group_bundle_index=r
-                    )
-                ).remote(max(1, int(p.learner_cpus)))
-                for r in range(self.world)
-            ]
+            bundle, options = actor_resources(p.learner_cpus, 0.0)  # the Learner runs on CPU
+            self.pg, self.actors = start_actors(
+                RankActor,
+                [(max(1, int(p.learner_cpus)),)] * self.world,
+                bundle,
+                options | {"max_restarts": 0},
+            )
             self.procs = self.actors  # what `close` ends and `call` checks
             addr, port = ray.get(self.actors[0].where.remote(), timeout=start_timeout_s)
             cfg_json = cfg.model_dump_json()

@@ -1,7 +1,9 @@
-"""Shared fixtures for the RL-loop tests: a scripted engine that replays given assistant texts."""
+"""Shared fixtures for the RL-loop tests: a scripted engine that replays given assistant texts, and a
+dataset domain paid by completion length (rewards that vary under the tiny random model)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,3 +41,22 @@ class ScriptedEngine:
 @pytest.fixture(scope="session")
 def tokenizer():
     return load_tokenizer("tiny:llama")
+
+
+# the tiny random model earns no math or tool reward: a dataset domain pays by completion length (its last digit)
+REWARD_FN = """
+def by_length(prompts, completions, **columns):
+    return [len(c) % 10 / 10 for c in completions]
+"""
+
+
+@pytest.fixture(scope="session")
+def length_domain(tmp_path_factory) -> str:
+    """The `envs.domains` override of a dataset domain paid by `by_length`."""
+    d = tmp_path_factory.mktemp("length_data")
+    rows = [{"prompt": f"Say something about {w}.", "answer": "", "split": "train"} for w in "abcdefgh"]
+    (d / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "length_reward.py").write_text(REWARD_FN)
+    domain = f"{{name: dataset, difficulties: [0], options: {{path: '{d / 'rows.jsonl'}', "
+    domain += f"reward_fn: '{d / 'length_reward.py'}:by_length', split_key: split}}}}"
+    return f"envs.domains=[{domain}]"

@@ -9,8 +9,6 @@ only the adapters, and its engine holds the group's merged weights."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -19,21 +17,26 @@ from posttrain.orchestrator.learner_group import LearnerGroup
 from posttrain.orchestrator.state import LEARNER_DIR
 from posttrain.telemetry import read_metrics
 
-from .test_learner_group import _assert_same
+from .test_learner_group import ATOL, _assert_same, assert_learned, start_weights
 from .test_loop import _cfg, _run, _untimed
 
+# engine and learner in float32, as in test_learner_group (bfloat16 rounding differs across ranks)
 STEPS = [
     "curriculum.probe_every=0",
     "trainer.share_prompt_prefix=false",
     "trainer.single_pass_old_logprobs=false",
+    "engine.dtype=float32",
 ]
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    rl = _run(_cfg(tmp_path_factory.mktemp("straight"), *STEPS, "orchestrator.steps=2"), "straight")
+def straight(tmp_path_factory, length_domain):
+    cfg = _cfg(tmp_path_factory.mktemp("straight"), *STEPS, length_domain, "orchestrator.steps=2")
+    start = start_weights(cfg)
+    rl = _run(cfg, "straight")
     out = _untimed(read_metrics(rl.run_dir.metrics)), {k: v.clone() for k, v in rl.learner.weights().items()}
     rl.close()
+    assert_learned(out[0], start, out[1])
     return out
 
 
@@ -45,13 +48,16 @@ def straight(tmp_path_factory):
         pytest.param("context_parallel", False, marks=pytest.mark.slow),
     ],
 )
-def test_a_group_run_resumes_from_its_checkpoint_as_the_straight_run(straight, tmp_path, mode, sharded):
+def test_a_group_run_resumes_from_its_checkpoint_as_the_straight_run(
+    straight, length_domain, tmp_path, mode, sharded
+):
     rows, weights = straight
-    first = _run(_cfg(tmp_path, *STEPS, f"trainer.{mode}=2", "orchestrator.steps=1"), "resumed")
+    sets = [*STEPS, length_domain, f"trainer.{mode}=2"]
+    first = _run(_cfg(tmp_path, *sets, "orchestrator.steps=1"), "resumed")
     first.close()
     learner_dir = first.run_dir.checkpoints / step_name(1) / LEARNER_DIR
     assert (learner_dir / "learner_counters.json").is_file() == sharded
-    again = _run(_cfg(tmp_path, *STEPS, f"trainer.{mode}=2", "orchestrator.steps=2"), "resumed", resume=True)
+    again = _run(_cfg(tmp_path, *sets, "orchestrator.steps=2"), "resumed", resume=True)
     try:
         assert isinstance(again.learner, LearnerGroup)
         _assert_same(rows, weights, again)  # step 1 by the first group, step 2 by the resumed one
@@ -59,9 +65,10 @@ def test_a_group_run_resumes_from_its_checkpoint_as_the_straight_run(straight, t
         again.close()
 
 
-def test_drift_probe_kl_steering_and_offload_through_fsdp_ranks(tmp_path):
+def test_drift_probe_kl_steering_and_offload_through_fsdp_ranks(length_domain, tmp_path):
     sets = [
         *STEPS,
+        length_domain,
         "orchestrator.steps=2",
         "curriculum.drift_every=1",
         "curriculum.drift_prompts=2",
@@ -70,9 +77,11 @@ def test_drift_probe_kl_steering_and_offload_through_fsdp_ranks(tmp_path):
         "algorithm.kl_target=0.01",
         "algorithm.kl_control=drift",
     ]
+    start = start_weights(_cfg(tmp_path, *sets))
     one = _run(_cfg(tmp_path, *sets), "one")
     rows, weights = _untimed(read_metrics(one.run_dir.metrics)), one.learner.weights()
     one.close()
+    assert_learned(rows, start, weights)
     group = _run(_cfg(tmp_path, *sets, "trainer.data_parallel=2"), "group")
     try:
         assert isinstance(group.learner, LearnerGroup)
@@ -85,33 +94,15 @@ def test_drift_probe_kl_steering_and_offload_through_fsdp_ranks(tmp_path):
         group.close()
 
 
-# PPO: GAE advantages from a copied critic (the policy's decoder under a zero value head). Engine and
-# learner in float32: under bfloat16 the tensor-parallel split's rounding moves the critic's grad norm by
-# 8e-4 of itself, and the step-1 weights it pushes sample other step-2 completions
+# PPO: GAE advantages from a copied critic (the policy's decoder under a zero value head), in float32
+# (STEPS): under bfloat16 the tensor-parallel split's rounding moves the critic's grad norm by 8e-4 of
+# itself, and the step-1 weights it pushes sample other step-2 completions
 CRITIC = [
     *STEPS,
     "trainer.critic=copy",
     "trainer.critic_lr=1e-3",
     "algorithm.advantage=gae",
-    "engine.dtype=float32",
 ]
-# the tiny random model earns no math or tool reward: a dataset domain pays by completion length (its last digit)
-REWARD_FN = """
-def by_length(prompts, completions, **columns):
-    return [len(c) % 10 / 10 for c in completions]
-"""
-
-
-@pytest.fixture(scope="module")
-def length_domain(tmp_path_factory) -> str:
-    """The `envs.domains` override of a dataset domain paid by `by_length`."""
-    d = tmp_path_factory.mktemp("length_data")
-    rows = [{"prompt": f"Say something about {w}.", "answer": "", "split": "train"} for w in "abcdefgh"]
-    (d / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (d / "length_reward.py").write_text(REWARD_FN)
-    domain = f"{{name: dataset, difficulties: [0], options: {{path: '{d / 'rows.jsonl'}', "
-    domain += f"reward_fn: '{d / 'length_reward.py'}:by_length', split_key: split}}}}"
-    return f"envs.domains=[{domain}]"
 
 
 @pytest.fixture(scope="module")
@@ -136,15 +127,28 @@ def _critic_state(rl, step: int) -> dict:
     return {k: v.detach().clone() for k, v in learner.critic.state_dict().items()}
 
 
+def _start_critic(cfg) -> dict:
+    """The critic a run of `cfg` starts from: one process's Learner at the config's seed."""
+    from posttrain.train import Learner
+
+    learner = Learner(cfg.model, cfg.trainer, cfg.algorithm, seed=cfg.seed, batch_cfg=cfg.batch)
+    return {k: v.detach().clone() for k, v in learner.critic.state_dict().items()}
+
+
 @pytest.fixture(scope="module")
 def straight_critic(tmp_path_factory, critic_sets):
-    rl = _run(
-        _cfg(tmp_path_factory.mktemp("straight_critic"), *critic_sets, "orchestrator.steps=2"), "straight"
-    )
+    cfg = _cfg(tmp_path_factory.mktemp("straight_critic"), *critic_sets, "orchestrator.steps=2")
+    start, start_critic = start_weights(cfg), _start_critic(cfg)
+    rl = _run(cfg, "straight")
     rows = _untimed(read_metrics(rl.run_dir.metrics))
     weights = {k: v.clone() for k, v in rl.learner.weights().items()}
     critic = {k: v.detach().clone() for k, v in rl.learner.critic.state_dict().items()}
     rl.close()
+    assert_learned(rows, start, weights)
+    # every critic tensor moved by 5x the critic's equality tolerance (ATOL): its decoder by 7.4e-4 in
+    # the 2 steps, its value head (off zero) by 2e-3
+    moved = {k: (critic[k] - start_critic[k]).abs().max().item() for k in critic}
+    assert min(moved.values()) > 5 * ATOL, sorted(moved.items(), key=lambda kv: kv[1])[:3]
     return rows, weights, critic
 
 
@@ -152,7 +156,7 @@ def _assert_same_critic(critic: dict, rl) -> None:
     got = _critic_state(rl, 2)
     assert got.keys() == critic.keys()
     for k in critic:
-        assert torch.allclose(got[k], critic[k], atol=1e-4, rtol=0), (k, (got[k] - critic[k]).abs().max())
+        assert torch.allclose(got[k], critic[k], atol=ATOL, rtol=0), (k, (got[k] - critic[k]).abs().max())
 
 
 @pytest.mark.parametrize(
@@ -208,7 +212,6 @@ def test_a_lora_group_pushes_only_its_adapters_and_the_engine_holds_its_merged_w
         *STEPS,
         "model.lora_rank=4",
         "model.lora_alpha=8",
-        "engine.dtype=float32",
         "placement.weight_sync=shared_file",
         f"placement.weight_sync_dir={tmp_path / 'w'}",
         f"trainer.{mode}=2",

@@ -1,13 +1,15 @@
 """GPUs per Ray actor: `placement.engine_gpus` goes into each engine actor's placement-group bundle and
 its actor options, and must agree with `engine.device` (Ray shows an actor only the GPUs it reserves).
-The slow test schedules actors through `start_actors` on a local cluster of logical GPUs (no CUDA)."""
+The slow test schedules actors through `ActorGroup` (engines, learner ranks, sandbox and reward
+actors all start through it) on a local cluster of logical GPUs (no CUDA)."""
 
 from __future__ import annotations
 
 import pytest
 
 from posttrain.config import ConfigError, load_config
-from posttrain.orchestrator.placement import actor_resources, engine_resources
+from posttrain.orchestrator.placement import engine_resources
+from posttrain.sandbox.ray_pool import actor_resources
 
 RAY = ["placement.backend=ray", "placement.weight_sync=shared_file"]
 
@@ -64,7 +66,7 @@ def test_engine_actors_reserve_distinct_logical_gpus():
     """Two actors of engine_resources (1 CPU, 1 GPU) on a cluster of 2 logical GPUs get one GPU each,
     different ones, visible to each as its only CUDA device; a third finds no room: a clear error."""
     ray = pytest.importorskip("ray")
-    from posttrain.orchestrator.placement import start_actors
+    from posttrain.sandbox.ray_pool import ActorGroup
 
     class GpuReporter:  # defined here: Ray ships it by value (workers cannot import the test module)
         def ids(self) -> tuple[list, str | None]:
@@ -75,21 +77,25 @@ def test_engine_actors_reserve_distinct_logical_gpus():
             return ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES")
 
     cfg = load_config(None, [*RAY, "placement.engine_gpus=1", "engine.device=cuda"])
-    bundle, options = engine_resources(cfg)
+    p = cfg.placement
+    assert engine_resources(cfg)[0] == {"CPU": 1.0, "GPU": 1.0}
     ray.init(num_cpus=3, num_gpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
-        pg, actors = start_actors(GpuReporter, [(), ()], bundle, options)
-        got = ray.get([a.ids.remote() for a in actors], timeout=120)
+        group = ActorGroup(
+            GpuReporter, (), 2, p.engine_cpus, gpus=p.engine_gpus, what="engines", strategy="PACK"
+        )
+        got = ray.get([a.ids.remote() for a in group.handles], timeout=120)
         ids = [g[0] for g in got]
         assert sorted(len(i) for i in ids) == [1, 1]
         assert ids[0] != ids[1]
         assert sorted(str(i[0]) for i in ids) == ["0", "1"]
         assert [g[1] for g in got] == [str(i[0]) for i in ids]  # each sees only its own GPU
-        with pytest.raises(RuntimeError, match=r"no room for 1 actors of \{'CPU': 1.0, 'GPU': 1.0\}"):
-            start_actors(GpuReporter, [()], bundle, options, timeout_s=2)
-        for a in actors:
-            ray.kill(a)
-        ray.util.remove_placement_group(pg)
+        with pytest.raises(
+            RuntimeError,
+            match=r"engines: the Ray cluster has no room for 1 actors of \{'CPU': 1.0, 'GPU': 1.0\}",
+        ):
+            ActorGroup(GpuReporter, (), 1, 1.0, gpus=1.0, what="engines", strategy="PACK", ready_timeout_s=2)
+        group.close()
     finally:
         ray.shutdown()
 

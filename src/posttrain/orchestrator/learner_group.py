@@ -373,9 +373,10 @@ class RayLearnerGroup(LearnerGroup):
     node address. The same interface and failure rules as the local group."""
 
     def __init__(self, cfg: RunConfig, start_timeout_s: float = 300.0) -> None:
-        from posttrain.orchestrator.placement import actor_resources, import_ray, start_actors
+        from posttrain.orchestrator.placement import import_ray
+        from posttrain.sandbox.ray_pool import ActorGroup
 
-        ray, _, remove_placement_group, _ = import_ray()
+        ray = import_ray()
         import os
 
         p = cfg.placement
@@ -385,8 +386,8 @@ class RayLearnerGroup(LearnerGroup):
         self.version = 0
         self.kl_ctl = _KlControl(self)
         self.lock = threading.Lock()
-        self._ray, self._remove_pg = ray, remove_placement_group
-        self.procs, self.actors, self.pg = [], [], None
+        self._ray = ray
+        self.procs, self.actors, self.group = [], [], None
         self.started_ray = not ray.is_initialized()
         need = self.world * p.learner_cpus + p.num_engines * p.engine_cpus  # the engines share the cluster
         if self.started_ray:
@@ -398,13 +399,17 @@ class RayLearnerGroup(LearnerGroup):
                 num_cpus=None if p.ray_address else max(os.cpu_count() or 1, math.ceil(need)),
             )
         try:
-            bundle, options = actor_resources(p.learner_cpus, 0.0)  # the Learner runs on CPU
-            self.pg, self.actors = start_actors(
+            self.group = ActorGroup(  # CPUs only: the Learner runs on CPU
                 RankActor,
-                [(max(1, int(p.learner_cpus)),)] * self.world,
-                bundle,
-                options | {"max_restarts": 0},
+                (max(1, int(p.learner_cpus)),),
+                self.world,
+                p.learner_cpus,
+                what="learner ranks (placement.learner_cpus)",
+                strategy="PACK",
+                max_restarts=0,
+                ready_timeout_s=120.0,
             )
+            self.actors = list(self.group.handles)
             self.procs = self.actors  # what `close` ends and `call` checks
             addr, port = ray.get(self.actors[0].where.remote(), timeout=start_timeout_s)
             cfg_json = cfg.model_dump_json()
@@ -414,6 +419,11 @@ class RayLearnerGroup(LearnerGroup):
         except BaseException:
             self.close()
             raise
+
+    @property
+    def pg(self) -> Any:
+        """The rank actors' placement group (None once closed)."""
+        return None if self.group is None else self.group.pg
 
     def _gather(self, refs: list[Any], timeout_s: float | None = None) -> Any:
         ray = self._ray
@@ -442,14 +452,11 @@ class RayLearnerGroup(LearnerGroup):
 
     def close(self, wait_s: float = 5.0) -> None:
         """Kill every rank actor, remove the placement group (and Ray, if this group started it)."""
-        actors, self.actors, self.procs = self.actors, [], []
-        for a in actors:
+        self.actors, self.procs = [], []
+        if self.group is not None:  # its actors and placement group
             with contextlib.suppress(Exception):
-                self._ray.kill(a, no_restart=True)
-        if self.pg is not None:
-            with contextlib.suppress(Exception):
-                self._remove_pg(self.pg)
-            self.pg = None
+                self.group.close()
+            self.group = None
         if self.started_ray:
             self.started_ray = False
             self._ray.shutdown()

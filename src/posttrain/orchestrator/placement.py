@@ -124,61 +124,22 @@ def join_broadcast_group(address: str, rank: int, world: int, device: str, timeo
     )
 
 
-def import_ray() -> tuple[Any, Any, Any, Any]:
-    """ray, placement_group, remove_placement_group and PlacementGroupSchedulingStrategy, or a clear
-    error naming the extra to install."""
+def import_ray() -> Any:
+    """The ray module, or a clear error naming the extra to install."""
     try:
         import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     except ImportError:
         raise RuntimeError(
             "placement.backend=ray needs the [ray] extra: pip install 'posttrain[ray]'"
         ) from None
-    return ray, placement_group, remove_placement_group, PlacementGroupSchedulingStrategy
-
-
-def actor_resources(cpus: float, gpus: float) -> tuple[dict[str, float], dict[str, float]]:
-    """One actor's placement-group bundle and its Ray actor options for `cpus` CPUs and `gpus` GPUs (a
-    bundle names GPU only when it reserves some: Ray refuses a bundle of zero of a resource)."""
-    bundle = {"CPU": cpus} | ({"GPU": gpus} if gpus > 0 else {})
-    return bundle, {"num_cpus": cpus, "num_gpus": gpus}
+    return ray
 
 
 def engine_resources(cfg: Any) -> tuple[dict[str, float], dict[str, float]]:
-    """`actor_resources` of one rollout-engine actor: `placement.engine_cpus`, `placement.engine_gpus`."""
+    """`ray_pool.actor_resources` of one rollout-engine actor: `placement.engine_cpus`, `engine_gpus`."""
+    from posttrain.sandbox.ray_pool import actor_resources
+
     return actor_resources(cfg.placement.engine_cpus, cfg.placement.engine_gpus)
-
-
-def start_actors(
-    cls: type,
-    args: list[tuple],
-    bundle: dict[str, float],
-    options: dict[str, Any],
-    strategy: str = "PACK",
-    timeout_s: float = 120.0,
-) -> tuple[Any, list[Any]]:
-    """One placement group of `len(args)` copies of `bundle` (`strategy`), and an actor of `cls` in each
-    bundle, built with its `args` under `options` (num_cpus, num_gpus, max_restarts, ...). Waits up to
-    `timeout_s` for the cluster to have room (else a RuntimeError); the caller removes the group."""
-    ray, placement_group, remove_placement_group, PlacementGroupSchedulingStrategy = import_ray()
-    pg = placement_group([bundle] * len(args), strategy=strategy)
-    try:
-        ray.get(pg.ready(), timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        remove_placement_group(pg)
-        raise RuntimeError(
-            f"the Ray cluster has no room for {len(args)} actors of {bundle} within {timeout_s:g} s "
-            f"(it has {ray.cluster_resources()})"
-        ) from None
-    actor = ray.remote(**options)(cls)
-    actors = [
-        actor.options(
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
-        ).remote(*a)
-        for i, a in enumerate(args)
-    ]
-    return pg, actors
 
 
 class RayEngines(Engine):
@@ -188,10 +149,11 @@ class RayEngines(Engine):
     caches_prefixes = True
 
     def __init__(self, cfg: Any, weight_dir: str | None) -> None:
-        ray, _, remove_placement_group, _ = import_ray()
+        from posttrain.sandbox.ray_pool import ActorGroup
+
+        ray = import_ray()
         p = cfg.placement
         self._ray = ray
-        self._remove_pg = remove_placement_group
         self.started_ray = False
         if not ray.is_initialized():
             s, r = cfg.sandbox, cfg.reward  # a local cluster has room for the sandbox and reward actors too
@@ -208,15 +170,19 @@ class RayEngines(Engine):
                 num_cpus=None if p.ray_address else max(os.cpu_count() or 1, math.ceil(wanted)),
             )
             self.started_ray = True
-        bundle, options = engine_resources(cfg)
-        restarts = MAX_RESTARTS if weight_dir is not None else 0
-        cfg_json = cfg.model_dump_json()
-        self.pg, self.actors = start_actors(
+        self.group = ActorGroup(
             EngineWorker,
-            [(cfg_json, weight_dir, int(p.engine_cpus))] * p.num_engines,
-            bundle,
-            options | {"max_restarts": restarts, "max_concurrency": 1000},
+            (cfg.model_dump_json(), weight_dir, int(p.engine_cpus)),
+            p.num_engines,
+            p.engine_cpus,
+            gpus=p.engine_gpus,
+            what="rollout engines (placement.engine_cpus, engine_gpus)",
+            strategy="PACK",
+            max_restarts=MAX_RESTARTS if weight_dir is not None else 0,
+            max_concurrency=1000,
+            ready_timeout_s=120.0,
         )
+        self.actors = self.group.handles
         ray.get([a.ready.remote() for a in self.actors], timeout=600)
         self.in_flight = [0] * len(self.actors)
         self.restarting: set[int] = set()
@@ -348,14 +314,12 @@ class RayEngines(Engine):
         self._ray.kill(self.actors[index], no_restart=False)
 
     def close(self) -> None:
-        for a in self.actors:
-            self._ray.kill(a, no_restart=True)
+        self.group.close()  # the actors and their placement group
         self.actors = []
         if self.broadcaster is not None:
             import torch.distributed as dist
 
             dist.destroy_process_group()
             self.broadcaster = None
-        self._remove_pg(self.pg)
         if self.started_ray:
             self._ray.shutdown()

@@ -1,8 +1,8 @@
 """The sandbox pool as Ray actors (`sandbox.mode: ray`): `sandbox.ray_actors` actors of
 `sandbox.ray_actor_cpus` CPUs each, in one placement group (SPREAD), each owning a `LocalSandbox` warm
 pool. `RaySandboxPool` spreads jobs over them with `BalancedSandbox`, the fleet's balancing and retry.
-`ActorGroup` (start the actors of one class in one placement group, stop them) serves the reward-model
-actors too.
+`ActorGroup` (start the actors of one class in one placement group, stop them) serves the rollout
+engines, learner ranks and reward-model actors too.
 
 An actor that dies takes its jobs in flight with it: they are retried on another actor, and the dead
 one is out of rotation until Ray has restarted it (up to `MAX_RESTARTS` times) and it passes a health
@@ -85,11 +85,19 @@ def ray_worker_config(cfg: Any) -> Any:
     return cfg.model_copy(update={"mode": "local", "pool_size": pool_size})
 
 
+def actor_resources(cpus: float, gpus: float = 0.0) -> tuple[dict[str, float], dict[str, float]]:
+    """One actor's placement-group bundle and its Ray actor options for `cpus` CPUs and `gpus` GPUs (a
+    bundle names GPU only when it reserves some: Ray refuses a bundle of zero of a resource)."""
+    bundle = {"CPU": cpus} | ({"GPU": gpus} if gpus > 0 else {})
+    return bundle, {"num_cpus": cpus, "num_gpus": gpus}
+
+
 class ActorGroup:
-    """`n` Ray actors of `cls` (built with `args`), `cpus` CPUs each, one per bundle of one placement
-    group (`strategy`), restarted by Ray up to `MAX_RESTARTS` times. Joins the Ray cluster this process
-    is connected to, or connects to `ray_address` (None: starts a local one, which `close` stops).
-    `what` (the config key) names the errors: the missing [ray] extra, a cluster with no room."""
+    """`n` Ray actors of `cls` (built with `args`), `cpus` CPUs and `gpus` GPUs each (`actor_resources`),
+    one per bundle of one placement group (`strategy`), restarted by Ray up to `max_restarts` times.
+    Joins the Ray cluster this process is connected to, or connects to `ray_address` (None: starts a
+    local one, which `close` stops). `what` (the config key) names the errors: the missing [ray] extra,
+    a cluster with no room within `ready_timeout_s`."""
 
     def __init__(
         self,
@@ -100,6 +108,8 @@ class ActorGroup:
         *,
         what: str,
         strategy: str,
+        gpus: float = 0.0,
+        max_restarts: int = MAX_RESTARTS,
         max_concurrency: int = 1,
         ray_address: str | None = None,
         ready_timeout_s: float = 300.0,
@@ -121,14 +131,15 @@ class ActorGroup:
                 num_cpus=None if ray_address else max(os.cpu_count() or 1, math.ceil(n * cpus)),
             )
             self.started_ray = True
-        self.pg = placement_group([{"CPU": cpus}] * n, strategy=strategy)
+        bundle, options = actor_resources(cpus, gpus)
+        self.pg = placement_group([bundle] * n, strategy=strategy)
         if not self.pg.wait(timeout_seconds=int(ready_timeout_s)):
             self._remove_pg(self.pg)
             raise RuntimeError(
-                f"{what}: the Ray cluster has no room for {n} actors of {cpus} CPUs "
-                f"within {ready_timeout_s:.0f} s"
+                f"{what}: the Ray cluster has no room for {n} actors of {bundle} within {ready_timeout_s:.0f} s "
+                f"(it has {ray.cluster_resources()})"
             )
-        actor = ray.remote(num_cpus=cpus, max_restarts=MAX_RESTARTS, max_concurrency=max_concurrency)(cls)
+        actor = ray.remote(**options, max_restarts=max_restarts, max_concurrency=max_concurrency)(cls)
         self.handles = [
             actor.options(
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)

@@ -2,7 +2,8 @@
 4 gloo processes on this CPU) against the single-process Learner on the same samples: the same weights
 after each step, the same metrics, the same LoRA adapters pushed, and sharded checkpoints written by 2
 or 4 ranks that a single process loads and trains on from exactly there; the same for PPO with a critic
-(FSDP, TP, 2x2), whose critic is sharded, stepped and checkpointed with the policy."""
+(FSDP, TP, 2x2), whose critic is sharded, stepped and checkpointed with the policy. The samples' rewards
+vary within each group, and every reference step moves each trained tensor by 10x the tolerance."""
 
 from __future__ import annotations
 
@@ -78,6 +79,20 @@ def _close(a: dict, b: dict, atol: float = 2e-5) -> None:
         assert torch.allclose(a[k].float(), b[k].float(), atol=atol, rtol=0), (k, (a[k] - b[k]).abs().max())
 
 
+def weights(learner: Learner) -> dict[str, torch.Tensor]:
+    """A copy of the policy's weights (a replicated tensor-parallel one is the live parameter)."""
+    return {k: v.clone() for k, v in learner.weights().items()}
+
+
+def _moved(start: dict, after: dict, atol: float = 2e-5, lora: bool = False) -> None:
+    """Every trained tensor of `after` is more than 10x `atol` from `start` (under LoRA: the adapted
+    projections, the adapters merged in), so ranks that drop a gradient all-reduce or a shard's update
+    cannot equal the reference within `atol` by standing still."""
+    keys = [k for k in start if not lora or k.endswith("_proj.weight")]
+    moved = {k: (after[k].float() - start[k].float()).abs().max().item() for k in keys}
+    assert len(moved) >= 14 and min(moved.values()) > 10 * atol, min(moved.items(), key=lambda kv: kv[1])
+
+
 @pytest.mark.parametrize("lora", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["full", "lora"])
 def test_two_fsdp_ranks_train_as_one_process_and_their_checkpoint_loads_on_one(tmp_path, lora):
     ckpt, out_path = str(tmp_path / "ckpt"), str(tmp_path / "rank0.pt")
@@ -85,11 +100,16 @@ def test_two_fsdp_ranks_train_as_one_process_and_their_checkpoint_loads_on_one(t
     ranks = torch.load(out_path, weights_only=False)
 
     single = make_learner(lora)
+    start = weights(single)
     m1 = single.step(samples(1))
+    assert m1["advantage_abs_mean"] > 0.1  # the rewards vary within each group
+    _moved(start, single.weights(), lora=lora)
     _close(ranks["w1"], single.weights())
     for key in METRICS:
         assert ranks["m1"][key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
+    w1 = weights(single)
     m2 = single.step(samples(2))
+    _moved(w1, single.weights(), lora=lora)
     _close(ranks["w2"], single.weights())
     assert ranks["m2"]["loss"] == pytest.approx(m2["loss"], rel=1e-4, abs=1e-6)
 
@@ -156,8 +176,11 @@ def test_two_tensor_parallel_ranks_train_as_one_process_and_push_the_whole_adapt
     ranks = torch.load(out_path, weights_only=False)
     assert ranks["shapes"] == TP_SHAPES[lora]
     single = make_learner(lora)
+    start = weights(single)
     m1 = single.step(samples(1))
     m2 = single.step(samples(2))
+    assert min(m1["advantage_abs_mean"], m2["advantage_abs_mean"]) > 0.1
+    _moved(start, single.weights(), lora=lora)
     _close(ranks["w"], single.weights())  # LoRA merged; float32, 2e-5 absolute
     for key in METRICS:
         assert ranks["m1"][key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
@@ -208,12 +231,17 @@ def test_a_2x2_mesh_of_fsdp_and_tensor_parallel_trains_as_one_process_and_its_ch
     assert ranks["local_q"] == (16, 64)  # q_proj [64, 64]: split in 2 by heads, then in 2 by FSDP
 
     single = make_learner(lora, max_grad_norm=CLIP[lora])
+    start = weights(single)
     m1 = single.step(samples(1))
+    assert m1["advantage_abs_mean"] > 0.1
+    _moved(start, single.weights(), lora=lora)
     _close(ranks["w1"], single.weights())  # float32, 2e-5 absolute (2e-6 seen)
     for key in METRICS:
         assert ranks["m1"][key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
+    w1 = weights(single)
     m2 = single.step(samples(2))
     assert min(m1["grad_norm"], m2["grad_norm"]) > CLIP[lora]  # the clip took effect on both steps
+    _moved(w1, single.weights(), lora=lora)
     _close(ranks["w2"], single.weights())
     for key in METRICS:
         assert ranks["m2"][key] == pytest.approx(m2[key], rel=1e-4, abs=1e-6), key
@@ -251,11 +279,6 @@ def make_ppo_learner() -> Learner:
     model = ModelConfig(spec="tiny:llama")
     trainer = TrainerConfig(lr=1e-3, critic="copy", critic_lr=1e-3)
     return Learner(model, trainer, AlgorithmConfig(advantage="gae"), seed=0, batch_cfg=BATCH)
-
-
-def weights(learner: Learner) -> dict[str, torch.Tensor]:
-    """A copy of the policy's weights (a replicated tensor-parallel one is the live parameter)."""
-    return {k: v.clone() for k, v in learner.weights().items()}
 
 
 def critic_weights(learner: Learner) -> dict[str, torch.Tensor]:
@@ -301,12 +324,20 @@ def test_a_critic_on_sharded_ranks_trains_as_one_process_and_its_checkpoint_load
     ranks = torch.load(out_path, weights_only=False)
 
     single = make_ppo_learner()
+    start, start_critic = weights(single), critic_weights(single)
     m1 = single.step(samples(1))
     assert m1["value_loss"] > 0 and m1["critic_grad_norm"] > 0  # the critic trained
+    assert m1["advantage_abs_mean"] > 0.1
+    _moved(start, single.weights())
+    _moved(start_critic, critic_weights(single))
     _close(ranks["w1"], single.weights())
     _close(ranks["c1"], critic_weights(single))
+    w1, c1 = weights(single), critic_weights(single)
     m2 = single.step(samples(2))
     assert m2["value_mean"] != 0.0  # the head moved off zero: step 2's values come from the trained critic
+    assert m2["advantage_abs_mean"] > 0.1
+    _moved(w1, single.weights(), atol=1e-4)
+    _moved(c1, critic_weights(single), atol=1e-4)
     # step 2's advantages come from the critic's values, which carry the ranks' rounding (split matmuls):
     # 1e-4 absolute (4.4e-5 seen under tensor parallelism, 2e-5 under FSDP alone)
     _close(ranks["w2"], single.weights(), atol=1e-4)

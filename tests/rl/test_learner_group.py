@@ -19,13 +19,16 @@ from posttrain.telemetry import read_metrics
 from .test_loop import _cfg, _run, _untimed
 
 # one sequence per row in every run: context parallelism turns shared-prompt rows off, and the layout
-# figures (padding_frac, computed tokens) describe the rows. Engine and learner in float32: under
+# figures (padding_frac, computed tokens) describe the rows. One row (<= 59 tokens) per micro-batch: the
+# step's 6 rows are 6 micro-batches, 3 per FSDP rank (at the default 4096 tokens all 6 are one, which
+# rank 0 runs while rank 1 runs a weight-0 repeat). Engine and learner in float32: under
 # bfloat16 the ranks' rounding moves the learner's logprobs by up to 1.5e-3 (seen with 2 context-parallel
 # ranks), the step-1 gradient's norm by 5e-4 of itself, and step 2 samples other completions
 STEPS = [
     "orchestrator.steps=2",
     "curriculum.probe_every=0",
     "trainer.share_prompt_prefix=false",
+    "batch.micro_batch_tokens=64",
     "engine.dtype=float32",
 ]
 # FSDP ranks compute the old logprobs in a pass of their own: their reference does too

@@ -620,6 +620,18 @@ class TrainerConfig(Section):
         "and driven by the run; heads divisible by it (a critic's too); with data_parallel a 2-D mesh",
     )
     moe: MoeTrainConfig = Field(default_factory=MoeTrainConfig)
+    device: str = Field(
+        "cpu",
+        description="torch device of the learner's policy, reference and critic: cpu, cuda (learner rank r "
+        "takes cuda:(r % the GPUs it sees)), cuda:N; checked against this machine's CUDA when a run starts",
+    )
+
+    @field_validator("device")
+    @classmethod
+    def _device_form(cls, v: str) -> str:
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", v):
+            raise ValueError(f"'{v}' is not a learner device: use cpu, cuda or cuda:N")
+        return v
 
     @property
     def learner_ranks(self) -> int:
@@ -695,6 +707,12 @@ class PlacementConfig(Section):
         1.0,
         gt=0,
         description="ray: CPUs per learner rank actor (learner ranks > 1; one placement group, PACK)",
+    )
+    learner_gpus: float = Field(
+        0.0,
+        ge=0,
+        description="ray: GPUs per learner rank actor (learner ranks > 1), a whole number (NCCL runs one "
+        "rank per GPU); > 0 needs trainer.device cuda, which for Ray ranks needs > 0",
     )
     offload_engine_weights: bool = Field(
         False,
@@ -1012,6 +1030,7 @@ class RunConfig(Section):
         self._check_learner_ranks()
         self._check_weight_offload()
         self._check_engine_gpus()
+        self._check_learner_gpus()
         return self
 
     def _check_engine_gpus(self) -> None:
@@ -1041,6 +1060,47 @@ class RunConfig(Section):
             raise ValueError(
                 f"engine.device={device} in a Ray actor of placement.engine_gpus={p.engine_gpus}: the actor "
                 f"sees its {math.ceil(p.engine_gpus)} GPU(s) as cuda:0..; use engine.device=cuda"
+            )
+
+    def _check_learner_gpus(self) -> None:
+        """placement.learner_gpus and trainer.device must agree, as engine_gpus and engine.device do; NCCL
+        runs one learner rank per GPU. Whether this machine has CUDA is checked where the learner starts
+        (`train.learner_device`): this config is validated again inside Ray actors that may see no GPU."""
+        p, device = self.placement, self.trainer.device
+        cuda, ranks, ray = device.startswith("cuda"), self.trainer.learner_ranks, p.backend == "ray"
+        if p.learner_gpus > 0 and not (ray and ranks > 1):
+            raise ValueError(
+                f"placement.learner_gpus={p.learner_gpus} reserves GPUs for Ray learner rank actors: set "
+                "placement.backend=ray with learner ranks > 1 (trainer.data_parallel, ...), or leave it 0 "
+                "(a learner in this process or in local rank processes uses trainer.device)"
+            )
+        index = device.partition(":")[2]
+        if cuda and index and ranks > 1 and not ray:
+            raise ValueError(
+                f"trainer.device={device} with {ranks} learner ranks: NCCL needs one GPU per rank; set "
+                "trainer.device=cuda (rank r takes cuda:(r % GPUs))"
+            )
+        if not (ray and ranks > 1):
+            return
+        if p.learner_gpus > 0 and not cuda:
+            raise ValueError(
+                f"placement.learner_gpus={p.learner_gpus} with trainer.device={device}: the learner ranks "
+                "would not use their GPUs; set trainer.device=cuda (or learner_gpus 0)"
+            )
+        if cuda and p.learner_gpus == 0:
+            raise ValueError(
+                f"trainer.device={device} with Ray learner ranks and placement.learner_gpus=0: Ray hides "
+                "the GPUs from an actor that reserves none; set placement.learner_gpus (e.g. 1)"
+            )
+        if p.learner_gpus != int(p.learner_gpus):
+            raise ValueError(
+                f"placement.learner_gpus={p.learner_gpus}: NCCL runs one learner rank per GPU, not a share "
+                "of one; use a whole number"
+            )
+        if cuda and index and int(index) >= p.learner_gpus:
+            raise ValueError(
+                f"trainer.device={device} in a Ray actor of placement.learner_gpus={p.learner_gpus}: the "
+                f"actor sees its {int(p.learner_gpus)} GPU(s) as cuda:0..; use trainer.device=cuda"
             )
 
     def _check_weight_offload(self) -> None:
@@ -1109,12 +1169,12 @@ REMOVED_KEYS: dict[str, tuple[str | None, str]] = {
     ),
     "placement.device": (
         "engine.device",
-        "engine.device picks the engine's torch device; the learner runs on CPU",
+        "engine.device picks the engine's torch device, trainer.device the learner's",
     ),
     "placement.num_gpus": (
         "placement.engine_gpus",
         "GPUs are reserved per Ray actor: placement.engine_gpus per rollout engine (placement.num_engines "
-        "of them); the learner ranks (trainer.data_parallel, ...) run on CPU",
+        "of them), placement.learner_gpus per Ray learner rank actor",
     ),
     "placement.num_nodes": (
         "placement.ray_address",

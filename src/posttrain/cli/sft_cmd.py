@@ -33,6 +33,7 @@ def sft(
     from posttrain.models import ModelNotFoundError, resolve
     from posttrain.orchestrator.sft import SFTDataError, SFTRun, build_examples
     from posttrain.telemetry.rundir import RunDir, check_run_name
+    from posttrain.train import learner_device
 
     if name is not None:
         try:
@@ -46,6 +47,10 @@ def sft(
             "no SFT data: give --data FILE.jsonl or --from-env DOMAIN (or sft.data / sft.from_env)",
             EXIT_USAGE,
         )
+    try:
+        learner_device(cfg.trainer.device)  # before the data is built and the run folder made
+    except ValueError as err:
+        fail(str(err), EXIT_USAGE)
     try:
         resolve(cfg.model.spec)
         train, heldout = build_examples(cfg)

@@ -1,6 +1,7 @@
 """The learner group: `trainer.data_parallel`, `tensor_parallel` or `context_parallel` > 1 (data x tensor
 or data x context parallel: a 2-D mesh) starts that many Learner ranks, each in a process of its own (torch.multiprocessing spawn, one process group over
-127.0.0.1: gloo, plus NCCL for CUDA tensors where CUDA exists), and drives them from the controller.
+127.0.0.1: gloo, plus NCCL for CUDA tensors where CUDA exists; under trainer.device=cuda rank r holds
+cuda:(r % GPUs)), and drives them from the controller.
 
 Every rank gets the same call in the same order over its command channel (a pipe); rank 0's result comes
 back. A rank that raises or dies stops the group: every rank process is ended and `LearnerRankError`
@@ -329,6 +330,13 @@ class LearnerGroup:
             conn.close()
 
 
+def rank_resources(cfg: RunConfig) -> tuple[dict[str, float], dict[str, float]]:
+    """`ray_pool.actor_resources` of one learner rank actor: `placement.learner_cpus`, `learner_gpus`."""
+    from posttrain.sandbox.ray_pool import actor_resources
+
+    return actor_resources(cfg.placement.learner_cpus, cfg.placement.learner_gpus)
+
+
 class RankActor:
     """One learner rank inside a Ray actor (`placement.backend: ray`)."""
 
@@ -369,8 +377,8 @@ class RankActor:
 
 class RayLearnerGroup(LearnerGroup):
     """The learner group as `cfg.trainer.learner_ranks` Ray actors in one placement group
-    (`placement.learner_cpus` CPUs each, PACK); the process group forms among the actors at rank 0's
-    node address. The same interface and failure rules as the local group."""
+    (`placement.learner_cpus` CPUs and `learner_gpus` GPUs each, PACK); the process group forms among the
+    actors at rank 0's node address. The same interface and failure rules as the local group."""
 
     def __init__(self, cfg: RunConfig, start_timeout_s: float = 300.0) -> None:
         from posttrain.orchestrator.placement import import_ray
@@ -399,12 +407,13 @@ class RayLearnerGroup(LearnerGroup):
                 num_cpus=None if p.ray_address else max(os.cpu_count() or 1, math.ceil(need)),
             )
         try:
-            self.group = ActorGroup(  # CPUs only: the Learner runs on CPU
+            self.group = ActorGroup(
                 RankActor,
                 (max(1, int(p.learner_cpus)),),
                 self.world,
                 p.learner_cpus,
-                what="learner ranks (placement.learner_cpus)",
+                gpus=p.learner_gpus,
+                what="learner ranks (placement.learner_cpus, learner_gpus)",
                 strategy="PACK",
                 max_restarts=0,
                 ready_timeout_s=120.0,

@@ -69,6 +69,10 @@ class RLRun:
                 "curriculum.retention is scored between steps on the engine: it needs orchestrator.mode=sync"
             )
         RetentionSuites.check_config(cfg)
+        if cfg.trainer.learner_ranks == 1 or cfg.placement.backend != "ray":  # a learner on this machine
+            from posttrain.train import learner_device
+
+            learner_device(cfg.trainer.device)
         a = cfg.algorithm
         if cfg.curriculum.retention_replay_gain > 0 and not cfg.curriculum.retention:
             raise ValueError(

@@ -31,6 +31,7 @@ API used by the RL loop::
     learner.save(directory) / Learner.load(directory, model=None)  # atomic checkpoint folder
     learner.offload_optimizer() / learner.reload_optimizer()  # AdamW state to/from CPU (no-op on CPU)
     learner.version                                          # bumps after each step
+    learner_device(trainer_cfg.device, rank) -> torch.device # where the Learner puts its tensors
 
 Set `algorithm.temperature` to the engine's sampling temperature: the learner divides logits by it so
 its logprobs and the behaviour logprobs describe the same distribution.
@@ -62,7 +63,7 @@ skipped.
 """
 
 from posttrain.train.batch import Batch, Sample, build_batch
-from posttrain.train.learner import Learner, lr_factor
+from posttrain.train.learner import Learner, learner_device, lr_factor
 from posttrain.train.reward_model import (
     RewardLearner,
     RewardModel,
@@ -81,6 +82,7 @@ __all__ = [
     "Sample",
     "build_batch",
     "encode_chat",
+    "learner_device",
     "load_learner",
     "load_reward_model",
     "lr_factor",

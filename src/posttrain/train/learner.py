@@ -88,6 +88,38 @@ def make_adamw(params: list[nn.Parameter], lr: float, betas: tuple, weight_decay
     return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=fused or None)
 
 
+def learner_device(device: str, rank: int | None = None) -> torch.device:
+    """The torch device of trainer.device `device` in this process: cpu; cuda:N as given; plain cuda is
+    cuda:(rank % the GPUs this process sees) for learner rank `rank` (one GPU per rank, as NCCL wants),
+    cuda:0 outside a rank group. Raises ValueError naming trainer.device where that GPU is not there."""
+    if device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"trainer.device={device}, but torch.cuda.is_available() is false in this process (no GPU "
+            "visible, or a CPU-only torch build); set trainer.device=cpu"
+        )
+    count = torch.cuda.device_count()
+    index = device.partition(":")[2]
+    if index:
+        if int(index) >= count:
+            raise ValueError(f"trainer.device={device}, but this process sees {count} GPU(s): cuda:0..")
+        return torch.device("cuda", int(index))
+    return torch.device("cuda", (rank or 0) % count)
+
+
+def group_rank() -> int | None:
+    """This process's rank on its node in an initialised torch.distributed group (LOCAL_RANK where a
+    launcher set it, else the group rank), or None outside one."""
+    import os
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+
+
 class Learner:
     """Owns the trainable policy, the critic, the reference and their optimizers (see the package doc)."""
 
@@ -136,7 +168,11 @@ class Learner:
         elif model_cfg.rope_scaling is not None:
             check_rope_scaling(causal_lm(model), model_cfg.rope_scaling)
         self.dynamic_rope = rope_parameters(causal_lm(model).config)["rope_type"] == "dynamic"
-        self.device = next(model.parameters()).device
+        # the policy moves before the reference and a critic copy are made from it: all on one device
+        self.device = learner_device(trainer_cfg.device, group_rank())
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # NCCL collectives of a rank group run on it
+        model = model.to(self.device)
         self.lora = model_cfg.lora_rank > 0
         # vision-language policies: images replayed through the model's own tower (train/vision.py)
         self.vision = vision_learner(model_cfg, causal_lm(model))

@@ -193,7 +193,9 @@ def read_learner_state(directory: str | Path) -> tuple[dict[str, Any], dict[str,
     if not (d / "learner.json").is_file():
         raise FileNotFoundError(f"{d} is not a learner checkpoint (no learner.json)")
     meta = json.loads((d / "learner.json").read_text())
-    extra = torch.load(d / "optimizer.pt", weights_only=False)
+    # onto the CPU: a GPU learner's file loads anywhere; optimizer.load_state_dict moves each state tensor
+    # to its parameter's device
+    extra = torch.load(d / "optimizer.pt", weights_only=False, map_location="cpu")
     state = {
         "format": meta["format"],
         "policy": load_file(str(d / "policy.safetensors")),

@@ -164,3 +164,17 @@ def test_gpu_counts_that_disagree_with_the_learner_device_are_config_errors(over
 def test_local_ranks_and_a_single_learner_take_plain_cuda():
     assert load_config(None, ["trainer.data_parallel=2", "trainer.device=cuda"]).trainer.device == "cuda"
     assert load_config(None, ["trainer.device=cuda:1"]).trainer.device == "cuda:1"
+
+
+def test_what_a_rank_sends_back_keeps_its_structure_and_cpu_tensors():
+    """`on_cpu` (applied to rank 0's replies) rebuilds dicts, tuples and dataclasses; CPU tensors pass
+    through as the same objects, so a CPU group's replies are exactly what they were."""
+    from posttrain.orchestrator.learner_group import on_cpu
+    from posttrain.orchestrator.weight_sync import WeightUpdate
+
+    t, u = torch.arange(6.0).reshape(2, 3), torch.ones(3)
+    update = WeightUpdate(3, "lora", {"m.lora_A": t, "m.lora_B": u}, {"m": 2.0}, ["m"])
+    got = on_cpu({"update": update, "scores": (t, u), "n": 1.5, "names": ["a"]})
+    assert got["update"] == update and got["update"] is not update
+    assert got["update"].tensors["m.lora_A"] is t and got["scores"][1] is u
+    assert isinstance(got["scores"], tuple) and got["n"] == 1.5 and got["names"] == ["a"]

@@ -105,8 +105,36 @@ def _resolve(learner: Any, name: str) -> Any:
     return target
 
 
+def on_cpu(value: Any, copies: dict[tuple, Any] | None = None) -> Any:
+    """`value` with every tensor in it (in dicts, lists, tuples, dataclasses) on the CPU: what a rank on a
+    GPU sends back, so the controller (which may see no GPU) can unpickle it. CPU tensors stay as they are;
+    a tensor met twice (tied weights) is copied once."""
+    import dataclasses
+
+    import torch
+
+    copies = {} if copies is None else copies
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "cpu":
+            return value
+        view = (value.untyped_storage().data_ptr(), value.storage_offset(), value.shape, value.stride())
+        key = (*view, value.dtype, value.device)
+        if key not in copies:
+            copies[key] = value.cpu()
+        return copies[key]
+    if isinstance(value, dict):
+        return {k: on_cpu(v, copies) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(on_cpu(v, copies) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: on_cpu(getattr(value, f.name), copies) for f in dataclasses.fields(value) if f.init}
+        return dataclasses.replace(value, **fields)
+    return value
+
+
 def dispatch(learner: Any, cfg: RunConfig, rank: int, name: str, args: tuple, kwargs: dict) -> tuple:
-    """Run one command on this rank: ("ok", rank 0's result or None, version) or ("error", traceback)."""
+    """Run one command on this rank: ("ok", rank 0's result (its tensors on the CPU) or None, version) or
+    ("error", traceback)."""
     try:
         if name == "save":
             result = save_rank(learner, cfg, rank, *args)
@@ -119,7 +147,7 @@ def dispatch(learner: Any, cfg: RunConfig, rank: int, name: str, args: tuple, kw
         else:
             target = _resolve(learner, name)
             result = target(*args, **kwargs) if callable(target) else target
-        return ("ok", result if rank == 0 else None, learner.version)
+        return ("ok", on_cpu(result) if rank == 0 else None, learner.version)
     except BaseException:
         return ("error", traceback.format_exc(), None)
 

@@ -1,7 +1,7 @@
 """The GPU checks, one short run (`scripts/gpu_smoke.sh` on a lent GPU machine; `--device cpu` runs the
 same code here): our paged engine on the device (greedy decode tok/s, its logprobs against the
 Learner's forward on the same device), Learner GRPO steps on the device, one FSDP2 step over NCCL
-(gloo on CPU), the vLLM backend where vLLM is installed (its logprobs against the Learner's), a
+(gloo on CPU), a 2-step GRPO run with trainer.device and engine.device on it (check_rl_run), the vLLM backend where vLLM is installed (its logprobs against the Learner's), a
 LLaVA-style VLM through the paged engine and the Learner (check_vlm), and the engine's weights released
 and restored on the device (check_weight_offload).
 Prints one JSON object, the last line."""
@@ -161,6 +161,81 @@ def check_fsdp(args: argparse.Namespace, out: dict[str, Any]) -> None:
         dist.destroy_process_group()
 
 
+def check_rl_run(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    """A 2-step GRPO run of the tiny random model (`RLRun`, one math domain) with trainer.device and
+    engine.device both the device: where the learner's policy, reference and critic live, that its
+    weights moved, that the engine got the last push (its version), and a resume onto the device."""
+    import tempfile
+
+    from posttrain.config import load_config
+    from posttrain.models import loading
+    from posttrain.orchestrator import RLRun
+    from posttrain.telemetry import RunDir, read_metrics
+
+    with tempfile.TemporaryDirectory() as tmp:
+        embedded = loading.cache_dir() / "models" / loading.DEFAULT_SPEC
+        if os.path.isdir(args.model) and not (embedded / "config.json").is_file():
+            # tiny models take the embedded tokenizer: the --model folder holds it
+            os.makedirs(os.path.join(tmp, "cache", "models"))
+            os.symlink(
+                os.path.abspath(args.model), os.path.join(tmp, "cache", "models", loading.DEFAULT_SPEC)
+            )
+            os.environ["POSTTRAIN_CACHE"] = os.path.join(tmp, "cache")
+        sets = [
+            "model.spec=tiny:llama",
+            f"trainer.device={args.device}",
+            f"engine.device={args.device}",
+            "engine.dtype=float32",
+            "engine.num_kv_blocks=256",
+            "engine.max_new_tokens=16",
+            "envs.domains=[{name: math, difficulties: [0]}]",
+            "batch.samples_per_prompt=4",
+            "batch.prompts_per_step=2",
+            "algorithm.kl_coef=0.05",  # a reference copy, on the device too
+            "trainer.critic=copy",
+            "algorithm.advantage=gae",
+            "trainer.lr=1e-3",
+            "curriculum.probe_every=0",
+            "orchestrator.steps=2",
+            "orchestrator.checkpoint_every=1",
+            "telemetry.progress=false",
+            "telemetry.tensorboard=false",
+            f"telemetry.run_dir={tmp}",
+        ]
+        cfg = load_config(None, sets)
+        run_dir = RunDir.create(cfg.telemetry.run_dir, "rl")
+        rl = RLRun(cfg, run_dir, show_progress=False)
+        t0 = time.perf_counter()
+        try:
+            rl.build()
+            start = {k: v.detach().clone() for k, v in rl.learner.weights().items()}
+            rl.train()
+            learner = rl.learner
+            out["rl_devices"] = sorted(
+                {str(p.device) for p in learner.model.parameters()}
+                | {str(p.device) for p in learner.reference.parameters()}
+                | {str(p.device) for p in learner.critic.parameters()}
+            )
+            moved = max((v - start[k]).abs().max().item() for k, v in learner.weights().items())
+            out["rl_weights_max_change"] = moved
+            out["rl_engine_version"] = rl.engine.version
+            out["rl_learner_version"] = learner.version
+            rows = read_metrics(run_dir.metrics)
+            out["rl_steps_logged"] = len(rows)
+            out["rl_loss_finite"] = all(r["train/loss"] == r["train/loss"] for r in rows)
+            out["rl_s"] = round(time.perf_counter() - t0, 2)
+        finally:
+            rl.close()
+        again = RLRun(cfg, RunDir.open(run_dir.path), show_progress=False)
+        try:
+            again.build()
+            again.load()  # the step-2 checkpoint, read back onto the device
+            out["rl_resumed_step"] = again.step
+            out["rl_resumed_device"] = str(next(again.learner.model.parameters()).device)
+        finally:
+            again.close()
+
+
 def check_vllm(args: argparse.Namespace, out: dict[str, Any]) -> None:
     try:
         import vllm  # noqa: F401
@@ -276,7 +351,7 @@ def main() -> int:
     if args.device.startswith("cuda"):
         out["gpu"] = torch.cuda.get_device_name(0)
     failed = []
-    for check in (check_engine_and_learner, check_fsdp, check_vllm, check_vlm):
+    for check in (check_engine_and_learner, check_fsdp, check_rl_run, check_vllm, check_vlm):
         try:
             check(args, out)
         except Exception as err:  # noqa: BLE001 - each check reports its own failure and the others still run

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run THERE (a lent GPU machine; `scripts/gpu_prepare.sh` filled .gpu/ here and the device tool carried it):
 # installs the carried wheels beside the image's PyTorch and runs scripts/gpu_smoke.py on CUDA - the paged
-# engine and the Learner on the GPU, their logprob agreement, an FSDP2 step over NCCL, and vLLM where the
+# engine and the Learner on the GPU, their logprob agreement, an FSDP2 step over NCCL, a 2-step GRPO run with
+# trainer.device and engine.device cuda, and vLLM where the
 # image has it. The JSON figures go to $OUT/gpu_smoke.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -3,7 +3,7 @@ ranks (a sharded learner folder) or 2 context-parallel ranks (rank 0's single-pr
 a fresh group to step 2, logs the straight single-process run's metrics and ends with its weights. The
 drift probe (score_tokens), the drift-steered KL coefficient (kl_ctl) and optimizer offload/reload
 through 2 FSDP ranks log the single-process run's figures. PPO with a copied critic on 2 FSDP ranks,
-2 tensor-parallel ranks or a 2x2 mesh, straight or (FSDP) resumed from a sharded checkpoint, logs the
+2 tensor-parallel ranks or a 2x2 mesh, straight or (FSDP, TP) resumed from a sharded checkpoint, logs the
 single-process run's metrics and ends with its policy and critic. A LoRA run on 2 FSDP (or 2 TP) ranks pushes
 only the adapters, and its engine holds the group's merged weights."""
 
@@ -20,11 +20,13 @@ from posttrain.telemetry import read_metrics
 from .test_learner_group import ATOL, _assert_same, assert_learned, start_weights
 from .test_loop import _cfg, _run, _untimed
 
-# engine and learner in float32, as in test_learner_group (bfloat16 rounding differs across ranks)
+# as in test_learner_group: one row per micro-batch (the FSDP ranks share the step's rows), engine and
+# learner in float32 (bfloat16 rounding differs across ranks)
 STEPS = [
     "curriculum.probe_every=0",
     "trainer.share_prompt_prefix=false",
     "trainer.single_pass_old_logprobs=false",
+    "batch.micro_batch_tokens=64",
     "engine.dtype=float32",
 ]
 
@@ -182,14 +184,17 @@ def test_a_critic_on_sharded_ranks_runs_ppo_as_one_process(
         rl.close()
 
 
+@pytest.mark.parametrize(
+    "mode", ["data_parallel", pytest.param("tensor_parallel", marks=pytest.mark.slow)], ids=["fsdp", "tp"]
+)
 def test_a_group_run_with_a_critic_resumes_from_its_sharded_checkpoint(
-    straight_critic, critic_sets, tmp_path
+    straight_critic, critic_sets, tmp_path, mode
 ):
     rows, weights, critic = straight_critic
-    first = _run(_cfg(tmp_path, *critic_sets, "trainer.data_parallel=2", "orchestrator.steps=1"), "resumed")
+    first = _run(_cfg(tmp_path, *critic_sets, f"trainer.{mode}=2", "orchestrator.steps=1"), "resumed")
     first.close()
     assert (first.run_dir.checkpoints / step_name(1) / LEARNER_DIR / "learner_counters.json").is_file()
-    sets = [*critic_sets, "trainer.data_parallel=2", "orchestrator.steps=2"]
+    sets = [*critic_sets, f"trainer.{mode}=2", "orchestrator.steps=2"]
     again = _run(_cfg(tmp_path, *sets), "resumed", resume=True)
     try:
         _assert_same(rows, weights, again)  # step 1 by the first group, step 2 by the resumed one

@@ -178,3 +178,23 @@ def test_what_a_rank_sends_back_keeps_its_structure_and_cpu_tensors():
     assert got["update"] == update and got["update"] is not update
     assert got["update"].tensors["m.lora_A"] is t and got["scores"][1] is u
     assert isinstance(got["scores"], tuple) and got["n"] == 1.5 and got["names"] == ["a"]
+
+
+@pytest.mark.slow
+def test_ray_rank_actors_reserving_gpus_are_placed_and_check_their_own_cuda():
+    """2 rank actors of placement.learner_gpus=1 on a cluster of 2 logical GPUs are placed (a bundle
+    each) and each builds its Learner there: with no real CUDA in the actor, the rank's error names
+    trainer.device, though the controller's config check let the run start."""
+    ray = pytest.importorskip("ray")
+    from posttrain.orchestrator.learner_group import LearnerRankError, RayLearnerGroup
+
+    cfg = load_config(
+        None, [*RAY_RANKS, "model.spec=tiny:llama", "trainer.device=cuda", "placement.learner_gpus=1"]
+    )
+    RLRun.check(cfg)
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        with pytest.raises(LearnerRankError, match=r"trainer.device=cuda, but torch.cuda.is_available"):
+            RayLearnerGroup(cfg)
+    finally:
+        ray.shutdown()

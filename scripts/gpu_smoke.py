@@ -76,7 +76,13 @@ def check_engine_and_learner(args: argparse.Namespace, out: dict[str, Any]) -> N
     from posttrain.train.learner import Learner
 
     cfg = load_config(
-        None, [f"model.spec={args.model}", f"engine.device={args.device}", f"engine.dtype={args.dtype}"]
+        None,
+        [
+            f"model.spec={args.model}",
+            f"engine.device={args.device}",
+            f"engine.dtype={args.dtype}",
+            f"trainer.device={args.device}",
+        ],
     )
     model, tok = _policy_and_tok(args.model, args.device, args.dtype)
     engine = make_engine(cfg.engine, model, tok)
@@ -145,7 +151,7 @@ def check_fsdp(args: argparse.Namespace, out: dict[str, Any]) -> None:
     os.environ.setdefault("MASTER_PORT", "29533")
     dist.init_process_group(backend, rank=0, world_size=1)
     try:
-        cfg = load_config(None, [f"model.spec={args.model}"])
+        cfg = load_config(None, [f"model.spec={args.model}", f"trainer.device={args.device}"])
         model, tok = _policy_and_tok(args.model, args.device, "float32")
         learner = Learner(cfg.model, cfg.trainer, cfg.algorithm, model=model)
         shard_learner(learner)
@@ -246,7 +252,15 @@ def check_vllm(args: argparse.Namespace, out: dict[str, Any]) -> None:
     from posttrain.engine import GenerationRequest, SamplingParams, make_engine
     from posttrain.train.learner import Learner
 
-    cfg = load_config(None, [f"model.spec={args.model}", "engine.backend=vllm", "engine.dtype=bfloat16"])
+    cfg = load_config(
+        None,
+        [
+            f"model.spec={args.model}",
+            "engine.backend=vllm",
+            "engine.dtype=bfloat16",
+            f"trainer.device={args.device}",
+        ],
+    )
     model, tok = _policy_and_tok(args.model, "cpu", "float32")
     engine = make_engine(cfg.engine, model, tok)
     prompts = _prompts(tok, args.prompts)
@@ -296,7 +310,13 @@ def check_vlm(args: argparse.Namespace, out: dict[str, Any]) -> None:
         vlm, vtok = random_llava(AutoConfig.from_pretrained(src), load_tokenizer(src), seed=0)
         folder = str(save_vision_folder(vlm, vtok, os.path.join(tmp, "vlm")))
         cfg = load_config(
-            None, [f"model.spec={folder}", f"engine.device={args.device}", f"engine.dtype={args.dtype}"]
+            None,
+            [
+                f"model.spec={folder}",
+                f"engine.device={args.device}",
+                f"engine.dtype={args.dtype}",
+                f"trainer.device={args.device}",
+            ],
         )
         model = load_policy(folder).to(device=args.device, dtype=getattr(torch, args.dtype))
         tok = load_tokenizer(folder)

@@ -135,7 +135,9 @@ class Learner:
         keep_reference: bool = False,
     ) -> None:
         """`keep_reference`: full fine-tuning keeps a frozen copy of the initial policy even when
-        algorithm.kl_coef is 0 (preference losses compare with it); LoRA's reference is always the base."""
+        algorithm.kl_coef is 0 (preference losses compare with it); LoRA's reference is always the base.
+        The policy (`model` too, when one is handed in), reference and critic go to trainer.device
+        (`learner_device`; this process's rank in an initialised torch.distributed group picks its GPU)."""
         from posttrain.models import load_policy, wrap_lora
 
         self.model_cfg, self.trainer_cfg, self.algo_cfg, self.seed = model_cfg, trainer_cfg, algo_cfg, seed

@@ -24,6 +24,9 @@ SETS = [
     # float32: under bfloat16 autocast the ring's blockwise attention rounds unlike one attention over the
     # row, and with non-zero advantages that moves the grad norm by ~5e-4 of itself
     "engine.dtype=float32",
+    # several micro-batches a step, so both dp groups get rows (at the default 4096 one micro-batch holds
+    # the whole step and the second group only runs a weight-0 repeat)
+    "batch.micro_batch_tokens=64",
 ]
 DP_CP = ["trainer.data_parallel=2", "trainer.context_parallel=2"]
 

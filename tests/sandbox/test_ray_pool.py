@@ -50,6 +50,10 @@ def _facts(res) -> dict:
     out = dataclasses.asdict(res)
     for key in ("wall_ms", "cpu_ms", "max_rss_bytes", "compile_ms"):
         out.pop(key)
+    if res.status is ExecStatus.OUTPUT_TRUNCATED:
+        # the cap kills the job (signal 9) unless it exits first (code 0): a race in any pool, local too
+        out.pop("exit_code")
+        out.pop("signal")
     return out
 
 

@@ -14,7 +14,6 @@ writes the single-process Learner's folder and every rank reads it. Does not kno
 from __future__ import annotations
 
 import contextlib
-import math
 import pickle
 import socket
 import threading
@@ -410,10 +409,9 @@ class RayLearnerGroup(LearnerGroup):
 
     def __init__(self, cfg: RunConfig, start_timeout_s: float = 300.0) -> None:
         from posttrain.orchestrator.placement import import_ray
-        from posttrain.sandbox.ray_pool import ActorGroup
+        from posttrain.sandbox.ray_pool import ActorGroup, init_ray
 
         ray = import_ray()
-        import os
 
         p = cfg.placement
         self.cfg = cfg
@@ -424,16 +422,8 @@ class RayLearnerGroup(LearnerGroup):
         self.lock = threading.Lock()
         self._ray = ray
         self.procs, self.actors, self.group = [], [], None
-        self.started_ray = not ray.is_initialized()
         need = self.world * p.learner_cpus + p.num_engines * p.engine_cpus  # the engines share the cluster
-        if self.started_ray:
-            ray.init(
-                address=p.ray_address,
-                include_dashboard=False,
-                log_to_driver=False,
-                configure_logging=False,
-                num_cpus=None if p.ray_address else max(os.cpu_count() or 1, math.ceil(need)),
-            )
+        self.started_ray = init_ray(ray, p.ray_address, need)
         try:
             self.group = ActorGroup(
                 RankActor,

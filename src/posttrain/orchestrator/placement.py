@@ -21,7 +21,6 @@ pushed after an in-flight request started: that request's tokens then come from 
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import time
 from typing import Any
@@ -149,27 +148,18 @@ class RayEngines(Engine):
     caches_prefixes = True
 
     def __init__(self, cfg: Any, weight_dir: str | None) -> None:
-        from posttrain.sandbox.ray_pool import ActorGroup
+        from posttrain.sandbox.ray_pool import ActorGroup, init_ray
 
         ray = import_ray()
         p = cfg.placement
         self._ray = ray
-        self.started_ray = False
-        if not ray.is_initialized():
-            s, r = cfg.sandbox, cfg.reward  # a local cluster has room for the sandbox and reward actors too
-            wanted = (
-                p.num_engines * p.engine_cpus
-                + (s.ray_actors * s.ray_actor_cpus if s.mode == "ray" else 0)
-                + r.ray_actors * r.ray_actor_cpus
-            )
-            ray.init(
-                address=p.ray_address,
-                include_dashboard=False,
-                log_to_driver=False,
-                configure_logging=False,
-                num_cpus=None if p.ray_address else max(os.cpu_count() or 1, math.ceil(wanted)),
-            )
-            self.started_ray = True
+        s, r = cfg.sandbox, cfg.reward  # a local cluster has room for the sandbox and reward actors too
+        wanted = (
+            p.num_engines * p.engine_cpus
+            + (s.ray_actors * s.ray_actor_cpus if s.mode == "ray" else 0)
+            + r.ray_actors * r.ray_actor_cpus
+        )
+        self.started_ray = init_ray(ray, p.ray_address, wanted)
         self.group = ActorGroup(
             EngineWorker,
             (cfg.model_dump_json(), weight_dir, int(p.engine_cpus)),

@@ -92,6 +92,22 @@ def actor_resources(cpus: float, gpus: float = 0.0) -> tuple[dict[str, float], d
     return bundle, {"num_cpus": cpus, "num_gpus": gpus}
 
 
+def init_ray(ray: Any, address: str | None, want_cpus: float) -> bool:
+    """Connect this process to Ray unless it is already: to the cluster at `address`, or (None) to a
+    local cluster started with at least `want_cpus` CPUs (the machine's count if larger). True when this
+    call connected, so the caller's close shuts it down."""
+    if ray.is_initialized():
+        return False
+    ray.init(
+        address=address,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+        num_cpus=None if address else max(os.cpu_count() or 1, math.ceil(want_cpus)),
+    )
+    return True
+
+
 class ActorGroup:
     """`n` Ray actors of `cls` (built with `args`), `cpus` CPUs and `gpus` GPUs each (`actor_resources`),
     one per bundle of one placement group (`strategy`), restarted by Ray up to `max_restarts` times.
@@ -121,16 +137,7 @@ class ActorGroup:
         except ImportError:
             raise RuntimeError(f"{what} needs the [ray] extra: pip install 'posttrain[ray]'") from None
         self.ray, self._remove_pg = ray, remove_placement_group
-        self.started_ray = False
-        if not ray.is_initialized():
-            ray.init(
-                address=ray_address,
-                include_dashboard=False,
-                log_to_driver=False,
-                configure_logging=False,
-                num_cpus=None if ray_address else max(os.cpu_count() or 1, math.ceil(n * cpus)),
-            )
-            self.started_ray = True
+        self.started_ray = init_ray(ray, ray_address, n * cpus)
         bundle, options = actor_resources(cpus, gpus)
         self.pg = placement_group([bundle] * n, strategy=strategy)
         if not self.pg.wait(timeout_seconds=int(ready_timeout_s)):

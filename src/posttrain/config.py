@@ -1134,10 +1134,11 @@ class RunConfig(Section):
                 f"{given}: context parallelism does not compose with tensor parallelism yet; set "
                 "trainer.context_parallel=1 or trainer.tensor_parallel=1"
             )
-        if t.context_parallel > 1 and t.critic != "none":  # FSDP and tensor parallel ranks shard one
+        if t.context_parallel > 1 and t.data_parallel > 1 and t.critic != "none":
             raise ValueError(
-                f"trainer.context_parallel={t.context_parallel} with trainer.critic={t.critic}: context-parallel "
-                "ranks do not run a critic yet; use trainer.data_parallel or tensor_parallel, or critic=none"
+                f"trainer.data_parallel={t.data_parallel} x context_parallel={t.context_parallel} with "
+                f"trainer.critic={t.critic}: a dp x cp mesh does not run a critic yet; use data_parallel=1 "
+                "(context-parallel ranks alone run one), or critic=none"
             )
         if p.learner_ranks is not None and p.learner_ranks != t.learner_ranks:
             raise ValueError(

@@ -7,13 +7,15 @@ refusals of what it does not support."""
 from __future__ import annotations
 
 import random
-import socket
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from posttrain.config import AlgorithmConfig, BatchConfig, ModelConfig, TrainerConfig
+from posttrain.orchestrator.learner_group import free_port
 from posttrain.train import Learner, Sample
 from posttrain.train.distributed import init_local_gloo
 
@@ -50,30 +52,26 @@ def run(learner: Learner) -> dict:
     return {"lp": lp, "metrics": metrics, "grads": grads, "lp_after": learner.compute_logprobs(samples(1))}
 
 
-def _worker(rank: int, port: int, checkpointing: bool, out_dir: str) -> None:
+def _rank(rank: int, port: int, job: Callable[[], dict], out_dir: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     init_local_gloo(rank, 2, port, timeout_s=120)
-    learner = make_learner(2, checkpointing)
-    torch.save(run(learner), f"{out_dir}/rank{rank}.pt")
+    torch.save(job(), f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def on_two_ranks(job: Callable[[], dict], out_dir: Path) -> list[dict]:
+    """What `job` returns in each of 2 forked gloo processes (one process group), rank 0's first."""
+    mp.start_processes(_rank, args=(free_port(), job, str(out_dir)), nprocs=2, start_method="fork")
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
 @pytest.mark.parametrize(
     "checkpointing", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["plain", "checkpointing"]
 )
 def test_two_context_parallel_ranks_equal_the_single_process_learner(tmp_path, checkpointing):
-    mp.start_processes(
-        _worker, args=(_free_port(), checkpointing, str(tmp_path)), nprocs=2, start_method="fork"
-    )
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ranks = on_two_ranks(lambda: run(make_learner(2, checkpointing)), tmp_path)
     single = run(make_learner(1, checkpointing))
     assert single["lp"].abs().sum() > 0
     for got in ranks:  # every rank holds the whole matrices and the same summed gradients
@@ -103,7 +101,11 @@ def test_context_parallel_needs_a_process_group_of_its_size():
     ("trainer", "algo", "match"),
     [
         (dict(packing=True), {}, "needs trainer.packing=false"),
-        (dict(critic="copy"), dict(advantage="gae"), "does not support a critic"),
+        (
+            dict(critic="copy", data_parallel=2),
+            dict(advantage="gae"),
+            "data_parallel=2 does not support a critic",
+        ),
     ],
 )
 def test_context_parallel_refuses_what_ring_attention_cannot_run(trainer, algo, match):

@@ -1,21 +1,23 @@
 """Context-parallel Learner ranks (`trainer.context_parallel: N`): every sequence split zigzag over N
-processes, attention through `posttrain.longctx.ring`, logprobs gathered.
+processes, attention through `posttrain.longctx.ring`, logprobs (and a critic's values) gathered.
 
 Each rank holds the whole model and gets the whole batch (the same calls in the same order, as tensor
 parallelism does); in a forward it runs the decoder over its zigzag shard of every row only (chunks r and
 2N-1-r of 2N, with their true position ids), the attention of the HF model going round the ring (the
-`ring` attention implementation registered with transformers here, set on the policy and the reference).
-Each rank computes the logprobs and entropy of the targets its positions predict; a sum over the ranks
-gives every rank the full `[rows, L]` matrices, so the loss and the metrics are the single process's.
+`ring` attention implementation registered with transformers here, set on the policy, the reference and
+the critic's decoder). Each rank computes the logprobs and entropy (and the critic's values) of the
+targets its positions predict; a sum over the ranks gives every rank the full `[rows, L]` matrices, so the
+losses, the GAE advantages and the metrics are the single process's.
 The gathered matrices pass their gradient straight back (every rank computes the same loss), the ring's
 backward returns each rank the dK/dV its tokens received from the others, and the parameter gradients
-are summed over the ranks before clipping: the sum is the single-process gradient.
+(the policy's and the critic's) are summed over the ranks before clipping: the sum is the single-process
+gradient.
 
 With trainer.data_parallel > 1 too, `train.distributed.parallelize_dp_cp` makes each rank one of a cp
 group inside a dp x cp mesh (FSDP2 sums the gradients then). Rows are padded, one sequence each (causal
-attention never reads the padding at a row's end); packing, shared-prompt micro-batches, a critic, dynamic
-NTK (its frequencies depend on a rank's positions) and composing with tensor parallelism are not
-supported. Does not know about environments.
+attention never reads the padding at a row's end); packing, shared-prompt micro-batches, a critic in a
+dp x cp mesh, dynamic NTK (its frequencies depend on a rank's positions) and composing with tensor
+parallelism are not supported. Does not know about environments.
 """
 
 from __future__ import annotations
@@ -114,6 +116,33 @@ class ContextParallel:
         """Global positions of this rank's columns of a `width`-wide row (zigzag)."""
         return zigzag_positions(width, self.world, self.rank).to(device)
 
+    def _shard_hidden(
+        self, decoder: Any, batch: Any, mask: Tensor, autocast: Any
+    ) -> tuple[Tensor, Tensor, Targets]:
+        """This rank's decoder output `[b, local, H]` over its zigzag shard of every row (under `autocast`),
+        the hidden states `[n, H]` predicting the targets of `mask` whose predicting position is this
+        rank's, and those targets."""
+        ids = batch.token_ids
+        rows, width = ids.shape
+        device = ids.device
+        pos = self.positions(width, device)
+        local_of = torch.full((width,), -1, dtype=torch.long, device=device)
+        local_of[pos] = torch.arange(pos.numel(), device=device)
+        with autocast:
+            out = decoder(
+                input_ids=ids.index_select(1, pos),
+                position_ids=pos.expand(rows, -1),
+                use_cache=False,
+                ring_length=width,
+                ring_group=self.group,
+            )
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        targets = select_targets(mask, ids, torch.arange(rows, device=device) * width)
+        here = local_of[targets.cols - 1] >= 0  # the position predicting the target is this rank's
+        src = targets.rows[here] * pos.numel() + local_of[targets.cols[here] - 1]
+        mine = Targets(targets.rows[here], targets.cols[here], src, targets.token[here])
+        return hidden, hidden.reshape(-1, hidden.shape[-1])[mine.src], mine
+
     def policy_forward(
         self,
         model: Any,
@@ -127,33 +156,26 @@ class ContextParallel:
         `chunk_tokens`, the decoder under the `autocast` context), this rank running its shard of every
         row; every rank returns the whole matrices."""
         lm = causal_lm(model)
-        ids = batch.token_ids
-        rows, width = ids.shape
-        device = ids.device
-        pos = self.positions(width, device)
-        local_of = torch.full((width,), -1, dtype=torch.long, device=device)
-        local_of[pos] = torch.arange(pos.numel(), device=device)
+        hidden, h, mine = self._shard_hidden(lm.get_decoder(), batch, mask, autocast)
         with autocast:
-            out = lm.get_decoder()(
-                input_ids=ids.index_select(1, pos),
-                position_ids=pos.expand(rows, -1),
-                use_cache=False,
-                ring_length=width,
-                ring_group=self.group,
-            )
-            hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-            targets = select_targets(mask, ids, torch.arange(rows, device=device) * width)
-            here = local_of[targets.cols - 1] >= 0  # the position predicting the target is this rank's
-            src = targets.rows[here] * pos.numel() + local_of[targets.cols[here] - 1]
-            mine = Targets(targets.rows[here], targets.cols[here], src, targets.token[here])
-            h = hidden.reshape(-1, hidden.shape[-1])[mine.src]
-            head = lm.get_output_embeddings()
-            lp, ent = chunked_logprobs(head, h, mine.token, chunk_tokens, temperature)
-        shape = (rows, width)
+            lp, ent = chunked_logprobs(lm.get_output_embeddings(), h, mine.token, chunk_tokens, temperature)
+        shape = tuple(batch.token_ids.shape)
         lp_full, ent_full = _SumOverRanks.apply(
             hidden, self.group, scatter_rows(lp, mine, shape), scatter_rows(ent, mine, shape)
         )
         return lp_full, ent_full
+
+    def value_forward(self, critic: Any, batch: Any, mask: Tensor, autocast: Any) -> Tensor:
+        """The Learner's values `[b, L]` (float32) at `mask`'s targets: the critic (`train.forward.ValueModel`)
+        runs its decoder over this rank's shard of every row, its head on the positions predicting them;
+        every rank returns the whole matrix."""
+        hidden, h, mine = self._shard_hidden(critic.decoder, batch, mask, autocast)
+        with autocast:
+            v = critic.head(h).squeeze(-1).float()
+        (v_full,) = _SumOverRanks.apply(
+            hidden, self.group, scatter_rows(v, mine, tuple(batch.token_ids.shape))
+        )
+        return v_full
 
     def all_reduce_grads(self, params: list[torch.nn.Parameter]) -> None:
         """Sum the parameter gradients over the ranks (each rank's are those of its positions)."""
@@ -173,8 +195,6 @@ def context_parallel_learner(learner: Any, group: Any = None) -> ContextParallel
     `trainer.context_parallel`-way group over `group` (default: the whole initialised world)."""
     tc = learner.trainer_cfg
     n = int(tc.context_parallel)
-    if learner.critic is not None:
-        raise ValueError("trainer.context_parallel > 1 does not support a critic yet (trainer.critic=none)")
     if tc.packing:
         raise ValueError(
             "trainer.context_parallel > 1 needs trainer.packing=false (ring attention is causal over one "
@@ -197,4 +217,6 @@ def context_parallel_learner(learner: Any, group: Any = None) -> ContextParallel
     for model in (learner.model, learner.reference):
         if model is not None:
             causal_lm(model).set_attn_implementation(ATTENTION)
+    if learner.critic is not None:
+        learner.critic.decoder.set_attn_implementation(ATTENTION)
     return ContextParallel(dist.get_rank(group), world, group)

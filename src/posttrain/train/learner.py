@@ -256,6 +256,12 @@ class Learner:
                     "trainer.context_parallel > 1 does not run vision-language policies (their images "
                     "enter at the embeddings on the single-process path); set it to 1"
                 )
+            if self.critic is not None and trainer_cfg.data_parallel > 1:
+                raise ValueError(
+                    f"trainer.context_parallel={trainer_cfg.context_parallel} with trainer.data_parallel="
+                    f"{trainer_cfg.data_parallel} does not support a critic yet (trainer.critic="
+                    f"{trainer_cfg.critic}): use data_parallel=1 or critic=none"
+                )
             if trainer_cfg.data_parallel == 1:  # else train.distributed.parallelize_dp_cp makes the mesh
                 self.cp = context_parallel_learner(self)
 
@@ -324,6 +330,8 @@ class Learner:
 
     def _value_forward(self, batch: Batch, mask: Tensor, inputs: ModelInputs | None = None) -> Tensor:
         assert self.critic is not None
+        if self.cp is not None:  # this rank's shard of every row, attention round the ring
+            return self.cp.value_forward(self.critic, batch, mask, self._autocast())
         inputs = inputs if inputs is not None else self._inputs(batch)
         targets = select_targets(mask, batch.token_ids, inputs.flat_offset)
         with self._autocast():
@@ -563,6 +571,8 @@ class Learner:
     def _clip_critic_grad_norm(self, max_norm: float) -> float:
         assert self.critic is not None
         params = list(self.critic.parameters())
+        if self.cp is not None and self.dp is None:  # each rank holds its positions' gradient, as the policy
+            self.cp.all_reduce_grads(params)
         if self.tp is not None:  # replicated tensors and sharded DTensors, as the policy's
             from posttrain.train.distributed import clip_grad_norm
 

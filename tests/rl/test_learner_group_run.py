@@ -3,7 +3,7 @@ ranks (a sharded learner folder) or 2 context-parallel ranks (rank 0's single-pr
 a fresh group to step 2, logs the straight single-process run's metrics and ends with its weights. The
 drift probe (score_tokens), the drift-steered KL coefficient (kl_ctl) and optimizer offload/reload
 through 2 FSDP ranks log the single-process run's figures. PPO with a copied critic on 2 FSDP ranks,
-2 tensor-parallel ranks or a 2x2 mesh, straight or (FSDP, TP) resumed from a sharded checkpoint, logs the
+2 tensor-parallel ranks, a 2x2 mesh or 2 context-parallel ranks, straight or (FSDP, TP) resumed from a sharded checkpoint, logs the
 single-process run's metrics and ends with its policy and critic. A LoRA run on 2 FSDP (or 2 TP) ranks pushes
 only the adapters, and its engine holds the group's merged weights."""
 
@@ -113,10 +113,15 @@ def critic_sets(length_domain) -> list[str]:
 
 
 def _critic_state(rl, step: int) -> dict:
-    """The whole critic of `rl`'s checkpoint at `step`, read by one process (sharded or not)."""
+    """The whole critic of `rl`'s checkpoint at `step`, read by one process (sharded or not; context-
+    parallel ranks' rank 0 writes the single-process Learner's folder)."""
     from posttrain.train import Learner
     from posttrain.train.distributed import load_sharded
+    from posttrain.train.state import read_learner_state
 
+    folder = rl.run_dir.checkpoints / step_name(step) / LEARNER_DIR
+    if not (folder / "learner_counters.json").is_file():
+        return read_learner_state(folder)[1]["critic"]
     cfg = rl.cfg
     learner = Learner(
         cfg.model,
@@ -125,7 +130,7 @@ def _critic_state(rl, step: int) -> dict:
         seed=cfg.seed,
         batch_cfg=cfg.batch,
     )
-    load_sharded(learner, rl.run_dir.checkpoints / step_name(step) / LEARNER_DIR)
+    load_sharded(learner, folder)
     return {k: v.detach().clone() for k, v in learner.critic.state_dict().items()}
 
 
@@ -167,8 +172,9 @@ def _assert_same_critic(critic: dict, rl) -> None:
         (2, ["trainer.data_parallel=2"]),
         pytest.param(2, ["trainer.tensor_parallel=2"], marks=pytest.mark.slow),
         pytest.param(4, ["trainer.data_parallel=2", "trainer.tensor_parallel=2"], marks=pytest.mark.slow),
+        pytest.param(2, ["trainer.context_parallel=2"], marks=pytest.mark.slow),
     ],
-    ids=["fsdp", "tp", "2x2"],
+    ids=["fsdp", "tp", "2x2", "cp"],
 )
 def test_a_critic_on_sharded_ranks_runs_ppo_as_one_process(
     straight_critic, critic_sets, tmp_path, ranks, sets

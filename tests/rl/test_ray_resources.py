@@ -100,6 +100,28 @@ def test_engine_actors_reserve_distinct_logical_gpus():
         ray.shutdown()
 
 
+@pytest.mark.slow
+def test_a_group_that_finds_no_room_stops_the_local_cluster_it_started():
+    """With no cluster connected, `ActorGroup` starts a local one; when its placement group never fits
+    (a GPU on a machine of none) the error names the bundle and that cluster is shut down with it."""
+    ray = pytest.importorskip("ray")
+    from posttrain.sandbox.ray_pool import ActorGroup
+
+    class Idle:
+        pass
+
+    assert not ray.is_initialized()
+    try:
+        with pytest.raises(
+            RuntimeError,
+            match=r"rewards: the Ray cluster has no room for 1 actors of \{'CPU': 1.0, 'GPU': 1.0\}",
+        ):
+            ActorGroup(Idle, (), 1, 1.0, gpus=1.0, what="rewards", strategy="PACK", ready_timeout_s=2)
+        assert not ray.is_initialized()
+    finally:
+        ray.shutdown()
+
+
 def test_the_multi_node_example_in_the_docs_is_a_valid_config(tmp_path):
     """docs/scale-out.md's Multi-node YAML loads, and its bundles fill the nodes the way the text says:
     8 engines use a GPU node's 16 CPUs, the learner and sandbox actors the CPU node's 64."""

@@ -234,7 +234,7 @@ class LearnedReward:
 
 
 def make_learned_reward(
-    reward_cfg: Any, tokenizer: Any, micro_batch_tokens: int = 4096, ray_address: str | None = None
+    reward_cfg: Any, tokenizer: Any, ray_address: str | None = None
 ) -> LearnedReward | None:
     """The `reward` config section's learned reward (None when it names neither a model nor a server).
     Checks that the reward model reads the policy's token ids (same tokenizer fingerprint). Reward actors

@@ -142,9 +142,12 @@ class ActorGroup:
         self.pg = placement_group([bundle] * n, strategy=strategy)
         if not self.pg.wait(timeout_seconds=int(ready_timeout_s)):
             self._remove_pg(self.pg)
+            resources = ray.cluster_resources()
+            if self.started_ray:  # the local cluster this call started goes with it
+                ray.shutdown()
             raise RuntimeError(
                 f"{what}: the Ray cluster has no room for {n} actors of {bundle} within {ready_timeout_s:.0f} s "
-                f"(it has {ray.cluster_resources()})"
+                f"(it has {resources})"
             )
         actor = ray.remote(**options, max_restarts=max_restarts, max_concurrency=max_concurrency)(cls)
         self.handles = [

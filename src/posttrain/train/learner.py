@@ -559,25 +559,20 @@ class Learner:
     # ------------------------------------------------------------------------------------------
     # the optimisation
 
-    def _clip_grad_norm(self, max_norm: float) -> Tensor:
+    def _clip_grad_norm(self, max_norm: float, params: list[Tensor] | None = None) -> Tensor:
+        """Clip the policy's gradients (or those of `params`), summing cp ranks' partial gradients first."""
+        params = self.trainable if params is None else params
         if self.cp is not None and self.dp is None:  # each rank holds its positions' gradient: sum them
-            self.cp.all_reduce_grads(self.trainable)  # (under FSDP its reduce-scatter sums them)
+            self.cp.all_reduce_grads(params)  # (under FSDP its reduce-scatter sums them)
         if self.tp is not None:  # replicated tensors and sharded DTensors: torch's clip cannot mix them
             from posttrain.train.distributed import clip_grad_norm
 
-            return clip_grad_norm(self.trainable, max_norm)
-        return torch.nn.utils.clip_grad_norm_(self.trainable, max_norm)
+            return clip_grad_norm(params, max_norm)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     def _clip_critic_grad_norm(self, max_norm: float) -> float:
         assert self.critic is not None
-        params = list(self.critic.parameters())
-        if self.cp is not None and self.dp is None:  # each rank holds its positions' gradient, as the policy
-            self.cp.all_reduce_grads(params)
-        if self.tp is not None:  # replicated tensors and sharded DTensors, as the policy's
-            from posttrain.train.distributed import clip_grad_norm
-
-            return full_value(clip_grad_norm(params, max_norm))
-        return full_value(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        return full_value(self._clip_grad_norm(max_norm, list(self.critic.parameters())))
 
     def _set_lr(self) -> float:
         tc = self.trainer_cfg

@@ -1134,12 +1134,6 @@ class RunConfig(Section):
                 f"{given}: context parallelism does not compose with tensor parallelism yet; set "
                 "trainer.context_parallel=1 or trainer.tensor_parallel=1"
             )
-        if t.context_parallel > 1 and t.data_parallel > 1 and t.critic != "none":
-            raise ValueError(
-                f"trainer.data_parallel={t.data_parallel} x context_parallel={t.context_parallel} with "
-                f"trainer.critic={t.critic}: a dp x cp mesh does not run a critic yet; use data_parallel=1 "
-                "(context-parallel ranks alone run one), or critic=none"
-            )
         if p.learner_ranks is not None and p.learner_ranks != t.learner_ranks:
             raise ValueError(
                 f"placement.learner_ranks={p.learner_ranks} but trainer.data_parallel x tensor_parallel x "

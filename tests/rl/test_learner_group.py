@@ -174,15 +174,6 @@ def test_a_rank_that_dies_is_named_and_every_rank_ends(tmp_path):
         (["trainer.tensor_parallel=2", "trainer.context_parallel=2"], "compose with tensor parallelism"),
         (["trainer.data_parallel=2", "placement.learner_ranks=3"], "placement.learner_ranks=3 but"),
         (["trainer.context_parallel=2", "placement.learner_cpus=0"], "learner_cpus"),
-        (
-            [
-                "trainer.data_parallel=2",
-                "trainer.context_parallel=2",
-                "trainer.critic=copy",
-                "algorithm.advantage=gae",
-            ],
-            "data_parallel=2 x context_parallel=2 with trainer.critic=copy: a dp x cp mesh does not run a critic",
-        ),
     ],
 )
 def test_bad_learner_rank_configs_are_refused(tmp_path, sets, message):

@@ -14,9 +14,9 @@ backward returns each rank the dK/dV its tokens received from the others, and th
 gradient.
 
 With trainer.data_parallel > 1 too, `train.distributed.parallelize_dp_cp` makes each rank one of a cp
-group inside a dp x cp mesh (FSDP2 sums the gradients then). Rows are padded, one sequence each (causal
-attention never reads the padding at a row's end); packing, shared-prompt micro-batches, a critic in a
-dp x cp mesh, dynamic NTK (its frequencies depend on a rank's positions) and composing with tensor
+group inside a dp x cp mesh (FSDP2 sums the gradients then, the critic's too). Rows are padded, one
+sequence each (causal attention never reads the padding at a row's end); packing, shared-prompt
+micro-batches, dynamic NTK (its frequencies depend on a rank's positions) and composing with tensor
 parallelism are not supported. Does not know about environments.
 """
 

@@ -55,6 +55,7 @@ class DataParallel:
     group: Any = None
     root: Any = None
     inside: bool = False  # the root's forward is running the Learner's own forward
+    critic_root: Any = None  # a dp x cp mesh's sharded module the critic's forward goes through
     # how many ranks FSDP averages the gradients over (None: `world`; a dp x cp mesh shards over both)
     grad_ranks: int | None = None
 
@@ -136,6 +137,26 @@ class _Root(torch.nn.Module):
         learner.dp.inside = True
         try:
             return learner._policy_forward(learner.model, *args, **kwargs)
+        finally:
+            learner.dp.inside = False
+
+
+class _CriticRoot(torch.nn.Module):
+    """The FSDP root around a critic whose forward the Learner does not call: on context-parallel
+    ranks it runs the critic's decoder over a shard and its head on some positions
+    (`ContextParallel.value_forward`), so the parameters outside the decoder layers (embeddings, final
+    norm, value head) get their all-gather from this module's forward, which runs the Learner's."""
+
+    def __init__(self, critic: torch.nn.Module, learner: Any) -> None:
+        super().__init__()
+        self.critic = critic
+        self._learner = [learner]  # a list: not registered as a submodule
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        learner = self._learner[0]
+        learner.dp.inside = True
+        try:
+            return learner._value_forward(*args, **kwargs)
         finally:
             learner.dp.inside = False
 
@@ -344,7 +365,8 @@ def parallelize_dp_cp(learner: Any, dp: int, cp: int) -> Any:
     micro-batches. The policy is sharded with FSDP2 over all dp x cp ranks (torchtitan's choice): the
     ranks of a cp group hold the same weights, so sharding over them too divides the memory by dp x cp,
     and FSDP's one reduce-scatter both sums the cp ranks' partial gradients (each holds those of its
-    positions) and averages over the dp groups, each rank's loss being scaled by dp x cp. The reference
+    positions) and averages over the dp groups, each rank's loss being scaled by dp x cp. A critic is
+    sharded the same way (its root a `_CriticRoot`), the value loss scaled as the policy's. The reference
     stays whole on every rank. Sets `learner.dp` and `learner.cp`; returns the mesh."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -380,8 +402,21 @@ def parallelize_dp_cp(learner: Any, dp: int, cp: int) -> Any:
     fully_shard(root, mesh=flat)
     learner.trainable = [p for p in learner.model.parameters() if p.requires_grad]
     learner.optimizer = make_adamw(learner.trainable, tc.lr, tuple(tc.betas), tc.weight_decay)
+    critic_root = None
+    if learner.critic is not None:
+        for layer in critic_layers(learner.critic):
+            fully_shard(layer, mesh=flat)
+        critic_root = _CriticRoot(learner.critic, learner)
+        fully_shard(critic_root, mesh=flat)
+        params = list(learner.critic.parameters())
+        learner.critic_optimizer = make_adamw(params, tc.critic_lr, tuple(tc.betas), tc.weight_decay)
     learner.dp = DataParallel(
-        mesh["dp"].get_local_rank(), dp, mesh["dp"].get_group(), root=root, grad_ranks=world
+        mesh["dp"].get_local_rank(),
+        dp,
+        mesh["dp"].get_group(),
+        root=root,
+        grad_ranks=world,
+        critic_root=critic_root,
     )
     return mesh
 

@@ -256,12 +256,6 @@ class Learner:
                     "trainer.context_parallel > 1 does not run vision-language policies (their images "
                     "enter at the embeddings on the single-process path); set it to 1"
                 )
-            if self.critic is not None and trainer_cfg.data_parallel > 1:
-                raise ValueError(
-                    f"trainer.context_parallel={trainer_cfg.context_parallel} with trainer.data_parallel="
-                    f"{trainer_cfg.data_parallel} does not support a critic yet (trainer.critic="
-                    f"{trainer_cfg.critic}): use data_parallel=1 or critic=none"
-                )
             if trainer_cfg.data_parallel == 1:  # else train.distributed.parallelize_dp_cp makes the mesh
                 self.cp = context_parallel_learner(self)
 
@@ -331,6 +325,8 @@ class Learner:
     def _value_forward(self, batch: Batch, mask: Tensor, inputs: ModelInputs | None = None) -> Tensor:
         assert self.critic is not None
         if self.cp is not None:  # this rank's shard of every row, attention round the ring
+            if self.dp is not None and not self.dp.inside:  # a dp x cp mesh: through the critic's FSDP root
+                return self.dp.critic_root(batch, mask)
             return self.cp.value_forward(self.critic, batch, mask, self._autocast())
         inputs = inputs if inputs is not None else self._inputs(batch)
         targets = select_targets(mask, batch.token_ids, inputs.flat_offset)

@@ -32,9 +32,11 @@ of ranks, one included (no process group needed).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,42 +125,28 @@ def critic_layers(critic: Any) -> list[torch.nn.Module]:
 
 
 class _Root(torch.nn.Module):
-    """The FSDP root around the policy. The Learner never calls the model's own forward (it runs the
-    decoder, then its head in chunks), so the parameters outside the decoder layers (embeddings, final
-    norm, head) get their all-gather from this module's forward, which runs the Learner's forward."""
+    """The FSDP root around a module whose own forward the Learner never calls: the policy (it runs the
+    decoder, then its head in chunks) or, on context-parallel ranks, the critic (its decoder over a
+    shard, its head on some positions). The parameters outside the decoder layers (embeddings, final
+    norm, the head) get their all-gather from this module's forward, which runs `run`, the Learner's
+    forward of that module."""
 
-    def __init__(self, policy: torch.nn.Module, learner: Any) -> None:
+    def __init__(self, module: torch.nn.Module, learner: Any, run: Callable[..., Any]) -> None:
         super().__init__()
-        self.policy = policy
-        self._learner = [learner]  # a list: not registered as a submodule
+        self.module = module
+        self._learner, self._run = [learner], run  # not registered as submodules
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        learner = self._learner[0]
-        learner.dp.inside = True
+        dp = self._learner[0].dp
+        dp.inside = True
         try:
-            return learner._policy_forward(learner.model, *args, **kwargs)
+            return self._run(*args, **kwargs)
         finally:
-            learner.dp.inside = False
+            dp.inside = False
 
 
-class _CriticRoot(torch.nn.Module):
-    """The FSDP root around a critic whose forward the Learner does not call: on context-parallel
-    ranks it runs the critic's decoder over a shard and its head on some positions
-    (`ContextParallel.value_forward`), so the parameters outside the decoder layers (embeddings, final
-    norm, value head) get their all-gather from this module's forward, which runs the Learner's."""
-
-    def __init__(self, critic: torch.nn.Module, learner: Any) -> None:
-        super().__init__()
-        self.critic = critic
-        self._learner = [learner]  # a list: not registered as a submodule
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        learner = self._learner[0]
-        learner.dp.inside = True
-        try:
-            return learner._value_forward(*args, **kwargs)
-        finally:
-            learner.dp.inside = False
+def _policy_root(learner: Any) -> _Root:
+    return _Root(learner.model, learner, functools.partial(learner._policy_forward, learner.model))
 
 
 def _refuse_vision(learner: Any, what: str) -> None:
@@ -198,7 +186,7 @@ def shard_learner(learner: Any, group: Any = None) -> DataParallel:
     mesh = DeviceMesh(device_type, ranks)
     for layer in decoder_layers(learner.model):
         fully_shard(layer, mesh=mesh)
-    root = _Root(learner.model, learner)
+    root = _policy_root(learner)
     fully_shard(root, mesh=mesh)
     tc = learner.trainer_cfg
     learner.trainable = [p for p in learner.model.parameters() if p.requires_grad]
@@ -344,7 +332,7 @@ def parallelize_2d(learner: Any, dp: int, tp: int) -> Any:
     for layer in decoder_layers(learner.model):
         parallelize_module(layer, mesh["tp"], tp_plan(layer))
         fully_shard(layer, mesh=mesh["dp"])
-    root = _Root(learner.model, learner)
+    root = _policy_root(learner)
     fully_shard(root, mesh=mesh["dp"])
     if learner.critic is not None:
         for layer in critic_layers(learner.critic):
@@ -366,7 +354,7 @@ def parallelize_dp_cp(learner: Any, dp: int, cp: int) -> Any:
     ranks of a cp group hold the same weights, so sharding over them too divides the memory by dp x cp,
     and FSDP's one reduce-scatter both sums the cp ranks' partial gradients (each holds those of its
     positions) and averages over the dp groups, each rank's loss being scaled by dp x cp. A critic is
-    sharded the same way (its root a `_CriticRoot`), the value loss scaled as the policy's. The reference
+    sharded the same way (its own `_Root`), the value loss scaled as the policy's. The reference
     stays whole on every rank. Sets `learner.dp` and `learner.cp`; returns the mesh."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -398,7 +386,7 @@ def parallelize_dp_cp(learner: Any, dp: int, cp: int) -> Any:
     flat = DeviceMesh(learner.device.type, list(range(world)))  # the FSDP mesh: every rank
     for layer in decoder_layers(learner.model):
         fully_shard(layer, mesh=flat)
-    root = _Root(learner.model, learner)
+    root = _policy_root(learner)
     fully_shard(root, mesh=flat)
     learner.trainable = [p for p in learner.model.parameters() if p.requires_grad]
     learner.optimizer = make_adamw(learner.trainable, tc.lr, tuple(tc.betas), tc.weight_decay)
@@ -406,7 +394,7 @@ def parallelize_dp_cp(learner: Any, dp: int, cp: int) -> Any:
     if learner.critic is not None:
         for layer in critic_layers(learner.critic):
             fully_shard(layer, mesh=flat)
-        critic_root = _CriticRoot(learner.critic, learner)
+        critic_root = _Root(learner.critic, learner, learner._value_forward)
         fully_shard(critic_root, mesh=flat)
         params = list(learner.critic.parameters())
         learner.critic_optimizer = make_adamw(params, tc.critic_lr, tuple(tc.betas), tc.weight_decay)

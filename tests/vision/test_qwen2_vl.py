@@ -331,10 +331,13 @@ def test_episode_with_images_in_turns_1_and_3_replays_into_the_learner(qwen2_vl)
 def _step(learner: Learner, tok) -> None:
     vis = image_inputs(tok)
     img = noise_image(2)
-    ids = [1, 2] + tok.encode(vis.placeholder(img), add_special_tokens=False) + [5, 6, 7, 8]
-    mask = [0] * (len(ids) - 3) + [1, 1, 1]
+    prompt = [1, 2] + tok.encode(vis.placeholder(img), add_special_tokens=False) + [5]
+    # two different completions: identical ones with opposite advantages cancel to a zero gradient
+    seqs = [(prompt + [6, 7, 8], 0.0), (prompt + [9, 10, 11], 1.0)]
     key = learner.vision.store.put(img)
-    learner.step([Sample(ids, mask, [-1.0] * len(ids), float(r), 0, images=[key]) for r in (0.0, 1.0)])
+    learner.step(
+        [Sample(ids, [0] * len(prompt) + [1, 1, 1], [-1.0] * len(ids), r, 0, images=[key]) for ids, r in seqs]
+    )
 
 
 def test_tower_frozen_merger_trained_lora_on_the_language_side(qwen2_vl):

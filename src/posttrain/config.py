@@ -604,8 +604,8 @@ class TrainerConfig(Section):
         ge=1,
         description="split every sequence zigzag over this many processes, attention by ring attention "
         "(one Learner per rank of an initialised torch.distributed group of this size); needs packing=false, "
-        "no critic, no dynamic NTK; shared-prompt micro-batches are off under it; with data_parallel a dp x cp "
-        "mesh (`train.distributed.parallelize_dp_cp`), not with tensor_parallel",
+        "no dynamic NTK; shared-prompt micro-batches are off under it; with data_parallel or tensor_parallel "
+        "a dp x cp (x tp) mesh (`train.distributed.parallelize_dp_cp`)",
     )
     data_parallel: int = Field(
         1,
@@ -1123,17 +1123,6 @@ class RunConfig(Section):
 
     def _check_learner_ranks(self) -> None:
         t, p = self.trainer, self.placement
-        parallel = {
-            k: getattr(t, k)
-            for k in ("data_parallel", "tensor_parallel", "context_parallel")
-            if getattr(t, k) > 1
-        }
-        if len(parallel) > 1 and {"context_parallel", "tensor_parallel"} <= set(parallel):
-            given = " and ".join(f"trainer.{k}={v}" for k, v in parallel.items())  # data x one: a 2-D mesh
-            raise ValueError(
-                f"{given}: context parallelism does not compose with tensor parallelism yet; set "
-                "trainer.context_parallel=1 or trainer.tensor_parallel=1"
-            )
         if p.learner_ranks is not None and p.learner_ranks != t.learner_ranks:
             raise ValueError(
                 f"placement.learner_ranks={p.learner_ranks} but trainer.data_parallel x tensor_parallel x "

@@ -22,9 +22,15 @@ BATCH = BatchConfig(micro_batch_tokens=24)
 ALGO = AlgorithmConfig(kl_coef=0.1, entropy_coef=0.01)
 
 
-def make_learner(dp: int, cp: int) -> Learner:
+def make_learner(dp: int, cp: int, tp: int = 1) -> Learner:
     # FSDP ranks compute the old logprobs in a pass of their own: so does the single process here
-    trainer = TrainerConfig(lr=1e-3, data_parallel=dp, context_parallel=cp, single_pass_old_logprobs=False)
+    trainer = TrainerConfig(
+        lr=1e-3,
+        data_parallel=dp,
+        context_parallel=cp,
+        tensor_parallel=tp,
+        single_pass_old_logprobs=False,
+    )
     return Learner(ModelConfig(spec="tiny:llama"), trainer, ALGO, seed=0, batch_cfg=BATCH)
 
 
@@ -37,22 +43,26 @@ def run(learner: Learner) -> dict:
     return {"lp": lp, "metrics": [first, second], "weights": weights, "lp_after": lp_after}
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, port: int, out_dir: str, shape: tuple[int, int, int] = (2, 2, 1)) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     init_local_gloo(rank, 4, port, timeout_s=180)
-    learner = make_learner(2, 2)
-    mesh = parallelize_dp_cp(learner, 2, 2)
+    learner = make_learner(*shape)
+    mesh = parallelize_dp_cp(learner, *shape)
     got = run(learner)
-    got["coords"] = (mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank())
+    names = ("dp", "cp") if shape[2] == 1 else ("cp", "tp")
+    got["coords"] = tuple(mesh[n].get_local_rank() for n in names)
     save_sharded(learner, f"{out_dir}/ckpt")
     torch.save(got, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
 
 
-def test_a_2x2_dp_cp_mesh_of_learners_equals_the_single_process_learner(tmp_path):
-    mp.start_processes(_worker, args=(free_port(), str(tmp_path)), nprocs=4, start_method="fork")
+@pytest.mark.parametrize("shape", [(2, 2, 1), (1, 2, 2)], ids=["dp2xcp2", "cp2xtp2"])
+def test_a_mesh_of_four_learners_equals_the_single_process_learner(tmp_path, shape):
+    """dp x cp, and cp x tp (each cp rank's ring carrying its tp share of the heads, FSDP over the cp
+    ranks, the decoder layers' weights 2-D DTensors)."""
+    mp.start_processes(_worker, args=(free_port(), str(tmp_path), shape), nprocs=4, start_method="fork")
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
     assert sorted(r["coords"] for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     single = run(make_learner(1, 1))
@@ -86,13 +96,14 @@ CRITIC_ALGO = AlgorithmConfig(advantage="gae", entropy_coef=0.01)
 CRITIC_METRICS = ("loss", "value_loss", "vf_clipfrac", "critic_grad_norm", "grad_norm", "advantage_abs_mean")
 
 
-def make_critic_learner(dp: int, cp: int) -> Learner:
+def make_critic_learner(dp: int, cp: int, tp: int = 1) -> Learner:
     trainer = TrainerConfig(
         lr=1e-3,
         critic_lr=5e-3,
         critic="copy",
         data_parallel=dp,
         context_parallel=cp,
+        tensor_parallel=tp,
         single_pass_old_logprobs=False,
     )
     return Learner(ModelConfig(spec="tiny:llama"), trainer, CRITIC_ALGO, seed=0, batch_cfg=BATCH)
@@ -114,25 +125,28 @@ def run_critic(learner: Learner) -> dict:
     return {"values": values, "metrics": metrics, "weights": weights, "critic": critic_weights(learner)}
 
 
-def _critic_worker(rank: int, port: int, out_dir: str) -> None:
+def _critic_worker(rank: int, port: int, out_dir: str, shape: tuple[int, int, int]) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     init_local_gloo(rank, 4, port, timeout_s=180)
-    learner = make_critic_learner(2, 2)
-    parallelize_dp_cp(learner, 2, 2)
+    learner = make_critic_learner(*shape)
+    parallelize_dp_cp(learner, *shape)
     got = run_critic(learner)
     save_sharded(learner, f"{out_dir}/ckpt")
     torch.save(got, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
 
 
-def test_a_critic_in_a_2x2_dp_cp_mesh_equals_the_single_process_learner_and_resumes(tmp_path):
-    """PPO with GAE and a critic copied from the policy, its decoder layers and root sharded over the
-    4 ranks as the policy's: values before and after two steps, the steps' metrics (value loss among
+@pytest.mark.parametrize("shape", [(2, 2, 1), (1, 2, 2)], ids=["dp2xcp2", "cp2xtp2"])
+def test_a_critic_in_a_mesh_of_four_equals_the_single_process_learner_and_resumes(tmp_path, shape):
+    """PPO with GAE and a critic copied from the policy, its decoder layers (split over tp as the
+    policy's) and root sharded over the dp x cp ranks as the policy's: values before and after two steps, the steps' metrics (value loss among
     them), the policy's and the critic's weights within 1e-4 on every rank; the ranks' sharded checkpoint
     read by one process holds both, and its next step is the uninterrupted learner's."""
-    mp.start_processes(_critic_worker, args=(free_port(), str(tmp_path)), nprocs=4, start_method="fork")
+    mp.start_processes(
+        _critic_worker, args=(free_port(), str(tmp_path), shape), nprocs=4, start_method="fork"
+    )
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
     single_learner = make_critic_learner(1, 1)
     start = critic_weights(single_learner)

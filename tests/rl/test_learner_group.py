@@ -171,7 +171,6 @@ def test_a_rank_that_dies_is_named_and_every_rank_ends(tmp_path):
 @pytest.mark.parametrize(
     ("sets", "message"),
     [
-        (["trainer.tensor_parallel=2", "trainer.context_parallel=2"], "compose with tensor parallelism"),
         (["trainer.data_parallel=2", "placement.learner_ranks=3"], "placement.learner_ranks=3 but"),
         (["trainer.context_parallel=2", "placement.learner_cpus=0"], "learner_cpus"),
     ],

@@ -1,12 +1,12 @@
-"""The learner group: `trainer.data_parallel`, `tensor_parallel` or `context_parallel` > 1 (data x tensor
-or data x context parallel: a 2-D mesh) starts that many Learner ranks, each in a process of its own (torch.multiprocessing spawn, one process group over
+"""The learner group: `trainer.data_parallel`, `tensor_parallel` or `context_parallel` > 1 (data x tensor,
+data x context or context x tensor parallel, up to a 3-D dp x cp x tp mesh) starts that many Learner ranks, each in a process of its own (torch.multiprocessing spawn, one process group over
 127.0.0.1: gloo, plus NCCL for CUDA tensors where CUDA exists; under trainer.device=cuda rank r holds
 cuda:(r % GPUs)), and drives them from the controller.
 
 Every rank gets the same call in the same order over its command channel (a pipe); rank 0's result comes
 back. A rank that raises or dies stops the group: every rank process is ended and `LearnerRankError`
 names the rank and its error. Checkpoints: FSDP and tensor-parallel ranks (context-parallel ones inside
-a dp x cp mesh too) write and read sharded torch.distributed.checkpoint folders (`save_sharded` /
+a mesh with dp or tp too) write and read sharded torch.distributed.checkpoint folders (`save_sharded` /
 `load_sharded`); context-parallel ranks alone hold the whole model, identical on every rank, so rank 0
 writes the single-process Learner's folder and every rank reads it. Does not know about environments or engines.
 """
@@ -56,10 +56,10 @@ def build_rank_learner(cfg: RunConfig) -> Any:
 
     learner = Learner(cfg.model, cfg.trainer, cfg.algorithm, seed=cfg.seed, batch_cfg=cfg.batch)
     dp, tp, cp = cfg.trainer.data_parallel, cfg.trainer.tensor_parallel, cfg.trainer.context_parallel
-    if dp > 1 and cp > 1:
+    if cp > 1 and (dp > 1 or tp > 1):
         from posttrain.train.distributed import parallelize_dp_cp
 
-        parallelize_dp_cp(learner, dp, cp)
+        parallelize_dp_cp(learner, dp, cp, tp)
     elif dp > 1 and tp > 1:
         from posttrain.train.distributed import parallelize_2d
 

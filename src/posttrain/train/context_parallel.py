@@ -13,11 +13,11 @@ backward returns each rank the dK/dV its tokens received from the others, and th
 (the policy's and the critic's) are summed over the ranks before clipping: the sum is the single-process
 gradient.
 
-With trainer.data_parallel > 1 too, `train.distributed.parallelize_dp_cp` makes each rank one of a cp
-group inside a dp x cp mesh (FSDP2 sums the gradients then, the critic's too). Rows are padded, one
-sequence each (causal attention never reads the padding at a row's end); packing, shared-prompt
-micro-batches, dynamic NTK (its frequencies depend on a rank's positions) and composing with tensor
-parallelism are not supported. Does not know about environments.
+With trainer.data_parallel or tensor_parallel > 1 too, `train.distributed.parallelize_dp_cp` makes each
+rank one of a cp group inside a dp x cp (x tp) mesh (FSDP2 sums the gradients then, the critic's too;
+under tp a rank's ring carries its share of the heads). Rows are padded, one sequence each (causal
+attention never reads the padding at a row's end); packing, shared-prompt micro-batches and dynamic NTK
+(its frequencies depend on a rank's positions) are not supported. Does not know about environments.
 """
 
 from __future__ import annotations

@@ -22,8 +22,9 @@ the ranks instead (Megatron's column-in, row-out split, `TP_PLAN`); all ranks ru
 LoRA adapters follow their base layer's split (`tp_plan`). `parallelize_2d(learner, dp, tp)` composes
 the two on a (dp, tp) DeviceMesh: tensor parallel inside each "tp" group, FSDP2 over "dp", each dp group
 taking its share of the micro-batches. A critic's decoder layers are split (and sharded) as the
-policy's. `parallelize_dp_cp(learner, dp, cp)` composes FSDP2 with context parallelism on a (dp, cp)
-mesh: each cp group splits every sequence of its dp group's micro-batches, FSDP shards over all ranks.
+policy's. `parallelize_dp_cp(learner, dp, cp, tp)` composes FSDP2 with context parallelism on a (dp, cp)
+mesh, or a (dp, cp, tp) one: each cp group splits every sequence of its dp group's micro-batches, each
+tp group splits the heads inside a cp rank, FSDP shards over the dp x cp ranks.
 
 Checkpoints: `save_sharded` writes a torch.distributed.checkpoint folder (each rank its shards of the
 weights and optimizer states, the critic's included, plus the learner's counters), and `load_sharded` reads it on any number
@@ -345,65 +346,81 @@ def parallelize_2d(learner: Any, dp: int, tp: int) -> Any:
     return mesh
 
 
-def parallelize_dp_cp(learner: Any, dp: int, cp: int) -> Any:
-    """Make `learner` (built with trainer.context_parallel=cp in each process, same config and seed) one
-    rank of a dp x cp learner over all of torch.distributed's ranks: a DeviceMesh of shape (dp, cp) named
-    ("dp", "cp"); each "cp" group splits every sequence of its rows zigzag, attention round the ring over
-    that group (`train.context_parallel`); each dp group takes its share of every mini-batch's
-    micro-batches. The policy is sharded with FSDP2 over all dp x cp ranks (torchtitan's choice): the
-    ranks of a cp group hold the same weights, so sharding over them too divides the memory by dp x cp,
-    and FSDP's one reduce-scatter both sums the cp ranks' partial gradients (each holds those of its
-    positions) and averages over the dp groups, each rank's loss being scaled by dp x cp. A critic is
-    sharded the same way (its own `_Root`), the value loss scaled as the policy's. The reference
-    stays whole on every rank. Sets `learner.dp` and `learner.cp`; returns the mesh."""
+def parallelize_dp_cp(learner: Any, dp: int, cp: int, tp: int = 1) -> Any:
+    """Make `learner` (built with trainer.context_parallel=cp and tensor_parallel=tp in each process, same
+    config and seed) one rank of a dp x cp (x tp) learner over all of torch.distributed's ranks: a
+    DeviceMesh of shape (dp, cp) named ("dp", "cp"), or (dp, cp, tp) named ("dp", "cp", "tp"); each "cp"
+    group splits every sequence of its rows zigzag, attention round the ring over that group
+    (`train.context_parallel`); each dp group takes its share of every mini-batch's micro-batches. With
+    tp > 1 every decoder layer is first split over its "tp" group (`tp_plan`, as `parallelize_2d`): a
+    rank's ring then carries its share of the heads. The policy is sharded with FSDP2 over all dp x cp
+    ranks (torchtitan's `dp_shard_cp`): the ranks of a cp group hold the same weights, so sharding over
+    them too divides the memory by dp x cp, and FSDP's one reduce-scatter both sums the cp ranks' partial
+    gradients (each holds those of its positions) and averages over the dp groups, each rank's loss being
+    scaled by dp x cp. A critic is split and sharded the same way (its own `_Root`), the value loss scaled
+    as the policy's. The reference stays whole on every rank. Sets `learner.dp`, `learner.cp` (and
+    `learner.tp`); returns the mesh."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
 
     from posttrain.train.context_parallel import context_parallel_learner
     from posttrain.train.learner import make_adamw
 
-    _refuse_vision(learner, "data x context parallel")
+    what = "data x context parallel" if tp == 1 else "data x context x tensor parallel"
+    _refuse_vision(learner, what)
     if not dist.is_initialized():
         raise RuntimeError("parallelize_dp_cp needs torch.distributed initialised (init_process_group)")
     world = dist.get_world_size()
-    if dp < 1 or cp < 2 or dp * cp != world:
+    if dp < 1 or cp < 2 or tp < 1 or dp * cp * tp != world:
         raise ValueError(
-            f"a dp={dp} x cp={cp} mesh needs cp > 1 and dp*cp={dp * cp} ranks; torch.distributed has {world} "
-            "(the world size)"
+            f"a dp={dp} x cp={cp} x tp={tp} mesh needs cp > 1 and dp*cp*tp={dp * cp * tp} ranks; "
+            f"torch.distributed has {world} (the world size)"
         )
     tc = learner.trainer_cfg
-    if tc.context_parallel != cp:
+    if tc.context_parallel != cp or tc.tensor_parallel != tp:
         raise ValueError(
-            f"parallelize_dp_cp(cp={cp}) needs a Learner built with trainer.context_parallel={cp}"
+            f"parallelize_dp_cp(cp={cp}, tp={tp}) needs a Learner built with trainer.context_parallel={cp} "
+            f"and trainer.tensor_parallel={tp}"
         )
-    if tc.tensor_parallel > 1:
-        raise ValueError(
-            "context parallelism does not compose with tensor parallelism (trainer.tensor_parallel=1)"
-        )
-    _refuse_unsplittable(learner, "data x context parallel", "shard")
-    mesh = init_device_mesh(learner.device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
+    _refuse_unsplittable(learner, what, "shard" if tp == 1 else "split")
+    if tp > 1:
+        _check_tp_split(learner, tp)
+        mesh = init_device_mesh(learner.device.type, (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
+        shard_mesh = mesh["dp", "cp"]._flatten("dp_cp")  # a sub-mesh of the TP mesh's parent: 2-D DTensors
+    else:
+        mesh = init_device_mesh(learner.device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
+        shard_mesh = DeviceMesh(learner.device.type, list(range(world)))  # every rank
     learner.cp = context_parallel_learner(learner, mesh["cp"].get_group())
-    flat = DeviceMesh(learner.device.type, list(range(world)))  # the FSDP mesh: every rank
-    for layer in decoder_layers(learner.model):
-        fully_shard(layer, mesh=flat)
+
+    def shard(layers: list[torch.nn.Module], root: torch.nn.Module) -> None:
+        for layer in layers:
+            if tp > 1:
+                parallelize_module(layer, mesh["tp"], tp_plan(layer))
+            fully_shard(layer, mesh=shard_mesh)
+        fully_shard(root, mesh=shard_mesh)
+
     root = _policy_root(learner)
-    fully_shard(root, mesh=flat)
-    learner.trainable = [p for p in learner.model.parameters() if p.requires_grad]
-    learner.optimizer = make_adamw(learner.trainable, tc.lr, tuple(tc.betas), tc.weight_decay)
+    shard(decoder_layers(learner.model), root)
     critic_root = None
     if learner.critic is not None:
-        for layer in critic_layers(learner.critic):
-            fully_shard(layer, mesh=flat)
         critic_root = _Root(learner.critic, learner, learner._value_forward)
-        fully_shard(critic_root, mesh=flat)
-        params = list(learner.critic.parameters())
-        learner.critic_optimizer = make_adamw(params, tc.critic_lr, tuple(tc.betas), tc.weight_decay)
+        shard(critic_layers(learner.critic), critic_root)
+    if tp > 1:
+        _dtensor_optimizers(learner)
+        learner.tp = TensorParallel(mesh["tp"].get_local_rank(), tp, mesh["tp"].get_group())
+    else:
+        learner.trainable = [p for p in learner.model.parameters() if p.requires_grad]
+        learner.optimizer = make_adamw(learner.trainable, tc.lr, tuple(tc.betas), tc.weight_decay)
+        if learner.critic is not None:
+            params = list(learner.critic.parameters())
+            learner.critic_optimizer = make_adamw(params, tc.critic_lr, tuple(tc.betas), tc.weight_decay)
     learner.dp = DataParallel(
         mesh["dp"].get_local_rank(),
         dp,
         mesh["dp"].get_group(),
         root=root,
-        grad_ranks=world,
+        grad_ranks=dp * cp,
         critic_root=critic_root,
     )
     return mesh

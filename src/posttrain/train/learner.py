@@ -256,7 +256,8 @@ class Learner:
                     "trainer.context_parallel > 1 does not run vision-language policies (their images "
                     "enter at the embeddings on the single-process path); set it to 1"
                 )
-            if trainer_cfg.data_parallel == 1:  # else train.distributed.parallelize_dp_cp makes the mesh
+            if trainer_cfg.data_parallel == 1 and trainer_cfg.tensor_parallel == 1:
+                # else train.distributed.parallelize_dp_cp makes the mesh
                 self.cp = context_parallel_learner(self)
 
     # ------------------------------------------------------------------------------------------

@@ -17,17 +17,29 @@ def _d(delta: float, lo: float, hi: float) -> dict:
 
 
 def test_targets_by_hand():
-    off = {"trained_gain": _d(0.20, 0.1, 0.3), "outside_delta": {}, "trained_pass16_delta": _d(0, -1, 1)}
+    off = {
+        "trained_gain": _d(0.20, 0.1, 0.3),
+        "trained_gain_sampled_pass1": _d(0.30, 0.2, 0.4),
+        "outside_delta": {},
+        "trained_pass16_delta": _d(0, -1, 1),
+    }
     on = {
         "trained_gain": _d(0.17, 0.07, 0.27),
+        "trained_gain_sampled_pass1": _d(0.27, 0.2, 0.34),
         "outside_delta": {"math:3": _d(-0.10, -0.2, -0.01), "code.unit_tests:2": _d(-0.05, -0.1, 0.02)},
         "trained_pass16_delta": _d(-0.02, -0.09, 0.04),
     }
     t = targets(off, on, 16)
     # only math:3's interval is entirely below 0; 0.17 / 0.20 = 0.85 >= 0.8; pass@16's interval holds 0
     assert t["outside_fell"] == ["math:3"] and t["no_outside_fell"] is False
-    assert t["gain_kept"] == pytest.approx(0.85) and t["gain_kept_ok"] is True
-    assert t["pass16_not_fallen"] is True
+    assert t["gain_kept"] == pytest.approx(0.85) and t["gain_kept_sampled_pass1"] == pytest.approx(0.9)
+    assert t["gain_kept_ok"] is True and t["pass16_not_fallen"] is True
+    on["trained_gain_sampled_pass1"] = _d(
+        0.21, 0.15, 0.27
+    )  # 0.7 of the sampled gain: greedy's 0.85 is not enough
+    t = targets(off, on, 16)
+    assert t["gain_kept_sampled_pass1"] == pytest.approx(0.7) and t["gain_kept_ok"] is False
+    on["trained_gain_sampled_pass1"] = _d(0.27, 0.2, 0.34)
     on["trained_gain"] = _d(0.15, 0.05, 0.25)
     on["trained_pass16_delta"] = _d(-0.1, -0.2, -0.01)
     t = targets(off, on, 16)
@@ -55,12 +67,21 @@ def test_bad_options_exit_2_before_any_work(args, message, capsys):
     assert re.search(message, capsys.readouterr().err)
 
 
+def test_reuse_needs_out_and_finished_runs_there(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        run_bench("retention", ["--quick", "--model", "tiny:llama", "--reuse"])
+    assert exc.value.code == 2 and "--reuse scores the runs under --out DIR" in capsys.readouterr().err
+    (tmp_path / "off-seed0" / "policy").mkdir(parents=True)  # a policy without its bench_run.json
+    with pytest.raises(SystemExit) as exc:
+        run_bench("retention", ["--quick", "--model", "tiny:llama", "--reuse", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"{tmp_path / 'off-seed0'} holds no finished run" in err
+
+
 @pytest.mark.slow
-def test_a_tiny_run_prints_both_settings(capsys):
-    out = run_bench(
-        "retention",
-        ["--quick", "--model", "tiny:llama", "--steps", "2", "--n-eval", "2", "--samples", "2", "--json"],
-    )
+def test_a_tiny_run_prints_both_settings_and_reuse_scores_it_again(tmp_path, capsys):
+    args = ["--quick", "--model", "tiny:llama", "--steps", "2", "--n-eval", "2", "--samples", "2", "--json"]
+    out = run_bench("retention", [*args, "--out", str(tmp_path)])
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last == json.loads(json.dumps(out))
     for name in ("off", "on"):
@@ -72,3 +93,13 @@ def test_a_tiny_run_prints_both_settings(capsys):
     # the control run stops at the tokens the run without control generated
     assert on["generated_tokens"] >= off["generated_tokens"] and on["replay_fraction_end"] == 0.125
     assert off["replay_fraction_end"] is None and on["drift_kl_end"] is not None
+    # --reuse scores the saved runs again, training nothing: the same figures
+    again = run_bench("retention", [*args, "--out", str(tmp_path), "--reuse"])
+    assert "training" not in capsys.readouterr().err
+    assert again["settings"] == out["settings"] and again["targets"] == out["targets"]
+    with pytest.raises(SystemExit) as exc:  # a saved run trained with another control is not pooled
+        run_bench(
+            "retention",
+            [*args, "--out", str(tmp_path), "--reuse", "--control", "curriculum.retention_every=1"],
+        )
+    assert exc.value.code == 2 and "differs in" in capsys.readouterr().err

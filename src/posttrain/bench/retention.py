@@ -10,13 +10,19 @@ The control is the config overrides of `--control` (default `CONTROL`: the suite
 data raised by falling suites, the entropy floor, KL steered by the drift probe). Every figure is a
 paired difference from the base model over the same tasks, pooled over seeds, with its 95% bootstrap
 interval; `targets` checks the issue's three: no outside family falls beyond its interval, the trained
-gain keeps >= 80% of its size without control, pass@k on the trained arms does not fall.
+gain keeps >= 80% of its size without control (greedy and sampled pass@1 both), pass@k on the trained
+arms does not fall.
+
+`--out DIR --reuse` scores the runs already saved under DIR (each `NAME/policy` with the `bench_run.json`
+its training wrote) instead of training them again, so seeds trained by separate invocations are pooled
+by one more invocation over a folder holding all of them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import shutil
 import sys
 import tempfile
@@ -125,8 +131,49 @@ def score_policy(spec: str, cfg: Any, ns: Any, sizes: dict[str, int]) -> dict[st
     }
 
 
+RUN_RECORD = "bench_run.json"  # what train() returns besides the config and the rows, for --reuse
+
+
+def saved_run(root: Path, name: str, overrides: list[str], seed: int) -> dict[str, Any]:
+    """A run `train` saved under root/name (its policy, config, metrics and RUN_RECORD), for --reuse; its
+    config must be the one these overrides and seed would train (telemetry aside)."""
+    from posttrain.config import load_config
+    from posttrain.telemetry import read_metrics
+
+    folder = root / name
+    record = folder / RUN_RECORD
+    if not (folder / "policy").is_dir() or not record.is_file():
+        raise BenchUsageError(
+            f"bench retention --reuse: {folder} holds no finished run (needs policy/ and {RUN_RECORD}); "
+            "train it without --reuse"
+        )
+    run = json.loads(record.read_text())
+    cfg = load_config(str(folder / "config.yaml"))
+    want = load_config(None, [*overrides, f"seed={seed}"])
+    have_d, want_d = (c.model_dump(exclude={"telemetry"}) for c in (cfg, want))
+    if have_d != want_d:
+        differ = sorted(
+            f"{sec}.{k}"
+            for sec in want_d
+            if isinstance(want_d[sec], dict)
+            for k in set(want_d[sec]) | set(have_d.get(sec, {}))
+            if want_d[sec].get(k) != have_d.get(sec, {}).get(k)
+        ) or sorted(k for k in want_d if want_d[k] != have_d.get(k))
+        raise BenchUsageError(
+            f"bench retention --reuse: {folder}'s config is not this invocation's (differs in {', '.join(differ)})"
+        )
+    _stage(f"reusing {name}")
+    return {
+        **run,
+        "cfg": cfg,
+        "policy": str(folder / "policy"),
+        "rows": read_metrics(folder / "metrics.jsonl"),
+    }
+
+
 def train(overrides: list[str], seed: int, root: Path, name: str) -> dict[str, Any]:
-    """One RL run, its policy exported; checkpoints deleted. Returns the policy path, rows and tokens."""
+    """One RL run, its policy exported; checkpoints deleted. Returns the policy path, rows and tokens
+    (and writes the tokens, steps, stop reason and time to RUN_RECORD beside the policy)."""
     from posttrain.config import load_config, save_config
     from posttrain.orchestrator import RLRun
     from posttrain.orchestrator.export import save_hf_folder
@@ -149,15 +196,14 @@ def train(overrides: list[str], seed: int, root: Path, name: str) -> dict[str, A
     gc.collect()
     shutil.rmtree(run_dir.checkpoints, ignore_errors=True)
     rows = read_metrics(run_dir.metrics)
-    return {
-        "cfg": cfg,
-        "policy": str(policy),
-        "rows": rows,
+    record = {
         "tokens": float(summary["generated_tokens"]),
         "steps": int(summary["step"]),
         "stopped": summary["stopped"],
         "train_s": time.perf_counter() - t0,
     }
+    (run_dir.path / RUN_RECORD).write_text(json.dumps(record) + "\n")
+    return {"cfg": cfg, "policy": str(policy), "rows": rows, **record}
 
 
 def _pool(reports: list[Any]) -> Any:
@@ -206,14 +252,19 @@ def _last(rows: list[dict[str, Any]], key: str) -> float | None:
 def targets(off: dict[str, Any], on: dict[str, Any], k: int) -> dict[str, Any]:
     """The issue's targets for the control setting, each with the figure it reads."""
     fell = sorted(a for a, d in on["outside_delta"].items() if d["ci_high"] < 0)
-    g_off, g_on = off["trained_gain"]["delta"], on["trained_gain"]["delta"]
-    kept = g_on / g_off if g_off > 0 else None
+
+    def kept(key: str) -> float | None:
+        g_off, g_on = off[key]["delta"], on[key]["delta"]
+        return g_on / g_off if g_off > 0 else None
+
+    greedy, sampled = kept("trained_gain"), kept("trained_gain_sampled_pass1")
     pass_k = on[f"trained_pass{k}_delta"]
     return {
         "outside_fell": fell,
         "no_outside_fell": not fell,
-        "gain_kept": kept,
-        "gain_kept_ok": kept is not None and kept >= GAIN_KEPT_TARGET,
+        "gain_kept": greedy,
+        "gain_kept_sampled_pass1": sampled,
+        "gain_kept_ok": all(r is not None and r >= GAIN_KEPT_TARGET for r in (greedy, sampled)),
         f"pass{k}_not_fallen": pass_k["ci_high"] >= 0,
     }
 
@@ -250,7 +301,17 @@ def main(ns: Any) -> dict[str, Any]:
             RLRun.check(load_config(None, overrides))
         except ValueError as err:
             raise BenchUsageError(f"bench retention: {err}") from None
+
+    def on_overrides(budget: int) -> list[str]:
+        return [
+            *with_control,
+            f"orchestrator.token_budget={budget}",
+            f"orchestrator.steps={2 * sizes['steps']}",
+        ]
+
     k = sizes["samples"]
+    if ns.reuse and not ns.out:
+        raise BenchUsageError("bench retention: --reuse scores the runs under --out DIR; give --out")
     t0 = time.perf_counter()
     root = Path(ns.out) if ns.out else Path(tempfile.mkdtemp(prefix="posttrain-bench-retention-"))
     root.mkdir(parents=True, exist_ok=True)
@@ -260,18 +321,12 @@ def main(ns: Any) -> dict[str, Any]:
         per_setting: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
         runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
         for seed in range(ns.seed_start, ns.seed_start + ns.seeds):
-            off = train(common, seed, root, f"off-seed{seed}")
-            budget = int(off["tokens"])
-            on = train(
-                [
-                    *with_control,
-                    f"orchestrator.token_budget={budget}",
-                    f"orchestrator.steps={2 * sizes['steps']}",
-                ],
-                seed,
-                root,
-                f"on-seed{seed}",
-            )
+            if ns.reuse:
+                off = saved_run(root, f"off-seed{seed}", common, seed)
+                on = saved_run(root, f"on-seed{seed}", on_overrides(int(off["tokens"])), seed)
+            else:
+                off = train(common, seed, root, f"off-seed{seed}")
+                on = train(on_overrides(int(off["tokens"])), seed, root, f"on-seed{seed}")
             for name, run in (("off", off), ("on", on)):
                 per_setting[name].append(score_policy(run["policy"], run["cfg"], ns, sizes))
                 runs[name].append(
@@ -349,8 +404,12 @@ def _print(out: dict[str, Any], k: int) -> None:
     t.add_row("entropy at the end (per seed)", *ent)
     Console().print(t)
     tg = out["targets"]
-    ratio = out["ratio_gain_on_vs_off"]
+
+    def show(r: float | None) -> str:
+        return "n/a" if r is None else f"{r:.2f}"
+
     print(
-        f"gain kept with control: {'n/a' if ratio is None else f'{ratio:.2f}'} (target >= {GAIN_KEPT_TARGET}); "
+        f"gain kept with control: greedy {show(tg['gain_kept'])}, sampled pass@1 "
+        f"{show(tg['gain_kept_sampled_pass1'])} (target >= {GAIN_KEPT_TARGET} both); "
         f"outside families that fell: {tg['outside_fell'] or 'none'}; pass@{k} not fallen: {tg[f'pass{k}_not_fallen']}"
     )

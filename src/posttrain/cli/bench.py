@@ -245,6 +245,9 @@ def retention(
     run_overrides: list[str] = typer.Option([], "--run-set", help="KEY=VALUE for both settings (repeatable)"),
     eval_seed: int = typer.Option(1000, "--eval-seed"),
     out: str | None = typer.Option(None, "--out", help="keep the runs (policies, metrics) under this folder"),
+    reuse: bool = typer.Option(
+        False, "--reuse", help="score the runs already saved under --out instead of training them"
+    ),
     json_out: bool = JSON,
 ) -> dict[str, Any]:
     """The default recipe without and with retention control (same seed and token budget): trained gain,
@@ -267,6 +270,7 @@ def retention(
         run_overrides=run_overrides,
         eval_seed=eval_seed,
         out=out,
+        reuse=reuse,
     )
 
 

@@ -3,8 +3,9 @@ ranks (a sharded learner folder) or 2 context-parallel ranks (rank 0's single-pr
 a fresh group to step 2, logs the straight single-process run's metrics and ends with its weights. The
 drift probe (score_tokens), the drift-steered KL coefficient (kl_ctl) and optimizer offload/reload
 through 2 FSDP ranks log the single-process run's figures. PPO with a copied critic on 2 FSDP ranks,
-2 tensor-parallel ranks, a 2x2 mesh or 2 context-parallel ranks, straight or (FSDP, TP) resumed from a sharded checkpoint, logs the
-single-process run's metrics and ends with its policy and critic. A LoRA run on 2 FSDP (or 2 TP) ranks pushes
+2 tensor-parallel ranks, a 2x2 mesh, 2 context-parallel ranks, or 4 ranks in a dp x cp or cp x tp mesh, straight or
+(FSDP, TP, dp x cp, cp x tp) resumed from a sharded checkpoint, logs the single-process run's metrics and ends
+with its policy and critic. A LoRA run on 2 FSDP (or 2 TP) ranks pushes
 only the adapters, and its engine holds the group's merged weights."""
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def _critic_state(rl, step: int) -> dict:
     cfg = rl.cfg
     learner = Learner(
         cfg.model,
-        cfg.trainer.model_copy(update={"data_parallel": 1, "tensor_parallel": 1}),
+        cfg.trainer.model_copy(update={"data_parallel": 1, "tensor_parallel": 1, "context_parallel": 1}),
         cfg.algorithm,
         seed=cfg.seed,
         batch_cfg=cfg.batch,
@@ -173,8 +174,10 @@ def _assert_same_critic(critic: dict, rl) -> None:
         pytest.param(2, ["trainer.tensor_parallel=2"], marks=pytest.mark.slow),
         pytest.param(4, ["trainer.data_parallel=2", "trainer.tensor_parallel=2"], marks=pytest.mark.slow),
         pytest.param(2, ["trainer.context_parallel=2"], marks=pytest.mark.slow),
+        pytest.param(4, ["trainer.data_parallel=2", "trainer.context_parallel=2"], marks=pytest.mark.slow),
+        pytest.param(4, ["trainer.context_parallel=2", "trainer.tensor_parallel=2"], marks=pytest.mark.slow),
     ],
-    ids=["fsdp", "tp", "2x2", "cp"],
+    ids=["fsdp", "tp", "2x2", "cp", "dp2xcp2", "cp2xtp2"],
 )
 def test_a_critic_on_sharded_ranks_runs_ppo_as_one_process(
     straight_critic, critic_sets, tmp_path, ranks, sets
@@ -191,16 +194,23 @@ def test_a_critic_on_sharded_ranks_runs_ppo_as_one_process(
 
 
 @pytest.mark.parametrize(
-    "mode", ["data_parallel", pytest.param("tensor_parallel", marks=pytest.mark.slow)], ids=["fsdp", "tp"]
+    "ranks",
+    [
+        ["trainer.data_parallel=2"],
+        pytest.param(["trainer.tensor_parallel=2"], marks=pytest.mark.slow),
+        pytest.param(["trainer.data_parallel=2", "trainer.context_parallel=2"], marks=pytest.mark.slow),
+        pytest.param(["trainer.context_parallel=2", "trainer.tensor_parallel=2"], marks=pytest.mark.slow),
+    ],
+    ids=["fsdp", "tp", "dp2xcp2", "cp2xtp2"],
 )
 def test_a_group_run_with_a_critic_resumes_from_its_sharded_checkpoint(
-    straight_critic, critic_sets, tmp_path, mode
+    straight_critic, critic_sets, tmp_path, ranks
 ):
     rows, weights, critic = straight_critic
-    first = _run(_cfg(tmp_path, *critic_sets, f"trainer.{mode}=2", "orchestrator.steps=1"), "resumed")
+    first = _run(_cfg(tmp_path, *critic_sets, *ranks, "orchestrator.steps=1"), "resumed")
     first.close()
     assert (first.run_dir.checkpoints / step_name(1) / LEARNER_DIR / "learner_counters.json").is_file()
-    sets = [*critic_sets, f"trainer.{mode}=2", "orchestrator.steps=2"]
+    sets = [*critic_sets, *ranks, "orchestrator.steps=2"]
     again = _run(_cfg(tmp_path, *sets), "resumed", resume=True)
     try:
         _assert_same(rows, weights, again)  # step 1 by the first group, step 2 by the resumed one

@@ -494,10 +494,17 @@ class AlgorithmConfig(Section):
         le=1.0,
         description="replay of general data: the initial policy's own completions of general prompts "
         "(orchestrator.replay) mixed into each update, this many per RL sequence (rounded half up, at "
-        "least 1 while > 0), as a supervised term of weight replay_coef; 0 = off",
+        "least 1 while > 0), as a term (replay_loss) of weight replay_coef; 0 = off",
     )
     replay_coef: float = Field(
-        0.1, gt=0.0, description="replay_fraction: weight of the replay samples' token-mean NLL in the loss"
+        0.1, gt=0.0, description="replay_fraction: weight of the replay term (replay_loss) in the loss"
+    )
+    replay_loss: Literal["nll", "kl"] = Field(
+        "nll",
+        description="replay_fraction: the replay term, token-mean over the replay completions' tokens: "
+        "nll = their negative log-likelihood (a supervised term); kl = KL(initial policy || policy) over "
+        "the whole vocabulary at each position (distillation from the reference's distribution; keeps a "
+        "frozen reference copy under full fine-tuning; one process only)",
     )
     replay_tokens: int = Field(
         64, ge=1, description="replay_fraction: tokens sampled per reference completion of a replay prompt"
@@ -1028,6 +1035,7 @@ class RunConfig(Section):
                 "algorithm.advantage=gae needs a value function: set trainer.critic to 'copy' or 'separate'"
             )
         self._check_learner_ranks()
+        self._check_replay()
         self._check_weight_offload()
         self._check_engine_gpus()
         self._check_learner_gpus()
@@ -1120,6 +1128,23 @@ class RunConfig(Section):
             )
         if why is not None:
             raise ValueError(f"placement.offload_engine_weights: {why}")
+
+    def _check_replay(self) -> None:
+        """Replay of general data is one process's term; its KL form needs whole rows and the whole vocabulary."""
+        if self.algorithm.replay_fraction <= 0 and self.curriculum.retention_replay_gain <= 0:
+            return
+        t = self.trainer
+        if t.data_parallel > 1:
+            raise ValueError(
+                f"algorithm.replay_fraction (or curriculum.retention_replay_gain) with trainer.data_parallel="
+                f"{t.data_parallel}: the replay term is computed on one process; set data_parallel to 1"
+            )
+        if self.algorithm.replay_loss == "kl" and (t.context_parallel > 1 or t.tensor_parallel > 1):
+            raise ValueError(
+                "algorithm.replay_loss=kl needs whole rows and the whole vocabulary on one process: not with "
+                f"trainer.context_parallel={t.context_parallel} / tensor_parallel={t.tensor_parallel}; use "
+                "replay_loss=nll"
+            )
 
     def _check_learner_ranks(self) -> None:
         t, p = self.trainer, self.placement

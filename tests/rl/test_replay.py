@@ -174,3 +174,99 @@ def test_a_falling_suite_in_a_run_feeds_the_curriculum_and_raises_the_replay(tmp
         from posttrain.orchestrator import RLRun
 
         RLRun.check(_cfg(tmp_path, "curriculum.retention_replay_gain=0.5"))
+
+
+def _kl_by_hand(policy, reference, samples: list[Sample]) -> torch.Tensor:
+    """Token-mean over the samples' loss-masked tokens of KL(reference || policy) over the whole
+    vocabulary at the position predicting each token, from plain full forwards (temperature 1);
+    `policy` and `reference` map input ids to logits."""
+    total, count = 0.0, 0
+    for s in samples:
+        ids = torch.tensor([s.token_ids])
+        logp = torch.log_softmax(policy(ids).float(), dim=-1)[0, :-1]
+        with torch.no_grad():
+            ref = torch.log_softmax(reference(ids).float(), dim=-1)[0, :-1]
+        mask = torch.tensor(s.loss_mask[1:], dtype=torch.float32)
+        kl = (ref.exp() * (ref - logp)).sum(-1)
+        total = total + (kl * mask).sum()
+        count += int(mask.sum())
+    return total / count
+
+
+def _logits(model):
+    return lambda ids: model(input_ids=ids).logits
+
+
+def _base_logits(peft_model):
+    def run(ids: torch.Tensor) -> torch.Tensor:
+        with peft_model.disable_adapter():
+            return peft_model(input_ids=ids).logits
+
+    return run
+
+
+RL = [_sample([1, 5, 6, 7], 2, 1.0, 0), _sample([1, 5, 8, 9, 4], 2, 1.0, 0)]  # equal rewards: no RL gradient
+REPLAY = [_sample([1, 2, 3, 10, 11, 12], 3, 0.0, 0), _sample([1, 4, 13, 14], 2, 0.0, 1)]
+
+
+def test_the_kl_replay_term_is_the_full_vocabulary_kl_from_the_initial_policy_and_its_gradient():
+    algo = AlgorithmConfig(replay_fraction=0.5, replay_coef=0.3, replay_loss="kl")
+    trainer = TrainerConfig(max_grad_norm=1e9, logprob_chunk_tokens=2)  # 5 positions in 3 chunks
+    learner = Learner(ModelConfig(spec="tiny:llama"), trainer, algo, seed=0)
+    assert learner.reference is not None  # kept for the KL although algorithm.kl_coef is 0
+    # at the initial policy the KL and its gradient are 0 (the NLL's gradient would not be)
+    at_start = learner.step(RL, replay=REPLAY)
+    assert at_start["replay_kl"] == pytest.approx(0.0, abs=1e-6) and "replay_nll" not in at_start
+    assert all(float(p.grad.abs().max()) < 1e-6 for p in learner.model.parameters() if p.grad is not None)
+    # move the policy away from the reference, then compare with plain autograd over full logits
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in learner.model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    policy = copy.deepcopy(learner.model)
+    metrics = learner.step(RL, replay=REPLAY)
+    kl = _kl_by_hand(_logits(policy), _logits(learner.reference), REPLAY)
+    (0.3 * kl).backward()
+    assert float(kl.detach()) > 1e-3
+    assert metrics["replay_kl"] == pytest.approx(float(kl.detach()), rel=1e-5)
+    assert metrics["replay_sequences"] == 2.0 and metrics["replay_tokens"] == 5.0
+    got = dict(learner.model.named_parameters())
+    for name, p in policy.named_parameters():
+        assert torch.allclose(got[name].grad, p.grad, atol=1e-6), name
+
+
+def test_the_kl_replay_term_under_lora_reads_the_base_model_and_refuses_an_adapted_head():
+    algo = AlgorithmConfig(replay_fraction=0.5, replay_coef=1.0, replay_loss="kl")
+    model_cfg = ModelConfig(spec="tiny:llama", lora_rank=4)
+    learner = Learner(model_cfg, TrainerConfig(max_grad_norm=1e9), algo, seed=0)
+    assert learner.reference is None  # LoRA's reference is the base: adapters off
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():  # LoRA B starts at 0 (policy = base): give the adapters a value
+        for name, p in learner.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    with torch.no_grad():
+        kl = _kl_by_hand(_logits(learner.model), _base_logits(learner.model), REPLAY)
+    metrics = learner.step(RL, replay=REPLAY)
+    assert float(kl) > 1e-3 and metrics["replay_kl"] == pytest.approx(float(kl), rel=1e-5)
+    head = ModelConfig(spec="tiny:llama", lora_rank=4, lora_target_modules=["q_proj", "lm_head"])
+    adapted = Learner(head, TrainerConfig(), algo, seed=0)
+    with pytest.raises(ValueError, match="replay_loss=kl under LoRA needs a frozen output layer"):
+        adapted.step(RL, replay=REPLAY)
+
+
+def test_replay_settings_a_learner_cannot_run_are_config_errors():
+    from posttrain.config import ConfigError, load_config
+
+    kl = ["algorithm.replay_fraction=0.1", "algorithm.replay_loss=kl"]
+    with pytest.raises(ConfigError, match="replay_loss=kl needs whole rows.*context_parallel=2"):
+        load_config(None, [*kl, "trainer.context_parallel=2"])
+    with pytest.raises(ConfigError, match="replay_loss=kl needs whole rows.*tensor_parallel=2"):
+        load_config(None, [*kl, "trainer.tensor_parallel=2"])
+    with pytest.raises(ConfigError, match="retention_replay_gain\\) with trainer.data_parallel=2"):
+        load_config(None, ["curriculum.retention_replay_gain=0.5", "trainer.data_parallel=2"])
+    with pytest.raises(ConfigError, match="algorithm.replay_loss"):
+        load_config(None, ["algorithm.replay_loss=distill"])
+    assert load_config(None, [*kl, "trainer.context_parallel=1"]).algorithm.replay_loss == "kl"
+    # nll replay runs under context parallelism (the ring computes its logprobs)
+    assert load_config(None, ["algorithm.replay_fraction=0.1", "trainer.context_parallel=2"])

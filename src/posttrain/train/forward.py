@@ -1,4 +1,5 @@
-"""Forward passes the Learner needs: decoder hidden states, chunked token logprobs and entropy, values.
+"""Forward passes the Learner needs: decoder hidden states, chunked token logprobs and entropy, the
+full-vocabulary KL to a reference (replay distillation), values.
 
 The LM head runs on chunks of the *selected* positions only (generated tokens), under activation
 checkpointing when gradients are on, so the full `[tokens, vocab]` logits never exist at once.
@@ -137,6 +138,33 @@ def chunked_logprobs(
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return empty, empty
     return torch.cat(lps), torch.cat(ents)
+
+
+def _forward_kl_chunk(lm_head: nn.Module, ref_head: nn.Module, h: Tensor, ref_h: Tensor) -> Tensor:
+    with torch.autocast(device_type=h.device.type, enabled=False):
+        logp = torch.log_softmax(lm_head(h.to(lm_head.weight.dtype)).float(), dim=-1)
+        with torch.no_grad():
+            ref_logp = torch.log_softmax(ref_head(ref_h.to(ref_head.weight.dtype)).float(), dim=-1)
+    return (ref_logp.exp() * (ref_logp - logp)).sum(-1)
+
+
+def chunked_forward_kl(
+    lm_head: nn.Module, ref_head: nn.Module, hidden: Tensor, ref_hidden: Tensor, chunk_tokens: int
+) -> Tensor:
+    """Per position, KL(reference || policy) over the whole vocabulary at temperature 1: the policy's
+    distribution is softmax(lm_head(hidden[i])), the reference's softmax(ref_head(ref_hidden[i])) (no
+    gradient). By chunks; with gradients on, each chunk is checkpointed and both heads' logits are
+    recomputed in backward, so peak memory holds one chunk of each."""
+    kls = []
+    grad = torch.is_grad_enabled() and hidden.requires_grad
+    ref_hidden = ref_hidden.detach()
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        h, ref_h = hidden[start : start + chunk_tokens], ref_hidden[start : start + chunk_tokens]
+        if grad:
+            kls.append(checkpoint(_forward_kl_chunk, lm_head, ref_head, h, ref_h, use_reentrant=False))
+        else:
+            kls.append(_forward_kl_chunk(lm_head, ref_head, h, ref_h))
+    return torch.cat(kls) if kls else hidden.new_zeros(0, dtype=torch.float32)
 
 
 class ValueModel(nn.Module):

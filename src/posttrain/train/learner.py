@@ -46,8 +46,10 @@ from posttrain.train.batch import (
 )
 from posttrain.train.distributed import full_value
 from posttrain.train.forward import (
+    Targets,
     ValueModel,
     causal_lm,
+    chunked_forward_kl,
     chunked_logprobs,
     decoder_hidden,
     scatter_rows,
@@ -135,7 +137,8 @@ class Learner:
         keep_reference: bool = False,
     ) -> None:
         """`keep_reference`: full fine-tuning keeps a frozen copy of the initial policy even when
-        algorithm.kl_coef is 0 (preference losses compare with it); LoRA's reference is always the base.
+        algorithm.kl_coef is 0 (preference losses compare with it; so does algorithm.replay_loss=kl);
+        LoRA's reference is always the base.
         The policy (`model` too, when one is handed in), reference and critic go to trainer.device
         (`learner_device`; this process's rank in an initialised torch.distributed group picks its GPU)."""
         from posttrain.models import load_policy, wrap_lora
@@ -193,6 +196,7 @@ class Learner:
             hidden_size = causal_lm(cm).config.hidden_size
 
         self.reference: Any = None
+        keep_reference = keep_reference or algo_cfg.replay_loss == "kl"
         if not self.lora and (algo_cfg.kl_coef > 0 or keep_reference):
             self.reference = copy.deepcopy(model).eval()
             for p in self.reference.parameters():
@@ -288,6 +292,23 @@ class Learner:
             temp = self.algo_cfg.temperature if temperature is None else temperature
             chunk = self.trainer_cfg.logprob_chunk_tokens
             return self.cp.policy_forward(model, batch, mask, temp, chunk, self._autocast())
+        h, targets = self._target_hidden(model, batch, mask, inputs)
+        with self._autocast():
+            lp, ent = chunked_logprobs(
+                causal_lm(model).get_output_embeddings(),
+                h,
+                targets.token,
+                self.trainer_cfg.logprob_chunk_tokens,
+                self.algo_cfg.temperature if temperature is None else temperature,
+            )
+        shape = tuple(batch.token_ids.shape)
+        return scatter_rows(lp, targets, shape), scatter_rows(ent, targets, shape)
+
+    def _target_hidden(
+        self, model: Any, batch: Batch, mask: Tensor, inputs: ModelInputs | None = None
+    ) -> tuple[Tensor, Targets]:
+        """The decoder's hidden states `[n, H]` at the positions predicting the n tokens where `mask` is
+        1, and those targets (the one-process path: no FSDP root, no context parallelism)."""
         lm = causal_lm(model)
         prefix = int(batch.meta.get("shared_prefix", 0))
         if prefix > 0:
@@ -312,16 +333,7 @@ class Learner:
             else:
                 assert inputs is not None
                 hidden = decoder_hidden(lm.get_decoder(), inputs)
-            h = hidden.reshape(-1, hidden.shape[-1])[targets.src]
-            lp, ent = chunked_logprobs(
-                lm.get_output_embeddings(),
-                h,
-                targets.token,
-                self.trainer_cfg.logprob_chunk_tokens,
-                self.algo_cfg.temperature if temperature is None else temperature,
-            )
-        shape = tuple(batch.token_ids.shape)
-        return scatter_rows(lp, targets, shape), scatter_rows(ent, targets, shape)
+        return hidden.reshape(-1, hidden.shape[-1])[targets.src], targets
 
     def _value_forward(self, batch: Batch, mask: Tensor, inputs: ModelInputs | None = None) -> Tensor:
         assert self.critic is not None
@@ -423,15 +435,21 @@ class Learner:
         """The whole RL update for one batch of samples; returns metrics. Bumps `version`.
 
         `replay`: supervised samples mixed into the update (general data, `orchestrator.replay`): each
-        optimizer step adds algorithm.replay_coef x the token-mean NLL (temperature 1) of its share of
-        them (split over the mini-batches in order) to the RL loss. Metrics `replay_nll` (before the
-        step), `replay_sequences`, `replay_tokens`."""
+        optimizer step adds algorithm.replay_coef x the replay term (`_replay_backward`: token-mean NLL,
+        or the full-vocabulary KL from the initial policy) of its share of them (split over the
+        mini-batches in order) to the RL loss. Metrics `replay_nll` or `replay_kl` (before the step),
+        `replay_sequences`, `replay_tokens`."""
         t0 = time.perf_counter()
         a = self.algo_cfg
         if replay and self.dp is not None:
             raise ValueError(
                 "algorithm.replay_fraction > 0 is not available with a data-parallel learner: the replay "
                 "term is computed on one process"
+            )
+        if replay and a.replay_loss == "kl" and (self.cp is not None or self.tp is not None):
+            raise ValueError(
+                "algorithm.replay_loss=kl is computed on one process's whole vocabulary and sequence: not "
+                "with trainer.context_parallel or tensor_parallel > 1; use replay_loss=nll"
             )
         batch = build_batch(samples, self.device)
         if self.moe is not None:
@@ -747,8 +765,8 @@ class Learner:
                             range(round(k * replay.size / n_mini), round((k + 1) * replay.size / n_mini))
                         )
                         if r_rows:
-                            nll, n_tok = self._replay_backward(replay.select(r_rows))
-                            add("replay_nll", nll, n_tok)
+                            term, n_tok = self._replay_backward(replay.select(r_rows))
+                            add(f"replay_{a.replay_loss}", term, n_tok)
                     if self.dp is not None:
                         mb_loss, mb_vloss = self.dp.sum_([mb_loss, mb_vloss])
                     grad_norm = self._clip_grad_norm(tc.max_grad_norm)
@@ -790,19 +808,52 @@ class Learner:
         return out_metrics
 
     def _replay_backward(self, replay: Batch) -> tuple[float, float]:
-        """Backward of replay_coef x the token-mean NLL of `replay`'s loss-masked tokens (temperature 1),
-        accumulated into the gradients of the optimizer step under way; returns (that NLL before the
-        step, its token count)."""
+        """Backward of replay_coef x the replay term over `replay`'s loss-masked tokens, accumulated into
+        the gradients of the optimizer step under way; returns (the term before the step, its token
+        count). The term (algorithm.replay_loss) is the token-mean NLL at temperature 1 (`nll`), or the
+        token-mean KL(initial policy || policy) over the whole vocabulary at each of those positions
+        (`kl`: distillation from the reference's full distribution, not only its sampled token)."""
         weights = aggregation_weights(replay.loss_mask, "token_mean")
         coef = self.algo_cfg.replay_coef
-        nll = 0.0
+        total = 0.0
         for mi, rows in self._sft_micro_batches(replay):
             w = weights[torch.as_tensor(rows, device=self.device), : mi.token_ids.shape[1]]
-            lp, _ = self._policy_forward(self.model, mi, mi.loss_mask, temperature=1.0)
-            loss = masked_nll(lp, w)
+            if self.algo_cfg.replay_loss == "kl":
+                h, targets = self._target_hidden(self.model, mi, mi.loss_mask)
+                ref_h, ref_head = self._reference_hidden(mi)
+                kl = chunked_forward_kl(
+                    causal_lm(self.model).get_output_embeddings(),
+                    ref_head,
+                    h,
+                    ref_h,
+                    self.trainer_cfg.logprob_chunk_tokens,
+                )
+                loss = (kl * w[targets.rows, targets.cols].to(kl.dtype)).sum()
+            else:
+                lp, _ = self._policy_forward(self.model, mi, mi.loss_mask, temperature=1.0)
+                loss = masked_nll(lp, w)
             (coef * loss).backward()
-            nll += float(loss.item())
-        return nll, float(replay.loss_mask.sum().item())
+            total += float(loss.item())
+        return total, float(replay.loss_mask.sum().item())
+
+    @torch.no_grad()
+    def _reference_hidden(self, batch: Batch) -> tuple[Tensor, nn.Module]:
+        """The initial policy's hidden states at `batch`'s loss positions and its output layer: the
+        frozen copy's, or under LoRA the base model's (adapters off; an adapted output layer is refused,
+        its base weights would not be the reference once the backward recomputes it)."""
+        if self.lora:
+            head = causal_lm(self.model).get_output_embeddings()
+            if any(p.requires_grad for p in head.parameters()):
+                raise ValueError(
+                    "algorithm.replay_loss=kl under LoRA needs a frozen output layer: take lm_head out of "
+                    "model.lora_target_modules, or use replay_loss=nll"
+                )
+            with self.model.disable_adapter():
+                return self._target_hidden(self.model, batch, batch.loss_mask)[0], head
+        if self.reference is None:
+            raise RuntimeError("algorithm.replay_loss=kl needs the frozen reference the Learner keeps for it")
+        h = self._target_hidden(self.reference, batch, batch.loss_mask)[0]
+        return h, causal_lm(self.reference).get_output_embeddings()
 
     # ------------------------------------------------------------------------------------------
     # supervised fine-tuning

@@ -288,6 +288,39 @@ class DomainConfig(Section):
     options: dict[str, Any] = {}
 
 
+class RetentionSuiteConfig(Section):
+    """One entry of curriculum.retention: a domain (with its generator options) and the levels scored."""
+
+    name: str
+    difficulties: list[int] = [0]
+    options: dict[str, Any] = {}
+    label: str | None = Field(
+        None,
+        description="the suite's name in its metrics (retention/<label>:<level>), in place of the domain's; "
+        "needed when the domain is trained with other options (math with other reasoning-gym datasets, say), "
+        "so its figures are not read as the trained domain's",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_weight(cls, data: Any) -> Any:
+        # configs saved while suites were envs.domains entries carry `weight: 1.0`, which meant nothing here
+        if isinstance(data, dict) and "weight" in data:
+            if data["weight"] != 1.0:
+                raise ValueError(
+                    "a retention suite has no weight (it is scored, not sampled): remove 'weight'"
+                )
+            data = {k: v for k, v in data.items() if k != "weight"}
+        return data
+
+    @field_validator("label")
+    @classmethod
+    def _label_form(cls, v: str | None) -> str | None:
+        if v is not None and (not v.strip() or ":" in v or v != v.strip()):
+            raise ValueError(f"label {v!r} must be a non-empty name without ':' or surrounding spaces")
+        return v
+
+
 class EnvsConfig(Section):
     """Domains and difficulty levels to train on (`posttrain tasks list` shows them). The default mix
     holds what the embedded 135M model solves sometimes but not always; tools.apis level 0 is left
@@ -349,10 +382,11 @@ class CurriculumConfig(Section):
         "outside every domain, from its own sampled completions; one learner forward); 0 = off",
     )
     drift_prompts: int = Field(16, ge=1, le=16, description="drift probe: general prompts used (of 16)")
-    retention: list[DomainConfig] = Field(
+    retention: list[RetentionSuiteConfig] = Field(
         [],
-        description="retention suites: domains and levels outside envs.domains, scored greedily every "
-        "retention_every steps against the initial policy's scores of the same held-out tasks",
+        description="retention suites: domains and levels outside envs.domains (or a trained domain's name "
+        "with other options and a label), scored greedily every retention_every steps against the initial "
+        "policy's scores of the same held-out tasks",
     )
     retention_every: int = Field(0, ge=0, description="retention suites' period in steps (sync mode)")
     retention_size: int = Field(16, ge=1, description="held-out tasks per retention suite (domain and level)")

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from posttrain.bench.retention import targets
+from posttrain.bench.retention import parse_suites, spec_arms, suites_yaml, targets
 from posttrain.cli.bench import run_bench
 
 
@@ -58,6 +58,17 @@ def test_targets_by_hand():
             "kl_control='drift' needs curriculum.drift_every",
         ),
         (["--control", "curriculum.drift_every=1"], "retention_every is 0"),
+        (["--outside", "math{datasets: [letter_counting]}:0"], "has options: give it a label"),
+        (["--outside", "w=math{datasets: [letter_counting:0"], "options must be a YAML mapping"),
+        (["--retention", "=math:2"], "is not of the form \\[label=\\]name"),
+        (["--retention", "math:x"], "levels must be integers"),
+        (
+            [
+                "--outside",
+                "letters=math{datasets: [letter_counting]}:0;letters=math{datasets: [word_sorting]}:0",
+            ],
+            "'letters' is given twice",
+        ),
     ],
 )
 def test_bad_options_exit_2_before_any_work(args, message, capsys):
@@ -65,6 +76,32 @@ def test_bad_options_exit_2_before_any_work(args, message, capsys):
         run_bench("retention", ["--quick", "--model", "tiny:llama", *args])
     assert exc.value.code == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_suite_specs_carry_options_and_labels_into_the_config_and_the_arms():
+    entries = parse_suites("math:2,3; letters=math{datasets: [letter_counting]}:0;instruct=code.humaneval:0")
+    assert entries == [
+        {"name": "math", "difficulties": [2, 3], "options": {}},
+        {
+            "name": "math",
+            "difficulties": [0],
+            "options": {"datasets": ["letter_counting"]},
+            "label": "letters",
+        },
+        {"name": "code.humaneval", "difficulties": [0], "options": {}, "label": "instruct"},
+    ]
+    domains, arms = spec_arms("math:2;letters=math{datasets: [letter_counting]}:0")
+    assert [a.key for a in arms] == ["math:2", "letters:0"]
+    assert domains["letters"].task("heldout", 0, 0).meta["dataset"] == "letter_counting"
+    # the control run's config holds the labelled family suite; math trains levels 0-1 of its curated set
+    from posttrain.config import load_config
+
+    cfg = load_config(
+        None, [f"curriculum.retention=[{suites_yaml('letters=math{datasets: [letter_counting]}:0')}]"]
+    )
+    (suite,) = cfg.curriculum.retention
+    assert (suite.name, suite.label, suite.difficulties) == ("math", "letters", [0])
+    assert suite.options == {"datasets": ["letter_counting"]}
 
 
 def test_reuse_needs_out_and_finished_runs_there(tmp_path, capsys):

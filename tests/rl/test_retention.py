@@ -16,6 +16,12 @@ from .test_loop import _cfg, _run
 RETAIN = ["curriculum.retention=[{name: math, difficulties: [1]}]", "curriculum.retention_size=3"]
 
 
+def _letters(label: str | None = None) -> str:
+    """A retention entry of math's letter_counting family at level 0 (math trains curated families)."""
+    tail = "" if label is None else f", label: {label}"
+    return f"{{name: math, difficulties: [0], options: {{datasets: [letter_counting]}}{tail}}}"
+
+
 def test_metrics_pair_tasks_and_leave_infra_failures_out():
     suites = RetentionSuites.__new__(RetentionSuites)
     suites.seed, suites.base = 0, {"math:1": [1.0, 0.0, None]}
@@ -64,11 +70,59 @@ def test_a_run_scores_its_suites_against_the_stored_base_and_a_resume_reuses_it(
             [*RETAIN, "curriculum.retention_every=1", "orchestrator.mode=async"],
             "needs orchestrator.mode=sync",
         ),
+        (  # math trains the curated families: a family suite under math's name would read as math's
+            [f"curriculum.retention=[{_letters()}]", "curriculum.retention_every=1"],
+            "'math' is trained with other options .* give this suite a label",
+        ),
+        (
+            [f"curriculum.retention=[{_letters('code.unit_tests')}]", "curriculum.retention_every=1"],
+            "'code.unit_tests': the label is a domain's name",
+        ),
+        (
+            [
+                "curriculum.retention=[{name: math, difficulties: [1]}, {name: math, difficulties: [2]}]",
+                "curriculum.retention_every=1",
+            ],
+            "'math' is listed twice: give each entry its own label",
+        ),
+        (
+            ["curriculum.retention=[" + _letters("'a:b'") + "]", "curriculum.retention_every=1"],
+            "label 'a:b' must be a non-empty name without ':'",
+        ),
     ],
 )
 def test_bad_retention_config_fails_before_work(tmp_path, extra, message):
     with pytest.raises(ValueError, match=message):
         RLRun.check(_cfg(tmp_path, *extra))
+
+
+def test_a_labelled_suite_holds_a_family_of_a_trained_domain_at_a_trained_level(tmp_path):
+    from posttrain.curriculum import Arm, make_sampler
+    from posttrain.envs.domains.math import CURATED
+
+    cfg = _cfg(
+        tmp_path,
+        f"curriculum.retention=[{_letters('letters')}, {{name: math, difficulties: [1]}}]",
+        "curriculum.retention_every=1",
+        "curriculum.retention_size=4",
+    )
+    suites = RetentionSuites.from_config(cfg)
+    assert suites.arms == [Arm("letters", 0), Arm("math", 1)]
+    datasets = [(arm.key, task.meta["dataset"]) for arm, _, task in suites.tasks]
+    assert datasets[:4] == [("letters:0", "letter_counting")] * 4
+    curated_1 = {name for name, _ in CURATED[1]}
+    assert {k for k, _ in datasets[4:]} == {"math:1"} and {d for _, d in datasets[4:]} <= curated_1
+    # the same options at a trained level is the trained arm itself, labelled or not
+    same = "{name: math, difficulties: [0], label: again}"
+    with pytest.raises(ValueError, match="math:0 is in the training mix"):
+        RetentionSuites.check_config(
+            _cfg(tmp_path, f"curriculum.retention=[{same}]", "curriculum.retention_every=1")
+        )
+    # in the curriculum a labelled family is no level of math: it moves the replay rate, not math's share
+    sampler = make_sampler(cfg.curriculum, [Arm("math", 0), Arm("tools.apis", 0)], seed=0)
+    before = sampler.weights()
+    sampler.record_retention("letters:0", -0.5, 0.1)
+    assert sampler.weights() == before and sampler.replay_fraction(0.1, 1.0) == pytest.approx(0.5)
 
 
 def test_a_suite_that_falls_past_retention_stop_stops_the_run_and_keeps_the_checkpoint_before(
@@ -94,3 +148,17 @@ def test_a_suite_that_falls_past_retention_stop_stops_the_run_and_keeps_the_chec
     assert best.is_dir() and json.loads((best / "run_state.json").read_text())["step"] == 2
     assert checkpoint_step(sorted(p for p in rl.run_dir.checkpoints.glob("step-*"))[-1]) == 3  # resumable
     rl.close()
+
+
+def test_a_config_saved_with_suites_as_domain_entries_still_loads_and_a_real_weight_is_refused():
+    from posttrain.config import ConfigError, load_config
+
+    old = load_config(None, ["curriculum.retention=[{name: math, difficulties: [1], weight: 1.0}]"])
+    assert old.curriculum.retention[0].model_dump() == {
+        "name": "math",
+        "difficulties": [1],
+        "options": {},
+        "label": None,
+    }
+    with pytest.raises(ConfigError, match="a retention suite has no weight"):
+        load_config(None, ["curriculum.retention=[{name: math, difficulties: [1], weight: 2.0}]"])

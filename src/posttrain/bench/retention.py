@@ -62,34 +62,96 @@ QUICK_CONTROL = ["curriculum.retention_every=1", "curriculum.retention_size=4", 
 GAIN_KEPT_TARGET = 0.8
 
 
+def parse_suites(text: str) -> list[dict[str, Any]]:
+    """`--retention` / `--outside` specs, `;`-separated `[label=]name[{options}]:levels`, e.g.
+    `math:2;letters=math{datasets: [letter_counting]}:0` -> curriculum.retention entries (name,
+    difficulties, options, label). An entry with options needs a label: its figures must not read as
+    the domain's own. BenchUsageError names a bad part."""
+    import yaml
+
+    out = []
+    for part in (p.strip() for p in text.split(";")):
+        if not part:
+            continue
+        head, sep, levels = part.rpartition(":")
+        label, eq, rest = head.partition("=") if "=" in head.split("{", 1)[0] else (None, "", head)
+        name, brace, opts = rest.partition("{")
+        if not sep or not name.strip() or not levels.strip() or (eq and not label.strip()):
+            raise BenchUsageError(
+                f"suite '{part}' is not of the form [label=]name[{{options}}]:level[,level...]"
+            )
+        try:
+            lv = [int(x) for x in levels.split(",") if x.strip()]
+        except ValueError:
+            raise BenchUsageError(f"suite '{part}': levels must be integers") from None
+        options: Any = {}
+        if brace:
+            try:
+                options = yaml.safe_load("{" + opts)
+            except yaml.YAMLError:
+                options = None
+            if not isinstance(options, dict):
+                raise BenchUsageError(f"suite '{part}': the options must be a YAML mapping in braces")
+            if not eq:
+                raise BenchUsageError(
+                    f"suite '{part}' has options: give it a label (label=name{{...}}:levels)"
+                )
+        entry: dict[str, Any] = {"name": name.strip(), "difficulties": lv, "options": options}
+        if eq:
+            entry["label"] = label.strip()
+        out.append(entry)
+    if not out:
+        raise BenchUsageError("no suite given")
+    return out
+
+
 def _domains_yaml(text: str) -> str:
     return ", ".join(
         f"{{name: {n}, difficulties: [{', '.join(map(str, lv))}]}}" for n, lv in parse_domains(text)
     )
 
 
-def _arms(text: str) -> tuple[dict[str, Any], list[Any]]:
+def suites_yaml(text: str) -> str:
+    return ", ".join(json.dumps(entry) for entry in parse_suites(text))
+
+
+def spec_arms(text: str, suites: bool = True) -> tuple[dict[str, Any], list[Any]]:
+    """The domains (by suite name: the label, else the domain's name) and arms of a spec; `suites=False`
+    reads a training mix (`name:levels` parts only)."""
     from posttrain.curriculum import Arm
     from posttrain.envs import get_domain
 
-    domains, arms = {}, []
-    for name, levels in parse_domains(text):
-        domain = domains.setdefault(name, get_domain(name))
-        for lvl in levels:
+    entries = (
+        parse_suites(text)
+        if suites
+        else [{"name": n, "difficulties": lv, "options": {}} for n, lv in parse_domains(text)]
+    )
+    domains: dict[str, Any] = {}
+    arms = []
+    for e in entries:
+        key = e.get("label") or e["name"]
+        if key in domains and e.get("options"):
+            raise BenchUsageError(f"'{key}' is given twice")
+        domain = domains.setdefault(key, get_domain(e["name"], **e["options"]))
+        for lvl in e["difficulties"]:
             if lvl not in domain.difficulties:
                 raise BenchUsageError(
-                    f"'{name}' has no difficulty {lvl}; valid levels are {domain.difficulties}"
+                    f"'{key}' has no difficulty {lvl}; valid levels are {domain.difficulties}"
                 )
-            arms.append(Arm(name, lvl))
+            arms.append(Arm(key, lvl))
     return domains, arms
 
 
 def check_sets(trained: str, retention: str, outside: str) -> None:
     """The three arm sets must be disjoint (a suite measures what the run does not train)."""
     sets = {}
-    for flag, text in (("--trained", trained), ("--retention", retention), ("--outside", outside)):
+    for flag, text, suites in (
+        ("--trained", trained, False),
+        ("--retention", retention, True),
+        ("--outside", outside, True),
+    ):
         try:
-            sets[flag] = {a.key for a in _arms(text)[1]}
+            sets[flag] = {a.key for a in spec_arms(text, suites)[1]}
         except ValueError as err:
             raise BenchUsageError(f"{flag}: {err}") from None
     names = list(sets)
@@ -100,11 +162,11 @@ def check_sets(trained: str, retention: str, outside: str) -> None:
                 raise BenchUsageError(f"{a} and {b} share {both}: the three sets must be disjoint")
 
 
-def _evaluate(spec: str, cfg: Any, text: str, n: int, seed: int, **kw: Any) -> Any:
+def _evaluate(spec: str, cfg: Any, text: str, n: int, seed: int, suites: bool = True, **kw: Any) -> Any:
     from posttrain.orchestrator.evaluate import evaluate_local
     from posttrain.sandbox import make_sandbox
 
-    domains, arms = _arms(text)
+    domains, arms = spec_arms(text, suites)
     sandbox = make_sandbox(cfg.sandbox)
     try:
         return evaluate_local(spec, cfg, domains, arms, n, seed, sandbox, by_arm=True, **kw)
@@ -122,9 +184,17 @@ def score_policy(spec: str, cfg: Any, ns: Any, sizes: dict[str, int]) -> dict[st
     n, s = sizes["n_eval"], sizes["samples"]
     _stage(f"scoring {spec}")
     return {
-        "greedy": _evaluate(spec, cfg, ns.trained, n, ns.eval_seed),
+        "greedy": _evaluate(spec, cfg, ns.trained, n, ns.eval_seed, suites=False),
         "sampled": _evaluate(
-            spec, cfg, ns.trained, n, ns.eval_seed, temperature=1.0, samples=s, pass_at=sorted({1, s})
+            spec,
+            cfg,
+            ns.trained,
+            n,
+            ns.eval_seed,
+            suites=False,
+            temperature=1.0,
+            samples=s,
+            pass_at=sorted({1, s}),
         ),
         "retention": _evaluate(spec, cfg, ns.retention, n, ns.eval_seed),
         "outside": _evaluate(spec, cfg, ns.outside, n, ns.eval_seed),
@@ -276,7 +346,7 @@ def main(ns: Any) -> dict[str, Any]:
     sizes = {k: getattr(ns, k) if getattr(ns, k) is not None else v for k, v in preset.items()}
     check_sets(ns.trained, ns.retention, ns.outside)
     control = list(ns.control) if ns.control else list(CONTROL)
-    retention_yaml = f"curriculum.retention=[{_domains_yaml(ns.retention)}]"
+    retention_yaml = f"curriculum.retention=[{suites_yaml(ns.retention)}]"
     common = [
         f"model.spec={ns.model}",
         f"envs.domains=[{_domains_yaml(ns.trained)}]",

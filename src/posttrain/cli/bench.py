@@ -234,10 +234,15 @@ def retention(
     model: str = typer.Option("smollm2-135m", "--model"),
     trained: str = typer.Option("math:0,1;code.unit_tests:0", "--trained", help="the training mix"),
     retention_suites: str = typer.Option(
-        "math:2;code.unit_tests:1", "--retention", help="the suites the control watches"
+        "math:2;code.unit_tests:1",
+        "--retention",
+        help="the suites the control watches: ';'-separated [label=]name[{options}]:levels "
+        "(e.g. letters=math{datasets: [letter_counting]}:0)",
     ),
     outside: str = typer.Option(
-        "math:3;code.unit_tests:2", "--outside", help="families in neither the mix nor the suites"
+        "math:3;code.unit_tests:2",
+        "--outside",
+        help="families in neither the mix nor the suites, as --retention",
     ),
     control: list[str] = typer.Option(
         [], "--control", help="KEY=VALUE of the control setting (repeatable; replaces the default set)"

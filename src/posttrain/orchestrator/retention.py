@@ -4,7 +4,7 @@ same tasks.
 
 The base scores come from the engine before the first update. They are stored in the run directory
 (`retention_base.json`), so a resumed run compares with the same figures rather than recomputing them.
-Each suite (a domain and level) reports `retention/<domain>:<level>` (strict accuracy now) and
+Each suite (a domain, or an entry's `label`, and a level) reports `retention/<suite>:<level>` (strict accuracy now) and
 `retention_delta/<domain>:<level>` (the paired difference from the base, over tasks scored both times),
 with its 95% paired bootstrap interval as `..._lo` and `..._hi` and its standard error as `..._se` (what
 the curriculum's forgetting term reads, `Sampler.record_retention`). Infrastructure failures are left out
@@ -42,32 +42,51 @@ class RetentionSuites:
 
     @staticmethod
     def _arms(cfg: Any) -> tuple[dict[str, Any], list[Any]]:
-        """The run's suites, or None when curriculum.retention is empty; refuses a suite the run trains on."""
+        """The run's suites ({} and [] when curriculum.retention is empty): each entry's domain under its
+        suite name (its label, else the domain's name) and one arm per level. Refuses what would make a
+        suite's figures ambiguous: a suite the run trains (same domain, options and level), a trained
+        domain's name with other options and no label, a label that is a domain's name, a name twice."""
         from posttrain.curriculum import Arm
-        from posttrain.envs import get_domain
+        from posttrain.envs import get_domain, list_domains
 
         c = cfg.curriculum
         if not c.retention:
             return {}, []
         if not c.retention_every:
             raise ValueError("curriculum.retention is set but curriculum.retention_every is 0: set how often")
-        trained = {(d.name, lvl) for d in cfg.envs.domains for lvl in d.difficulties}
+        trained = {d.name: d for d in cfg.envs.domains}
+        registered = set(list_domains())
         domains: dict[str, Any] = {}
         arms = []
         for spec in c.retention:
-            domain = domains.setdefault(spec.name, get_domain(spec.name, **spec.options))
+            suite = spec.label or spec.name
+            where = f"curriculum.retention: '{suite}'"
+            if suite in domains:
+                raise ValueError(f"{where} is listed twice: give each entry its own label")
+            if spec.label is not None and spec.label in registered:
+                raise ValueError(
+                    f"{where}: the label is a domain's name; choose another (e.g. '{spec.name}_{spec.label}')"
+                )
+            twin = trained.get(spec.name)
+            same_task_set = twin is not None and dict(twin.options) == dict(spec.options)
+            if twin is not None and not same_task_set and spec.label is None:
+                raise ValueError(
+                    f"{where}: '{spec.name}' is trained with other options ({twin.options or '{}'} in "
+                    f"envs.domains, {spec.options or '{}'} here): give this suite a label, so its figures "
+                    "are not read as the trained domain's"
+                )
+            domain = domains[suite] = get_domain(spec.name, **spec.options)
             for lvl in spec.difficulties:
                 if lvl not in domain.difficulties:
                     raise ValueError(
-                        f"curriculum.retention: '{spec.name}' has no difficulty {lvl}; valid levels are "
-                        f"{domain.difficulties}"
+                        f"{where} has no difficulty {lvl}; valid levels are {domain.difficulties}"
                     )
-                if (spec.name, lvl) in trained:
+                if same_task_set and lvl in twin.difficulties:
                     raise ValueError(
                         f"curriculum.retention: {spec.name}:{lvl} is in the training mix (envs.domains); "
                         "a retention suite measures what the run does not train"
                     )
-                arms.append(Arm(spec.name, lvl))
+                arms.append(Arm(suite, lvl))
         return domains, arms
 
     @classmethod

@@ -13,7 +13,7 @@ from posttrain.envs.base import split_of
 
 from .conftest import run
 
-CPU = ["math", "tools.apis", "scene.layout"]
+CPU = ["math", "tools.apis", "scene.layout", "instruct.constraints"]
 SANDBOXED = ["code.unit_tests", "swe.ci_fix"]
 HOSTILE = [
     "",
@@ -52,7 +52,14 @@ def test_generators_are_deterministic_and_seeded(name):
 
 @pytest.mark.parametrize(
     "name, n",
-    [("math", 40), ("tools.apis", 40), ("scene.layout", 40), ("code.unit_tests", 40), ("swe.ci_fix", 6)],
+    [
+        ("math", 40),
+        ("tools.apis", 40),
+        ("scene.layout", 40),
+        ("instruct.constraints", 40),
+        ("code.unit_tests", 40),
+        ("swe.ci_fix", 6),
+    ],
 )
 def test_train_and_heldout_never_overlap(name, n):
     d = get_domain(name)

@@ -26,6 +26,7 @@ _REGISTRY: dict[str, type[Domain]] = {}
 # Built-in domain name -> module that registers it on import.
 _BUILTIN: dict[str, str] = {
     "math": "posttrain.envs.domains.math",
+    "instruct.constraints": "posttrain.envs.domains.instruct",
     "code.unit_tests": "posttrain.envs.domains.code",
     "code.humaneval": "posttrain.envs.domains.code",
     "tools.apis": "posttrain.envs.domains.tools_apis",

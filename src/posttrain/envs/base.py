@@ -11,6 +11,7 @@ import hashlib
 import json
 import random
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,6 +111,34 @@ class Environment(ABC):
         The default treats it as one more, empty assistant turn; tool environments override it to score
         the state as it stands, marked `truncated`."""
         return await self.step("")
+
+
+class SingleTurnEnv(Environment):
+    """One assistant turn, scored by `score(text, task.meta) -> (reward, rewards, info)`; a non-str
+    answer is scored as "". Later steps return the same result."""
+
+    max_turns = 1
+
+    def __init__(
+        self, score: Callable[[str, dict[str, Any]], tuple[float, dict[str, float], dict[str, Any]]]
+    ):
+        self._score = score
+        self._task: Task | None = None
+        self._final: StepResult | None = None
+
+    async def reset(self, task: Task) -> Observation:
+        self._task, self._final = task, None
+        return Observation(messages=list(task.prompt), tools=[])
+
+    async def step(self, assistant_text: str) -> StepResult:
+        if self._task is None:
+            raise RuntimeError("step() before reset()")
+        if self._final is None:
+            text = assistant_text if isinstance(assistant_text, str) else ""
+            reward, rewards, info = self._score(text, self._task.meta)
+            info.update(turns=1, infra_failure=False)
+            self._final = StepResult(observations=[], reward=reward, done=True, rewards=rewards, info=info)
+        return self._final
 
 
 class Domain(ABC):

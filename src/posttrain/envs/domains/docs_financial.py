@@ -24,8 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from posttrain.envs.base import Domain, Environment, stable_hash
-from posttrain.envs.domains.longctx_common import LongContextEnv
+from posttrain.envs.base import Domain, Environment, SingleTurnEnv, stable_hash
 from posttrain.envs.extract import extract_answer, parse_json_object
 from posttrain.envs.registry import register_env
 from posttrain.envs.tokens import count_tokens
@@ -556,4 +555,4 @@ class DocsFinancialDomain(Domain):
         return [f"<answer>{task.meta['answer']}</answer>"]
 
     def make_env(self, sandbox: Any = None, chat_format: str = "smollm2") -> Environment:
-        return LongContextEnv(score_answer)  # one turn, scored like the other long-context domains' replies
+        return SingleTurnEnv(score_answer)  # one turn, scored like the other long-context domains' replies

@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from posttrain.envs.base import Domain, Environment, Observation, StepResult
+from posttrain.envs.base import Domain, Environment, SingleTurnEnv
 from posttrain.envs.registry import register_env
 from posttrain.types import Message, Task
 
@@ -534,29 +534,6 @@ def reference_response(meta: dict[str, Any]) -> str:
     raise RuntimeError(f"instruct: reference padding did not converge: {meta}")
 
 
-class InstructEnv(Environment):
-    max_turns = 1
-
-    def __init__(self) -> None:
-        self._task: Task | None = None
-        self._final: StepResult | None = None
-
-    async def reset(self, task: Task) -> Observation:
-        self._task = task
-        self._final = None
-        return Observation(messages=list(task.prompt), tools=[])
-
-    async def step(self, assistant_text: str) -> StepResult:
-        if self._task is None:
-            raise RuntimeError("step() before reset()")
-        if self._final is not None:
-            return self._final
-        reward, rewards, info = score_instruct(assistant_text, self._task.meta)
-        info.update(turns=1, infra_failure=False)
-        self._final = StepResult(observations=[], reward=reward, done=True, rewards=rewards, info=info)
-        return self._final
-
-
 @register_env("instruct.constraints")
 class InstructDomain(Domain):
     description = "IFEval-style writing requests with 1-4 verifiable constraints (case, words, format, ...)"
@@ -588,4 +565,4 @@ class InstructDomain(Domain):
         return [reference_response(task.meta)]
 
     def make_env(self, sandbox: Any = None, chat_format: str = "smollm2") -> Environment:
-        return InstructEnv()
+        return SingleTurnEnv(score_instruct)

@@ -18,7 +18,7 @@ from functools import lru_cache
 from importlib.resources import files
 from typing import Any
 
-from posttrain.envs.base import Domain, Environment, Observation, StepResult
+from posttrain.envs.base import Domain, Environment, SingleTurnEnv
 from posttrain.envs.tokens import fit_to_tokens
 from posttrain.types import Message, Task
 
@@ -136,30 +136,6 @@ def score_answer(reply: str, meta: dict[str, Any]) -> tuple[float, dict[str, flo
     return W_SCORE * score + W_FORMAT * fmt, rewards, info
 
 
-class LongContextEnv(Environment):
-    """One turn: the context and question, then the reply is scored with `score` (default: score_answer)."""
-
-    max_turns = 1
-
-    def __init__(self, score: Any = None) -> None:
-        self._score = score or score_answer
-        self._task: Task | None = None
-        self._final: StepResult | None = None
-
-    async def reset(self, task: Task) -> Observation:
-        self._task, self._final = task, None
-        return Observation(messages=list(task.prompt), tools=[])
-
-    async def step(self, assistant_text: str) -> StepResult:
-        if self._task is None:
-            raise RuntimeError("step() before reset()")
-        if self._final is None:
-            reward, rewards, info = self._score(assistant_text, self._task.meta)
-            info.update(turns=1, infra_failure=False)
-            self._final = StepResult(observations=[], reward=reward, done=True, rewards=rewards, info=info)
-        return self._final
-
-
 def reference_reply(meta: dict[str, Any]) -> str:
     return f"<answer>{', '.join(meta['answers'])}</answer>"
 
@@ -208,4 +184,4 @@ class LongContextDomain(Domain):
         return level
 
     def make_env(self, sandbox: Any = None, chat_format: str = "smollm2") -> Environment:
-        return LongContextEnv(type(self).score)
+        return SingleTurnEnv(type(self).score)

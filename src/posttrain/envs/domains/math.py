@@ -21,7 +21,7 @@ import threading
 from functools import lru_cache
 from typing import Any
 
-from posttrain.envs.base import Domain, Environment, Observation, StepResult, clip01
+from posttrain.envs.base import Domain, Environment, SingleTurnEnv, clip01
 from posttrain.envs.extract import extract_answer, normalize_number
 from posttrain.envs.registry import register_env
 from posttrain.types import Message, Task
@@ -167,30 +167,6 @@ def score_math(text: str, meta: dict[str, Any]) -> tuple[float, dict[str, float]
     return reward, {"correct": correct, "format": fmt, "success": float(correct == 1.0)}, info
 
 
-class MathEnv(Environment):
-    max_turns = 1
-
-    def __init__(self) -> None:
-        self._task: Task | None = None
-        self._final: StepResult | None = None
-
-    async def reset(self, task: Task) -> Observation:
-        self._task = task
-        self._final = None
-        return Observation(messages=list(task.prompt), tools=[])
-
-    async def step(self, assistant_text: str) -> StepResult:
-        if self._task is None:
-            raise RuntimeError("step() before reset()")
-        if self._final is not None:
-            return self._final
-        text = assistant_text if isinstance(assistant_text, str) else ""
-        reward, rewards, info = score_math(text, self._task.meta)
-        info.update(turns=1, infra_failure=False)
-        self._final = StepResult(observations=[], reward=reward, done=True, rewards=rewards, info=info)
-        return self._final
-
-
 @register_env("math")
 class MathDomain(Domain):
     description = "reasoning-gym math/logic questions; answer in <answer></answer> tags"
@@ -243,4 +219,4 @@ class MathDomain(Domain):
         return [f"<answer>{task.meta['answer']}</answer>"]
 
     def make_env(self, sandbox: Any = None, chat_format: str = "smollm2") -> Environment:
-        return MathEnv()
+        return SingleTurnEnv(score_math)

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from posttrain.envs.base import Domain, Environment, Observation, StepResult
+from posttrain.envs.base import Domain, Environment, SingleTurnEnv
 from posttrain.envs.extract import extract_answer, normalize_number
 from posttrain.envs.images import image_part
 from posttrain.types import Message, Task, TextPart
@@ -115,35 +115,12 @@ def score_answer(text: str, expected: str) -> tuple[float, dict[str, float], dic
     return W_CORRECT * correct + W_FORMAT * fmt, {"correct": correct, "format": fmt, "success": correct}, info
 
 
-class AnswerEnv(Environment):
-    """One turn: the task's image question; the answer is scored against `meta["answer"]`."""
-
-    max_turns = 1
-
-    def __init__(self) -> None:
-        self._task: Task | None = None
-        self._final: StepResult | None = None
-
-    async def reset(self, task: Task) -> Observation:
-        self._task, self._final = task, None
-        return Observation(list(task.prompt))
-
-    async def step(self, assistant_text: str) -> StepResult:
-        if self._task is None:
-            raise RuntimeError("step() before reset()")
-        if self._final is None:
-            reward, rewards, info = score_answer(assistant_text, str(self._task.meta["answer"]))
-            info.update(turns=1, infra_failure=False)
-            self._final = StepResult([], reward, True, rewards, info)
-        return self._final
-
-
 class AnswerDomain(Domain):
-    """A vision domain whose reference is the tagged answer and whose episode is one `AnswerEnv` turn;
+    """A vision domain whose reference is the tagged answer and whose episode is one `SingleTurnEnv` turn;
     subclasses generate the tasks."""
 
     def reference(self, task: Task) -> list[str]:
         return [f"<answer>{task.meta['answer']}</answer>"]
 
     def make_env(self, sandbox: Any = None, chat_format: str = "smollm2") -> Environment:
-        return AnswerEnv()
+        return SingleTurnEnv(lambda text, meta: score_answer(text, str(meta["answer"])))

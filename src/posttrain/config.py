@@ -321,6 +321,40 @@ class RetentionSuiteConfig(Section):
         return v
 
 
+# curriculum.retention=default: general skills outside the default training mix that the embedded 135M
+# model sometimes has (instruction following, a character-level reasoning family) and the next levels of
+# the default domains; entries the run trains are left out (default_retention)
+DEFAULT_RETENTION: list[RetentionSuiteConfig] = [
+    RetentionSuiteConfig(name="instruct.constraints", difficulties=[0]),
+    RetentionSuiteConfig(
+        name="math",
+        difficulties=[0],
+        options={"datasets": {"letter_counting": {"min_words": 6, "max_words": 10}}},
+        label="letters",
+    ),
+    RetentionSuiteConfig(name="math", difficulties=[2]),
+    RetentionSuiteConfig(name="code.unit_tests", difficulties=[1]),
+]
+
+
+def default_retention(domains: list[DomainConfig]) -> list[RetentionSuiteConfig]:
+    """DEFAULT_RETENTION without what `domains` train: the trained levels of a suite with the trained
+    entry's options, and an unlabelled suite whose domain is trained with other options."""
+    trained = {d.name: d for d in domains}
+    out = []
+    for suite in DEFAULT_RETENTION:
+        twin = trained.get(suite.name)
+        if twin is not None and dict(twin.options) == dict(suite.options):
+            levels = [lvl for lvl in suite.difficulties if lvl not in twin.difficulties]
+        elif twin is not None and suite.label is None:
+            levels = []
+        else:
+            levels = list(suite.difficulties)
+        if levels:
+            out.append(suite.model_copy(update={"difficulties": levels}, deep=True))
+    return out
+
+
 class EnvsConfig(Section):
     """Domains and difficulty levels to train on (`posttrain tasks list` shows them). The default mix
     holds what the embedded 135M model solves sometimes but not always; tools.apis level 0 is left
@@ -382,11 +416,11 @@ class CurriculumConfig(Section):
         "outside every domain, from its own sampled completions; one learner forward); 0 = off",
     )
     drift_prompts: int = Field(16, ge=1, le=16, description="drift probe: general prompts used (of 16)")
-    retention: list[RetentionSuiteConfig] = Field(
+    retention: list[RetentionSuiteConfig] | Literal["default"] = Field(
         [],
         description="retention suites: domains and levels outside envs.domains (or a trained domain's name "
         "with other options and a label), scored greedily every retention_every steps against the initial "
-        "policy's scores of the same held-out tasks",
+        "policy's scores of the same held-out tasks; 'default' = DEFAULT_RETENTION less what the run trains",
     )
     retention_every: int = Field(0, ge=0, description="retention suites' period in steps (sync mode)")
     retention_size: int = Field(16, ge=1, description="held-out tasks per retention suite (domain and level)")
@@ -1054,6 +1088,8 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
         self.engine.dtype = self.engine.resolved_dtype()
+        if self.curriculum.retention == "default":
+            self.curriculum.retention = default_retention(self.envs.domains)
         try:
             self.serve.fast_engine(self.engine)
         except ValidationError as err:

@@ -162,3 +162,34 @@ def test_a_config_saved_with_suites_as_domain_entries_still_loads_and_a_real_wei
     }
     with pytest.raises(ConfigError, match="a retention suite has no weight"):
         load_config(None, ["curriculum.retention=[{name: math, difficulties: [1], weight: 2.0}]"])
+
+
+def test_the_default_set_leaves_out_what_the_run_trains():
+    from posttrain.config import DEFAULT_RETENTION, load_config
+
+    def suites(*extra: str) -> list[tuple[str, list[int]]]:
+        cfg = load_config(None, ["curriculum.retention=default", *extra])
+        return [(s.label or s.name, s.difficulties) for s in cfg.curriculum.retention]
+
+    # the default mix is math 0-1 and code.unit_tests 0: nothing of the set is trained
+    assert suites() == [(s.label or s.name, s.difficulties) for s in DEFAULT_RETENTION]
+    assert suites() == [
+        ("instruct.constraints", [0]),
+        ("letters", [0]),
+        ("math", [2]),
+        ("code.unit_tests", [1]),
+    ]
+    # trained levels drop out; math trained with other options drops the unlabelled math:2, not the family
+    mix = "envs.domains=[{name: math, difficulties: [0, 1, 2]}, {name: instruct.constraints, difficulties: [0]}]"
+    assert suites(mix) == [("letters", [0]), ("code.unit_tests", [1])]
+    assert suites("envs.domains=[{name: math, options: {datasets: [gcd]}}]") == [
+        ("instruct.constraints", [0]),
+        ("letters", [0]),
+        ("code.unit_tests", [1]),
+    ]
+    family = "{name: math, options: {datasets: {letter_counting: {min_words: 6, max_words: 10}}}}"
+    assert ("letters", [0]) not in suites(f"envs.domains=[{family}]")  # the family itself is trained
+    # the resolved set passes the run's own checks
+    RetentionSuites.check_config(
+        load_config(None, ["curriculum.retention=default", "curriculum.retention_every=5"])
+    )

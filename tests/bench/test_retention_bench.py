@@ -123,7 +123,15 @@ def test_a_tiny_run_prints_both_settings_and_reuse_scores_it_again(tmp_path, cap
     assert last == json.loads(json.dumps(out))
     for name in ("off", "on"):
         s = out["settings"][name]
-        assert set(s["outside_delta"]) == {"math:3", "code.unit_tests:2"}
+        assert set(s["outside_delta"]) == {
+            "math:3",
+            "code.unit_tests:2",
+            "instruct.constraints:0",
+            "instruct.constraints:1",
+            "letters:0",
+            "spell:0",
+            "legs:0",
+        }
         assert set(s["retention_delta"]) == {"math:2", "code.unit_tests:1"}
         assert s["trained_gain"]["n_tasks"] == 6  # 3 trained arms x 2 tasks
     off, on = out["settings"]["off"]["runs"][0], out["settings"]["on"]["runs"][0]

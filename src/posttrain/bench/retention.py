@@ -35,7 +35,14 @@ from posttrain.bench.curriculum_real import parse_domains
 
 TRAINED = "math:0,1;code.unit_tests:0"
 RETENTION = "math:2;code.unit_tests:1"
-OUTSIDE = "math:3;code.unit_tests:2"
+# outside both: the default domains' next levels, instruction following, and reasoning-gym families the
+# embedded model sometimes solves (character-level: letter counting, spelling backward; word problems)
+OUTSIDE = (
+    "math:3;code.unit_tests:2;instruct.constraints:0,1"
+    ";letters=math{datasets: {letter_counting: {min_words: 6, max_words: 10}}}:0"
+    ";spell=math{datasets: {spell_backward: {min_word_len: 3, max_word_len: 3}}}:0"
+    ";legs=math{datasets: {leg_counting: {min_animals: 1, max_animals: 1, max_instances: 2}}}:0"
+)
 CONTROL = [
     "curriculum.retention_every=10",
     "curriculum.retention_size=16",
@@ -344,6 +351,9 @@ def main(ns: Any) -> dict[str, Any]:
 
     preset = PRESETS["quick" if ns.quick else "full"]
     sizes = {k: getattr(ns, k) if getattr(ns, k) is not None else v for k, v in preset.items()}
+    for key, default in (("trained", TRAINED), ("retention", RETENTION), ("outside", OUTSIDE)):
+        if getattr(ns, key) is None:
+            setattr(ns, key, default)
     check_sets(ns.trained, ns.retention, ns.outside)
     control = list(ns.control) if ns.control else list(CONTROL)
     retention_yaml = f"curriculum.retention=[{suites_yaml(ns.retention)}]"

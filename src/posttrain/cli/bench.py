@@ -232,17 +232,20 @@ def retention(
     ),
     max_new_tokens: int | None = typer.Option(None, "--max-new-tokens", min=1),
     model: str = typer.Option("smollm2-135m", "--model"),
-    trained: str = typer.Option("math:0,1;code.unit_tests:0", "--trained", help="the training mix"),
-    retention_suites: str = typer.Option(
-        "math:2;code.unit_tests:1",
-        "--retention",
-        help="the suites the control watches: ';'-separated [label=]name[{options}]:levels "
-        "(e.g. letters=math{datasets: [letter_counting]}:0)",
+    trained: str | None = typer.Option(
+        None, "--trained", help="the training mix (default: math:0,1;code.unit_tests:0)"
     ),
-    outside: str = typer.Option(
-        "math:3;code.unit_tests:2",
+    retention_suites: str | None = typer.Option(
+        None,
+        "--retention",
+        help="the suites the control watches: ';'-separated [label=]name[{options}]:levels, e.g. "
+        "letters=math{datasets: [letter_counting]}:0 (default: math:2;code.unit_tests:1)",
+    ),
+    outside: str | None = typer.Option(
+        None,
         "--outside",
-        help="families in neither the mix nor the suites, as --retention",
+        help="families in neither the mix nor the suites, as --retention (default: bench.retention.OUTSIDE: "
+        "math:3, code.unit_tests:2, instruct.constraints:0-1 and three reasoning-gym families)",
     ),
     control: list[str] = typer.Option(
         [], "--control", help="KEY=VALUE of the control setting (repeatable; replaces the default set)"

@@ -4,11 +4,11 @@ same tasks.
 
 The base scores come from the engine before the first update. They are stored in the run directory
 (`retention_base.json`), so a resumed run compares with the same figures rather than recomputing them.
-Each suite (a domain, or an entry's `label`, and a level) reports `retention/<suite>:<level>` (strict accuracy now) and
-`retention_delta/<domain>:<level>` (the paired difference from the base, over tasks scored both times),
-with its 95% paired bootstrap interval as `..._lo` and `..._hi` and its standard error as `..._se` (what
-the curriculum's forgetting term reads, `Sampler.record_retention`). Infrastructure failures are left out
-of both sides, never scored.
+Each suite (a domain, or an entry's `label`, and a level) reports `retention/<suite>:<level>` (strict
+accuracy now) and `retention_delta/<suite>:<level>` (the paired difference from the base, over tasks
+scored both times), with its 95% paired bootstrap interval as `..._lo` and `..._hi` and its standard
+error as `..._se` (what the curriculum's forgetting term reads, `Sampler.record_retention`).
+Infrastructure failures are left out of both sides, never scored.
 """
 
 from __future__ import annotations

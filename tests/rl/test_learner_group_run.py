@@ -198,10 +198,11 @@ def test_a_critic_on_sharded_ranks_runs_ppo_as_one_process(
     [
         ["trainer.data_parallel=2"],
         pytest.param(["trainer.tensor_parallel=2"], marks=pytest.mark.slow),
+        pytest.param(["trainer.context_parallel=2"], marks=pytest.mark.slow),
         pytest.param(["trainer.data_parallel=2", "trainer.context_parallel=2"], marks=pytest.mark.slow),
         pytest.param(["trainer.context_parallel=2", "trainer.tensor_parallel=2"], marks=pytest.mark.slow),
     ],
-    ids=["fsdp", "tp", "dp2xcp2", "cp2xtp2"],
+    ids=["fsdp", "tp", "cp", "dp2xcp2", "cp2xtp2"],
 )
 def test_a_group_run_with_a_critic_resumes_from_its_sharded_checkpoint(
     straight_critic, critic_sets, tmp_path, ranks
@@ -209,7 +210,12 @@ def test_a_group_run_with_a_critic_resumes_from_its_sharded_checkpoint(
     rows, weights, critic = straight_critic
     first = _run(_cfg(tmp_path, *critic_sets, *ranks, "orchestrator.steps=1"), "resumed")
     first.close()
-    assert (first.run_dir.checkpoints / step_name(1) / LEARNER_DIR / "learner_counters.json").is_file()
+    learner_dir = first.run_dir.checkpoints / step_name(1) / LEARNER_DIR
+    # context-parallel ranks hold whole copies and rank 0 writes the one-process folder; FSDP and TP shard
+    sharded = ranks != ["trainer.context_parallel=2"]
+    assert (learner_dir / "learner_counters.json").is_file() == sharded, sorted(
+        p.name for p in learner_dir.iterdir()
+    )
     sets = [*critic_sets, *ranks, "orchestrator.steps=2"]
     again = _run(_cfg(tmp_path, *sets), "resumed", resume=True)
     try:

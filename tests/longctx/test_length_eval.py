@@ -15,6 +15,7 @@ from posttrain.envs.domains.longctx_common import length_levels
 from posttrain.orchestrator.evaluate import EvalReport
 from posttrain.orchestrator.length_eval import (
     effective_length,
+    engine_for_length,
     evaluate_lengths,
     length_table,
     task_average_ci,
@@ -145,3 +146,15 @@ def test_eval_lengths_refuses_bad_options_with_exit_2(extra, message):
     result = CliRunner().invoke(app, ["eval", "tiny:llama", "--n", "1", *extra])
     assert result.exit_code == 2, result.output
     assert message in result.output
+
+
+def test_an_engine_for_a_length_holds_the_prompt_and_its_reply():
+    from posttrain.config import EngineConfig
+
+    base = EngineConfig(max_new_tokens=256, block_size=16, num_kv_blocks=2048, max_model_len=8192)
+    # 32768 + 256 + 128 = 33152 tokens = 2072 blocks, +1: the default 2048-block pool is raised
+    big = engine_for_length(base, 32768)
+    assert (big.max_model_len, big.num_kv_blocks) == (33152, 2073)
+    small = engine_for_length(base, 1024)  # what the config gives is kept where it is enough
+    assert (small.max_model_len, small.num_kv_blocks) == (8192, 2048)
+    assert base.num_kv_blocks == 2048 and base.max_model_len == 8192  # a copy, not the config changed

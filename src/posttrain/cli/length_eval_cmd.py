@@ -23,11 +23,11 @@ def eval_lengths(
     temperature: float,
     samples: int,
 ) -> dict[str, Any]:
-    """Run `orchestrator.length_eval.evaluate_lengths` with our engine on `model_spec` (engine.max_model_len
-    raised to each length + engine.max_new_tokens + 128 where it is shorter) or the endpoint
+    """Run `orchestrator.length_eval.evaluate_lengths` with our engine on `model_spec` (its max_model_len
+    and KV pool raised to each length's needs, `engine_for_length`) or the endpoint
     `api` = (base, model, key); print the tables; return the result."""
     from posttrain.orchestrator.evaluate import ACCURACY_DEFINITION, evaluate_api, evaluate_local
-    from posttrain.orchestrator.length_eval import evaluate_lengths
+    from posttrain.orchestrator.length_eval import engine_for_length, evaluate_lengths
     from posttrain.rollout import EpisodeLimits
 
     limits = EpisodeLimits(cfg.envs.max_turns, cfg.envs.max_episode_tokens, cfg.engine.max_new_tokens)
@@ -55,9 +55,7 @@ def eval_lengths(
                     f"e.g. {report.failures[0]}[/yellow]"
                 )
             return report
-        need = tokens + cfg.engine.max_new_tokens + 128
-        engine = cfg.engine.model_copy(update={"max_model_len": max(cfg.engine.max_model_len, need)})
-        level_cfg = cfg.model_copy(update={"engine": engine})
+        level_cfg = cfg.model_copy(update={"engine": engine_for_length(cfg.engine, tokens)})
         assert model_spec is not None
         return evaluate_local(model_spec, level_cfg, sub, arms, n, cfg.seed, sandbox, temperature, samples)
 

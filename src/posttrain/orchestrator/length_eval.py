@@ -18,6 +18,21 @@ import numpy as np
 from posttrain.orchestrator.evaluate import BOOTSTRAP_RESAMPLES, EvalReport, bootstrap_ci
 
 RULER_THRESHOLD = 85.6  # percent: RULER's effective-length threshold (Llama-2-7B's score at 4k)
+LENGTH_MARGIN_TOKENS = 128  # the chat template and the question around a haystack of `tokens`
+
+
+def engine_for_length(engine_cfg: Any, tokens: int) -> Any:
+    """The engine config that runs a prompt of `tokens` (plus LENGTH_MARGIN_TOKENS) and its reply:
+    max_model_len raised to that where shorter, and the KV pool to at least one such sequence's blocks
+    plus one (a sequence that can never fit would fail as an infrastructure error)."""
+    need = tokens + engine_cfg.max_new_tokens + LENGTH_MARGIN_TOKENS
+    blocks = -(-need // engine_cfg.block_size) + 1
+    return engine_cfg.model_copy(
+        update={
+            "max_model_len": max(engine_cfg.max_model_len, need),
+            "num_kv_blocks": max(engine_cfg.num_kv_blocks, blocks),
+        }
+    )
 
 
 def task_average_ci(

@@ -39,7 +39,7 @@ $(STAMP): pyproject.toml requirements.lock
 	@touch $(STAMP)
 
 demo: setup
-	$(VENV)/bin/posttrain train --name demo --overwrite
+	$(VENV)/bin/posttrain train configs/demo.yaml --name demo --overwrite
 	$(VENV)/bin/posttrain eval runs/demo --baseline smollm2-135m --temperature 1.0 --samples 16 --pass-at 1,4,16 --n 32 --json
 	$(VENV)/bin/posttrain report runs/demo
 

@@ -148,3 +148,14 @@ def test_a_tiny_run_prints_both_settings_and_reuse_scores_it_again(tmp_path, cap
             [*args, "--out", str(tmp_path), "--reuse", "--control", "curriculum.retention_every=1"],
         )
     assert exc.value.code == 2 and "differs in" in capsys.readouterr().err
+
+
+def test_the_demo_recipe_is_the_default_config_plus_the_measured_control():
+    from pathlib import Path
+
+    from posttrain.bench.retention import CONTROL, RETENTION
+    from posttrain.config import load_config
+
+    configs = Path(__file__).parents[2] / "configs"
+    measured = [f"curriculum.retention=[{suites_yaml(RETENTION)}]", *CONTROL]
+    assert load_config(configs / "demo.yaml") == load_config(configs / "default.yaml", measured)

@@ -337,19 +337,24 @@ DEFAULT_RETENTION: list[RetentionSuiteConfig] = [
 ]
 
 
+def suite_overlap(suite: RetentionSuiteConfig, domains: list[DomainConfig]) -> tuple[list[int], bool]:
+    """How a retention suite meets the training mix: (its levels the run trains with the same options,
+    whether it needs a label: unlabelled, its domain trained with other options)."""
+    twin = next((d for d in domains if d.name == suite.name), None)
+    if twin is None:
+        return [], False
+    if dict(twin.options) == dict(suite.options):
+        return [lvl for lvl in suite.difficulties if lvl in twin.difficulties], False
+    return [], suite.label is None
+
+
 def default_retention(domains: list[DomainConfig]) -> list[RetentionSuiteConfig]:
     """DEFAULT_RETENTION without what `domains` train: the trained levels of a suite with the trained
     entry's options, and an unlabelled suite whose domain is trained with other options."""
-    trained = {d.name: d for d in domains}
     out = []
     for suite in DEFAULT_RETENTION:
-        twin = trained.get(suite.name)
-        if twin is not None and dict(twin.options) == dict(suite.options):
-            levels = [lvl for lvl in suite.difficulties if lvl not in twin.difficulties]
-        elif twin is not None and suite.label is None:
-            levels = []
-        else:
-            levels = list(suite.difficulties)
+        trained, needs_label = suite_overlap(suite, domains)
+        levels = [] if needs_label else [lvl for lvl in suite.difficulties if lvl not in trained]
         if levels:
             out.append(suite.model_copy(update={"difficulties": levels}, deep=True))
     return out

@@ -44,3 +44,15 @@ class BrokenSandbox:
 
 def run(coro):
     return asyncio.run(coro)
+
+
+def step_twice(domain, task, second: str):
+    """(first, again): the reference answer's step result, then a second step's with `second`."""
+
+    async def go():
+        env = domain.make_env()
+        await env.reset(task)
+        first = await env.step(domain.reference(task)[0])
+        return first, await env.step(second)
+
+    return run(go())

@@ -25,7 +25,7 @@ from posttrain.envs.domains.instruct import (
 )
 from posttrain.types import Message, Task
 
-from .conftest import run
+from .conftest import run, step_twice
 
 NAME = "instruct.constraints"
 
@@ -344,13 +344,5 @@ def test_hostile_answers_score_failures_without_raising():
 def test_step_after_done_repeats_the_result():
     d = get_domain(NAME)
     task = d.task("train", 1, 0)
-
-    async def go():
-        env = d.make_env()
-        await env.reset(task)
-        first = await env.step(d.reference(task)[0])
-        again = await env.step("")
-        return first, again
-
-    first, again = run(go())
+    first, again = step_twice(d, task, "")
     assert first.done and first.reward == again.reward == 1.0

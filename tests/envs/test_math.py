@@ -4,7 +4,7 @@ import pytest
 
 from posttrain.envs import get_domain, run_episode
 
-from .conftest import run
+from .conftest import run, step_twice
 
 
 def _score(task, text):
@@ -71,15 +71,7 @@ def test_unknown_dataset_is_a_clear_error():
 def test_step_after_done_repeats_the_result():
     d = get_domain("math")
     task = d.task("train", 0, 0)
-
-    async def go():
-        env = d.make_env()
-        await env.reset(task)
-        first = await env.step(d.reference(task)[0])
-        again = await env.step("<answer>nonsense</answer>")
-        return first, again
-
-    first, again = run(go())
+    first, again = step_twice(d, task, "<answer>nonsense</answer>")
     assert first.done and again.reward == first.reward == 1.0
 
 

@@ -46,6 +46,7 @@ class RetentionSuites:
         suite name (its label, else the domain's name) and one arm per level. Refuses what would make a
         suite's figures ambiguous: a suite the run trains (same domain, options and level), a trained
         domain's name with other options and no label, a label that is a domain's name, a name twice."""
+        from posttrain.config import suite_overlap
         from posttrain.curriculum import Arm
         from posttrain.envs import get_domain, list_domains
 
@@ -67,9 +68,9 @@ class RetentionSuites:
                 raise ValueError(
                     f"{where}: the label is a domain's name; choose another (e.g. '{spec.name}_{spec.label}')"
                 )
-            twin = trained.get(spec.name)
-            same_task_set = twin is not None and dict(twin.options) == dict(spec.options)
-            if twin is not None and not same_task_set and spec.label is None:
+            trained_levels, needs_label = suite_overlap(spec, cfg.envs.domains)
+            if needs_label:
+                twin = trained[spec.name]
                 raise ValueError(
                     f"{where}: '{spec.name}' is trained with other options ({twin.options or '{}'} in "
                     f"envs.domains, {spec.options or '{}'} here): give this suite a label, so its figures "
@@ -81,7 +82,7 @@ class RetentionSuites:
                     raise ValueError(
                         f"{where} has no difficulty {lvl}; valid levels are {domain.difficulties}"
                     )
-                if same_task_set and lvl in twin.difficulties:
+                if lvl in trained_levels:
                     raise ValueError(
                         f"curriculum.retention: {spec.name}:{lvl} is in the training mix (envs.domains); "
                         "a retention suite measures what the run does not train"

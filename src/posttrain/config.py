@@ -683,7 +683,7 @@ class TrainerConfig(Section):
         1,
         ge=1,
         description="split every sequence zigzag over this many processes, attention by ring attention "
-        "(one Learner per rank of an initialised torch.distributed group of this size); needs packing=false, "
+        "(one Learner per rank of an initialised torch.distributed group of this size); packing keeps each row's sequences apart, "
         "no dynamic NTK; shared-prompt micro-batches are off under it; with data_parallel or tensor_parallel "
         "a dp x cp (x tp) mesh (`train.distributed.parallelize_dp_cp`)",
     )

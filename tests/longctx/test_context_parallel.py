@@ -26,10 +26,15 @@ ALGO = AlgorithmConfig(kl_coef=0.1, entropy_coef=0.01)
 METRICS = ("loss", "grad_norm", "entropy", "kl", "kl_loss", "approx_kl", "update_tokens")
 
 
-def samples(seed: int) -> list[Sample]:
+# trainer.packing: one micro-batch of these, packed into rows of 23: [23], [14, 8, one padding cell], [12, 11]
+PACKED_LENGTHS = [23, 8, 12, 11, 14]
+PACKED_BATCH = BatchConfig(micro_batch_tokens=80)
+
+
+def samples(seed: int, lengths: tuple[int, ...] = (23, 9, 17, 12, 21)) -> list[Sample]:
     rng = random.Random(seed)
     out = []
-    for i, length in enumerate([23, 9, 17, 12, 21]):
+    for i, length in enumerate(lengths):
         ids = [rng.randrange(1000) for _ in range(length)]
         prompt = length - 3 if i == 0 else rng.randint(2, length // 2)
         mask = [0] * prompt + [1] * (length - prompt)
@@ -38,18 +43,24 @@ def samples(seed: int) -> list[Sample]:
     return out
 
 
-def make_learner(cp: int, checkpointing: bool = False) -> Learner:
-    trainer = TrainerConfig(lr=1e-3, context_parallel=cp, gradient_checkpointing=checkpointing)
-    return Learner(ModelConfig(spec="tiny:llama"), trainer, ALGO, seed=0, batch_cfg=BATCH)
+def make_learner(cp: int, checkpointing: bool = False, packing: bool = False) -> Learner:
+    trainer = TrainerConfig(
+        lr=1e-3, context_parallel=cp, gradient_checkpointing=checkpointing, packing=packing
+    )
+    batch = PACKED_BATCH if packing else BATCH
+    return Learner(ModelConfig(spec="tiny:llama"), trainer, ALGO, seed=0, batch_cfg=batch)
 
 
 def run(learner: Learner) -> dict:
-    lp = learner.compute_logprobs(samples(1))
-    learner.step(samples(2))
-    metrics = learner.step(samples(3))  # the policy has moved off its reference: a KL term and its gradient
+    lengths = tuple(PACKED_LENGTHS) if learner.trainer_cfg.packing else (23, 9, 17, 12, 21)
+    lp = learner.compute_logprobs(samples(1, lengths))
+    learner.step(samples(2, lengths))
+    # the policy has moved off its reference: a KL term and its gradient
+    metrics = learner.step(samples(3, lengths))
     # one mini-batch: the gradients left are the second step's (clipped)
     grads = {n: p.grad.detach().clone() for n, p in learner.model.named_parameters() if p.grad is not None}
-    return {"lp": lp, "metrics": metrics, "grads": grads, "lp_after": learner.compute_logprobs(samples(1))}
+    lp_after = learner.compute_logprobs(samples(1, lengths))
+    return {"lp": lp, "metrics": metrics, "grads": grads, "lp_after": lp_after}
 
 
 def _rank(rank: int, port: int, job: Callable[[], dict], out_dir: str) -> None:
@@ -68,11 +79,13 @@ def on_two_ranks(job: Callable[[], dict], out_dir: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    "checkpointing", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["plain", "checkpointing"]
+    ("checkpointing", "packing"),
+    [(False, False), pytest.param(True, False, marks=pytest.mark.slow), (False, True)],
+    ids=["plain", "checkpointing", "packed"],
 )
-def test_two_context_parallel_ranks_equal_the_single_process_learner(tmp_path, checkpointing):
-    ranks = on_two_ranks(lambda: run(make_learner(2, checkpointing)), tmp_path)
-    single = run(make_learner(1, checkpointing))
+def test_two_context_parallel_ranks_equal_the_single_process_learner(tmp_path, checkpointing, packing):
+    ranks = on_two_ranks(lambda: run(make_learner(2, checkpointing, packing)), tmp_path)
+    single = run(make_learner(1, checkpointing, packing))
     assert single["lp"].abs().sum() > 0
     for got in ranks:  # every rank holds the whole matrices and the same summed gradients
         assert (got["lp"] - single["lp"]).abs().max() < 1e-4
@@ -97,14 +110,14 @@ def test_context_parallel_needs_a_process_group_of_its_size():
         make_learner(2)
 
 
-def test_context_parallel_refuses_packing():
-    with pytest.raises(ValueError, match="needs trainer.packing=false"):
-        Learner(
-            ModelConfig(spec="tiny:llama"),
-            TrainerConfig(context_parallel=2, packing=True),
-            AlgorithmConfig(),
-            batch_cfg=BATCH,
-        )
+def test_the_packed_case_packs_two_sequences_into_a_row_with_padding():
+    from posttrain.train.batch import pack_rows, plan_micro_batches
+
+    (plan,) = plan_micro_batches(PACKED_LENGTHS, PACKED_BATCH.micro_batch_tokens, True)  # one micro-batch
+    assert sorted(plan) == [0, 1, 2, 3, 4]
+    _, pos, seg, offsets = pack_rows(torch.zeros(5, 23, dtype=torch.long), PACKED_LENGTHS)
+    assert seg.tolist() == [[0] * 23, [4] * 14 + [1] * 8 + [-1], [2] * 12 + [3] * 11]
+    assert pos[1].tolist() == [*range(14), *range(8), 0] and offsets.tolist() == [0, 37, 46, 58, 23]
 
 
 def test_context_parallel_refuses_dynamic_ntk():

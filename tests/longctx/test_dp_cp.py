@@ -14,7 +14,7 @@ from posttrain.orchestrator.learner_group import free_port
 from posttrain.train import Learner, build_batch
 from posttrain.train.distributed import init_local_gloo, load_sharded, parallelize_dp_cp, save_sharded
 
-from .test_context_parallel import METRICS, samples
+from .test_context_parallel import METRICS, PACKED_BATCH, PACKED_LENGTHS, samples
 
 # rows of 9..23 tokens, at most 24 padded cells a micro-batch: 5 micro-batches, so one dp group runs a
 # weight-0 repeat, and the row whose loss sits on its last 3 tokens leaves a cp rank without a target
@@ -22,7 +22,7 @@ BATCH = BatchConfig(micro_batch_tokens=24)
 ALGO = AlgorithmConfig(kl_coef=0.1, entropy_coef=0.01)
 
 
-def make_learner(dp: int, cp: int, tp: int = 1) -> Learner:
+def make_learner(dp: int, cp: int, tp: int = 1, packing: bool = False) -> Learner:
     # FSDP ranks compute the old logprobs in a pass of their own: so does the single process here
     trainer = TrainerConfig(
         lr=1e-3,
@@ -30,25 +30,31 @@ def make_learner(dp: int, cp: int, tp: int = 1) -> Learner:
         context_parallel=cp,
         tensor_parallel=tp,
         single_pass_old_logprobs=False,
+        packing=packing,
     )
-    return Learner(ModelConfig(spec="tiny:llama"), trainer, ALGO, seed=0, batch_cfg=BATCH)
+    batch = PACKED_BATCH if packing else BATCH
+    return Learner(ModelConfig(spec="tiny:llama"), trainer, ALGO, seed=0, batch_cfg=batch)
 
 
 def run(learner: Learner) -> dict:
-    lp = learner.compute_logprobs(samples(1))
-    first = learner.step(samples(2))
-    second = learner.step(samples(3))  # the policy has moved off its reference: a KL term and its gradient
+    lengths = tuple(PACKED_LENGTHS) if learner.trainer_cfg.packing else (23, 9, 17, 12, 21)
+    lp = learner.compute_logprobs(samples(1, lengths))
+    first = learner.step(samples(2, lengths))
+    # the policy has moved off its reference: a KL term and its gradient
+    second = learner.step(samples(3, lengths))
     weights = {k: v.detach().clone() for k, v in learner.weights().items()}
-    lp_after = learner.compute_logprobs(samples(1))
+    lp_after = learner.compute_logprobs(samples(1, lengths))
     return {"lp": lp, "metrics": [first, second], "weights": weights, "lp_after": lp_after}
 
 
-def _worker(rank: int, port: int, out_dir: str, shape: tuple[int, int, int] = (2, 2, 1)) -> None:
+def _worker(
+    rank: int, port: int, out_dir: str, shape: tuple[int, int, int] = (2, 2, 1), packing: bool = False
+) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     init_local_gloo(rank, 4, port, timeout_s=180)
-    learner = make_learner(*shape)
+    learner = make_learner(*shape, packing=packing)
     mesh = parallelize_dp_cp(learner, *shape)
     got = run(learner)
     names = ("dp", "cp") if shape[2] == 1 else ("cp", "tp")
@@ -58,14 +64,21 @@ def _worker(rank: int, port: int, out_dir: str, shape: tuple[int, int, int] = (2
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("shape", [(2, 2, 1), (1, 2, 2)], ids=["dp2xcp2", "cp2xtp2"])
-def test_a_mesh_of_four_learners_equals_the_single_process_learner(tmp_path, shape):
+@pytest.mark.parametrize(
+    ("shape", "packing"),
+    [((2, 2, 1), False), ((1, 2, 2), False), pytest.param((2, 2, 1), True, marks=pytest.mark.slow)],
+    ids=["dp2xcp2", "cp2xtp2", "dp2xcp2-packed"],
+)
+def test_a_mesh_of_four_learners_equals_the_single_process_learner(tmp_path, shape, packing):
     """dp x cp, and cp x tp (each cp rank's ring carrying its tp share of the heads, FSDP over the cp
-    ranks, the decoder layers' weights 2-D DTensors)."""
-    mp.start_processes(_worker, args=(free_port(), str(tmp_path), shape), nprocs=4, start_method="fork")
+    ranks, the decoder layers' weights 2-D DTensors); dp x cp with packed rows (one micro-batch: one dp
+    group runs a weight-0 repeat)."""
+    mp.start_processes(
+        _worker, args=(free_port(), str(tmp_path), shape, packing), nprocs=4, start_method="fork"
+    )
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
     assert sorted(r["coords"] for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    single = run(make_learner(1, 1))
+    single = run(make_learner(1, 1, packing=packing))
     start = make_learner(1, 1).weights()
     assert single["lp"].abs().sum() > 0
     assert single["metrics"][1]["kl"] > 0 and single["metrics"][1]["kl_loss"] != 0

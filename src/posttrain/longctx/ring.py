@@ -6,7 +6,10 @@ its queries; the K/V blocks travel around the ring with asynchronous send/recv t
 attention of the block in hand, and the partial results are merged with the log-sum-exp rule. The
 backward pass sends the blocks round again with their dK/dV accumulators, which arrive back at their
 owner complete. A rank holds O(L / world) activations for backward, and one (L / world)^2 score block
-at a time. Does not know about models or tasks.
+at a time. Packed rows (several documents back to back in one row) pass `segments`, each position's
+document id: a query then sees only keys of its own document (and, causal, not after it). Every rank
+holds the whole `[batch, length]` id matrix, so a block's mask needs no communication. Does not know
+about models or tasks.
 """
 
 from __future__ import annotations
@@ -53,8 +56,13 @@ def _block(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -
     return out, lse
 
 
-def _causal_mask(q_pos: Tensor, k_pos: Tensor, causal: bool) -> Tensor | None:
-    return (q_pos[:, None] >= k_pos[None, :]) if causal else None
+def _mask(q_pos: Tensor, k_pos: Tensor, causal: bool, segments: Tensor | None) -> Tensor | None:
+    """Which keys each query sees: `[q, k]` (causal), `[batch, 1, q, k]` (with segments), or None (all)."""
+    mask = (q_pos[:, None] >= k_pos[None, :]) if causal else None
+    if segments is None:
+        return mask
+    same = (segments[:, q_pos, None] == segments[:, None, k_pos])[:, None]
+    return same if mask is None else same & mask
 
 
 class _Ring:
@@ -100,11 +108,20 @@ def _wait(reqs: list[Any]) -> None:
 
 class RingAttention(torch.autograd.Function):
     """softmax(q k^T * scale [+ causal mask]) v over the whole sequence, each rank holding its zigzag shard
-    of q, k, v `[batch, heads, local_len, head_dim]`; `length` is the whole sequence's length."""
+    of q, k, v `[batch, heads, local_len, head_dim]`; `length` is the whole sequence's length; `segments`
+    (None, or `[batch, length]` on every rank) restricts each query to the keys of its own segment."""
 
     @staticmethod
     def forward(
-        ctx: Any, q: Tensor, k: Tensor, v: Tensor, length: int, causal: bool, group: Any, scale: float
+        ctx: Any,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        length: int,
+        causal: bool,
+        group: Any,
+        scale: float,
+        segments: Tensor | None,
     ) -> Tensor:
         ring = _Ring(group)
         q_pos = zigzag_positions(length, ring.world, ring.rank).to(q.device)
@@ -117,9 +134,8 @@ class RingAttention(torch.autograd.Function):
                 nxt, reqs = ring.start(block, ring.block_len(length, step + 1))
             owner = (ring.rank - step) % ring.world
             k_pos = zigzag_positions(length, ring.world, owner).to(q.device)
-            o, l_blk = _block(
-                q.float(), block[0].float(), block[1].float(), _causal_mask(q_pos, k_pos, causal), scale
-            )
+            mask = _mask(q_pos, k_pos, causal, segments)
+            o, l_blk = _block(q.float(), block[0].float(), block[1].float(), mask, scale)
             merged = torch.logaddexp(lse, l_blk)
             safe = torch.where(torch.isinf(merged), torch.zeros_like(merged), merged)
             out = out * torch.exp(lse - safe) + o * torch.exp(l_blk - safe)
@@ -129,6 +145,7 @@ class RingAttention(torch.autograd.Function):
                 block = nxt
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.length, ctx.causal, ctx.group, ctx.scale = length, causal, group, scale
+        ctx.segments = segments  # an integer id matrix: no gradient, nothing for autograd to track
         return out.to(q.dtype)
 
     @staticmethod
@@ -156,7 +173,7 @@ class RingAttention(torch.autograd.Function):
             kb, vb, dk, dv = block
             k_pos = zigzag_positions(length, ring.world, owner).to(q.device)
             scores = torch.matmul(qf, kb.transpose(-1, -2)) * scale
-            mask = _causal_mask(q_pos, k_pos, ctx.causal)
+            mask = _mask(q_pos, k_pos, ctx.causal, ctx.segments)
             p = torch.exp(scores - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse))
             if mask is not None:
                 p = p.masked_fill(~mask, 0.0)
@@ -174,7 +191,7 @@ class RingAttention(torch.autograd.Function):
                 block = [*nxt_kv, *grads]
             else:
                 dk, dv = grads  # our own block's gradients, back from its trip round the ring
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def ring_attention(
@@ -185,11 +202,14 @@ def ring_attention(
     causal: bool = True,
     group: Any = None,
     scale: float | None = None,
+    segments: Tensor | None = None,
 ) -> Tensor:
     """Context-parallel attention of this rank's zigzag shards (see `RingAttention`); differentiable.
 
     `k` and `v` may have fewer heads than `q` (grouped-query attention): they are repeated to match.
-    `scale` multiplies the scores (None: 1 / sqrt(head_dim))."""
+    `scale` multiplies the scores (None: 1 / sqrt(head_dim)). `segments`: the whole sequence's segment
+    (document) id per position, `[batch, length]`, the same on every rank; a query sees only keys with its
+    id. Give every padding cell one id of its own (e.g. -1): it then sees only padding, never empty."""
     if q.shape[1] != k.shape[1]:
         if q.shape[1] % k.shape[1]:
             raise ValueError(
@@ -197,10 +217,14 @@ def ring_attention(
             )
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    if segments is not None and tuple(segments.shape) != (q.shape[0], length):
+        raise ValueError(
+            f"segments must be [batch, length] = [{q.shape[0]}, {length}], got {list(segments.shape)}"
+        )
     expected = zigzag_positions(length, dist.get_world_size(group), dist.get_rank(group)).numel()
     if q.shape[2] != expected or k.shape[2] != expected:
         raise ValueError(
             f"this rank's shard of a length-{length} sequence has {expected} tokens, got {q.shape[2]}"
         )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return RingAttention.apply(q, k, v, length, causal, group, scale)
+    return RingAttention.apply(q, k, v, length, causal, group, scale, segments)

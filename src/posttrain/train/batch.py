@@ -258,6 +258,40 @@ class ModelInputs:
     inputs_embeds: Tensor | None = None  # [R, C, H] instead of input_ids' embeddings (train/vision.py)
 
 
+def pack_rows(token_ids: Tensor, lens: list[int], pad_id: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Sequences `token_ids[i, :lens[i]]` packed first-fit-decreasing into rows as wide as the longest:
+    (ids `[R, C]`, position ids restarting at 0 per sequence, segment ids (the sequence's index; -1 on
+    padding), the flat offset `[B]` of each sequence's token 0 in ids.view(-1))."""
+    device = token_ids.device
+    cap = max(lens)
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lens)), key=lambda i: -lens[i]):
+        for j in range(len(bins)):
+            if room[j] >= lens[i]:
+                bins[j].append(i)
+                room[j] -= lens[i]
+                break
+        else:
+            bins.append([i])
+            room.append(cap - lens[i])
+    r = len(bins)
+    ids = torch.full((r, cap), pad_id, dtype=torch.long, device=device)
+    pos = torch.zeros((r, cap), dtype=torch.long, device=device)
+    seg = torch.full((r, cap), -1, dtype=torch.long, device=device)
+    offsets = torch.zeros(len(lens), dtype=torch.long, device=device)
+    for j, members in enumerate(bins):
+        at = 0
+        for i in members:
+            n = lens[i]
+            ids[j, at : at + n] = token_ids[i, :n]
+            pos[j, at : at + n] = torch.arange(n, device=device)
+            seg[j, at : at + n] = i
+            offsets[i] = j * cap + at
+            at += n
+    return ids, pos, seg, offsets
+
+
 def make_inputs(token_ids: Tensor, lengths: Tensor, packed: bool, pad_id: int = 0) -> ModelInputs:
     """Padded: one row per sequence, 2-D attention mask. Packed: first-fit-decreasing into rows of the
     longest sequence's length, block-diagonal causal 4-D mask, position ids restarting per sequence.
@@ -278,32 +312,8 @@ def make_inputs(token_ids: Tensor, lengths: Tensor, packed: bool, pad_id: int = 
         pos = pos * att
         offsets = torch.arange(b, device=device) * width
         return ModelInputs(ids, pos, att, offsets, sum(lens), b * width)
-    cap = max(lens)
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(b), key=lambda i: -lens[i]):
-        for j in range(len(bins)):
-            if room[j] >= lens[i]:
-                bins[j].append(i)
-                room[j] -= lens[i]
-                break
-        else:
-            bins.append([i])
-            room.append(cap - lens[i])
-    r = len(bins)
-    ids = torch.full((r, cap), pad_id, dtype=torch.long, device=device)
-    pos = torch.zeros((r, cap), dtype=torch.long, device=device)
-    seg = torch.full((r, cap), -1, dtype=torch.long, device=device)
-    offsets = torch.zeros(b, dtype=torch.long, device=device)
-    for j, members in enumerate(bins):
-        at = 0
-        for i in members:
-            n = lens[i]
-            ids[j, at : at + n] = token_ids[i, :n]
-            pos[j, at : at + n] = torch.arange(n, device=device)
-            seg[j, at : at + n] = i
-            offsets[i] = j * cap + at
-            at += n
+    ids, pos, seg, offsets = pack_rows(token_ids, lens, pad_id)
+    r, cap = ids.shape
     causal = torch.ones(cap, cap, dtype=torch.bool, device=device).tril()
     same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] >= 0)
     # padding cells attend to themselves so no softmax row is empty (their outputs are never read)

@@ -16,8 +16,11 @@ gradient.
 With trainer.data_parallel or tensor_parallel > 1 too, `train.distributed.parallelize_dp_cp` makes each
 rank one of a cp group inside a dp x cp (x tp) mesh (FSDP2 sums the gradients then, the critic's too;
 under tp a rank's ring carries its share of the heads). Rows are padded, one sequence each (causal
-attention never reads the padding at a row's end); packing, shared-prompt micro-batches and dynamic NTK
-(its frequencies depend on a rank's positions) are not supported. Does not know about environments.
+attention never reads the padding at a row's end), or under trainer.packing packed first-fit as in the
+one-process Learner (`train.batch.pack_rows`): each packed row is split zigzag like any other, its
+position ids restart per sequence, and the ring masks attention to each sequence's own tokens from the
+segment ids every rank holds. Shared-prompt micro-batches and dynamic NTK (its frequencies depend on a
+rank's positions) are not supported. Does not know about environments.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from posttrain.longctx.ring import ring_attention, zigzag_positions
+from posttrain.train.batch import pack_rows
 from posttrain.train.forward import Targets, causal_lm, chunked_logprobs, scatter_rows, select_targets
 
 ATTENTION = "ring"
@@ -46,7 +50,8 @@ def _ring_attention_forward(
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """transformers' attention interface over the ring: `query` etc. are this rank's zigzag shard
-    `[batch, heads, local, head_dim]`; `ring_length` and `ring_group` come in through the decoder's kwargs."""
+    `[batch, heads, local, head_dim]`; `ring_length`, `ring_group` and `ring_segments` (packed rows'
+    segment ids, or None) come in through the decoder's kwargs."""
     if "ring_length" not in kwargs:
         raise RuntimeError(
             "the ring attention implementation runs only inside a context-parallel Learner forward "
@@ -64,12 +69,14 @@ def _ring_attention_forward(
         causal=True,
         group=kwargs.get("ring_group"),
         scale=scaling,
+        segments=kwargs.get("ring_segments"),
     )
     return out.transpose(1, 2).contiguous(), None
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:
-    # the ring applies the causal mask from global positions; padding sits at the end of each row
+    # the ring applies the causal mask from global positions (and packed rows' segment ids); padding sits
+    # at the end of each row
     return None
 
 
@@ -111,6 +118,7 @@ class ContextParallel:
     rank: int
     world: int
     group: Any = None
+    packed: bool = False  # trainer.packing: several sequences per row, attention kept within each
 
     def positions(self, width: int, device: torch.device) -> Tensor:
         """Global positions of this rank's columns of a `width`-wide row (zigzag)."""
@@ -122,24 +130,32 @@ class ContextParallel:
         """This rank's decoder output `[b, local, H]` over its zigzag shard of every row (under `autocast`),
         the hidden states `[n, H]` predicting the targets of `mask` whose predicting position is this
         rank's, and those targets."""
-        ids = batch.token_ids
+        device = batch.token_ids.device
+        segments = None
+        if self.packed:
+            ids, pos_ids, segments, offsets = pack_rows(batch.token_ids, [int(n) for n in batch.lengths])
+        else:
+            ids = batch.token_ids
+            offsets = torch.arange(ids.shape[0], device=device) * ids.shape[1]
         rows, width = ids.shape
-        device = ids.device
         pos = self.positions(width, device)
         local_of = torch.full((width,), -1, dtype=torch.long, device=device)
         local_of[pos] = torch.arange(pos.numel(), device=device)
         with autocast:
             out = decoder(
                 input_ids=ids.index_select(1, pos),
-                position_ids=pos.expand(rows, -1),
+                position_ids=pos_ids.index_select(1, pos) if self.packed else pos.expand(rows, -1),
                 use_cache=False,
                 ring_length=width,
                 ring_group=self.group,
+                ring_segments=segments,
             )
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        targets = select_targets(mask, ids, torch.arange(rows, device=device) * width)
-        here = local_of[targets.cols - 1] >= 0  # the position predicting the target is this rank's
-        src = targets.rows[here] * pos.numel() + local_of[targets.cols[here] - 1]
+        targets = select_targets(mask, batch.token_ids, offsets)
+        # the predicting position's row and column in the (padded or packed) layout
+        row, col = targets.src // width, targets.src % width
+        here = local_of[col] >= 0  # the position predicting the target is this rank's
+        src = row[here] * pos.numel() + local_of[col[here]]
         mine = Targets(targets.rows[here], targets.cols[here], src, targets.token[here])
         return hidden, hidden.reshape(-1, hidden.shape[-1])[mine.src], mine
 
@@ -195,11 +211,6 @@ def context_parallel_learner(learner: Any, group: Any = None) -> ContextParallel
     `trainer.context_parallel`-way group over `group` (default: the whole initialised world)."""
     tc = learner.trainer_cfg
     n = int(tc.context_parallel)
-    if tc.packing:
-        raise ValueError(
-            "trainer.context_parallel > 1 needs trainer.packing=false (ring attention is causal over one "
-            "sequence per row)"
-        )
     if learner.dynamic_rope:
         raise ValueError(
             "trainer.context_parallel > 1 does not support dynamic NTK rope scaling (its frequencies depend "
@@ -219,4 +230,4 @@ def context_parallel_learner(learner: Any, group: Any = None) -> ContextParallel
             causal_lm(model).set_attn_implementation(ATTENTION)
     if learner.critic is not None:
         learner.critic.decoder.set_attn_implementation(ATTENTION)
-    return ContextParallel(dist.get_rank(group), world, group)
+    return ContextParallel(dist.get_rank(group), world, group, packed=bool(tc.packing))

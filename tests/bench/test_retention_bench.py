@@ -115,6 +115,20 @@ def test_reuse_needs_out_and_finished_runs_there(tmp_path, capsys):
     assert exc.value.code == 2 and f"{tmp_path / 'off-seed0'} holds no finished run" in err
 
 
+def test_reuse_off_needs_a_folder_with_the_finished_runs_without_control(tmp_path, capsys):
+    args = ["--quick", "--model", "tiny:llama", "--out", str(tmp_path / "kl")]
+    with pytest.raises(SystemExit) as exc:
+        run_bench("retention", [*args, "--reuse-off", str(tmp_path / "missing")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"--reuse-off: {tmp_path / 'missing'} is not a folder" in err
+    (tmp_path / "off-seed0").mkdir()
+    with pytest.raises(SystemExit) as exc:
+        run_bench("retention", [*args, "--reuse-off", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"--reuse-off: {tmp_path / 'off-seed0'} holds no finished run" in err
+    assert "scoring" not in err  # refused before the base model is scored
+
+
 @pytest.mark.slow
 def test_a_tiny_run_prints_both_settings_and_reuse_scores_it_again(tmp_path, capsys):
     args = ["--quick", "--model", "tiny:llama", "--steps", "2", "--n-eval", "2", "--samples", "2", "--json"]
@@ -148,6 +162,19 @@ def test_a_tiny_run_prints_both_settings_and_reuse_scores_it_again(tmp_path, cap
             [*args, "--out", str(tmp_path), "--reuse", "--control", "curriculum.retention_every=1"],
         )
     assert exc.value.code == 2 and "differs in" in capsys.readouterr().err
+    # --reuse-off: the saved run without control, and only another control setting trained
+    control = (
+        "curriculum.retention_every=2",
+        "curriculum.retention_size=2",
+        "algorithm.replay_fraction=0.25",
+    )
+    other = [f"--control={c}" for c in control]
+    kl = run_bench("retention", [*args, *other, "--reuse-off", str(tmp_path), "--out", str(tmp_path / "b")])
+    err = capsys.readouterr().err
+    assert "training on-seed0" in err and "training off-seed0" not in err
+    assert kl["settings"]["off"] == out["settings"]["off"] and kl["config"]["off_from"] == str(tmp_path)
+    assert kl["settings"]["on"]["runs"][0]["steps"] >= 1
+    assert kl["settings"]["on"]["runs"][0]["replay_fraction_end"] == 0.25
 
 
 def test_the_demo_recipe_is_the_default_config_plus_the_measured_control():

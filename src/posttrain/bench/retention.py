@@ -15,7 +15,9 @@ arms does not fall.
 
 `--out DIR --reuse` scores the runs already saved under DIR (each `NAME/policy` with the `bench_run.json`
 its training wrote) instead of training them again, so seeds trained by separate invocations are pooled
-by one more invocation over a folder holding all of them.
+by one more invocation over a folder holding all of them. `--reuse-off DIR` takes the runs without
+control from DIR and trains only the control setting: the way to compare another `--control` against
+the same runs without it.
 """
 
 from __future__ import annotations
@@ -211,9 +213,11 @@ def score_policy(spec: str, cfg: Any, ns: Any, sizes: dict[str, int]) -> dict[st
 RUN_RECORD = "bench_run.json"  # what train() returns besides the config and the rows, for --reuse
 
 
-def saved_run(root: Path, name: str, overrides: list[str], seed: int) -> dict[str, Any]:
-    """A run `train` saved under root/name (its policy, config, metrics and RUN_RECORD), for --reuse; its
-    config must be the one these overrides and seed would train (telemetry aside)."""
+def saved_run(
+    root: Path, name: str, overrides: list[str], seed: int, flag: str = "--reuse"
+) -> dict[str, Any]:
+    """A run `train` saved under root/name (its policy, config, metrics and RUN_RECORD), for --reuse (or
+    `flag`); its config must be the one these overrides and seed would train (telemetry aside)."""
     from posttrain.config import load_config
     from posttrain.telemetry import read_metrics
 
@@ -221,8 +225,8 @@ def saved_run(root: Path, name: str, overrides: list[str], seed: int) -> dict[st
     record = folder / RUN_RECORD
     if not (folder / "policy").is_dir() or not record.is_file():
         raise BenchUsageError(
-            f"bench retention --reuse: {folder} holds no finished run (needs policy/ and {RUN_RECORD}); "
-            "train it without --reuse"
+            f"bench retention {flag}: {folder} holds no finished run (needs policy/ and {RUN_RECORD}); "
+            f"train it without {flag}"
         )
     run = json.loads(record.read_text())
     cfg = load_config(str(folder / "config.yaml"))
@@ -237,7 +241,7 @@ def saved_run(root: Path, name: str, overrides: list[str], seed: int) -> dict[st
             if want_d[sec].get(k) != have_d.get(sec, {}).get(k)
         ) or sorted(k for k in want_d if want_d[k] != have_d.get(k))
         raise BenchUsageError(
-            f"bench retention --reuse: {folder}'s config is not this invocation's (differs in {', '.join(differ)})"
+            f"bench retention {flag}: {folder}'s config is not this invocation's (differs in {', '.join(differ)})"
         )
     _stage(f"reusing {name}")
     return {
@@ -392,20 +396,30 @@ def main(ns: Any) -> dict[str, Any]:
     k = sizes["samples"]
     if ns.reuse and not ns.out:
         raise BenchUsageError("bench retention: --reuse scores the runs under --out DIR; give --out")
+    reuse_off = Path(ns.reuse_off) if getattr(ns, "reuse_off", None) else None
+    if reuse_off is not None and not reuse_off.is_dir():
+        raise BenchUsageError(f"bench retention --reuse-off: {reuse_off} is not a folder")
     t0 = time.perf_counter()
     root = Path(ns.out) if ns.out else Path(tempfile.mkdtemp(prefix="posttrain-bench-retention-"))
     root.mkdir(parents=True, exist_ok=True)
+    seeds = range(ns.seed_start, ns.seed_start + ns.seeds)
     try:
+        # saved runs are read (and their configs checked) before any scoring
+        saved_off = {
+            seed: saved_run(reuse_off, f"off-seed{seed}", common, seed, "--reuse-off")
+            if reuse_off is not None
+            else saved_run(root, f"off-seed{seed}", common, seed)
+            for seed in (seeds if reuse_off is not None or ns.reuse else ())
+        }
         base_cfg = load_config(None, common)
         base = score_policy(ns.model, base_cfg, ns, sizes)
         per_setting: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
         runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
-        for seed in range(ns.seed_start, ns.seed_start + ns.seeds):
+        for seed in seeds:
+            off = saved_off[seed] if seed in saved_off else train(common, seed, root, f"off-seed{seed}")
             if ns.reuse:
-                off = saved_run(root, f"off-seed{seed}", common, seed)
                 on = saved_run(root, f"on-seed{seed}", on_overrides(int(off["tokens"])), seed)
             else:
-                off = train(common, seed, root, f"off-seed{seed}")
                 on = train(on_overrides(int(off["tokens"])), seed, root, f"on-seed{seed}")
             for name, run in (("off", off), ("on", on)):
                 per_setting[name].append(score_policy(run["policy"], run["cfg"], ns, sizes))
@@ -448,6 +462,7 @@ def main(ns: Any) -> dict[str, Any]:
         "seeds": list(range(ns.seed_start, ns.seed_start + ns.seeds)),
         "eval_seed": ns.eval_seed,
         "quick": bool(ns.quick),
+        **({"off_from": str(reuse_off)} if reuse_off is not None else {}),
         **sizes,
     }
     out["wall_s"] = round(time.perf_counter() - t0, 1)

@@ -256,6 +256,12 @@ def retention(
     reuse: bool = typer.Option(
         False, "--reuse", help="score the runs already saved under --out instead of training them"
     ),
+    reuse_off: str | None = typer.Option(
+        None,
+        "--reuse-off",
+        help="take the runs without control from this folder (a saved --out) and train only the control "
+        "setting, e.g. to compare another --control against them",
+    ),
     json_out: bool = JSON,
 ) -> dict[str, Any]:
     """The default recipe without and with retention control (same seed and token budget): trained gain,
@@ -279,6 +285,7 @@ def retention(
         eval_seed=eval_seed,
         out=out,
         reuse=reuse,
+        reuse_off=reuse_off,
     )
 
 

@@ -244,3 +244,41 @@ def test_cli_eval_json_reports_pass_at_for_model_and_baseline(tmp_path):
     }
     assert out["delta_per_domain"]["math"]["pass_at"]["1"]["delta"] == 0.0
     assert "pass@2" in result.output and "mean reward" in result.output
+
+
+class _SmallSpace:
+    """A domain of `size` distinct questions: draw i asks question (i * 7) % size (repeats from draw size on)."""
+
+    splits = ("train", "heldout")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def task(self, split: str, difficulty: int, index: int, seed: int = 0) -> Task:
+        from posttrain.types import Message
+
+        q = (index * 7 + seed) % self.size
+        return Task(f"t{index}", "small", difficulty, [Message("user", f"question {q}")], split=split)
+
+
+def test_heldout_tasks_are_distinct_questions_and_a_small_space_gives_fewer():
+    from posttrain.curriculum import Arm
+    from posttrain.orchestrator.evaluate import HELDOUT_DRAWS_PER_TASK, heldout_tasks, task_key
+
+    arms = [Arm("small", 0), Arm("big", 1)]
+    domains = {"small": _SmallSpace(3), "big": _SmallSpace(1000)}
+    got = heldout_tasks(domains, arms, 5, seed=0)
+    small = [t for arm, _, t in got if arm.domain == "small"]
+    big = [t for arm, _, t in got if arm.domain == "big"]
+    # draws 0, 1, 2 ask questions 0, 1, 2; every later draw repeats one of them: 3 tasks, not 5
+    assert [t.prompt[0].content for t in small] == ["question 0", "question 1", "question 2"]
+    assert [t.id for t in big] == ["t0", "t1", "t2", "t3", "t4"]  # nothing repeats: the first 5 draws
+    assert len({task_key(t) for t in big}) == 5
+    # the same tasks for every model (same seed); the search stops after 8 draws per task asked
+    assert [t.id for _, _, t in heldout_tasks(domains, arms, 5, seed=0)] == [t.id for _, _, t in got]
+    assert HELDOUT_DRAWS_PER_TASK == 8
+    calls = []
+    space = _SmallSpace(2)
+    space.task = lambda split, d, i, seed=0: calls.append(i) or _SmallSpace.task(space, split, d, i, seed)
+    assert len(heldout_tasks({"small": space}, [Arm("small", 0)], 4, seed=0)) == 2
+    assert calls == list(range(32))

@@ -39,9 +39,9 @@ def test_a_run_scores_its_suites_against_the_stored_base_and_a_resume_reuses_it(
     first.close()
     assert len(calls) == 3  # the base, then after steps 1 and 2
     base = json.loads((first.run_dir.path / "retention_base.json").read_text())
-    assert (
-        base["ident"] == {"suites": ["math:1"], "size": 3, "seed": 0} and len(base["scores"]["math:1"]) == 3
-    )
+    ident = base["ident"]
+    assert {k: ident[k] for k in ("suites", "size", "seed")} == {"suites": ["math:1"], "size": 3, "seed": 0}
+    assert len(ident["tasks"]) == 64 and len(base["scores"]["math:1"]) == 3  # a hash of the tasks scored
     rows = read_metrics(first.run_dir.metrics)
     # the tiny random policy does not move (equal rewards, zero advantages): the same greedy answers
     assert [r["retention_delta/math:1"] for r in rows] == [0.0, 0.0]

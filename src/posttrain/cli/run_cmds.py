@@ -124,7 +124,11 @@ def eval_(
     model: str = typer.Argument(None, help="model spec, HF folder or run directory (omit with --api-base)"),
     baseline: str = typer.Option(None, "--baseline", help="compare against this model on the same tasks"),
     suite: str = typer.Option(None, "--suite", help="comma-separated domains (default: the run's domains)"),
-    n: int = typer.Option(None, "--n", help="held-out tasks per domain and difficulty"),
+    n: int = typer.Option(
+        None,
+        "--n",
+        help="held-out tasks per domain and difficulty: distinct questions (a small space gives fewer; the table says how many)",
+    ),
     config: str = typer.Option(None, "--config", help="config for domains/engine when MODEL is not a run"),
     set_: list[str] = typer.Option(None, "--set", help="config override"),
     api_base: str = typer.Option(None, "--api-base", help="score an OpenAI-compatible server instead"),

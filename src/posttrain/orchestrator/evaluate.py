@@ -10,9 +10,11 @@ names, never as accuracy. Infrastructure failures are excluded and counted, neve
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -96,14 +98,37 @@ def bootstrap_ci(
     return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
+HELDOUT_DRAWS_PER_TASK = 8  # an arm whose held-out space is small stops after this many draws per task asked
+
+
+def task_key(task: Task) -> str:
+    """What makes two tasks the same question: the prompt (text and images) and the tools offered."""
+    body = json.dumps(
+        [[m.to_dict() for m in task.prompt], [asdict(t) for t in task.tools]], sort_keys=True, default=str
+    )
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
 def heldout_tasks(domains: dict[str, Any], arms: list[Any], n: int, seed: int) -> list[tuple[Any, Any, Task]]:
-    """n held-out tasks per arm, the same for every model evaluated with the same seed."""
+    """Up to n distinct held-out tasks per arm, the same for every model evaluated with the same seed.
+
+    Draws i = 0, 1, ... and keeps a task only if its question (`task_key`) is new to the arm: a small
+    generator space repeats questions, and a repeat scored greedily is the same answer counted twice,
+    which would narrow every interval without adding evidence. An arm whose space runs out first (no n
+    distinct tasks in HELDOUT_DRAWS_PER_TASK * n draws) gets fewer; the report's n says how many."""
     out = []
     for arm in arms:
         domain = domains[arm.domain]
         split = "heldout" if "heldout" in domain.splits else domain.splits[-1]
-        for i in range(n):
-            out.append((arm, domain, domain.task(split, arm.difficulty, i, seed=seed)))
+        seen: set[str] = set()
+        for i in range(HELDOUT_DRAWS_PER_TASK * n):
+            if len(seen) == n:
+                break
+            task = domain.task(split, arm.difficulty, i, seed=seed)
+            key = task_key(task)
+            if key not in seen:
+                seen.add(key)
+                out.append((arm, domain, task))
     return out
 
 

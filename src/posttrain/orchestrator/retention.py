@@ -14,6 +14,7 @@ Infrastructure failures are left out of both sides, never scored.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -120,7 +121,11 @@ class RetentionSuites:
     def load_or_score_base(self, path: Path, *score_args: Any) -> float:
         """The base scores from `path` if it holds these suites' (same tasks), else scored now and written
         there; returns the tokens generated (0 when loaded)."""
-        ident = {"suites": [_key(a) for a in self.arms], "size": self.size, "seed": self.seed}
+        from posttrain.orchestrator.evaluate import task_key
+
+        # the tasks themselves: a file scored on other draws (e.g. before repeats were dropped) is rescored
+        tasks = hashlib.sha256("".join(task_key(t) for _, _, t in self.tasks).encode()).hexdigest()
+        ident = {"suites": [_key(a) for a in self.arms], "size": self.size, "seed": self.seed, "tasks": tasks}
         if path.is_file():
             saved = json.loads(path.read_text())
             if saved.get("ident") == ident:

@@ -17,11 +17,9 @@ from collections import Counter
 
 import torch
 
-from posttrain.curriculum import Arm
 from posttrain.envs import get_domain
 from posttrain.envs.extract import extract_answer, normalize_number
 from posttrain.models import load_policy, load_tokenizer
-from posttrain.orchestrator.evaluate import heldout_tasks
 
 LEGS = '{"leg_counting": {"min_animals": 1, "max_animals": 1, "max_instances": 2}}'
 
@@ -35,7 +33,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     args = ap.parse_args()
     domain = get_domain("math", datasets=json.loads(args.family))
-    tasks = [t for _, _, t in heldout_tasks({"math": domain}, [Arm("math", 0)], args.n, args.seed)]
+    # the raw draws i = 0..n-1, repeats kept (evaluation now skips them: heldout_tasks)
+    tasks = [domain.task("heldout", 0, i, seed=args.seed) for i in range(args.n)]
     tok = load_tokenizer(args.model)
     model = load_policy(args.model, dtype="float32")
     counts = Counter(t.prompt[-1].content for t in tasks)

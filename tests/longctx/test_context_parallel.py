@@ -31,6 +31,11 @@ PACKED_LENGTHS = [23, 8, 12, 11, 14]
 PACKED_BATCH = BatchConfig(micro_batch_tokens=80)
 
 
+def lengths_for(learner: Learner) -> tuple[int, ...]:
+    """The row lengths of the samples a test runs through `learner`: packed or padded."""
+    return tuple(PACKED_LENGTHS) if learner.trainer_cfg.packing else (23, 9, 17, 12, 21)
+
+
 def samples(seed: int, lengths: tuple[int, ...] = (23, 9, 17, 12, 21)) -> list[Sample]:
     rng = random.Random(seed)
     out = []
@@ -52,7 +57,7 @@ def make_learner(cp: int, checkpointing: bool = False, packing: bool = False) ->
 
 
 def run(learner: Learner) -> dict:
-    lengths = tuple(PACKED_LENGTHS) if learner.trainer_cfg.packing else (23, 9, 17, 12, 21)
+    lengths = lengths_for(learner)
     lp = learner.compute_logprobs(samples(1, lengths))
     learner.step(samples(2, lengths))
     # the policy has moved off its reference: a KL term and its gradient

@@ -14,7 +14,7 @@ from posttrain.orchestrator.learner_group import free_port
 from posttrain.train import Learner, build_batch
 from posttrain.train.distributed import init_local_gloo, load_sharded, parallelize_dp_cp, save_sharded
 
-from .test_context_parallel import METRICS, PACKED_BATCH, PACKED_LENGTHS, samples
+from .test_context_parallel import METRICS, PACKED_BATCH, lengths_for, samples
 
 # rows of 9..23 tokens, at most 24 padded cells a micro-batch: 5 micro-batches, so one dp group runs a
 # weight-0 repeat, and the row whose loss sits on its last 3 tokens leaves a cp rank without a target
@@ -37,7 +37,7 @@ def make_learner(dp: int, cp: int, tp: int = 1, packing: bool = False) -> Learne
 
 
 def run(learner: Learner) -> dict:
-    lengths = tuple(PACKED_LENGTHS) if learner.trainer_cfg.packing else (23, 9, 17, 12, 21)
+    lengths = lengths_for(learner)
     lp = learner.compute_logprobs(samples(1, lengths))
     first = learner.step(samples(2, lengths))
     # the policy has moved off its reference: a KL term and its gradient

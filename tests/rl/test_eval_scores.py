@@ -282,3 +282,17 @@ def test_heldout_tasks_are_distinct_questions_and_a_small_space_gives_fewer():
     space.task = lambda split, d, i, seed=0: calls.append(i) or _SmallSpace.task(space, split, d, i, seed)
     assert len(heldout_tasks({"small": space}, [Arm("small", 0)], 4, seed=0)) == 2
     assert calls == list(range(32))
+
+
+def test_tasks_that_ask_one_prompt_of_different_hidden_state_stay_apart():
+    from posttrain.orchestrator.evaluate import task_key
+    from posttrain.types import Message
+
+    def task(content_key: str | None) -> Task:
+        meta = {} if content_key is None else {"content_key": content_key}
+        return Task("t", "tools", 0, [Message("user", "Set the price of SKU-1 to 4.")], meta=meta)
+
+    # the generator's content key is the identity: same prompt, different hidden state, two tasks
+    assert task_key(task("a")) != task_key(task("b")) and task_key(task("a")) == "a"
+    # without one, the prompt and tools identify the task
+    assert task_key(task(None)) == task_key(task(None)) != task_key(task("a"))

@@ -127,7 +127,7 @@ def eval_(
     n: int = typer.Option(
         None,
         "--n",
-        help="held-out tasks per domain and difficulty: distinct questions (a small space gives fewer; the table says how many)",
+        help="distinct held-out tasks per domain and difficulty (a small space gives fewer; the table says how many)",
     ),
     config: str = typer.Option(None, "--config", help="config for domains/engine when MODEL is not a run"),
     set_: list[str] = typer.Option(None, "--set", help="config override"),

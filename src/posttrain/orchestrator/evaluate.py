@@ -10,8 +10,6 @@ names, never as accuracy. Infrastructure failures are excluded and counted, neve
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -19,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from posttrain.envs.base import stable_hash
 from posttrain.rollout import EpisodeLimits, run_episode
 from posttrain.rollout.api import api_episode
 from posttrain.types import Task
@@ -102,18 +101,20 @@ HELDOUT_DRAWS_PER_TASK = 8  # an arm whose held-out space is small stops after t
 
 
 def task_key(task: Task) -> str:
-    """What makes two tasks the same question: the prompt (text and images) and the tools offered."""
-    body = json.dumps(
-        [[m.to_dict() for m in task.prompt], [asdict(t) for t in task.tools]], sort_keys=True, default=str
-    )
-    return hashlib.sha256(body.encode()).hexdigest()
+    """A task's identity: the content key its generator drew (`envs.base.Domain.draw`), which also tells
+    apart tasks that ask the same prompt of different hidden state (tools.apis, code tests); a domain
+    that sets none is identified by its prompt and tools."""
+    key = task.meta.get("content_key")
+    if key is not None:
+        return str(key)
+    return f"{stable_hash([m.to_dict() for m in task.prompt], [asdict(t) for t in task.tools]):016x}"
 
 
 def heldout_tasks(domains: dict[str, Any], arms: list[Any], n: int, seed: int) -> list[tuple[Any, Any, Task]]:
     """Up to n distinct held-out tasks per arm, the same for every model evaluated with the same seed.
 
-    Draws i = 0, 1, ... and keeps a task only if its question (`task_key`) is new to the arm: a small
-    generator space repeats questions, and a repeat scored greedily is the same answer counted twice,
+    Draws i = 0, 1, ... and keeps a task only if its identity (`task_key`) is new to the arm: a small
+    generator space repeats tasks, and a repeat scored greedily is the same answer counted twice,
     which would narrow every interval without adding evidence. An arm whose space runs out first (no n
     distinct tasks in HELDOUT_DRAWS_PER_TASK * n draws) gets fewer; the report's n says how many."""
     out = []

@@ -108,14 +108,70 @@ def test_stages_group_similar_lengths_and_mask_the_padding():
             assert attended == lens and g.mask.shape[-1] == max(lens)
 
 
-def test_engine_with_staging_matches_hf_and_the_gather_path_as_membership_changes(tokenizer):
-    model = tiny("llama")
-    prompts = random_prompts([1, 3, 6, 13, 17, 30, 2, 9], seed=40)
-    # at most 3 running at once and different lengths: sequences leave and join the stages every few steps
-    reqs = [
+def test_a_stage_shrinks_when_its_rows_leave_and_keeps_their_contents():
+    pool_k, pool_v = _pool(2)
+    keys = [f"s{i}" for i in range(6)]
+    tables = {k: list(range(i * 5, i * 5 + 5)) for i, k in enumerate(keys)}
+    lengths = {k: 14 for k in keys}
+    stager = _stager(max_groups=1)
+    _step(stager, pool_k, pool_v, keys, tables, lengths)
+    (stage,) = stager.stages
+    cell = 2 * LAYERS * KV * HD * 4  # K and V bytes of one token slot
+    # fresh: 6 rows + a quarter = 8 (max_rows), 15 tokens + 2 blocks of headroom, rounded up to a block = 24
+    assert (stage.rows_capacity, stage.len_capacity) == (8, 24) and stager.nbytes() == 8 * 24 * cell
+    for k in keys[1:]:  # five of six leave: 8 x 24 slots for 1 x 16 is past SHRINK_AT x a fresh 2 x 24
+        del lengths[k]
+    _step(stager, pool_k, pool_v, ["s0"], tables, lengths)
+    (stage,) = stager.stages
+    assert (stage.rows_capacity, stage.len_capacity) == (2, 24) and stager.nbytes() == 2 * 24 * cell
+    assert stager.rows_filled == 6  # the survivor was copied within the stage, not read again from the pool
+    _check_rows(stager, pool_k, pool_v, tables, lengths)
+    # a shrink only when the gap is wide: one row of two leaving keeps the allocation
+    lengths["s1"] = 3
+    _step(stager, pool_k, pool_v, ["s0", "s1"], tables, lengths)
+    before = [(s.rows_capacity, s.len_capacity) for s in stager.stages]
+    del lengths["s1"]
+    _step(stager, pool_k, pool_v, ["s0"], tables, lengths)
+    assert [(s.rows_capacity, s.len_capacity) for s in stager.stages] == before[:1]
+    _check_rows(stager, pool_k, pool_v, tables, lengths)
+
+
+def test_past_max_bytes_a_sequence_is_left_to_the_gather_path_and_joins_once_room_frees():
+    pool_k, pool_v = _pool(3)
+    tables = {k: list(range(i * 5, i * 5 + 5)) for i, k in enumerate("abc")}
+    lengths = {"a": 10, "b": 10, "c": 10}
+    cell = 2 * LAYERS * KV * HD * 4
+    # fresh allocations for rows of 11 tokens (10 + the step's): 11 + 2 blocks -> 20 slots; 2 rows -> 3 rows
+    # of capacity (a quarter more, rounded up), 3 -> 4. So a and b fit in 3 x 20 slots, and c would need 4 x 20.
+    stager = _stager(max_groups=1, max_bytes=3 * 20 * cell)
+    groups = _step(stager, pool_k, pool_v, list("abc"), tables, lengths)
+    staged = sorted("abc"[i] for g in groups for i in g.members)
+    assert staged == ["a", "b"] and stager.nbytes() == 3 * 20 * cell
+    lengths["c"] += 1  # the engine decoded c from the pool this step
+    _check_rows(stager, pool_k, pool_v, tables, {k: lengths[k] for k in staged})
+    del lengths["a"]  # a finishes: c takes its place
+    groups = _step(stager, pool_k, pool_v, ["b", "c"], tables, lengths)
+    assert sorted("bc"[i] for g in groups for i in g.members) == ["b", "c"]
+    assert stager.nbytes() == 3 * 20 * cell  # c took a's row: no reallocation
+    _check_rows(stager, pool_k, pool_v, tables, lengths)
+    # nothing fits: every member is left out and no empty stage stays behind
+    tiny_stager = _stager(max_bytes=cell)
+    assert tiny_stager.plan([("x", 10, tables["a"])], pool_k, pool_v) == []
+    assert tiny_stager.stages == [] and tiny_stager.nbytes() == 0
+
+
+def _greedy_requests(seed: int) -> list[GenerationRequest]:
+    prompts = random_prompts([1, 3, 6, 13, 17, 30, 2, 9], seed=seed)
+    return [
         GenerationRequest(p, SamplingParams(temperature=0.0, max_tokens=4 + 3 * (i % 4), ignore_eos=True))
         for i, p in enumerate(prompts)
     ]
+
+
+def test_engine_with_staging_matches_hf_and_the_gather_path_as_membership_changes(tokenizer):
+    model = tiny("llama")
+    # different lengths, fewer running at once than asked: sequences leave and join the stages every few steps
+    reqs = _greedy_requests(seed=40)
     outs = {}
     for staging in (True, False):
         engine = PagedEngine(
@@ -123,12 +179,36 @@ def test_engine_with_staging_matches_hf_and_the_gather_path_as_membership_change
         )
         outs[staging] = engine.generate(reqs)
         if staging:
-            assert engine.stager.rows_filled == len(prompts)
+            assert engine.stager.rows_filled == len(reqs)
             assert engine.stager.stages == [] and engine.kv_stats()["decode_stage_bytes"] == 0
     for req, staged, gathered in zip(reqs, outs[True], outs[False], strict=True):
         a, b = staged.completions[0], gathered.completions[0]
         assert a.token_ids == b.token_ids == hf_greedy(model, req.prompt_token_ids, req.params.max_tokens)
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-5
+
+
+def test_engine_past_its_staging_budget_mixes_staged_and_gathered_rows_and_matches_hf(tokenizer):
+    model = tiny("llama")
+    reqs = _greedy_requests(seed=41)
+    engine = PagedEngine(model, tokenizer, block_size=4, num_blocks=64, max_num_seqs=4)
+    spec = engine.runner.spec
+    pool_slots = 64 * 4
+    assert engine.stager.max_bytes == 2 * pool_slots * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4
+    engine.stager.max_bytes = 2 * 24 * 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4  # 48 slots
+    seen = []
+    plan = engine.stager.plan
+
+    def counting(members, *args):
+        groups = plan(members, *args)
+        seen.append((len(members), sum(len(g.members) for g in groups)))
+        assert engine.stager.nbytes() <= engine.stager.max_bytes
+        return groups
+
+    engine.stager.plan = counting
+    outs = engine.generate(reqs)
+    assert any(0 < staged < n for n, staged in seen)  # some steps decoded staged and gathered rows together
+    for req, out in zip(reqs, outs, strict=True):
+        assert out.completions[0].token_ids == hf_greedy(model, req.prompt_token_ids, req.params.max_tokens)
 
 
 def test_prepacked_gemms_agree_with_plain_linear_and_follow_weight_reloads(tokenizer):

@@ -38,7 +38,8 @@ Completions (what the trainer relies on):
   until the next `load_weights`, which must bring every weight), `enable_prefix_caching`, `device`
   ("cpu", "cuda", ...), `seed`, `decode_staging`
   (default on: decoding sequences keep a contiguous copy of their K/V across steps, so decode attends
-  without gathering blocks; costs a second copy of those sequences' K/V, `kv_stats()["decode_stage_bytes"]`);
+  without gathering blocks; costs a second copy of those sequences' K/V, `kv_stats()["decode_stage_bytes"]`,
+  at most the pool's token slots in the compute dtype: past that, sequences decode from the pool);
   requests that can never fit (prompt >= max_model_len, more blocks than the pool) raise
   BadRequestError up front.
 - After `load_weights` the prefix cache is dropped; sequences in flight keep the K/V they computed.

@@ -17,6 +17,11 @@ import torch
 
 from posttrain.engine.quant import dequantize_kv
 
+# A stage whose capacity passes this x a fresh allocation's (its rows left, or its longest row did) is
+# reallocated to fit: under continuous batching a stage rarely empties, and capacity that only grew kept
+# every stage at its most rows x its longest context ever.
+SHRINK_AT = 1.5
+
 
 class DecodeStage:
     """One decode group: rows of K/V in the compute dtype, `lengths[r]` tokens valid in row r."""
@@ -46,17 +51,30 @@ class DecodeStage:
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
-    def reserve(self, rows: int, length: int, max_rows: int, max_len: int, align: int) -> None:
-        """Make room for `rows` rows of `length` tokens, with headroom so growth reallocates rarely."""
-        if rows <= self.rows_capacity and length <= self.len_capacity:
+    def target_capacity(
+        self, rows: int, length: int, max_rows: int, max_len: int, align: int, tight: bool = False
+    ) -> tuple[int, int]:
+        """The `(rows, length)` capacity `reserve` leaves for `rows` rows of `length` tokens: the current one
+        while it fits and holds at most `SHRINK_AT` x what a fresh allocation would; otherwise a fresh one,
+        with headroom (a quarter more rows, an eighth more tokens) so growth reallocates rarely. `tight`:
+        whichever of the two is smaller (a stager at its byte bound)."""
+        fresh_rows = min(max(rows, -(-5 * rows // 4)), max(rows, max_rows))
+        fresh_len = length + max(length // 8, 2 * align)
+        fresh_len = min(-(-fresh_len // align) * align, max(length, max_len))
+        cur_rows, cur_len = self.rows_capacity, self.len_capacity
+        fits = rows <= cur_rows and length <= cur_len
+        limit = 1.0 if tight else SHRINK_AT
+        if fits and cur_rows * cur_len <= limit * fresh_rows * fresh_len:
+            return cur_rows, cur_len
+        return fresh_rows, fresh_len
+
+    def reserve(
+        self, rows: int, length: int, max_rows: int, max_len: int, align: int, tight: bool = False
+    ) -> None:
+        """Make room for `rows` rows of `length` tokens (`target_capacity`); an oversized stage shrinks."""
+        new_rows, new_len = self.target_capacity(rows, length, max_rows, max_len, align, tight)
+        if (new_rows, new_len) == (self.rows_capacity, self.len_capacity):
             return
-        new_rows = self.rows_capacity
-        if rows > new_rows:
-            new_rows = min(max(rows, 2 * new_rows), max(rows, max_rows))
-        new_len = self.len_capacity
-        if length > new_len:
-            new_len = length + max(length // 8, 2 * align)
-            new_len = min(-(-new_len // align) * align, max(length, max_len))
         k, v = self._zeros(new_rows, new_len), self._zeros(new_rows, new_len)
         n, cap = len(self.keys), min(self.len_capacity, new_len)
         if n:
@@ -113,7 +131,11 @@ class StagedGroup:
 
 class DecodeStager:
     """Assigns decoding sequences to at most `max_groups` stages, keeping each stage's padding near
-    `slack` x its real tokens; a sequence stays in its stage while it decodes (assignment is sticky)."""
+    `slack` x its real tokens; a sequence stays in its stage while it decodes (assignment is sticky).
+
+    With `max_bytes`, the stages never hold more: a sequence joins only if they still fit it (reallocated
+    without headroom if need be), and when staged rows outgrow it the longest leave. A sequence left out
+    decodes from the pool (the caller gathers its blocks) and asks again next step."""
 
     def __init__(
         self,
@@ -126,6 +148,7 @@ class DecodeStager:
         max_len: int,
         max_groups: int = 4,
         slack: float = 1.25,
+        max_bytes: int | None = None,
     ) -> None:
         self.shape = shape
         self.dtype = dtype
@@ -135,6 +158,8 @@ class DecodeStager:
         self.max_len = max_len
         self.max_groups = max_groups
         self.slack = slack
+        self.max_bytes = max_bytes
+        self.cell_bytes = shape[0] * shape[1] * shape[2] * torch.empty((), dtype=dtype).element_size()
         self.stages: list[DecodeStage] = []
         self.rows_filled = 0  # rows copied from the pool (joins), for tests and statistics
 
@@ -143,6 +168,30 @@ class DecodeStager:
 
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in self.stages)
+
+    def _stage_bytes(self, stage: DecodeStage, extra: list[int], tight: bool) -> int:
+        """Stage's K and V bytes after `reserve`, were rows of context `extra` to join it."""
+        if not stage.keys and not extra:
+            return 0
+        rows, longest = len(stage.keys) + len(extra), max(stage.lengths + extra) + 1
+        r, n = stage.target_capacity(rows, longest, self.max_rows, self.max_len, self.block_size, tight)
+        return 2 * r * n * self.cell_bytes
+
+    def _projected_bytes(self, pending: list[tuple[int, int]], tight: bool = False) -> int:
+        """The stages' bytes after `reserve`, were the joiners `pending` (stage index, ctx) added."""
+        return sum(
+            self._stage_bytes(stage, [c for s, c in pending if s == si], tight)
+            for si, stage in enumerate(self.stages)
+        )
+
+    def _evict_to_fit(self) -> None:
+        """Past `max_bytes` with no joiner (the staged rows grew): the longest row of the largest stage
+        leaves, until the rest fits; it decodes from the pool and asks to join again next step."""
+        assert self.max_bytes is not None
+        while self.stages and self._projected_bytes([], tight=True) > self.max_bytes:
+            stage = max(self.stages, key=lambda st: self._stage_bytes(st, [], tight=True))
+            stage.remove_row(max(range(len(stage.keys)), key=lambda r: stage.lengths[r]))
+            self.stages = [st for st in self.stages if st.keys]
 
     def _choose(self, pending: list[tuple[int, int]], ctx: int) -> int:
         """The stage (index into self.stages) a new row of context `ctx` joins, creating one if needed.
@@ -178,7 +227,8 @@ class DecodeStager:
     ) -> list[StagedGroup]:
         """Stage the step's decode members `(key, context length, block table)`: each gets a row holding its
         context; the step then writes one token per row. A key must change when a sequence's cached K/V do
-        (the engine keys on sequence id and free count)."""
+        (the engine keys on sequence id and free count). A member in no returned group was not staged
+        (see `max_bytes`)."""
         wanted = {key: (i, ctx) for i, (key, ctx, _) in enumerate(members)}
         for stage in self.stages:
             r = 0
@@ -189,6 +239,8 @@ class DecodeStager:
                 else:
                     r += 1
         self.stages = [s for s in self.stages if s.keys]
+        if self.max_bytes is not None:
+            self._evict_to_fit()
         staged = {key for s in self.stages for key in s.keys}
         joining = sorted(
             (i for i, (key, _, _) in enumerate(members) if key not in staged), key=lambda i: -members[i][1]
@@ -196,14 +248,24 @@ class DecodeStager:
         pending: list[tuple[int, int]] = []  # (stage index, ctx) of joiners, in join order
         joins: list[tuple[int, int]] = []  # (stage index, member index)
         for i in joining:
-            si = self._choose(pending, members[i][1])
-            pending.append((si, members[i][1]))
+            ctx = members[i][1]
+            si = self._choose(pending, ctx)
+            if (
+                self.max_bytes is not None
+                and self._projected_bytes([*pending, (si, ctx)], True) > self.max_bytes
+            ):
+                if not self.stages[si].keys and all(s != si for s, _ in pending):
+                    self.stages.pop()  # the stage _choose opened for it (always the last) stays unopened
+                continue
+            pending.append((si, ctx))
             joins.append((si, i))
+        # at the bound, every stage is reallocated without headroom (joins were admitted on that basis)
+        tight = self.max_bytes is not None and self._projected_bytes(pending) > self.max_bytes
         for si, stage in enumerate(self.stages):
             extra = [members[i][1] for s, i in joins if s == si]
             rows = len(stage.keys) + len(extra)
             longest = max(stage.lengths + extra) + 1
-            stage.reserve(rows, longest, self.max_rows, self.max_len, self.block_size)
+            stage.reserve(rows, longest, self.max_rows, self.max_len, self.block_size, tight)
         for si, i in joins:
             stage = self.stages[si]
             key, ctx, table = members[i]

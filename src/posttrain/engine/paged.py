@@ -169,6 +169,14 @@ class PagedEngine(Engine):
                 block_size=block_size,
                 max_rows=max_num_seqs,
                 max_len=max_model_len,
+                # staged copies hold at most as many token slots as the pool (in the compute dtype)
+                max_bytes=2
+                * num_blocks
+                * block_size
+                * s.num_layers
+                * s.num_kv_heads
+                * s.head_dim
+                * torch.empty((), dtype=self.runner.dtype).element_size(),
             )
             if decode_staging
             else None
@@ -285,6 +293,11 @@ class PagedEngine(Engine):
                 self.runner.k_scale,
                 self.runner.v_scale,
             )
+            placed = {i for g in staged for i in g.members}
+            # past the staging budget: the rest gather their blocks, longest context first (_decode_groups)
+            gathered = sorted(
+                (s for i, s in enumerate(decodes) if i not in placed), key=lambda s: -s.num_computed
+            )
             decodes = [decodes[i] for g in staged for i in g.members]
             groups, row = [], 0
             for g in staged:
@@ -299,6 +312,10 @@ class PagedEngine(Engine):
                     )
                 )
                 row += len(g.members)
+            for grp in self._decode_groups(gathered):
+                grp.row += row
+                groups.append(grp)
+            decodes += gathered
         else:
             # longest context first, so decode rows of similar length sit together (see _decode_groups)
             decodes.sort(key=lambda s: -s.num_computed)

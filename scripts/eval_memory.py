@@ -1,6 +1,7 @@
 """Peak memory of a held-out evaluation on the many-domain layout (`bench curriculum --real --layout many`):
 the process's peak resident set, and the decode stages' peak bytes beside the K/V pool's and the real
-(unpadded) staged K/V, read by a hook on `DecodeStager.plan`.
+(unpadded) staged K/V, read by a hook on `DecodeStager.plan`; and the tasks solved, so that settings can
+be checked to give the same greedy outputs.
 
     python scripts/eval_memory.py [--model smollm2-135m] [--n 8] [--set engine.decode_staging=false ...]
 
@@ -13,6 +14,8 @@ import argparse
 import json
 import resource
 import time
+
+import torch
 
 from posttrain.bench.curriculum_real import PRESETS, base_eval, run_overrides
 from posttrain.engine import decode_stage
@@ -33,7 +36,8 @@ def main() -> None:
         peak["stage_bytes"] = max(peak["stage_bytes"], self.nbytes())
         peak["real_slots"] = max(peak["real_slots"], sum(sum(s.lengths) for s in self.stages))
         peak["pool_bytes"] = 2 * k_cache.numel() * k_cache.element_size()
-        peak["slot_bytes"] = 2 * self.cell_bytes
+        layers, _, _, kv, hd = k_cache.shape
+        peak["slot_bytes"] = 2 * layers * kv * hd * torch.empty((), dtype=self.dtype).element_size()
         return groups
 
     decode_stage.DecodeStager.plan = hooked
@@ -47,7 +51,8 @@ def main() -> None:
     )
     sizes = dict(PRESETS["full"], max_new_tokens=96)
     start = time.perf_counter()
-    base_eval(run_overrides(ns, sizes), args.n, 1000, True)
+    report = base_eval(run_overrides(ns, sizes), args.n, 1000, True)
+    scores = [x for v in report.per_task.values() for x in v if x is not None]
     out = {
         "tasks_per_arm": args.n,
         "seconds": round(time.perf_counter() - start, 1),
@@ -56,6 +61,7 @@ def main() -> None:
         "peak_real_staged_gb": peak["real_slots"] * peak["slot_bytes"] / 1e9,
         "pool_gb": peak["pool_bytes"] / 1e9,
         "decode_steps": peak["steps"],
+        "solved": f"{sum(scores):g}/{len(scores)}",  # strict success, greedy: outputs agree across settings?
     }
     print(json.dumps(out))
 

@@ -15,8 +15,6 @@ import json
 import resource
 import time
 
-import torch
-
 from posttrain.bench.curriculum_real import PRESETS, base_eval, run_overrides
 from posttrain.engine import decode_stage
 
@@ -37,7 +35,7 @@ def main() -> None:
         peak["real_slots"] = max(peak["real_slots"], sum(sum(s.lengths) for s in self.stages))
         peak["pool_bytes"] = 2 * k_cache.numel() * k_cache.element_size()
         layers, _, _, kv, hd = k_cache.shape
-        peak["slot_bytes"] = 2 * layers * kv * hd * torch.empty((), dtype=self.dtype).element_size()
+        peak["slot_bytes"] = 2 * layers * kv * hd * self.dtype.itemsize
         return groups
 
     decode_stage.DecodeStager.plan = hooked

@@ -159,7 +159,7 @@ class DecodeStager:
         self.max_groups = max_groups
         self.slack = slack
         self.max_bytes = max_bytes
-        self.cell_bytes = shape[0] * shape[1] * shape[2] * torch.empty((), dtype=dtype).element_size()
+        self.cell_bytes = shape[0] * shape[1] * shape[2] * dtype.itemsize
         self.stages: list[DecodeStage] = []
         self.rows_filled = 0  # rows copied from the pool (joins), for tests and statistics
 

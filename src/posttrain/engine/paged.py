@@ -161,6 +161,7 @@ class PagedEngine(Engine):
         self.caches_prefixes = enable_prefix_caching
         self.scheduler = Scheduler(self.bm, max_num_seqs, max_num_batched_tokens)
         s = self.runner.spec
+        slot_elems = s.num_layers * s.num_kv_heads * s.head_dim  # K (or V) elements of one token
         self.stager = (
             DecodeStager(
                 (s.num_layers, s.num_kv_heads, s.head_dim),
@@ -170,13 +171,7 @@ class PagedEngine(Engine):
                 max_rows=max_num_seqs,
                 max_len=max_model_len,
                 # staged copies hold at most as many token slots as the pool (in the compute dtype)
-                max_bytes=2
-                * num_blocks
-                * block_size
-                * s.num_layers
-                * s.num_kv_heads
-                * s.head_dim
-                * torch.empty((), dtype=self.runner.dtype).element_size(),
+                max_bytes=2 * num_blocks * block_size * slot_elems * self.runner.dtype.itemsize,
             )
             if decode_staging
             else None

@@ -169,11 +169,16 @@ class DecodeStager:
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in self.stages)
 
+    @staticmethod
+    def _need(stage: DecodeStage, extra: list[int]) -> tuple[int, int]:
+        """Rows, and tokens of the longest row after the step's write, were rows of context `extra` to join."""
+        return len(stage.keys) + len(extra), max(stage.lengths + extra) + 1
+
     def _stage_bytes(self, stage: DecodeStage, extra: list[int], tight: bool) -> int:
         """Stage's K and V bytes after `reserve`, were rows of context `extra` to join it."""
         if not stage.keys and not extra:
             return 0
-        rows, longest = len(stage.keys) + len(extra), max(stage.lengths + extra) + 1
+        rows, longest = self._need(stage, extra)
         r, n = stage.target_capacity(rows, longest, self.max_rows, self.max_len, self.block_size, tight)
         return 2 * r * n * self.cell_bytes
 
@@ -262,9 +267,7 @@ class DecodeStager:
         # at the bound, every stage is reallocated without headroom (joins were admitted on that basis)
         tight = self.max_bytes is not None and self._projected_bytes(pending) > self.max_bytes
         for si, stage in enumerate(self.stages):
-            extra = [members[i][1] for s, i in joins if s == si]
-            rows = len(stage.keys) + len(extra)
-            longest = max(stage.lengths + extra) + 1
+            rows, longest = self._need(stage, [c for s, c in pending if s == si])
             stage.reserve(rows, longest, self.max_rows, self.max_len, self.block_size, tight)
         for si, i in joins:
             stage = self.stages[si]

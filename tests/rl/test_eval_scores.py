@@ -296,3 +296,19 @@ def test_tasks_that_ask_one_prompt_of_different_hidden_state_stay_apart():
     assert task_key(task("a")) != task_key(task("b")) and task_key(task("a")) == "a"
     # without one, the prompt and tools identify the task
     assert task_key(task(None)) == task_key(task(None)) != task_key(task("a"))
+
+
+def test_cli_eval_names_the_episodes_our_engine_could_not_run():
+    # every math prompt is longer than a 16-token context: each episode is an engine failure, left out of
+    # the figures (n = 0) and counted, and the CLI says how many and why instead of printing a bare table
+    args = ["eval", "tiny:llama", "--baseline", "tiny:llama", "--suite", "math", "--n", "2", "--json"]
+    over = ["--set", "engine.max_model_len=16", "--set", "engine.max_new_tokens=4"]
+    result = CliRunner().invoke(app, [*args, *over])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output.strip().splitlines()[-1])
+    for per in (out["per_domain"]["math"], out["baseline_per_domain"]["math"]):
+        assert (per["n"], per["infra_failures"]) == (0, 4)  # math levels 0 and 1, 2 tasks each
+    text = " ".join(result.output.split())
+    assert text.count("4 episode(s) failed at the infrastructure level in our engine on tiny:llama") == 2
+    assert "math:heldout:d0:s0:0: engine_error" in text
+    assert "engine_error: BadRequestError: prompt of" in text and "max_model_len is 16" in text

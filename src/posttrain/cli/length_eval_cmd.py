@@ -49,15 +49,19 @@ def eval_lengths(
                 samples=samples,
                 sandbox=sandbox,
             )
-            if report.failures:
-                err_console.print(
-                    f"[yellow]{len(report.failures)} episode(s) failed at {base} at {tokens} tokens, "
-                    f"e.g. {report.failures[0]}[/yellow]"
-                )
-            return report
-        level_cfg = cfg.model_copy(update={"engine": engine_for_length(cfg.engine, tokens)})
-        assert model_spec is not None
-        return evaluate_local(model_spec, level_cfg, sub, arms, n, cfg.seed, sandbox, temperature, samples)
+        else:
+            level_cfg = cfg.model_copy(update={"engine": engine_for_length(cfg.engine, tokens)})
+            assert model_spec is not None
+            report = evaluate_local(
+                model_spec, level_cfg, sub, arms, n, cfg.seed, sandbox, temperature, samples
+            )
+            base = f"our engine on {model_spec}"
+        if report.failures:
+            err_console.print(
+                f"[yellow]{len(report.failures)} episode(s) failed at {base} at {tokens} tokens, "
+                f"e.g. {report.failures[0]}[/yellow]"
+            )
+        return report
 
     result = evaluate_lengths(domains, levels, score, thresholds, cfg.seed)
     result.update(

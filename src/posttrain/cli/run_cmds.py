@@ -242,10 +242,6 @@ def eval_(
                     pass_at=pass_at,
                 )
             )
-            if reports[-1].failures:
-                err_console.print(
-                    f"[yellow]{len(reports[-1].failures)} episode(s) failed at {api_base}, e.g. {reports[-1].failures[0]}[/yellow]"
-                )
         else:
             reports.append(
                 evaluate_local(
@@ -263,6 +259,13 @@ def eval_(
     finally:
         if sandbox is not None:
             asyncio.run(sandbox.close())
+    for rep in reports:  # left out of every figure: say how many and why
+        if rep.failures:
+            where = api_base if rep is reports[0] and api_base else f"our engine on {rep.model}"
+            err_console.print(
+                f"[yellow]{len(rep.failures)} episode(s) failed at the infrastructure level in {where} "
+                f"(not scored), e.g. {rep.failures[0]}[/yellow]"
+            )
     delta = paired_delta(reports[0], reports[1], cfg.seed, pass_at) if baseline else None
     console.print(_eval_table(reports, delta, pass_at))
     result: dict[str, Any] = {

@@ -144,10 +144,12 @@ def score_tasks(
     seed: int = 0,
     loop: asyncio.AbstractEventLoop | None = None,
     usage: dict[str, float] | None = None,
+    failures: list[str] | None = None,
 ) -> list[list[EpisodeScore]]:
     """Each task's scored episodes out of `samples` seeded ones (infrastructure failures left out, so a
     task whose every episode failed gets []). Greedy sampling ignores the seeds. `usage`, when given,
-    gains the episodes' generated tokens under "generated_tokens"."""
+    gains the episodes' generated tokens under "generated_tokens"; `failures`, when given, gains why each
+    infrastructure failure failed (`failure_reason`)."""
     from dataclasses import replace
 
     from posttrain.rollout import sample_seed
@@ -180,7 +182,16 @@ def score_tasks(
         usage["generated_tokens"] = usage.get("generated_tokens", 0.0) + float(
             sum(t.num_generated for t in trajs)
         )
+    if failures is not None:
+        failures.extend(failure_reason(t) for t in trajs if t.status.is_infra_failure)
     return episodes_of(trajs, samples)
+
+
+def failure_reason(traj: Any) -> str:
+    """One line naming an infrastructure failure: the task, the status and the error it carried."""
+    why = traj.info.get("error") or traj.info.get("infra_error") or ""
+    task = traj.task.id or f"{traj.task.domain}:{traj.task.difficulty}"
+    return f"{task}: {traj.status.value}: {why}"[:300]
 
 
 def episodes_of(trajectories: Sequence[Any], samples: int) -> list[list[EpisodeScore]]:
@@ -428,7 +439,9 @@ def evaluate_local(
     )
     tasks = heldout_tasks(domains, arms, n, seed)
     report = EvalReport(model=spec, per_task={})
-    results = score_tasks(engine, tokenizer, tasks, sandbox, sampling, limits, k, seed)
+    results = score_tasks(
+        engine, tokenizer, tasks, sandbox, sampling, limits, k, seed, failures=report.failures
+    )
     for (arm, _, _), episodes in zip(tasks, results, strict=True):
         report.add(arm.key if by_arm else arm.domain, episodes)
     report.summarise(seed, pass_at)

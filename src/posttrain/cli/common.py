@@ -41,6 +41,15 @@ def load_config_or_exit(path: str | None, overrides: list[str] | None) -> RunCon
         fail(str(err), EXIT_USAGE)
 
 
+def warn_failures(failures: list[str], where: str) -> None:
+    """Say on stderr how many episodes failed at `where` and why the first did (they are left out of the
+    figures, so a table alone would hide them)."""
+    if failures:
+        err_console.print(
+            f"[yellow]{len(failures)} episode(s) failed at {escape(where)}, e.g. {escape(failures[0])}[/yellow]"
+        )
+
+
 def print_json_last(obj: Any) -> None:
     """The benchmark/eval contract: one JSON object on the last line of stdout."""
     print(json.dumps(obj, default=lambda v: v.item() if hasattr(v, "item") else str(v)), flush=True)

@@ -8,7 +8,7 @@ from typing import Any
 
 from rich.table import Table
 
-from posttrain.cli.common import console, err_console
+from posttrain.cli.common import console, warn_failures
 
 
 def eval_lengths(
@@ -56,11 +56,7 @@ def eval_lengths(
                 model_spec, level_cfg, sub, arms, n, cfg.seed, sandbox, temperature, samples
             )
             base = f"our engine on {model_spec}"
-        if report.failures:
-            err_console.print(
-                f"[yellow]{len(report.failures)} episode(s) failed at {base} at {tokens} tokens, "
-                f"e.g. {report.failures[0]}[/yellow]"
-            )
+        warn_failures(report.failures, f"{base} at {tokens} tokens")
         return report
 
     result = evaluate_lengths(domains, levels, score, thresholds, cfg.seed)

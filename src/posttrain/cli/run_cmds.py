@@ -19,6 +19,7 @@ from posttrain.cli.common import (
     fail,
     load_config_or_exit,
     print_json_last,
+    warn_failures,
 )
 from posttrain.config import (
     ConfigError,
@@ -259,13 +260,9 @@ def eval_(
     finally:
         if sandbox is not None:
             asyncio.run(sandbox.close())
-    for rep in reports:  # left out of every figure: say how many and why
-        if rep.failures:
-            where = api_base if rep is reports[0] and api_base else f"our engine on {rep.model}"
-            err_console.print(
-                f"[yellow]{len(rep.failures)} episode(s) failed at the infrastructure level in {where} "
-                f"(not scored), e.g. {rep.failures[0]}[/yellow]"
-            )
+    for rep in reports:
+        where = api_base if rep is reports[0] and api_base else f"our engine on {rep.model}"
+        warn_failures(rep.failures, f"the infrastructure level in {where} (not scored)")
     delta = paired_delta(reports[0], reports[1], cfg.seed, pass_at) if baseline else None
     console.print(_eval_table(reports, delta, pass_at))
     result: dict[str, Any] = {

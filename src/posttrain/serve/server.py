@@ -78,7 +78,11 @@ def load_entries(source: ModelSource, mode: str = "standard") -> list[ModelEntry
     for m, name, engine_cfg in wanted:
         engine = make_engine(engine_cfg, model, tokenizer, seed=cfg.seed)
         max_len = getattr(engine, "max_model_len", engine_cfg.max_model_len)
-        entries.append(ModelEntry(name, engine, tokenizer, mode=m, max_model_len=max_len))
+        # hf and vllm refuse json_schema: their forced tool choices are prefill and prompt only
+        constrained = engine_cfg.backend == "paged"
+        entries.append(
+            ModelEntry(name, engine, tokenizer, mode=m, max_model_len=max_len, constrained=constrained)
+        )
     return entries
 
 

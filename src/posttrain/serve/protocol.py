@@ -1,5 +1,6 @@
 """The OpenAI wire format the server accepts and the error it answers with: pydantic request models
-(unknown top-level fields are refused by name, never silently ignored), `APIError` with its HTTP
+(unknown top-level fields are refused by name, never silently ignored; types are strict: a string is
+not a boolean or a number), `APIError` with its HTTP
 status, and the mapping of validation errors to one readable 400. Does not generate or render prompts.
 """
 
@@ -37,25 +38,71 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+_EXPECTED = {
+    "bool_type": "a boolean",
+    "int_type": "an integer",
+    "float_type": "a number",
+    "string_type": "a string",
+    "dict_type": "an object",
+    "model_type": "an object",
+    "list_type": "an array",
+}
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "null" if value is None else "an object"
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    """`("stop", "list[str]", 0)` -> `stop.0`: pydantic names the union member it tried; fields never
+    carry brackets or a bare type's name."""
+    members = {"str", "int", "float", "bool", "dict", "list", "none"}
+    return ".".join(str(p) for p in loc if not (isinstance(p, str) and ("[" in p or p in members)))
+
+
 def from_validation_error(err: ValidationError) -> APIError:
-    """The first pydantic error as a 400 naming the field (`messages.0.content`), without echoing input."""
-    errors = err.errors(include_url=False, include_input=False)
+    """The first pydantic error as a 400 naming the field (`messages.0.content`), without echoing input;
+    a wrong JSON type in OpenAI's words ("Invalid type for 'logprobs': expected a boolean, but got a
+    string instead"), a union's members joined ("expected a string or an array")."""
+    errors = err.errors(include_url=False)
     first = errors[0] if errors else {"loc": (), "msg": str(err), "type": ""}
-    loc = ".".join(str(p) for p in first.get("loc", ()))
+    loc = _field_path(first.get("loc", ()))
+    kind = first.get("type", "")
+    if kind in _EXPECTED and loc:
+        same = [e for e in errors if _field_path(e["loc"]) == loc]
+        wanted = list(dict.fromkeys(_EXPECTED.get(e["type"], "another type") for e in same))
+        more = f" (and {len(errors) - len(same)} more error(s))" if len(errors) > len(same) else ""
+        got = _json_type(first.get("input"))
+        return bad_request(
+            f"Invalid type for '{loc}': expected {' or '.join(wanted)}, but got {got} instead{more}",
+            param=loc,
+            code="invalid_type",
+        )
     msg = first.get("msg", "invalid value")
-    if first.get("type") == "extra_forbidden":
+    if kind == "extra_forbidden":
         msg = "unknown field (not part of the API this server implements)"
     more = f" (and {len(errors) - 1} more error(s))" if len(errors) > 1 else ""
     return bad_request(f"{loc}: {msg}{more}" if loc else f"{msg}{more}", param=loc or None)
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: "yes" is not a boolean, "3" not a number (OpenAI answers both with a 400)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class _Lenient(BaseModel):
     # messages echoed back from a response carry fields such as `refusal` or `annotations`
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class FunctionDef(_Lenient):

@@ -10,8 +10,10 @@ format (protocol.py), chat/tool rendering and parsing (chat.py), Prometheus metr
 from posttrain.serve.app import MODES, ModelEntry, ServeSettings, ServeState, create_app
 from posttrain.serve.server import (
     SERVE_MODES,
+    BindError,
     DrainingServer,
     ModelSource,
+    bind_socket,
     load_entries,
     resolve_source,
     run_server,
@@ -20,11 +22,13 @@ from posttrain.serve.server import (
 __all__ = [
     "MODES",
     "SERVE_MODES",
+    "BindError",
     "DrainingServer",
     "ModelEntry",
     "ModelSource",
     "ServeSettings",
     "ServeState",
+    "bind_socket",
     "create_app",
     "load_entries",
     "resolve_source",

@@ -55,9 +55,11 @@ from posttrain.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ResponseFormat,
+    ResponsesRequest,
     bad_request,
     from_validation_error,
 )
+from posttrain.serve.responses import response_events, response_whole, to_chat_request
 from posttrain.types import ImagePart
 
 log = logging.getLogger("posttrain.serve")
@@ -685,21 +687,7 @@ def create_app(settings: ServeSettings | None = None, state: ServeState | None =
         entry = entry_of(req.model)
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         record.update({"id": rid, "model": entry.name, "mode": entry.mode, "stream": req.stream})
-        if req.top_logprobs is not None and not req.logprobs:
-            raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
-        plan = plan_tools(req, entry.chat_format, entry.constrained)
-        json_schema = _response_schema(req.response_format, plan) or plan.json_schema
-        images: list[ImagePart] = []  # a vision model's image parts, behind their placeholders
-        prompt = render_chat(req, entry.tokenizer, entry.chat_format, plan, images)
-        ids = entry.tokenizer.encode(prompt, add_special_tokens=False)
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        top = (req.top_logprobs or 0) if req.logprobs else 0
-        params = _sampling(
-            req, entry, settings, len(ids), max_tokens, top_logprobs=top, json_schema=json_schema
-        )
-        gen = _Generation(
-            state, entry, [GenerationRequest(ids, params, request_id=rid, images=images)], record
-        )
+        plan, params, gen = _chat_generation(state, req, entry, rid, record)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await _respond(
             request,
@@ -707,6 +695,20 @@ def create_app(settings: ServeSettings | None = None, state: ServeState | None =
             req.stream,
             lambda: _chat_stream(gen, req, entry, plan, params, rid, include_usage),
             lambda: _chat_whole(gen, req, entry, plan, params, rid),
+        )
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        guard(request)
+        record = record_of(request)
+        rreq: ResponsesRequest = _parse(ResponsesRequest, await _read_json(request, settings.max_body_bytes))
+        entry = entry_of(rreq.model)
+        rid = f"resp_{uuid.uuid4().hex[:24]}"
+        record.update({"id": rid, "model": entry.name, "mode": entry.mode, "stream": rreq.stream})
+        plan, params, gen = _chat_generation(state, to_chat_request(rreq), entry, rid, record)
+        run = (gen, rreq, entry.chat_format, entry.name, plan, params, rid)
+        return await _respond(
+            request, gen, rreq.stream, lambda: response_events(*run), lambda: response_whole(*run)
         )
 
     @app.post("/v1/completions")
@@ -764,6 +766,26 @@ def create_app(settings: ServeSettings | None = None, state: ServeState | None =
 
     app.add_middleware(_Observe, state=state)
     return app
+
+
+def _chat_generation(
+    state: ServeState, req: ChatCompletionRequest, entry: ModelEntry, rid: str, record: dict[str, Any]
+) -> tuple[ToolPlan, SamplingParams, _Generation]:
+    """A chat request's tool plan, sampling and (not yet started) generation; 400s for what it asks wrongly."""
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+    plan = plan_tools(req, entry.chat_format, entry.constrained)
+    json_schema = _response_schema(req.response_format, plan) or plan.json_schema
+    images: list[ImagePart] = []  # a vision model's image parts, behind their placeholders
+    prompt = render_chat(req, entry.tokenizer, entry.chat_format, plan, images)
+    ids = entry.tokenizer.encode(prompt, add_special_tokens=False)
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    top = (req.top_logprobs or 0) if req.logprobs else 0
+    params = _sampling(
+        req, entry, state.settings, len(ids), max_tokens, top_logprobs=top, json_schema=json_schema
+    )
+    gen = _Generation(state, entry, [GenerationRequest(ids, params, request_id=rid, images=images)], record)
+    return plan, params, gen
 
 
 def _usage(gen: _Generation) -> dict[str, int]:

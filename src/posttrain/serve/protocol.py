@@ -6,9 +6,9 @@ status, and the mapping of validation errors to one readable 400. Does not gener
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
 
 
 class APIError(Exception):
@@ -64,18 +64,23 @@ def _json_type(value: Any) -> str:
 
 
 def _field_path(loc: tuple[Any, ...]) -> str:
-    """`("stop", "list[str]", 0)` -> `stop.0`: pydantic names the union member it tried; fields never
-    carry brackets or a bare type's name."""
+    """`("stop", "list[str]", 0)` -> `stop.0`: pydantic names the union member it tried (a type, a model
+    class, an input item's `type=` tag); field names are lowercase, without brackets or `=`."""
     members = {"str", "int", "float", "bool", "dict", "list", "none"}
-    return ".".join(str(p) for p in loc if not (isinstance(p, str) and ("[" in p or p in members)))
+
+    def member(p: Any) -> bool:
+        return isinstance(p, str) and ("[" in p or "=" in p or p in members or p[:1].isupper())
+
+    return ".".join(str(p) for p in loc if not member(p))
 
 
 def from_validation_error(err: ValidationError) -> APIError:
-    """The first pydantic error as a 400 naming the field (`messages.0.content`), without echoing input;
+    """The deepest pydantic error as a 400 naming the field (`messages.0.content`), without echoing input;
     a wrong JSON type in OpenAI's words ("Invalid type for 'logprobs': expected a boolean, but got a
     string instead"), a union's members joined ("expected a string or an array")."""
     errors = err.errors(include_url=False)
-    first = errors[0] if errors else {"loc": (), "msg": str(err), "type": ""}
+    # the deepest error: of a union's members, the one the input got furthest into
+    first = max(errors, key=lambda e: len(_field_path(e["loc"]))) if errors else {"loc": (), "msg": str(err)}
     loc = _field_path(first.get("loc", ()))
     kind = first.get("type", "")
     if kind in _EXPECTED and loc:
@@ -203,3 +208,87 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
+
+
+# ---- the Responses API (POST /v1/responses) ---------------------------------------------------------
+
+
+class InputText(_Lenient):
+    """A text part of an input item: input_text (user, system) or output_text (an echoed reply)."""
+
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class InputMessage(_Lenient):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[InputText]
+
+
+class FunctionCallItem(_Lenient):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputItem(_Lenient):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[InputText]
+
+
+def _item_type(item: Any) -> str:
+    kind = item.get("type", "message" if "role" in item else None) if isinstance(item, dict) else None
+    return f"type={kind}"
+
+
+InputItem = Annotated[
+    Annotated[InputMessage, Tag("type=message")]
+    | Annotated[FunctionCallItem, Tag("type=function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("type=function_call_output")],
+    Discriminator(_item_type),
+]
+
+
+class FunctionTool(_Lenient):
+    """A function tool in the Responses API's flat form (name beside type, not under `function`)."""
+
+    type: Literal["function"]
+    name: str = Field(pattern=r"^[A-Za-z0-9_\-.]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionToolChoice(_Lenient):
+    type: Literal["function"]
+    name: str
+
+
+class TextConfig(_Lenient):
+    format: ResponseFormat | None = None
+
+
+class ResponsesRequest(_Strict):
+    """What `/v1/responses` accepts: text or input items (messages, function calls and their outputs),
+    function tools, sampling. Nothing is stored: `previous_response_id` and `background` are refused."""
+
+    model: str
+    input: str | list[InputItem]
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stream: bool = False
+    text: TextConfig | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    user: str | None = None
+    truncation: Literal["disabled"] | None = None
+    previous_response_id: str | None = None  # refused with a 400: nothing is stored
+    background: bool | None = None  # true is refused with a 400

@@ -84,6 +84,22 @@ def test_a_named_choice_returns_a_function_call_item(client, model):
         jsonschema.validate(json.loads(item.arguments), WEATHER_ARGS)
 
 
+def test_text_format_json_schema_is_enforced(client):
+    from serve.test_response_format import SCHEMA
+
+    fmt = {"type": "json_schema", "name": "user", "schema": SCHEMA, "strict": True}
+    r = client.responses.create(
+        model="tiny",
+        input="Describe a user as JSON.",
+        text={"format": fmt},
+        temperature=0,
+        max_output_tokens=60,
+    )
+    assert r.status == "completed"
+    jsonschema.validate(json.loads(r.output_text), SCHEMA)
+    assert r.text.format.type == "json_schema"
+
+
 def test_input_items_mean_the_same_conversation_as_chat(client):
     first = client.responses.create(
         model="tiny", input="Weather in Paris?", tools=TOOLS, tool_choice=NAMED, temperature=0

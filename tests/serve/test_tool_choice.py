@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from posttrain.engine import GenerationRequest, SamplingParams
-from posttrain.serve.chat import plan_tools, render_chat
+from posttrain.serve.chat import finished_text, plan_tools, render_chat, view_reply
 from posttrain.serve.protocol import ChatCompletionRequest
 from serve.conftest import tiny_engine
 from serve.test_lifecycle import scrape, value
@@ -193,3 +193,37 @@ def test_a_wrong_json_type_is_openais_400_naming_the_field(client, field, bad, e
 def test_an_integer_is_a_number(client):
     r = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=2, temperature=1, top_p=1)
     assert r.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("chat_format", ["smollm2", "hermes"])
+def test_a_forced_calls_json_closed_by_the_plan_parses_in_either_syntax(chat_format):
+    args = {"city": "Oslo", "unit": "c", "days": 2}
+    named = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": ASK, "tools": TOOLS, "tool_choice": NAMED}
+    )
+    plan = plan_tools(named, chat_format)
+    assert plan.json_schema == WEATHER_ARGS
+    full = finished_text(plan.prefill + json.dumps(args), plan, "stop")
+    view = view_reply(full, plan, chat_format, "call_x")
+    assert view.outcome == "ok" and view.content is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in view.tool_calls] == [
+        ("get_weather", args)
+    ]
+    # cut by max_tokens: no closing markup, the text stays content
+    cut = finished_text(plan.prefill + '{"city": "Os', plan, "length")
+    assert view_reply(cut, plan, chat_format, "call_x").content == cut
+    required = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": ASK,
+            "tools": TOOLS,
+            "tool_choice": "required",
+            "parallel_tool_calls": False,
+        }
+    )
+    plan = plan_tools(required, chat_format)
+    call = {"name": "add", "arguments": {"a": 1, "b": 2}}
+    body = json.dumps([call] if chat_format == "smollm2" else call)
+    jsonschema.validate(json.loads(body), plan.json_schema)
+    view = view_reply(finished_text(plan.prefill + body, plan, "stop"), plan, chat_format, "call_x")
+    assert view.outcome == "ok" and [c["function"]["name"] for c in view.tool_calls] == ["add"]

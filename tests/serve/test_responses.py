@@ -215,3 +215,32 @@ def test_what_it_cannot_serve_is_a_400_naming_the_field(client, live):
     assert err["message"] == "Invalid type for 'temperature': expected a number, but got a string instead"
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="gpt-9", input="hi")
+
+
+def test_text_then_calls_are_a_message_item_then_function_call_items(client):
+    reply = (
+        'Checking.<tool_call>[{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c", "days": 1}}, '
+        '{"name": "get_weather", "arguments": {"city": "Rome", "unit": "f", "days": 2}}]</tool_call>'
+    )
+    r = client.responses.create(model="scripted", input="SAY:" + reply, tools=TOOLS)
+    assert [i.type for i in r.output] == ["message", "function_call", "function_call"]
+    assert r.output_text == "Checking."
+    assert [json.loads(i.arguments)["city"] for i in r.output[1:]] == ["Oslo", "Rome"]
+    assert len({i.call_id for i in r.output[1:]}) == 2
+    events = list(client.responses.create(model="scripted", input="SAY:" + reply, tools=TOOLS, stream=True))
+    kinds = [e.type for e in events]
+    n = kinds.count("response.output_text.delta")
+    assert kinds == [
+        *TEXT_EVENTS,
+        *["response.output_text.delta"] * n,
+        *TEXT_DONE,
+        *CALL_EVENTS,
+        *CALL_EVENTS,
+        "response.completed",
+    ]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Checking."
+    assert [e.output_index for e in events if e.type == "response.output_item.added"] == [0, 1, 2]
+    final = events[-1].response
+    assert [(i.type, getattr(i, "arguments", None)) for i in final.output] == [
+        (i.type, getattr(i, "arguments", None)) for i in r.output
+    ]

@@ -266,15 +266,16 @@ async def response_events(
             ),
         ]
 
-    def delta(piece: str) -> str:
-        return event(
-            "response.output_text.delta",
-            item_id=msg_id,
-            output_index=0,
-            content_index=0,
-            delta=piece,
-            logprobs=[],
-        )
+    def emit(piece: str) -> list[str]:
+        """A text delta, after the message item's opening events if it is the first."""
+        nonlocal streamed
+        opening = open_message() if streamed is None else []
+        streamed = (streamed or "") + piece
+        kind = "response.output_text.delta"
+        return [
+            *opening,
+            event(kind, item_id=msg_id, output_index=0, content_index=0, delta=piece, logprobs=[]),
+        ]
 
     try:
         start = response_object(req, rid, model, created, "in_progress", [], None)
@@ -284,12 +285,8 @@ async def response_events(
         async for _, d in gen.deltas():
             piece = text.push(d.text)
             if piece:
-                if streamed is None:
-                    for e in open_message():
-                        yield e
-                    streamed = ""
-                streamed += piece
-                yield delta(piece)
+                for e in emit(piece):
+                    yield e
             if d.finish_reason is None:
                 continue
             status = "incomplete" if d.finish_reason == "length" else "completed"
@@ -298,12 +295,8 @@ async def response_events(
             gen.tool_outcome(view.outcome)
             rest = "" if view.tool_calls else full[text.sent :]
             if rest:
-                if streamed is None:
-                    for e in open_message():
-                        yield e
-                    streamed = ""
-                streamed += rest
-                yield delta(rest)
+                for e in emit(rest):
+                    yield e
             if streamed is not None:
                 item = message_item(msg_id, streamed, status)
                 part = item["content"][0]

@@ -100,7 +100,11 @@ def live(tokenizer, tiny_model):
     state.add_model(
         ModelEntry("tiny", tiny_engine(tiny_model, tokenizer), tokenizer, max_model_len=MAX_MODEL_LEN)
     )
-    state.add_model(ModelEntry("scripted", ScriptedEngine(tokenizer), tokenizer, max_model_len=MAX_MODEL_LEN))
+    # the double has no constrained decoding: its forced tool choices are prefill and prompt only
+    scripted = ModelEntry(
+        "scripted", ScriptedEngine(tokenizer), tokenizer, max_model_len=MAX_MODEL_LEN, constrained=False
+    )
+    state.add_model(scripted)
     fast = PagedEngine(
         tiny_model,
         tokenizer,

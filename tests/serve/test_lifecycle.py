@@ -361,3 +361,38 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_bind_socket_names_a_port_in_use():
+    from posttrain.serve import BindError, bind_socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(BindError) as exc:
+            bind_socket("127.0.0.1", port)
+        assert exc.value.strerror == (
+            f"127.0.0.1:{port} is already in use (another process listens there); stop it or pick another --port"
+        )
+    sock = bind_socket("127.0.0.1", port)  # free again
+    assert sock.getsockname() == ("127.0.0.1", port)
+    sock.close()
+
+
+def test_a_port_in_use_exits_1_before_the_model_resolves_or_loads(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # a model that does not exist: had it been resolved first this would exit 2 naming it
+        for model in ["tiny:llama", str(tmp_path / "no-such-model")]:
+            cmd = [sys.executable, "-m", "posttrain", "serve", model, "--port", str(port)]
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+            assert out.returncode == 1, out.stderr
+            assert out.stdout == ""
+            assert out.stderr.strip() == (
+                f"error: 127.0.0.1:{port} is already in use (another process listens there); stop it or "
+                "pick another --port"
+            )

@@ -259,8 +259,9 @@ def request_bodies(workload: str, n: int, seed: int, max_tokens: int) -> list[di
         return [{**base, "messages": m} for m in serving_requests(n, seed)]
     bodies = []
     for messages, tool in agentic_requests(n, seed):
-        # a named tool_choice: the server writes the call's opening into the prompt, so the reply is the
-        # call's arguments, which the message spells out (`required` is only asked for in the prompt)
+        # a named tool_choice: the server writes the call's opening into the prompt and decodes the reply,
+        # the call's arguments (which the message spells out), under the tool's schema; constrained
+        # requests are not speculated, so fast mode gains only its int4 weights on these
         choice = {"type": "function", "function": {"name": tool}}
         extra = {"tools": TOOLS, "tool_choice": choice} if tool else {}
         bodies.append({**base, "messages": messages, **extra})

@@ -48,8 +48,10 @@ def serve(
     from posttrain.models import ModelNotFoundError
     from posttrain.serve import (
         SERVE_MODES,
+        BindError,
         ServeSettings,
         ServeState,
+        bind_socket,
         create_app,
         load_entries,
         resolve_source,
@@ -59,6 +61,10 @@ def serve(
     if mode not in SERVE_MODES:
         fail(f"--mode must be one of {', '.join(SERVE_MODES)}, got '{mode}'", EXIT_USAGE)
     cfg = load_config_or_exit(config, set_)
+    try:  # before anything loads: a taken port is found in a second, not after the model
+        sock = bind_socket(host, port)
+    except BindError as err:
+        fail(str(err.strerror), EXIT_RUNTIME)
     try:
         source = resolve_source(model, cfg, set_ or [], name)
     except (ModelNotFoundError, ConfigError) as err:
@@ -72,9 +78,7 @@ def serve(
         default_max_tokens=default_max_tokens,
     )
     state = ServeState(settings)
-    server = run_server(
-        create_app(state=state), state, host, port, lambda: load_entries(source, mode), log_level
-    )
+    server = run_server(create_app(state=state), state, sock, lambda: load_entries(source, mode), log_level)
     if state.status == "failed":
         fail(f"serving stopped: {state.error}", EXIT_RUNTIME)
     if not server.started:

@@ -1,6 +1,7 @@
 """The OpenAI-compatible server over the engine: the app and its model registry (app.py), the wire
-format (protocol.py), chat/tool rendering and parsing (chat.py), Prometheus metrics and access logs
-(metrics.py), and the draining uvicorn runner with model loading (server.py). Implements no inference.
+format (protocol.py), chat/tool rendering and parsing (chat.py), the Responses API over the chat path
+(responses.py), Prometheus metrics and access logs (metrics.py), and the draining uvicorn runner with
+the socket bound before model loading (server.py). Implements no inference.
 
     state = ServeState(ServeSettings(api_key=None, max_queue=256))
     app = create_app(state=state)
@@ -10,8 +11,10 @@ format (protocol.py), chat/tool rendering and parsing (chat.py), Prometheus metr
 from posttrain.serve.app import MODES, ModelEntry, ServeSettings, ServeState, create_app
 from posttrain.serve.server import (
     SERVE_MODES,
+    BindError,
     DrainingServer,
     ModelSource,
+    bind_socket,
     load_entries,
     resolve_source,
     run_server,
@@ -20,11 +23,13 @@ from posttrain.serve.server import (
 __all__ = [
     "MODES",
     "SERVE_MODES",
+    "BindError",
     "DrainingServer",
     "ModelEntry",
     "ModelSource",
     "ServeSettings",
     "ServeState",
+    "bind_socket",
     "create_app",
     "load_entries",
     "resolve_source",

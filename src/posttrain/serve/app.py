@@ -11,10 +11,13 @@ completions (logprobs: N, top_logprobs as {token: logprob} per position); models
 response_format json_object and json_schema are enforced by the engine's constrained decoding (an
 unenforceable schema keyword is a 400 naming it). Refused with a 400 that says why: image/audio parts,
 logit_bias (the engine has none), top_logprobs without logprobs: true, response_format json_* together
-with active tools. A named tool_choice is applied by prefilling the call's opening
-(`<tool_call>[{"name": "NAME", "arguments": `), which fixes the tool's name but not its arguments;
-`required` is asked for in the tools prompt only (a reply without a call is returned as text). The
-tool-call outcome metric says which happened.
+with active tools. A named or `required` tool_choice decodes
+the call under the tools' JSON schemas with the same constrained decoding (serve/chat.py: the call's
+opening is prefilled, the rest is the schema's JSON), so its reply is a `tool_calls` list whose
+arguments validate, finish_reason "tool_calls", unless max_tokens cuts it (finish "length", the raw
+text as content); on an engine without constrained decoding (`ModelEntry.constrained` False) a named
+choice fixes only the name and `required` is asked for in the prompt. The tool-call outcome metric
+says which happened. The Responses API (`/v1/responses`) is served over the same path (responses.py).
 """
 
 from __future__ import annotations
@@ -37,16 +40,26 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from posttrain.engine.constrained import JSON_OBJECT_SCHEMA, compile_schema
 from posttrain.engine.types import BadRequestError, Engine, GenerationRequest, SamplingParams, StreamDelta
-from posttrain.serve.chat import ChoiceText, ToolPlan, chat_format_for, plan_tools, render_chat, view_reply
+from posttrain.serve.chat import (
+    ChoiceText,
+    ToolPlan,
+    chat_format_for,
+    finished_text,
+    plan_tools,
+    render_chat,
+    view_reply,
+)
 from posttrain.serve.metrics import ServeMetrics, kv_usage_of, log_access
 from posttrain.serve.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     ResponseFormat,
+    ResponsesRequest,
     bad_request,
     from_validation_error,
 )
+from posttrain.serve.responses import response_events, response_whole, to_chat_request
 from posttrain.types import ImagePart
 
 log = logging.getLogger("posttrain.serve")
@@ -56,7 +69,8 @@ MODES = ("standard", "fast")
 
 @dataclass
 class ModelEntry:
-    """One served model: its engine and tokenizer, the mode label its metrics carry, its context size."""
+    """One served model: its engine and tokenizer, the mode label its metrics carry, its context size,
+    its tool-call syntax, and whether its engine has constrained decoding."""
 
     name: str
     engine: Engine
@@ -64,6 +78,7 @@ class ModelEntry:
     mode: str = "standard"
     max_model_len: int = 4096
     chat_format: str = ""
+    constrained: bool = True  # the engine enforces SamplingParams.json_schema (the paged engine does)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -672,21 +687,7 @@ def create_app(settings: ServeSettings | None = None, state: ServeState | None =
         entry = entry_of(req.model)
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         record.update({"id": rid, "model": entry.name, "mode": entry.mode, "stream": req.stream})
-        if req.top_logprobs is not None and not req.logprobs:
-            raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
-        plan = plan_tools(req, entry.chat_format)
-        json_schema = _response_schema(req.response_format, plan)
-        images: list[ImagePart] = []  # a vision model's image parts, behind their placeholders
-        prompt = render_chat(req, entry.tokenizer, entry.chat_format, plan, images)
-        ids = entry.tokenizer.encode(prompt, add_special_tokens=False)
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        top = (req.top_logprobs or 0) if req.logprobs else 0
-        params = _sampling(
-            req, entry, settings, len(ids), max_tokens, top_logprobs=top, json_schema=json_schema
-        )
-        gen = _Generation(
-            state, entry, [GenerationRequest(ids, params, request_id=rid, images=images)], record
-        )
+        plan, params, gen = _chat_generation(state, req, entry, rid, record)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await _respond(
             request,
@@ -694,6 +695,20 @@ def create_app(settings: ServeSettings | None = None, state: ServeState | None =
             req.stream,
             lambda: _chat_stream(gen, req, entry, plan, params, rid, include_usage),
             lambda: _chat_whole(gen, req, entry, plan, params, rid),
+        )
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        guard(request)
+        record = record_of(request)
+        rreq: ResponsesRequest = _parse(ResponsesRequest, await _read_json(request, settings.max_body_bytes))
+        entry = entry_of(rreq.model)
+        rid = f"resp_{uuid.uuid4().hex[:24]}"
+        record.update({"id": rid, "model": entry.name, "mode": entry.mode, "stream": rreq.stream})
+        plan, params, gen = _chat_generation(state, to_chat_request(rreq), entry, rid, record)
+        run = (gen, rreq, entry.chat_format, entry.name, plan, params, rid)
+        return await _respond(
+            request, gen, rreq.stream, lambda: response_events(*run), lambda: response_whole(*run)
         )
 
     @app.post("/v1/completions")
@@ -753,6 +768,26 @@ def create_app(settings: ServeSettings | None = None, state: ServeState | None =
     return app
 
 
+def _chat_generation(
+    state: ServeState, req: ChatCompletionRequest, entry: ModelEntry, rid: str, record: dict[str, Any]
+) -> tuple[ToolPlan, SamplingParams, _Generation]:
+    """A chat request's tool plan, sampling and (not yet started) generation; 400s for what it asks wrongly."""
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+    plan = plan_tools(req, entry.chat_format, entry.constrained)
+    json_schema = _response_schema(req.response_format, plan) or plan.json_schema
+    images: list[ImagePart] = []  # a vision model's image parts, behind their placeholders
+    prompt = render_chat(req, entry.tokenizer, entry.chat_format, plan, images)
+    ids = entry.tokenizer.encode(prompt, add_special_tokens=False)
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    top = (req.top_logprobs or 0) if req.logprobs else 0
+    params = _sampling(
+        req, entry, state.settings, len(ids), max_tokens, top_logprobs=top, json_schema=json_schema
+    )
+    gen = _Generation(state, entry, [GenerationRequest(ids, params, request_id=rid, images=images)], record)
+    return plan, params, gen
+
+
 def _usage(gen: _Generation) -> dict[str, int]:
     return {
         "prompt_tokens": gen.prompt_tokens,
@@ -788,7 +823,8 @@ async def _chat_whole(
     for (_, j), c in sorted(acc.items()):
         text = ChoiceText(params.stop, False, plan.prefill)
         text.push(c["text"])
-        view = view_reply(text.visible(), plan, entry.chat_format, f"call_{rid[-12:]}_{j}")
+        full = finished_text(text.visible(), plan, c["finish"])
+        view = view_reply(full, plan, entry.chat_format, f"call_{rid[-12:]}_{j}")
         gen.tool_outcome(view.outcome)
         message: dict[str, Any] = {"role": "assistant", "content": view.content}
         finish = c["finish"]
@@ -851,7 +887,7 @@ async def _chat_stream(
             if d.finish_reason is None:
                 continue
             finish = d.finish_reason
-            full = t.visible()
+            full = finished_text(t.visible(), plan, finish)
             if plan.active:
                 view = view_reply(full, plan, entry.chat_format, f"call_{rid[-12:]}_{d.index}")
                 gen.tool_outcome(view.outcome)

@@ -1,5 +1,6 @@
 """OpenAI chat requests <-> the model's text: messages and tools rendered through the chat template
-(models/chat.py), forced tool choices as a prefilled call opening, the model's reply parsed into
+(models/chat.py), forced tool choices (named or `required`) as a prefilled call opening plus the JSON
+Schema the engine's constrained decoding holds the rest of the call to, the model's reply parsed into
 `tool_calls` by the environments' parsers (envs/parsers) and classified against the tools' JSON
 schemas, and stop strings trimmed (also while streaming). Pure functions and one small buffer class;
 no engine, no HTTP.
@@ -15,8 +16,10 @@ from typing import Any
 import jsonschema
 from PIL import Image
 
+from posttrain.engine.constrained import compile_schema
+from posttrain.engine.types import BadRequestError
 from posttrain.envs.parsers import get_parser
-from posttrain.envs.parsers.common import OPEN, ParsedOutput
+from posttrain.envs.parsers.common import CLOSE, MAX_CALLS_PER_TURN, OPEN, ParsedOutput
 from posttrain.models import render_messages, template_supports_tools
 from posttrain.models.vision import ImageInputs, image_inputs
 from posttrain.serve.protocol import ChatCompletionRequest, ChatMessage, ContentPart, bad_request
@@ -33,13 +36,17 @@ def chat_format_for(tokenizer: Any) -> str:
 
 @dataclass
 class ToolPlan:
-    """What a request asks of tools: the specs rendered, the mode, and the call opening to prefill."""
+    """What a request asks of tools: the specs rendered, the mode, and for a forced choice (named or
+    `required`) the call opening prefilled into the prompt, the JSON Schema the completion is decoded
+    under (the rest of the call), and the markup that closes the call once that JSON is complete."""
 
     specs: list[ToolSpec] = field(default_factory=list)
     choice: str = "none"  # none | auto | required | function
     forced_name: str | None = None
     parallel: bool = True
     prefill: str = ""
+    json_schema: dict[str, Any] | None = None
+    close: str = ""
 
     @property
     def active(self) -> bool:
@@ -50,7 +57,11 @@ class ToolPlan:
         return self.choice in ("required", "function")
 
 
-def plan_tools(req: ChatCompletionRequest, chat_format: str) -> ToolPlan:
+def plan_tools(req: ChatCompletionRequest, chat_format: str, constrained: bool = True) -> ToolPlan:
+    """The request's tools as a plan (400 for an invalid schema, a duplicate name, a choice naming no
+    tool). `constrained`: the engine enforces `SamplingParams.json_schema`, so a forced choice decodes
+    its call under the tools' schemas; without it (an engine lacking constrained decoding) a named call
+    is forced by its prefilled opening only and `required` is asked for in the tools prompt only."""
     tools = req.tools or []
     specs: list[ToolSpec] = []
     for i, t in enumerate(tools):
@@ -81,12 +92,65 @@ def plan_tools(req: ChatCompletionRequest, chat_format: str) -> ToolPlan:
     if choice in ("required", "function", "auto") and not specs and req.tool_choice is not None:
         raise bad_request(f"tool_choice '{choice}' needs a non-empty `tools` list", param="tool_choice")
     plan = ToolPlan(specs, choice, forced, req.parallel_tool_calls is not False)
-    if forced:
-        # no constrained decoding: a named call is forced by writing its opening into the prompt; `required`
-        # is asked for by the tools prompt only, and a reply without a call counts as none_when_required
-        sep = "[" if chat_format == "smollm2" else "\n"
-        plan.prefill = f'{OPEN}{sep}{{"name": "{forced}", "arguments": '
+    if plan.active and plan.required and constrained:
+        force_call(plan, chat_format)
+    elif forced:
+        plan.prefill = _named_opening(forced, chat_format)
     return plan
+
+
+def _named_opening(name: str, chat_format: str) -> str:
+    """A call to `name` up to its arguments, in the model's syntax."""
+    sep = "[" if chat_format == "smollm2" else "\n"
+    return f'{OPEN}{sep}{{"name": {json.dumps(name)}, "arguments": '
+
+
+def _call_schema(spec: ToolSpec) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {"name": {"const": spec.name}, "arguments": spec.parameters},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def force_call(plan: ToolPlan, chat_format: str) -> None:
+    """Set a forced choice's prefill, schema and close in the model's call syntax. Named: the opening
+    up to `"arguments": ` is prefilled and the completion is the arguments, under the function's
+    parameters schema. Required: the completion is the call itself, a choice among the tools (SmolLM2:
+    a list of one or more calls, one when parallel_tool_calls is false; Hermes: one call per block, so
+    one call). 400 naming the tool whose parameters constrained decoding cannot enforce."""
+    for i, spec in enumerate(plan.specs):
+        if plan.forced_name in (None, spec.name):
+            try:
+                compile_schema(spec.parameters)
+            except BadRequestError as err:
+                raise bad_request(
+                    f"tools[{i}].function.parameters cannot be enforced on a forced tool call: {err}",
+                    param=f"tools.{i}.function.parameters",
+                ) from None
+    smollm2 = chat_format == "smollm2"
+    if plan.forced_name is not None:
+        (spec,) = [s for s in plan.specs if s.name == plan.forced_name]
+        plan.prefill = _named_opening(spec.name, chat_format)
+        plan.json_schema = spec.parameters
+        plan.close = f"}}]{CLOSE}" if smollm2 else f"}}\n{CLOSE}"
+        return
+    calls = [_call_schema(s) for s in plan.specs]
+    one = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    if smollm2:
+        plan.prefill, plan.close = OPEN, CLOSE
+        most = MAX_CALLS_PER_TURN if plan.parallel else 1
+        plan.json_schema = {"type": "array", "items": one, "minItems": 1, "maxItems": most}
+    else:
+        plan.prefill, plan.close = f"{OPEN}\n", f"\n{CLOSE}"
+        plan.json_schema = one
+
+
+def finished_text(visible: str, plan: ToolPlan, finish: str | None) -> str:
+    """A choice's whole text: a forced call whose JSON the grammar completed (it then ends with EOS,
+    finish "stop") gets its closing markup; a cut one (finish "length") stays as it is."""
+    return visible + plan.close if plan.json_schema is not None and finish == "stop" else visible
 
 
 def _image_of(part: ContentPart, i: int, j: int) -> ImagePart:

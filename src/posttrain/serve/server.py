@@ -1,4 +1,5 @@
-"""Running the app: resolve MODEL_OR_RUN (a model spec, an HF folder, a .gguf, or a run directory whose
+"""Running the app: the listening socket bound before anything loads (a port in use is a clear error
+before minutes of loading), resolve MODEL_OR_RUN (a model spec, an HF folder, a .gguf, or a run directory whose
 trained policy is exported as it is for `posttrain eval`), load it into the config's engine in the
 background (the server answers 503 meanwhile), and a uvicorn server whose SIGTERM drains: new
 requests get 503, in-flight ones finish, then it exits 0 (a second signal exits at once).
@@ -6,8 +7,10 @@ requests get 503, in-flight ones finish, then it exits 0 (a second signal exits 
 
 from __future__ import annotations
 
+import errno
 import logging
 import signal
+import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +23,33 @@ from posttrain.config import RunConfig, load_config
 from posttrain.serve.app import ModelEntry, ServeState
 
 log = logging.getLogger("posttrain.serve")
+
+
+class BindError(OSError):
+    """The server's address cannot be listened on; the message says which and what to do."""
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port), as uvicorn binds it (SO_REUSEADDR: a port in TIME_WAIT is free,
+    one another process listens on is not). BindError says whether the port is taken or the host wrong."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        where = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+        if err.errno == errno.EADDRINUSE:
+            raise BindError(
+                err.errno,
+                f"{where} is already in use (another process listens there); stop it or pick another --port",
+            ) from None
+        raise BindError(
+            err.errno, f"cannot listen on {where}: {err.strerror}; check --host and --port"
+        ) from None
+    sock.set_inheritable(True)
+    return sock
 
 
 @dataclass
@@ -78,7 +108,11 @@ def load_entries(source: ModelSource, mode: str = "standard") -> list[ModelEntry
     for m, name, engine_cfg in wanted:
         engine = make_engine(engine_cfg, model, tokenizer, seed=cfg.seed)
         max_len = getattr(engine, "max_model_len", engine_cfg.max_model_len)
-        entries.append(ModelEntry(name, engine, tokenizer, mode=m, max_model_len=max_len))
+        # hf and vllm refuse json_schema: their forced tool choices are prefill and prompt only
+        constrained = engine_cfg.backend == "paged"
+        entries.append(
+            ModelEntry(name, engine, tokenizer, mode=m, max_model_len=max_len, constrained=constrained)
+        )
     return entries
 
 
@@ -111,13 +145,13 @@ class DrainingServer(uvicorn.Server):
 def run_server(
     app: Any,
     state: ServeState,
-    host: str,
-    port: int,
+    sock: socket.socket,
     loader: Any = None,
     log_level: str = "info",
 ) -> DrainingServer:
-    """Serve `app` until drained; `loader()` (-> list of ModelEntry) runs in a thread once the socket is bound.
-    Returns the server (its `serve_state.status` says whether loading failed)."""
+    """Serve `app` on `sock` (from `bind_socket`) until drained; `loader()` (-> list of ModelEntry) runs
+    in a thread meanwhile. Returns the server (its `serve_state.status` says whether loading failed)."""
+    host, port = sock.getsockname()[:2]
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=30
     )
@@ -134,5 +168,5 @@ def run_server(
                 state.fail(f"{type(err).__name__}: {err}")
 
         threading.Thread(target=load, name="posttrain-serve-load", daemon=True).start()
-    server.run()
+    server.run(sockets=[sock])
     return server

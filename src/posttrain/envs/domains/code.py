@@ -451,7 +451,12 @@ class UnitTestEnv(Environment):
             return self._done(
                 0.0,
                 {"passed": 0.0, "format": 0.0, "success": 0.0},
-                {"reason": reason, "unparseable": 1, "tests_passed": 0, "tests_total": self.tests_total(meta)},
+                {
+                    "reason": reason,
+                    "unparseable": 1,
+                    "tests_passed": 0,
+                    "tests_total": self.tests_total(meta),
+                },
             )
         return await self._grade(code, fmt)
 

@@ -121,7 +121,9 @@ def read_hub_rows(hub: str, split: str = "train", config: str | None = None) -> 
     try:
         import datasets
     except ImportError:  # pragma: no cover - datasets is pinned in requirements.lock
-        raise ValueError("dataset: options.hub needs the `datasets` package (pip install datasets)") from None
+        raise ValueError(
+            "dataset: options.hub needs the `datasets` package (the hub extra: pip install datasets==5.2.0)"
+        ) from None
     fetch = (
         f"load it once where the Hub is reachable, with the same HF_HOME: `posttrain tasks sample dataset "
         f"--option hub={hub} --option split={split}" + (f" --option config={config}" if config else "") + "`"
@@ -130,9 +132,7 @@ def read_hub_rows(hub: str, split: str = "train", config: str | None = None) -> 
         table = datasets.load_dataset(repo, config, split=split, revision=revision or None)
     except datasets.exceptions.DatasetNotFoundError as err:  # missing, gated (the message says which)
         raise ValueError(f"dataset: Hub dataset '{hub}': {err}") from None
-    except ConnectionError as err:  # offline or unreachable, and not in the cache
-        raise ValueError(f"dataset: Hub dataset '{hub}' is not in the cache and {err}; {fetch}") from None
-    except FileNotFoundError as err:
+    except (ConnectionError, FileNotFoundError) as err:  # offline or unreachable, and not in the cache
         raise ValueError(f"dataset: Hub dataset '{hub}' is not in the cache ({err}); {fetch}") from None
     except ValueError as err:  # a split or config it does not have
         raise ValueError(f"dataset: Hub dataset '{hub}': {err}") from None

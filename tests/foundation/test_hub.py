@@ -242,3 +242,16 @@ def test_models_pull_cli(error_hub, hf_home):
     assert bad.returncode == 2 and "not a Hub model id" in bad.stderr
     offline = _cli("models", "pull", "tiny-org/x", "--revision", "v3", env={**env, "HF_HUB_OFFLINE": "1"})
     assert offline.returncode == 1 and "cannot pull 'tiny-org/x@v3': HF_HUB_OFFLINE is set" in offline.stderr
+
+
+def test_a_vision_model_by_hub_id_loads_through_the_vision_loader(hf_home, tmp_path):
+    from posttrain.models.vision import image_inputs, save_vision_folder, tiny_llava
+
+    model, tok = tiny_llava(seed=0)
+    folder = save_vision_folder(model, tok, tmp_path / "llava")
+    files = {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    lay_out_repo(hf_home / "hub", "tiny-org/tiny-llava", COMMIT_MAIN, files, ("main",))
+    loaded = load_policy("tiny-org/tiny-llava")
+    assert type(loaded) is type(model) and _same_weights(loaded, model)
+    hub_inputs, inputs = image_inputs(load_tokenizer("tiny-org/tiny-llava")), image_inputs(tok)
+    assert (hub_inputs.image_token_id, hub_inputs.run_length) == (inputs.image_token_id, inputs.run_length)

@@ -1,6 +1,7 @@
-"""The contract every domain keeps: deterministic generators, disjoint splits, reference solutions
-scoring 1.0 with a strict `success` of 1.0, and wrong, empty, malformed or hostile outputs scoring below
-1 with `success` 0.0, without raising."""
+"""The contract every registered domain keeps: deterministic generators, disjoint splits, reference
+solutions scoring 1.0 with a strict `success` of 1.0, and wrong, empty, malformed or hostile outputs
+scoring below 1 with `success` 0.0, without raising. Runs over `list_domains()`: a new built-in or
+entry-point domain is checked without being named here (one that needs options gets them in OPTIONS)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,20 @@ import json
 
 import pytest
 
-from posttrain.envs import get_domain, run_episode
+from posttrain.envs import get_domain, list_domains, run_episode
 from posttrain.envs.base import split_of
+from posttrain.envs.registry import domain_class
 
 from .conftest import run
 
-CPU = ["math", "tools.apis", "scene.layout", "instruct.constraints"]
-SANDBOXED = ["code.unit_tests", "swe.ci_fix"]
+DOMAINS = list_domains()
+SANDBOXED = [n for n in DOMAINS if domain_class(n).requires_sandbox]
+TWO_SPLITS = [n for n in DOMAINS if set(domain_class(n).splits) == {"train", "heldout"}]
+# tasks drawn per split and level for the overlap check: swe.ci_fix verifies each bug in the sandbox
+SPLIT_SAMPLES = {"swe.ci_fix": 6}
+# reference episodes per split and level: one where a task is a long document (up to seconds to build at
+# the top levels; longctx.hard has 18 levels), so every level is still played
+REFERENCE_SAMPLES = {"longctx.hard": 1, "longctx.ruler": 1, "longctx.codebase": 1, "docs.financial": 1}
 HOSTILE = [
     "",
     "I don't know.",
@@ -27,6 +35,28 @@ HOSTILE = [
     "```python\nwhile True:\n    pass\n```",
     "z" * 300_000,
 ]
+DATASET_ROWS = 60
+
+
+@pytest.fixture(scope="module")
+def options(tmp_path_factory) -> dict[str, dict]:
+    """Options of the domains that cannot be built without them (`required_options`)."""
+    path = tmp_path_factory.mktemp("contract") / "rows.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps({"prompt": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n"
+            for i in range(DATASET_ROWS)
+        )
+    )
+    return {"dataset": {"path": str(path)}}
+
+
+def _domain(name: str, options: dict[str, dict]):
+    required = domain_class(name).required_options
+    assert not required or name in options, (
+        f"{name} needs options {required}: add them to the options fixture"
+    )
+    return get_domain(name, **options.get(name, {}))
 
 
 def _dump(task) -> str:
@@ -39,30 +69,28 @@ def _clear_caches():
     swe_ci_fix._verified_bug.cache_clear()
 
 
-@pytest.mark.parametrize("name", CPU + SANDBOXED)
-def test_generators_are_deterministic_and_seeded(name):
-    d = get_domain(name)
+def test_every_built_in_domain_is_checked():
+    assert len(DOMAINS) >= 17 and {"math", "dataset", "code.humaneval", "cad.modeling"} <= set(DOMAINS)
+    assert set(SANDBOXED) == {"code.unit_tests", "code.humaneval", "swe.ci_fix", "cad.modeling"}
+    assert set(DOMAINS) - set(TWO_SPLITS) == {"code.humaneval"}  # evaluation only: one split, "eval"
+
+
+@pytest.mark.parametrize("name", DOMAINS)
+def test_generators_are_deterministic_and_seeded(name, options):
+    d = _domain(name, options)
+    split = d.splits[0]
     for level in d.difficulties:
-        first = _dump(d.task("train", level, 1, seed=3))
+        first = _dump(d.task(split, level, 1, seed=3))
         _clear_caches()
-        assert _dump(d.task("train", level, 1, seed=3)) == first
-    assert _dump(d.task("train", 0, 0, seed=0)) != _dump(d.task("train", 0, 0, seed=1))
-    assert _dump(d.task("train", 0, 0)) != _dump(d.task("train", 0, 1))
+        assert _dump(d.task(split, level, 1, seed=3)) == first
+    assert _dump(d.task(split, 0, 0, seed=0)) != _dump(d.task(split, 0, 0, seed=1))
+    assert _dump(d.task(split, 0, 0)) != _dump(d.task(split, 0, 1))
 
 
-@pytest.mark.parametrize(
-    "name, n",
-    [
-        ("math", 40),
-        ("tools.apis", 40),
-        ("scene.layout", 40),
-        ("instruct.constraints", 40),
-        ("code.unit_tests", 40),
-        ("swe.ci_fix", 6),
-    ],
-)
-def test_train_and_heldout_never_overlap(name, n):
-    d = get_domain(name)
+@pytest.mark.parametrize("name", TWO_SPLITS)
+def test_train_and_heldout_never_overlap(name, options):
+    d = _domain(name, options)
+    n = SPLIT_SAMPLES.get(name, 40)
     for level in d.difficulties[:2]:
         keys = {}
         for split in ("train", "heldout"):
@@ -72,19 +100,19 @@ def test_train_and_heldout_never_overlap(name, n):
         assert keys["train"] and keys["heldout"] and not keys["train"] & keys["heldout"]
 
 
-@pytest.mark.parametrize("name", CPU)
-def test_reference_solutions_score_one(name):
-    d = get_domain(name)
+@pytest.mark.parametrize("name", [n for n in DOMAINS if n not in SANDBOXED])
+def test_reference_solutions_score_one(name, options):
+    d = _domain(name, options)
     for level in d.difficulties:
         for split in d.splits:
-            for i in range(3):
+            for i in range(REFERENCE_SAMPLES.get(name, 3)):
                 task = d.task(split, level, i)
                 res = run(run_episode(d.make_env(None), task, d.reference(task)))
                 assert res.done and res.reward == 1.0, (task.id, res.rewards, res.info)
                 assert res.rewards["success"] == 1.0, (task.id, res.rewards)
 
 
-@pytest.mark.parametrize("name", [*SANDBOXED, "code.humaneval"])
+@pytest.mark.parametrize("name", SANDBOXED)
 def test_sandboxed_reference_solutions_score_one(name, sandbox):
     d = get_domain(name)
     for level in d.difficulties:
@@ -95,11 +123,11 @@ def test_sandboxed_reference_solutions_score_one(name, sandbox):
             assert res.rewards["success"] == 1.0, (task.id, res.rewards)
 
 
-@pytest.mark.parametrize("name", CPU + SANDBOXED)
-def test_wrong_empty_malformed_hostile_outputs_score_below_one(name, request):
-    d = get_domain(name)
+@pytest.mark.parametrize("name", DOMAINS)
+def test_wrong_empty_malformed_hostile_outputs_score_below_one(name, options, request):
+    d = _domain(name, options)
     sandbox = request.getfixturevalue("sandbox") if name in SANDBOXED else None
-    task = d.task("train", 0, 2)
+    task = d.task(d.splits[0], 0, 2)
     texts = HOSTILE if name != "swe.ci_fix" else HOSTILE[:4] + HOSTILE[-1:]
     for text in texts:
         res = run(run_episode(d.make_env(sandbox), task, [text]))

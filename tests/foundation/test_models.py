@@ -62,9 +62,14 @@ def test_tools_are_rendered_into_the_system_message_for_smollm2():
     assert '"name": "get_weather"' in text and "<tool_call>[" in text
 
 
-def test_missing_models_say_how_to_get_them(tmp_path):
-    with pytest.raises(ModelNotFoundError, match="nothing is downloaded"):
-        resolve("org/some-hub-model")
+def test_missing_models_say_how_to_get_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    with pytest.raises(ModelNotFoundError, match="run `posttrain models pull org/some-hub-model`"):
+        resolve("org/some-hub-model")  # a Hub id the cache lacks, offline (tests/foundation/test_hub.py)
+    with pytest.raises(ModelNotFoundError, match="or a Hub id ORG/NAME"):
+        resolve("no-such-model")
     with pytest.raises(ModelNotFoundError, match="unknown tiny family 'gpt9'"):
         resolve("tiny:gpt9")
     with pytest.raises(ModelNotFoundError, match="no config.json"):

@@ -25,7 +25,15 @@ from collections.abc import Callable
 
 import numpy as np
 
-from posttrain.bench.sim import ORACLE_PLAN, REMOVED_ARM, Learner, SimSettings, budget_tokens, sigmoid
+from posttrain.bench.sim import (
+    ORACLE_PLAN,
+    REMOVED_ARM,
+    Learner,
+    SimSettings,
+    budget_tokens,
+    register_reference,
+    sigmoid,
+)
 from posttrain.config import CurriculumConfig
 from posttrain.curriculum.arms import Arm
 from posttrain.curriculum.samplers import Sampler, _uniform_by_domain
@@ -270,3 +278,8 @@ class PlanningOracle(Sampler):
             self._planned_at = now
         w = self._plan[avail]
         return w / w.sum() if w.sum() > 0 else np.full(len(avail), 1.0 / len(avail))
+
+
+@register_reference(ORACLE_PLAN)
+def _planning_oracle(cfg, arms, seed, learner, settings, static_weights) -> Sampler:
+    return PlanningOracle(cfg, arms, seed, learner, settings)

@@ -47,6 +47,7 @@ Not modelled: prompts within an arm (choose_prompt), optimiser state, noise in t
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -277,6 +278,34 @@ class StaticSampler(Sampler):
         return w / w.sum() if w.sum() > 0 else np.full(len(avail), 1.0 / len(avail))
 
 
+# The references by name: they read the simulated learner, which no real sampler can, so they are built
+# here rather than by `make_sampler`. planning.py registers `oracle_plan` on import (it imports this module).
+ReferenceFactory = Callable[
+    [CurriculumConfig, list[Arm], int, Learner, "SimSettings", "np.ndarray | None"], Sampler
+]
+REFERENCES: dict[str, ReferenceFactory] = {}
+
+
+def register_reference(name: str) -> Callable[[ReferenceFactory], ReferenceFactory]:
+    """Register `fn(cfg, arms, seed, learner, settings, static_weights) -> Sampler` as reference `name`."""
+
+    def deco(fn: ReferenceFactory) -> ReferenceFactory:
+        REFERENCES[name] = fn
+        return fn
+
+    return deco
+
+
+@register_reference(ORACLE)
+def _oracle(cfg, arms, seed, learner, settings, static_weights) -> Sampler:
+    return OracleSampler(cfg, arms, seed, learner)
+
+
+@register_reference(HINDSIGHT)
+def _hindsight(cfg, arms, seed, learner, settings, static_weights) -> Sampler:
+    return StaticSampler(cfg, arms, seed, static_weights)  # rejects missing or bad weights
+
+
 @dataclass
 class SimSettings:
     groups_per_step: int = 32
@@ -317,18 +346,13 @@ def run(
     learner = make_learner(seed, s.layout)
     rng = np.random.default_rng(20_000 + seed if noise == 0 else [20_000 + seed, int(noise)])
     sizes = {a: int(n) for a, n in zip(learner.arms, learner.data_size, strict=True)}
-    if sampler_name in (ORACLE, HINDSIGHT, ORACLE_PLAN):
-        sampler: Sampler
-        if sampler_name == ORACLE:
-            sampler = OracleSampler(cfg, learner.arms, seed, learner)
-        elif sampler_name == ORACLE_PLAN:
-            from posttrain.bench.planning import PlanningOracle  # planning imports this module
-
-            sampler = PlanningOracle(cfg, learner.arms, seed, learner, s)
-        else:
-            sampler = StaticSampler(cfg, learner.arms, seed, static_weights)  # rejects missing or bad weights
+    sampler: Sampler
+    if sampler_name in REFERENCES:
+        sampler = REFERENCES[sampler_name](cfg, learner.arms, seed, learner, s, static_weights)
         for a, n in sizes.items():
             sampler.set_data_size(a, n)
+    elif sampler_name == ORACLE_PLAN:
+        raise ValueError(f"{ORACLE_PLAN} registers on import of posttrain.bench.planning: import it first")
     else:
         sampler = make_sampler(
             cfg.model_copy(update={"sampler": sampler_name}), learner.arms, seed, data_sizes=sizes

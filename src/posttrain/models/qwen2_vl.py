@@ -288,9 +288,9 @@ def tiny_parts(family: VisionFamily, window_size: int | None = None) -> tuple[An
     the vision tokens, `family`'s image inputs attached)."""
     from transformers import Qwen2VLImageProcessorPil
 
-    from posttrain.models.loading import load_tokenizer
+    from posttrain.models.text import embedded_tokenizer
 
-    tok = copy.deepcopy(load_tokenizer("tiny:llama"))
+    tok = copy.deepcopy(embedded_tokenizer())
     missing = [t for t in _SPECIAL if t not in tok.get_vocab()]
     if missing:
         tok.add_special_tokens({"additional_special_tokens": missing})

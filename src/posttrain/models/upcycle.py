@@ -14,12 +14,8 @@ from typing import Any
 
 import torch
 
-from posttrain.models.loading import (
-    load_policy,
-    load_tokenizer,
-    quiet_transformers,
-    save_hf_folder_atomically,
-)
+from posttrain.models.loading import load_policy, load_tokenizer
+from posttrain.models.text import quiet_transformers, save_hf_folder_atomically
 
 UPCYCLE_TARGETS = {"llama": "mixtral", "mistral": "mixtral", "qwen3": "qwen3_moe"}
 _DROP = ("architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "mlp_bias")

@@ -24,6 +24,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from posttrain.models.text import (
+    embedded_tokenizer,
+    ensure_embedded,
+    quiet_transformers,
+    save_hf_folder_atomically,
+    tiny_config,
+)
 from posttrain.types import ContentError, ImagePart, Message, TextPart, ToolSpec
 
 IMAGE_TOKEN = "<image>"
@@ -306,8 +313,6 @@ def load_vision_tokenizer(spec: str) -> Any:
         return family(spec.split(":", 1)[1]).tiny_tokenizer()
     from transformers import AutoConfig
 
-    from posttrain.models.loading import quiet_transformers
-
     with quiet_transformers():
         config = AutoConfig.from_pretrained(spec)
         processor = _load_processor(spec, config)
@@ -338,8 +343,6 @@ def load_vision_folder(path: str | Path, dtype: str = "float32") -> tuple[Any, A
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from posttrain.models.loading import quiet_transformers
-
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     with quiet_transformers():
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch_dtype)
@@ -360,8 +363,6 @@ def load_vision(spec: str, dtype: str = "float32", seed: int = 0) -> tuple[Any, 
 
 def save_vision_folder(model: Any, tokenizer: Any, out: str | Path) -> Path:
     """Save a VLM with its processor (tokenizer + image processor) as an HF folder, atomically."""
-    from posttrain.models.loading import save_hf_folder_atomically
-
     vis = image_inputs(tokenizer)
     if vis is None:
         raise ValueError("the tokenizer carries no image inputs: not a vision model's tokenizer")
@@ -371,8 +372,6 @@ def save_vision_folder(model: Any, tokenizer: Any, out: str | Path) -> Path:
 def tiny_text_config(tokenizer: Any) -> Any:
     """The language side of a tiny VLM: tiny:llama's config over `tokenizer`'s vocabulary, its weights
     drawn with std 0.2 (far from uniform: greedy paths and logprobs depend on the image)."""
-    from posttrain.models.loading import tiny_config
-
     tok = tokenizer
     text = tiny_config("llama", len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
     text.initializer_range = 0.2
@@ -383,8 +382,6 @@ def random_vlm(model_class: Any, config: Any, seed: int) -> Any:
     """`model_class(config)` with its weights drawn from `seed` (the global RNG left as it was), float32,
     in eval mode."""
     import torch
-
-    from posttrain.models.loading import quiet_transformers
 
     with quiet_transformers(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -452,9 +449,7 @@ def _inputs_for(config: Any, tokenizer: Any, image_processor: Any) -> ImageInput
 
 def _tiny_llava_parts() -> tuple[Any, Any]:
     """tiny:llava's config and tokenizer (the SmolLM2 tokenizer plus `<image>`, image inputs attached)."""
-    from posttrain.models.loading import load_tokenizer
-
-    tok = _with_image_token(copy.deepcopy(load_tokenizer("tiny:llama")))
+    tok = _with_image_token(copy.deepcopy(embedded_tokenizer()))
     config = llava_config(
         tiny_text_config(tok),
         tok.convert_tokens_to_ids(IMAGE_TOKEN),
@@ -582,11 +577,9 @@ def graft_vision(seed: int = 0, **vision: int) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from posttrain.models.loading import ensure_embedded, load_tokenizer, quiet_transformers
-
     with quiet_transformers():
         lm = AutoModelForCausalLM.from_pretrained(ensure_embedded(), dtype=torch.float32)
-    model, tok = random_llava(lm.config, load_tokenizer("smollm2-135m"), seed, **vision)
+    model, tok = random_llava(lm.config, embedded_tokenizer(), seed, **vision)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         lm.resize_token_embeddings(model.config.text_config.vocab_size, mean_resizing=False)

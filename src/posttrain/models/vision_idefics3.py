@@ -109,9 +109,9 @@ def _with_tokens(tokenizer: Any) -> Any:
 def _tiny_idefics3_parts() -> tuple[Any, Any]:
     """tiny:idefics3's config and tokenizer (the SmolLM2 tokenizer plus the processor's tokens, image
     inputs attached): 32 px tiles in 4 px patches, pixel shuffle 2 -> 16 placeholders per tile."""
-    from posttrain.models.loading import load_tokenizer
+    from posttrain.models.text import embedded_tokenizer
 
-    tok = _with_tokens(copy.deepcopy(load_tokenizer("tiny:llama")))
+    tok = _with_tokens(copy.deepcopy(embedded_tokenizer()))
     config = idefics3_config(
         tiny_text_config(tok),
         tok.convert_tokens_to_ids(IMAGE_TOKEN),

@@ -580,7 +580,7 @@ class CadEnv(Environment):
         return Observation(list(task.prompt))
 
     def _result(self, graded: Graded, done: bool, truncated: bool = False) -> StepResult:
-        info = {**graded.info, "turns": self.turn, "iou_per_turn": list(self.ious)}
+        info = {"infra_failure": False, **graded.info, "turns": self.turn, "iou_per_turn": list(self.ious)}
         if truncated:
             info["truncated"] = True
         return StepResult([], graded.reward if done else None, done, dict(graded.rewards), info)

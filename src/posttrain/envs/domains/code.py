@@ -451,9 +451,18 @@ class UnitTestEnv(Environment):
             return self._done(
                 0.0,
                 {"passed": 0.0, "format": 0.0, "success": 0.0},
-                {"reason": reason, "unparseable": 1, "tests_passed": 0, "tests_total": len(meta["hidden"])},
+                {
+                    "reason": reason,
+                    "unparseable": 1,
+                    "tests_passed": 0,
+                    "tests_total": self.tests_total(meta),
+                },
             )
         return await self._grade(code, fmt)
+
+    def tests_total(self, meta: dict[str, Any]) -> int:
+        """How many graded cases a task has (its hidden cases)."""
+        return len(meta["hidden"])
 
     async def _grade(self, code: str, fmt: float) -> StepResult:
         meta = self.task.meta
@@ -491,6 +500,10 @@ class UnitTestEnv(Environment):
 
 
 class HumanEvalEnv(UnitTestEnv):
+    def tests_total(self, meta: dict[str, Any]) -> int:
+        """One graded case: the problem's `check`."""
+        return 1
+
     async def _grade(self, code: str, fmt: float) -> StepResult:
         meta = self.task.meta
         hjob = humaneval_job(meta, code)

@@ -1,10 +1,17 @@
-"""`dataset`: your own prompt/answer data (JSONL, JSON, CSV or Parquet) as a single-turn domain, scored by
-a reward function you name by Python path, like TRL's `reward_funcs`, or by answer matching.
+"""`dataset`: your own prompt/answer data (JSONL, JSON, CSV or Parquet, or a Hugging Face Hub dataset) as
+a single-turn domain, scored by a reward function you name by Python path, like TRL's `reward_funcs`, or
+by answer matching.
 
     envs:
       domains:
         - name: dataset
           options: {path: data/train.jsonl, reward_fn: my_rewards:exact, prompt_key: prompt, answer_key: answer}
+        - name: dataset
+          options: {hub: openai/gsm8k, config: main, split: train, prompt_key: question}
+
+A Hub dataset (`hub: org/name`, or `org/name@revision`) is read through `datasets` from its cache
+(`HF_HOME/datasets`), downloaded there when the Hub is reachable and HF_HUB_OFFLINE is unset; `split`
+(default `train`) is the Hub split read, `config` its configuration.
 
 A row's prompt is a string (sent as one user message) or a list of `{role, content}` messages. Splits:
 rows carry a `split_key` column ("train"; "heldout", "test", "validation" or "eval" for held out), or
@@ -100,6 +107,38 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
         )
     if not rows:
         raise ValueError(f"dataset: '{p}' has no rows")
+    return rows
+
+
+def read_hub_rows(hub: str, split: str = "train", config: str | None = None) -> list[dict[str, Any]]:
+    """The rows of split `split` of the Hub dataset `hub` (`org/name[@revision]`), through `datasets`;
+    errors name the dataset and how to fetch it."""
+    repo, _, revision = hub.partition("@")
+    if repo.count("/") != 1 or not all(repo.split("/")) or (revision == "" and hub.endswith("@")):
+        raise ValueError(
+            f"dataset: options.hub must be a Hub dataset id ORG/NAME or ORG/NAME@REVISION, got {hub!r}"
+        )
+    try:
+        import datasets
+    except ImportError:  # pragma: no cover - datasets is pinned in requirements.lock
+        raise ValueError(
+            "dataset: options.hub needs the `datasets` package (the hub extra: pip install datasets==5.2.0)"
+        ) from None
+    fetch = (
+        f"load it once where the Hub is reachable, with the same HF_HOME: `posttrain tasks sample dataset "
+        f"--option hub={hub} --option split={split}" + (f" --option config={config}" if config else "") + "`"
+    )
+    try:
+        table = datasets.load_dataset(repo, config, split=split, revision=revision or None)
+    except datasets.exceptions.DatasetNotFoundError as err:  # missing, gated (the message says which)
+        raise ValueError(f"dataset: Hub dataset '{hub}': {err}") from None
+    except (ConnectionError, FileNotFoundError) as err:  # offline or unreachable, and not in the cache
+        raise ValueError(f"dataset: Hub dataset '{hub}' is not in the cache ({err}); {fetch}") from None
+    except ValueError as err:  # a split or config it does not have
+        raise ValueError(f"dataset: Hub dataset '{hub}': {err}") from None
+    rows = table.to_list()
+    if not rows:
+        raise ValueError(f"dataset: Hub dataset '{hub}' split '{split}' has no rows")
     return rows
 
 
@@ -211,21 +250,40 @@ class DatasetEnv(Environment):
 
 @register_env("dataset")
 class DatasetDomain(Domain):
-    description = "your own prompt/answer rows (jsonl/json/csv/parquet), scored by a reward function you name"
-    required_options = ("path",)
+    description = (
+        "your own prompt/answer rows (jsonl/json/csv/parquet, or `hub: org/name` instead of a path), scored by "
+        "a reward function you name"
+    )
+    required_options = ("path",)  # or `hub`
 
     def __init__(
         self,
-        path: str,
+        path: str | None = None,
         reward_fn: str | None = None,
         prompt_key: str = "prompt",
         answer_key: str = "answer",
         split_key: str | None = None,
         difficulty_key: str | None = None,
         instruction: str | None = None,
+        hub: str | None = None,
+        split: str | None = None,
+        config: str | None = None,
     ) -> None:
-        rows = read_rows(path)
-        self.path = str(path)
+        if (path is None) == (hub is None):
+            raise ValueError(
+                "dataset: give options.path (a local file) or options.hub (a Hub dataset id ORG/NAME), "
+                f"exactly one; got {'both' if path is not None else 'neither'}"
+            )
+        if hub is None and (split is not None or config is not None):
+            raise ValueError(
+                "dataset: options.split and options.config choose a Hub dataset's rows: give options.hub"
+            )
+        if hub is not None:
+            rows = read_hub_rows(hub, split or "train", config)
+            self.path = f"{hub} ({split or 'train'})"
+        else:
+            rows = read_rows(path)
+            self.path = str(path)
         self.reward_fn_spec = reward_fn
         self.reward_fn = load_callable(reward_fn) if reward_fn else None
         self.answer_key = answer_key

@@ -6,7 +6,7 @@ routing metrics are logged."""
 from __future__ import annotations
 
 from posttrain.config import load_config
-from posttrain.orchestrator import RLRun
+from posttrain.orchestrator.rl import RLRun
 from posttrain.telemetry import RunDir, read_metrics
 
 TINY_MOE = [

@@ -8,7 +8,7 @@ from pathlib import Path
 from PIL import Image
 
 from posttrain.config import load_config, save_config
-from posttrain.orchestrator import RLRun
+from posttrain.orchestrator.rl import RLRun
 from posttrain.telemetry import RunDir
 from posttrain.telemetry.renders import read_renders
 from posttrain.telemetry.report import write_report

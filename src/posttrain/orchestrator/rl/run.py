@@ -1,7 +1,7 @@
 """RLRun, a whole post-training run: build it (learner, engine, environments, sampler, sandbox), train it
-in `sync` mode or `async` (`orchestrator.pipeline`), one step at a time: collect, update, push weights,
-probe, log, checkpoint. Owns the run's lifecycle and counters; task picking is `orchestrator.tasks`'s,
-checkpoint contents `orchestrator.state`'s, and the math belongs to `algos`/`train`."""
+in `sync` mode or `async` (`orchestrator.rl.schedule`), one step at a time: collect, update, push weights,
+probe, log, checkpoint. Owns the run's lifecycle and counters; task picking is `orchestrator.rl.tasks`'s,
+checkpoint contents `orchestrator.rl.state`'s, and the math belongs to `algos`/`train`."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ import numpy as np
 
 from posttrain.config import RunConfig, save_config
 from posttrain.orchestrator import probes, state
-from posttrain.orchestrator.metrics import PhaseLog, progress_figures, step_metrics
-from posttrain.orchestrator.pipeline import AsyncPipeline, PreRow, train_sync
-from posttrain.orchestrator.replay import ReplayPool, replay_count
-from posttrain.orchestrator.retention import RetentionSuites
+from posttrain.orchestrator.rl.metrics import PhaseLog, progress_figures, step_metrics
+from posttrain.orchestrator.rl.schedule import AsyncPipeline, PreRow, train_sync
+from posttrain.orchestrator.rl.replay import ReplayPool, replay_count
+from posttrain.orchestrator.rl.retention import RetentionSuites
 from posttrain.orchestrator.signals import stop_on_signals
-from posttrain.orchestrator.tasks import GroupFeedback, Pick, TaskSource, collect_step
+from posttrain.orchestrator.rl.tasks import GroupFeedback, Pick, TaskSource, collect_step
 from posttrain.rollout import EpisodeLimits, LearnedReward, RolloutBatch, collect_groups, make_learned_reward
 from posttrain.telemetry import MetricsLogger, Progress, RunDir, WandbSink
 from posttrain.telemetry.renders import save_renders
@@ -137,7 +137,7 @@ class RLRun:
         )
         self.tasks = TaskSource(sampler, domains, arms, cfg.seed)
         if cfg.trainer.learner_ranks > 1:  # ranks in processes of their own, driven from here
-            from posttrain.orchestrator.learner_group import start_learner_group
+            from posttrain.orchestrator.rl.learner_group import start_learner_group
 
             self.learner = start_learner_group(cfg)
         else:
@@ -150,7 +150,7 @@ class RLRun:
             load_policy(cfg.model.spec, dtype=cfg.engine.dtype, seed=cfg.seed), cfg.model.rope_scaling
         )
         if cfg.placement.backend == "ray":
-            from posttrain.orchestrator.placement import RayEngines
+            from posttrain.orchestrator.rl.placement import RayEngines
 
             del engine_model  # each actor loads its own
             self.make_weight_sync()
@@ -161,7 +161,7 @@ class RLRun:
             self.make_weight_sync()
         self.sync_weights(self.learner.weights())
         if cfg.curriculum.drift_every:  # the reference's completions, while engine and learner hold it
-            from posttrain.orchestrator.drift import DriftProbe
+            from posttrain.orchestrator.rl.drift import DriftProbe
 
             self.drift = DriftProbe.build(
                 self.engine,
@@ -252,7 +252,7 @@ class RLRun:
         """The transport of placement.weight_sync: in-process hands the tensors over; shared_file pushes
         them through placement.weight_sync_dir (default: a fresh folder in /dev/shm, removed at close)
         and loads them back as an engine in another process would, version-checked and verified."""
-        from posttrain.orchestrator import weight_sync as ws
+        import posttrain.orchestrator.rl.weight_sync as ws
 
         placement = self.cfg.placement
         self.sync_bytes = 0
@@ -278,8 +278,8 @@ class RLRun:
         self.weight_receiver = ws.Receiver(self.engine, base=base)
 
     def _group(self) -> bool:
-        """Whether the learner is a group of rank processes (`orchestrator.learner_group`)."""
-        from posttrain.orchestrator.learner_group import LearnerGroup
+        """Whether the learner is a group of rank processes (`orchestrator.rl.learner_group`)."""
+        from posttrain.orchestrator.rl.learner_group import LearnerGroup
 
         return isinstance(self.learner, LearnerGroup)
 
@@ -303,7 +303,7 @@ class RLRun:
         """`weights` of policy `version` (default: the learner's current ones) into the engine through the
         configured transport. Under LoRA with shared_file or broadcast, the learner's adapters travel
         instead of the merged weights when they are the learner's current ones."""
-        from posttrain.orchestrator import weight_sync as ws
+        import posttrain.orchestrator.rl.weight_sync as ws
 
         own = version is None
         version = self.learner.version if version is None else version
@@ -433,7 +433,7 @@ class RLRun:
         )
 
     def probe_if_due(self, step: int) -> dict[str, float]:
-        """The held-out probe of `step` when the sampler wants one (`orchestrator.probes`), else {}."""
+        """The held-out probe of `step` when the sampler wants one (`orchestrator.rl.probes`), else {}."""
         c = self.cfg.curriculum
         return probes.probe_if_due(
             self.engine,
@@ -545,7 +545,7 @@ class RLRun:
     # ------------------------------------------------------------------ checkpoint
 
     def save(self) -> Path:
-        """Checkpoint the whole run at this step (`orchestrator.state`)."""
+        """Checkpoint the whole run at this step (`orchestrator.rl.state`)."""
         return state.save_run(self)
 
     def load(self) -> list[str]:

@@ -15,8 +15,8 @@ import numpy as np
 from posttrain.types import Trajectory
 
 if TYPE_CHECKING:
-    from posttrain.orchestrator.run import RLRun
-    from posttrain.orchestrator.tasks import SamplerView
+    from posttrain.orchestrator.rl.run import RLRun
+    from posttrain.orchestrator.rl.tasks import SamplerView
     from posttrain.telemetry import MetricsLogger, Progress
 
 # before batch b: (probe metrics, sampler signals, the sampler and cursors for a checkpoint at b, or None)

@@ -17,7 +17,7 @@ from posttrain.orchestrator.checkpoint import latest_valid, save_checkpoint
 from posttrain.telemetry import read_metrics
 
 if TYPE_CHECKING:
-    from posttrain.orchestrator.run import RLRun
+    from posttrain.orchestrator.rl.run import RLRun
 
 RUN_STATE = "run_state.json"
 LEARNER_DIR = "learner"

@@ -231,9 +231,9 @@ def test_a_group_run_with_a_critic_resumes_from_its_sharded_checkpoint(
 def test_a_lora_group_pushes_only_its_adapters_and_the_engine_holds_its_merged_weights(
     length_domain, tmp_path, mode
 ):
+    import posttrain.orchestrator.rl.weight_sync as ws
     from posttrain.engine import make_engine
     from posttrain.models import load_policy
-    import posttrain.orchestrator.rl.weight_sync as ws
 
     sets = [
         *STEPS,

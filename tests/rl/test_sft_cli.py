@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 from posttrain.cli import app
 from posttrain.config import load_config
 from posttrain.envs import get_domain
-from posttrain.orchestrator.rl import RLRun
 from posttrain.orchestrator.offline.sft import examples_from_env, load_jsonl, replay_reference
+from posttrain.orchestrator.rl import RLRun
 from posttrain.rollout import EpisodeLimits
 from posttrain.rollout.agent import run_episode
 from posttrain.telemetry import RunDir, read_metrics

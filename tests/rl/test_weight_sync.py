@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+import posttrain.orchestrator.rl.weight_sync as ws
 from posttrain.models import load_policy
 from posttrain.models.lora import wrap_lora
-import posttrain.orchestrator.rl.weight_sync as ws
 from posttrain.train.distributed import init_local_gloo
 from posttrain.train.state import merged_weights
 

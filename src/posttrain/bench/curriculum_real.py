@@ -268,9 +268,9 @@ def train_and_eval(
     are deleted unless keep_checkpoints; the exported `policy/` folder, config and metrics stay. Also
     returns the rollout tokens of zero-advantage groups and the last scored retention figures (if any)."""
     from posttrain.config import load_config, save_config
-    from posttrain.orchestrator.rl import RLRun
     from posttrain.orchestrator.eval.evaluate import evaluate_local
     from posttrain.orchestrator.eval.export import save_hf_folder
+    from posttrain.orchestrator.rl import RLRun
     from posttrain.sandbox import make_sandbox
     from posttrain.telemetry import RunDir, read_metrics
 

@@ -256,8 +256,8 @@ def train(overrides: list[str], seed: int, root: Path, name: str) -> dict[str, A
     """One RL run, its policy exported; checkpoints deleted. Returns the policy path, rows and tokens
     (and writes the tokens, steps, stop reason and time to RUN_RECORD beside the policy)."""
     from posttrain.config import load_config, save_config
-    from posttrain.orchestrator.rl import RLRun
     from posttrain.orchestrator.eval.export import save_hf_folder
+    from posttrain.orchestrator.rl import RLRun
     from posttrain.telemetry import RunDir, read_metrics
 
     cfg = load_config(None, [*overrides, f"seed={seed}", f"telemetry.run_dir={root}"])

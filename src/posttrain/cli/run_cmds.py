@@ -42,8 +42,8 @@ def train(
     """Run RL post-training (the default: the 135M model, GRPO, a mix of domains, ~10 CPU minutes)."""
     from posttrain.models import ModelNotFoundError
     from posttrain.orchestrator.checkpoint import CheckpointError
-    from posttrain.orchestrator.rl import RLRun
     from posttrain.orchestrator.eval.export import save_hf_folder
+    from posttrain.orchestrator.rl import RLRun
     from posttrain.telemetry.rundir import RunDir, check_run_name
 
     if name is not None:

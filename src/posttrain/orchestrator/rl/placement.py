@@ -37,11 +37,11 @@ class EngineWorker:
     def __init__(self, cfg_json: str, weight_dir: str | None, threads: int) -> None:
         import torch
 
+        import posttrain.orchestrator.rl.weight_sync as ws
         from posttrain.config import RunConfig
         from posttrain.engine import make_engine
         from posttrain.longctx.rope import apply_rope_scaling
         from posttrain.models import load_policy, load_tokenizer
-        import posttrain.orchestrator.rl.weight_sync as ws
 
         torch.set_num_threads(max(1, threads))
         cfg = RunConfig.model_validate_json(cfg_json)

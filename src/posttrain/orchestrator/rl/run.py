@@ -15,11 +15,11 @@ import numpy as np
 from posttrain.config import RunConfig, save_config
 from posttrain.orchestrator import probes, state
 from posttrain.orchestrator.rl.metrics import PhaseLog, progress_figures, step_metrics
-from posttrain.orchestrator.rl.schedule import AsyncPipeline, PreRow, train_sync
 from posttrain.orchestrator.rl.replay import ReplayPool, replay_count
 from posttrain.orchestrator.rl.retention import RetentionSuites
-from posttrain.orchestrator.signals import stop_on_signals
+from posttrain.orchestrator.rl.schedule import AsyncPipeline, PreRow, train_sync
 from posttrain.orchestrator.rl.tasks import GroupFeedback, Pick, TaskSource, collect_step
+from posttrain.orchestrator.signals import stop_on_signals
 from posttrain.rollout import EpisodeLimits, LearnedReward, RolloutBatch, collect_groups, make_learned_reward
 from posttrain.telemetry import MetricsLogger, Progress, RunDir, WandbSink
 from posttrain.telemetry.renders import save_renders

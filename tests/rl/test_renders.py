@@ -44,7 +44,7 @@ def test_scene_renders_are_saved_and_reported(tmp_path):
 
     def spy(step, spent=None):
         out = real(step, spent)
-        seen.extend(out[0])
+        seen.extend(out.trajectories)
         return out
 
     rl.collect_step = spy

@@ -77,6 +77,7 @@ the plain rules exactly.
 """
 
 from posttrain.curriculum.arms import Arm, arm_from_key
+from posttrain.curriculum.feedback import GroupFeedback
 from posttrain.curriculum.samplers import SAMPLERS, Sampler, make_sampler
 
-__all__ = ["SAMPLERS", "Arm", "Sampler", "arm_from_key", "make_sampler"]
+__all__ = ["SAMPLERS", "Arm", "GroupFeedback", "Sampler", "arm_from_key", "make_sampler"]

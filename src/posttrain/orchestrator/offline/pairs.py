@@ -24,7 +24,7 @@ from posttrain.orchestrator.checkpoint import save_checkpoint
 from posttrain.orchestrator.offline.sft import SFTDataError, batches, jsonl_rows, parse_row
 from posttrain.orchestrator.signals import stop_on_signals
 from posttrain.telemetry import MetricsLogger, Progress, RunDir
-from posttrain.types import Trajectory
+from posttrain.types import Pick, Trajectory
 
 PAIR_STATE = "pairs_state.json"
 PAIRS_FILE = "pairs.json"
@@ -158,14 +158,14 @@ async def asample_pairs(
         raise PairDataError(
             f"domain '{domain.name}' has no difficulty {bad[0]} (valid: {domain.difficulties})"
         )
-    tasks = [
-        (domain, domain.task(split, levels[i % len(levels)], i // len(levels), seed))
+    picks = [
+        Pick(None, domain, domain.task(split, levels[i % len(levels)], i // len(levels), seed), i)
         for i in range(start, start + n)
     ]
     out = await collect_groups(
         engine,
         tokenizer,
-        tasks,
+        picks,
         samples_per_task,
         sandbox,
         sampling,

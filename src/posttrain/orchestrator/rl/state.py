@@ -1,23 +1,24 @@
-"""Checkpoint/resume of a whole run: the learner's state plus `run_state.json` (step, versions, task
-cursors, counters, the sampler and the feedback it was not fed yet, the Python and NumPy RNGs), written
-atomically by `orchestrator.checkpoint`, and read back so a resumed run is the run that went on.
-Owns what a checkpoint of the run holds; the learner's own files are `train`'s."""
+"""What a checkpoint of an RL run holds: the learner's files plus `run_state.json`, a `RunState` (step,
+versions, task cursors, counters, the sampler and the feedback it was not fed yet, the Python and NumPy
+RNGs), written atomically by `orchestrator.checkpoint` and read back so a resumed run is the run that
+went on. The run hands a RunState over and restores itself from one; the learner's own files are
+`train`'s."""
 
 from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from posttrain.config import save_config
+from posttrain.curriculum import GroupFeedback
 from posttrain.orchestrator.checkpoint import latest_valid, save_checkpoint
-from posttrain.telemetry import read_metrics
 
 if TYPE_CHECKING:
-    from posttrain.orchestrator.rl.run import RLRun
+    from posttrain.curriculum import Arm
 
 RUN_STATE = "run_state.json"
 LEARNER_DIR = "learner"
@@ -33,6 +34,78 @@ COUNTERS: dict[str, float] = {
     "rollout_tokens": 0.0,
     "probe_tokens": 0.0,
 }
+
+
+@dataclass
+class RunState:
+    """Everything of a run a checkpoint saves beside the learner. `sampler_pending`: async mode's feedback
+    of batches trained on that the sampler has not been fed yet, (batch, groups) in batch order; the RNG
+    states are `random.getstate()` and `np.random.get_state()` in JSON form."""
+
+    step: int
+    learner_version: int
+    engine_version: int
+    cursors: dict[str, int]
+    seen_prompts: dict[str, list[int]]
+    counters: dict[str, float]
+    sampler: dict[str, Any]
+    sampler_pending: list[tuple[int, list[GroupFeedback]]]
+    python_random: list
+    numpy_random: list
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "learner_version": self.learner_version,
+            "engine_version": self.engine_version,
+            "cursors": self.cursors,
+            "seen_prompts": self.seen_prompts,
+            "counters": self.counters,
+            "sampler": self.sampler,
+            "sampler_pending": [
+                [j, [GroupFeedback(*fb).to_json() for fb in groups]] for j, groups in self.sampler_pending
+            ],
+            "python_random": self.python_random,
+            "numpy_random": self.numpy_random,
+        }
+
+    @classmethod
+    def from_json(cls, state: dict[str, Any], arms: list[Arm]) -> RunState:
+        """The state `to_json` wrote; the feedback's arms are looked up among the run's `arms`. Counters
+        that did not exist when the checkpoint was written start at 0."""
+        by_key = {a.key: a for a in arms}
+        return cls(
+            step=state["step"],
+            learner_version=state["learner_version"],
+            engine_version=state["engine_version"],
+            cursors=state["cursors"],
+            seen_prompts={k: list(v) for k, v in state["seen_prompts"].items()},
+            counters={**COUNTERS, **state["counters"]},
+            sampler=state["sampler"],
+            sampler_pending=[
+                (j, [GroupFeedback.from_json(row, by_key) for row in groups])
+                for j, groups in state.get("sampler_pending", [])
+            ],
+            python_random=state["python_random"],
+            numpy_random=state["numpy_random"],
+        )
+
+
+def save_run(root: Path, state: RunState, learner: Any, keep: int) -> Path:
+    """Checkpoint `state` and the `learner` under `root` (keeping `keep` checkpoints); returns the path."""
+
+    def write(tmp: Path) -> None:
+        learner.save(tmp / LEARNER_DIR)
+        (tmp / RUN_STATE).write_text(json.dumps(state.to_json()))
+
+    return save_checkpoint(root, state.step, write, keep=keep)
+
+
+def latest_run_state(root: Path) -> tuple[Path, dict[str, Any], list[str]]:
+    """The newest valid checkpoint under `root`, its run state as JSON, and warnings about skipped corrupt
+    ones (raises `CheckpointError` when none is usable)."""
+    path, warnings = latest_valid(root)
+    return path, json.loads((path / RUN_STATE).read_text()), warnings
 
 
 def keep_best_before(root: Path, step: int) -> Path | None:
@@ -52,83 +125,6 @@ def keep_best_before(root: Path, step: int) -> Path | None:
     shutil.rmtree(best, ignore_errors=True)
     tmp.rename(best)
     return best
-
-
-def save_run(run: RLRun) -> Path:
-    """Checkpoint `run` at its current step (keeping orchestrator.keep_checkpoints); returns the path."""
-    tasks = run.tasks
-
-    def write(tmp: Path) -> None:
-        run.learner.save(tmp / LEARNER_DIR)
-        with tasks.lock:  # async mode: the rollout thread may be picking
-            sampler, cursors, seen = tasks.checkpoint_view or tasks.view()
-            state = {
-                "step": run.step,
-                "learner_version": run.learner.version,
-                "engine_version": run.engine.version,
-                "cursors": cursors,
-                "seen_prompts": seen,
-                "counters": run.counters,
-                "sampler": sampler,
-                # async mode: batches trained on whose groups the sampler has not been fed yet
-                "sampler_pending": [
-                    [j, [[arm.key, pid, rewards, gen] for arm, pid, rewards, gen in groups]]
-                    for j, groups in sorted(tasks.unfed.items())
-                    if j < run.step
-                ],
-                "python_random": py_random_state(),
-                "numpy_random": np_random_state(),
-            }
-        (tmp / RUN_STATE).write_text(json.dumps(state))
-
-    path = save_checkpoint(
-        run.run_dir.checkpoints, run.step, write, keep=run.cfg.orchestrator.keep_checkpoints
-    )
-    run.phases.add("checkpoint")
-    return path
-
-
-def load_run(run: RLRun) -> list[str]:
-    """Build `run` and restore its newest valid checkpoint; returns warnings about skipped corrupt ones."""
-    from posttrain.train.state import read_learner_state
-
-    run.build()
-    path, warnings = latest_valid(run.run_dir.checkpoints)
-    state = json.loads((path / RUN_STATE).read_text())
-    restore = getattr(run.learner, "restore", None)
-    if callable(restore):  # a learner group: every rank reads the folder itself
-        restore(path / LEARNER_DIR)
-    else:
-        _, learner_state = read_learner_state(path / LEARNER_DIR)
-        run.learner.load_state_dict(learner_state)
-    run.step = state["step"]
-    tasks = run.tasks
-    tasks.cursors = state["cursors"]
-    tasks.seen_prompts = {k: list(v) for k, v in state["seen_prompts"].items()}
-    run.counters = {
-        **COUNTERS,
-        **state["counters"],
-    }  # checkpoints from before a counter existed start it at 0
-    tasks.sampler.load_state_dict(state["sampler"])
-    by_key = {a.key: a for a in tasks.arms}
-    for j, groups in state.get("sampler_pending", []):  # async checkpoints: feed what was held back
-        tasks.feed([(by_key[key], pid, rewards, gen) for key, pid, rewards, gen in groups], j)
-    set_py_random_state(state["python_random"])
-    set_np_random_state(state["numpy_random"])
-    run.rewind_weight_sync()
-    run.sync_weights(run.learner.weights())
-    # the run goes on with this config (a resume may override settings): config.yaml says so
-    save_config(run.cfg, run.run_dir.config)
-    keep_metrics_until(run.run_dir.metrics, run.step)
-    return warnings
-
-
-def keep_metrics_until(metrics: Path, step: int) -> None:
-    """Drop the rows of `metrics` (a JSONL file, if it exists) logged after `step`: they belong to the
-    interrupted tail of a run resumed at `step`, which logs them again."""
-    if metrics.exists():
-        kept = [r for r in read_metrics(metrics) if r.get("step", 0) <= step]
-        metrics.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
 
 def py_random_state() -> list:

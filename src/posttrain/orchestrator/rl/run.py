@@ -53,7 +53,7 @@ class RLRun:
         self.loop = asyncio.new_event_loop()
         self.sandbox: Any = None
         self.reward: LearnedReward | None = None  # the learned reward of cfg.reward, if any
-        self.drift: Any = None  # orchestrator.drift.DriftProbe when curriculum.drift_every is set
+        self.drift: Any = None  # orchestrator.rl.drift.DriftProbe when curriculum.drift_every is set
         self.retention: RetentionSuites | None = None  # curriculum.retention's suites
         self.replay: ReplayPool | None = None  # algorithm.replay_fraction's general data
         self._built = False

@@ -3,10 +3,10 @@ real model through the RL loop, same token budget, then held-out accuracy per do
 
 Owns the run matrix (samplers x seeds), the shared configuration and the report. Training is
 `posttrain.orchestrator.rl.RLRun`, scoring is `posttrain.orchestrator.eval.evaluate.evaluate_local`;
-nothing here touches tensors. The budget is tokens, as in the simulation: per seed, uniform_by_domain
-runs `steps` steps, and the adaptive run gets `orchestrator.token_budget` = the tokens uniform generated, with its own
-retention probes charged against it (steps capped at MAX_STEPS_FACTOR x steps). `--budget rollouts` gives
-both samplers the same steps instead (then the adaptive probes are extra).
+nothing here touches tensors. The budget is tokens, as in the simulation: per seed, uniform_by_domain runs
+`steps` steps, and the adaptive run gets `orchestrator.token_budget` = the tokens uniform generated, with
+its own retention probes charged against it (steps capped at MAX_STEPS_FACTOR x steps). `--budget rollouts`
+gives both samplers the same steps instead (then the adaptive probes are extra).
 `--reuse-uniform RESULT` runs only the adaptive sampler, against the uniform runs of a saved result (same
 seeds, budgets, sizes and held-out tasks): the way to compare a second adaptive setting (`--set KEY=VALUE`)
 without training uniform again.

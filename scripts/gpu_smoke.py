@@ -175,7 +175,7 @@ def check_rl_run(args: argparse.Namespace, out: dict[str, Any]) -> None:
 
     from posttrain.config import load_config
     from posttrain.models import loading
-    from posttrain.orchestrator import RLRun
+    from posttrain.orchestrator.rl import RLRun
     from posttrain.telemetry import RunDir, read_metrics
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,5 +1,5 @@
-"""Plain dataclasses shared by every layer: messages and their content parts, tools, tasks and
-trajectories.
+"""Plain dataclasses shared by every layer: messages and their content parts, tools, tasks,
+trajectories, and a step's picks and groups.
 
 No behaviour beyond (de)serialisation and validation lives here; each layer owns what it does with
 these. Must not import torch (the sandbox and environments use these types without it).
@@ -279,3 +279,32 @@ class Trajectory:
     @property
     def num_generated(self) -> int:
         return sum(self.loss_mask)
+
+
+@dataclass(frozen=True)
+class Pick:
+    """One group to roll out: the curriculum arm that chose it (`curriculum.Arm`; None where no curriculum
+    picks, e.g. sampled preference pairs), its environment (`envs.Domain`), the task, and the prompt's index
+    within the arm. Typed loosely here: this module sits below the layers that own arms and domains."""
+
+    arm: Any
+    domain: Any
+    task: Task
+    prompt: int
+
+
+@dataclass
+class Group:
+    """The episodes of one task rolled out together (a GRPO group), made once by the collector from its
+    `Pick`: every member carries `group_id` (the step's group offset plus the pick's position). `members`
+    holds infrastructure failures too; `scored` leaves them out (they are counted, never trained on)."""
+
+    task: Task
+    arm: Any
+    prompt: int
+    group_id: int
+    members: list[Trajectory]
+
+    @property
+    def scored(self) -> list[Trajectory]:
+        return [t for t in self.members if not t.status.is_infra_failure]

@@ -521,7 +521,7 @@ def test_bench_hindsight_plan_is_scored_on_a_fresh_run(capsys):
 
 def test_real_bench_pools_seeds_pairwise():
     from posttrain.bench.curriculum_real import _pool
-    from posttrain.orchestrator.evaluate import EvalReport, paired_delta
+    from posttrain.orchestrator.eval.evaluate import EvalReport, paired_delta
 
     ada = [EvalReport("a0", {"math": [1.0, 0.0]}), EvalReport("a1", {"math": [1.0, 1.0]})]
     uni = [EvalReport("u0", {"math": [0.0, 0.0]}), EvalReport("u1", {"math": [1.0, None]})]
@@ -858,7 +858,7 @@ def test_compare_pairs_the_adaptive_runs_of_two_results(tmp_path, capsys):
 
 def test_bench_real_stops_when_a_run_is_interrupted(tmp_path, monkeypatch):
     from posttrain.bench import curriculum_real as real
-    from posttrain.orchestrator import RLRun
+    from posttrain.orchestrator.rl import RLRun
 
     monkeypatch.setattr(RLRun, "train", lambda self: {"step": 1, "interrupted": True, "signal": 15})
     overrides = [

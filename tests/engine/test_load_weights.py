@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+import posttrain.orchestrator.rl.weight_sync as ws
 from engine.helpers import random_prompts, tiny
 from posttrain.engine import GenerationRequest, PagedEngine, SamplingParams
 from posttrain.engine.model_runner import onednn_packing_works
 from posttrain.engine.onednn import PackedWeight, find_layout, pack
 from posttrain.models import load_policy, wrap_lora
-from posttrain.orchestrator import weight_sync as ws
 
 needs_onednn = pytest.mark.skipif(
     not onednn_packing_works(torch.device("cpu"), torch.float32), reason="oneDNN packing does not run here"

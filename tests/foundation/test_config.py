@@ -101,7 +101,7 @@ def test_shipped_configs_validate(path):
 
 
 def test_ray_placement_without_shared_file_weights_is_refused_before_work():
-    from posttrain.orchestrator import RLRun
+    from posttrain.orchestrator.rl import RLRun
 
     with pytest.raises(ValueError, match="set placement.weight_sync='shared_file'"):
         RLRun.check(load_config(None, ["placement.backend=ray", "model.spec=tiny:llama"]))

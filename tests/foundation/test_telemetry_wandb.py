@@ -77,7 +77,7 @@ def test_bad_wandb_mode_is_named():
 
 def test_a_training_run_logs_to_wandb_and_its_resume_continues_the_same_wandb_run(tmp_path):
     from posttrain.config import load_config, save_config
-    from posttrain.orchestrator import RLRun
+    from posttrain.orchestrator.rl import RLRun
     from posttrain.telemetry import RunDir
 
     settings = [

@@ -15,7 +15,7 @@ import torch
 import torch.multiprocessing as mp
 
 from posttrain.config import AlgorithmConfig, BatchConfig, ModelConfig, TrainerConfig
-from posttrain.orchestrator.learner_group import free_port
+from posttrain.orchestrator.rl.learner_group import free_port
 from posttrain.train import Learner, Sample
 from posttrain.train.distributed import init_local_gloo
 

@@ -10,7 +10,7 @@ import torch
 import torch.multiprocessing as mp
 
 from posttrain.config import AlgorithmConfig, BatchConfig, ModelConfig, TrainerConfig
-from posttrain.orchestrator.learner_group import free_port
+from posttrain.orchestrator.rl.learner_group import free_port
 from posttrain.train import Learner, build_batch
 from posttrain.train.distributed import init_local_gloo, load_sharded, parallelize_dp_cp, save_sharded
 

@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 from posttrain.cli import app
 from posttrain.envs import get_domain
 from posttrain.envs.domains.longctx_common import length_levels
-from posttrain.orchestrator.evaluate import EvalReport
-from posttrain.orchestrator.length_eval import (
+from posttrain.orchestrator.eval.evaluate import EvalReport
+from posttrain.orchestrator.eval.length_eval import (
     effective_length,
     engine_for_length,
     evaluate_lengths,

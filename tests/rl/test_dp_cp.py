@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from posttrain.orchestrator.checkpoint import step_name
-from posttrain.orchestrator.learner_group import LearnerGroup
-from posttrain.orchestrator.state import LEARNER_DIR
+from posttrain.orchestrator.rl.learner_group import LearnerGroup
+from posttrain.orchestrator.rl.state import LEARNER_DIR
 from posttrain.telemetry import read_metrics
 from posttrain.train import Learner
 

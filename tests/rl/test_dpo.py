@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 from posttrain.cli import app
 from posttrain.config import load_config
 from posttrain.models import load_tokenizer
-from posttrain.orchestrator.dpo import PreferenceTrainer, loss_params, pair_samples
-from posttrain.orchestrator.pairs import load_pairs_jsonl
+from posttrain.orchestrator.offline.dpo import PreferenceTrainer, loss_params, pair_samples
+from posttrain.orchestrator.offline.pairs import load_pairs_jsonl
 from posttrain.telemetry import read_metrics
 
 from .planted import planted_pairs

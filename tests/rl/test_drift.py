@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from posttrain.orchestrator.drift import DriftProbe
+from posttrain.orchestrator.rl.drift import DriftProbe
 from posttrain.telemetry import read_metrics
 
 from .test_loop import _cfg, _run
@@ -109,7 +109,7 @@ def test_the_kl_coefficient_steered_by_the_drift_probe_moves_the_right_way(tmp_p
 
 
 def test_kl_control_drift_needs_the_probe_and_a_target(tmp_path):
-    from posttrain.orchestrator import RLRun
+    from posttrain.orchestrator.rl import RLRun
 
     with pytest.raises(ValueError, match="kl_control='drift' needs curriculum.drift_every > 0"):
         RLRun.check(

@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 from posttrain.cli import app
 from posttrain.curriculum import Arm
 from posttrain.envs import get_domain
-from posttrain.orchestrator.evaluate import evaluate_api, heldout_tasks
+from posttrain.orchestrator.eval.evaluate import evaluate_api, heldout_tasks
 from posttrain.rollout import EpisodeLimits
 
 SEED = 0

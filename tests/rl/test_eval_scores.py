@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from posttrain.cli import app
-from posttrain.orchestrator.evaluate import (
+from posttrain.orchestrator.eval.evaluate import (
     EpisodeScore,
     EvalReport,
     check_pass_at,
@@ -263,7 +263,7 @@ class _SmallSpace:
 
 def test_heldout_tasks_are_distinct_questions_and_a_small_space_gives_fewer():
     from posttrain.curriculum import Arm
-    from posttrain.orchestrator.evaluate import HELDOUT_DRAWS_PER_TASK, heldout_tasks, task_key
+    from posttrain.orchestrator.eval.evaluate import HELDOUT_DRAWS_PER_TASK, heldout_tasks, task_key
 
     arms = [Arm("small", 0), Arm("big", 1)]
     domains = {"small": _SmallSpace(3), "big": _SmallSpace(1000)}
@@ -285,7 +285,7 @@ def test_heldout_tasks_are_distinct_questions_and_a_small_space_gives_fewer():
 
 
 def test_tasks_that_ask_one_prompt_of_different_hidden_state_stay_apart():
-    from posttrain.orchestrator.evaluate import task_key
+    from posttrain.orchestrator.eval.evaluate import task_key
     from posttrain.types import Message
 
     def task(content_key: str | None) -> Task:

@@ -17,7 +17,7 @@ import uvicorn
 
 from posttrain.config import ConfigError, load_config
 from posttrain.models import load_tokenizer
-from posttrain.orchestrator import RLRun
+from posttrain.orchestrator.rl import RLRun
 from posttrain.rollout import (
     LearnedReward,
     RemoteRewardScorer,

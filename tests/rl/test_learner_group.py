@@ -1,4 +1,4 @@
-"""Learner ranks started and driven by the run (`orchestrator.learner_group`, local processes over gloo):
+"""Learner ranks started and driven by the run (`orchestrator.rl.learner_group`, local processes over gloo):
 a 2-step RL run with 2 context-parallel ranks and with 2 FSDP ranks logs the single-process run's step
 metrics and ends with its weights, as local processes and as Ray actors, on a domain whose rewards vary
 (the reference's advantages are not zero and its weights move by 10x the equality tolerance); a rank
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from posttrain.config import load_config
-from posttrain.orchestrator.learner_group import LearnerGroup, LearnerRankError
+from posttrain.orchestrator.rl.learner_group import LearnerGroup, LearnerRankError
 from posttrain.telemetry import read_metrics
 
 from .test_loop import _cfg, _run, _untimed
@@ -184,7 +184,7 @@ def test_bad_learner_rank_configs_are_refused(tmp_path, sets, message):
 def test_ray_rank_actors_run_as_one_process(single, length_domain, tmp_path):
     """Two FSDP ranks as Ray actors on a local 2-CPU cluster, beside one engine actor."""
     ray = pytest.importorskip("ray")
-    from posttrain.orchestrator.learner_group import RayLearnerGroup
+    from posttrain.orchestrator.rl.learner_group import RayLearnerGroup
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:

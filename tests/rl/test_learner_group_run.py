@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from posttrain.orchestrator.checkpoint import step_name
-from posttrain.orchestrator.learner_group import LearnerGroup
-from posttrain.orchestrator.state import LEARNER_DIR
+from posttrain.orchestrator.rl.learner_group import LearnerGroup
+from posttrain.orchestrator.rl.state import LEARNER_DIR
 from posttrain.telemetry import read_metrics
 
 from .test_learner_group import ATOL, _assert_same, assert_learned, start_weights
@@ -231,9 +231,9 @@ def test_a_group_run_with_a_critic_resumes_from_its_sharded_checkpoint(
 def test_a_lora_group_pushes_only_its_adapters_and_the_engine_holds_its_merged_weights(
     length_domain, tmp_path, mode
 ):
+    import posttrain.orchestrator.rl.weight_sync as ws
     from posttrain.engine import make_engine
     from posttrain.models import load_policy
-    from posttrain.orchestrator import weight_sync as ws
 
     sets = [
         *STEPS,

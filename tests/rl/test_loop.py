@@ -16,7 +16,8 @@ import torch
 
 from posttrain.config import load_config
 from posttrain.engine import Engine
-from posttrain.orchestrator import RLRun, list_checkpoints, verify
+from posttrain.orchestrator.checkpoint import list_checkpoints, verify
+from posttrain.orchestrator.rl import RLRun
 from posttrain.sandbox import ExecResult, ExecStatus
 from posttrain.telemetry import RunDir, read_metrics
 
@@ -590,7 +591,7 @@ def _fsync_recorder(monkeypatch) -> list[str]:
 
 def test_checkpoint_files_and_directories_are_fsynced_before_publishing(tmp_path, monkeypatch):
     from posttrain.config import AlgorithmConfig, ModelConfig, TrainerConfig
-    from posttrain.orchestrator import save_checkpoint
+    from posttrain.orchestrator.checkpoint import save_checkpoint
     from posttrain.train import Learner
 
     learner = Learner(ModelConfig(spec="tiny:llama"), TrainerConfig(), AlgorithmConfig(), seed=0)
@@ -613,7 +614,7 @@ def test_checkpoint_files_and_directories_are_fsynced_before_publishing(tmp_path
 def test_replacing_a_checkpoint_never_leaves_its_step_without_a_valid_one(tmp_path, monkeypatch):
     import shutil
 
-    from posttrain.orchestrator import latest_valid, save_checkpoint
+    from posttrain.orchestrator.checkpoint import latest_valid, save_checkpoint
 
     root = tmp_path / "ckpts"
 

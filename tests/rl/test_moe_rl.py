@@ -6,7 +6,7 @@ routing metrics are logged."""
 from __future__ import annotations
 
 from posttrain.config import load_config
-from posttrain.orchestrator import RLRun
+from posttrain.orchestrator.rl import RLRun
 from posttrain.telemetry import RunDir, read_metrics
 
 TINY_MOE = [
@@ -37,9 +37,9 @@ def test_grpo_with_routing_replay_on_a_tiny_moe(tmp_path):
     collect = run.collect_step
 
     def spy(step, spent=None):
-        trajs, groups, stats = collect(step, spent)
-        seen.extend(trajs)
-        return trajs, groups, stats
+        batch = collect(step, spent)
+        seen.extend(batch.trajectories)
+        return batch
 
     run.collect_step = spy
     run.train()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from posttrain.config import ConfigError, load_config, save_config
-from posttrain.orchestrator import RLRun
+from posttrain.orchestrator.rl import RLRun
 from posttrain.telemetry import RunDir, read_metrics
 
 from .test_loop import DOMAINS

@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 from posttrain.cli import app
 from posttrain.config import load_config
 from posttrain.models import load_tokenizer
-from posttrain.orchestrator.dpo import dpo_run
-from posttrain.orchestrator.pairs import PairDataError, load_pairs_jsonl
+from posttrain.orchestrator.offline.dpo import dpo_run
+from posttrain.orchestrator.offline.pairs import PairDataError, load_pairs_jsonl
 from posttrain.telemetry import RunDir, read_metrics
 
 from .planted import planted_pairs

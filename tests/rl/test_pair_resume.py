@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from posttrain.cli import app
-from posttrain.orchestrator.dpo import PreferenceTrainer
-from posttrain.orchestrator.rm import RewardTrainer
+from posttrain.orchestrator.offline.dpo import PreferenceTrainer
+from posttrain.orchestrator.offline.rm import RewardTrainer
 from posttrain.telemetry import read_metrics
 
 from .planted import planted_pairs

@@ -42,10 +42,10 @@ def _held(worker) -> tuple[dict[str, torch.Tensor], int | None]:
 
 
 def _check_engines_hold_the_learners_weights(tmp_path, *extra: str) -> tuple[float, int]:
+    import posttrain.orchestrator.rl.weight_sync as ws
     from posttrain.engine import make_engine
     from posttrain.models import load_policy, load_tokenizer
-    from posttrain.orchestrator import RLRun
-    from posttrain.orchestrator import weight_sync as ws
+    from posttrain.orchestrator.rl import RLRun
     from posttrain.train.state import merged_weights
 
     cfg = _cfg(tmp_path, *BROADCAST, *extra)

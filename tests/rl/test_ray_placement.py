@@ -56,8 +56,8 @@ def test_async_disaggregated_ray_engine_trains_as_the_local_async_run(tmp_path):
 
 
 def test_a_killed_engine_actor_is_replaced_and_no_episode_is_lost(tmp_path, monkeypatch):
-    from posttrain.orchestrator import RLRun
-    from posttrain.orchestrator.placement import RayEngines
+    from posttrain.orchestrator.rl import RLRun
+    from posttrain.orchestrator.rl.placement import RayEngines
 
     calls = {"n": 0, "pid": None}
     real = RayEngines.agenerate

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from posttrain.config import ConfigError, load_config
-from posttrain.orchestrator.placement import engine_resources
+from posttrain.orchestrator.rl.placement import engine_resources
 from posttrain.sandbox.ray_pool import actor_resources
 
 RAY = ["placement.backend=ray", "placement.weight_sync=shared_file"]

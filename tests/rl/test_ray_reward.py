@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from posttrain.cli import app
 from posttrain.config import load_config
 from posttrain.models import load_tokenizer
-from posttrain.orchestrator import RLRun
+from posttrain.orchestrator.rl import RLRun
 from posttrain.rollout import LocalRewardScorer, make_learned_reward
 from posttrain.rollout.reward_model import RayRewardScorer
 from posttrain.telemetry import RunDir, read_metrics

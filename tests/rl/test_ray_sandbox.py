@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from posttrain.config import load_config
-from posttrain.orchestrator import RLRun
+from posttrain.orchestrator.rl import RLRun
 from posttrain.sandbox.ray_pool import RaySandboxPool
 from posttrain.telemetry import RunDir, read_metrics
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from PIL import Image
 
 from posttrain.config import load_config, save_config
-from posttrain.orchestrator import RLRun
+from posttrain.orchestrator.rl import RLRun
 from posttrain.telemetry import RunDir
 from posttrain.telemetry.renders import read_renders
 from posttrain.telemetry.report import write_report
@@ -44,7 +44,7 @@ def test_scene_renders_are_saved_and_reported(tmp_path):
 
     def spy(step, spent=None):
         out = real(step, spent)
-        seen.extend(out[0])
+        seen.extend(out.trajectories)
         return out
 
     rl.collect_step = spy

@@ -13,9 +13,9 @@ import torch
 
 from posttrain.config import AlgorithmConfig, CurriculumConfig, ModelConfig, TrainerConfig
 from posttrain.curriculum import Arm, make_sampler
-from posttrain.orchestrator.drift import GENERAL_PROMPTS
-from posttrain.orchestrator.replay import REPLAY_PROMPTS, ReplayPool, replay_count
-from posttrain.orchestrator.retention import RetentionSuites
+from posttrain.orchestrator.rl.drift import GENERAL_PROMPTS
+from posttrain.orchestrator.rl.replay import REPLAY_PROMPTS, ReplayPool, replay_count
+from posttrain.orchestrator.rl.retention import RetentionSuites
 from posttrain.telemetry import read_metrics
 from posttrain.train import Learner, Sample
 
@@ -171,7 +171,7 @@ def test_a_falling_suite_in_a_run_feeds_the_curriculum_and_raises_the_replay(tmp
     }
     assert "drift" not in saved  # the run had no drift probe
     with pytest.raises(ValueError, match="retention_replay_gain is set but curriculum.retention is empty"):
-        from posttrain.orchestrator import RLRun
+        from posttrain.orchestrator.rl import RLRun
 
         RLRun.check(_cfg(tmp_path, "curriculum.retention_replay_gain=0.5"))
 

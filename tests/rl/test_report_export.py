@@ -261,8 +261,8 @@ def test_report_renders_in_headless_chromium(tmp_path):
 def test_export_loads_in_transformers_with_identical_logits(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from posttrain.orchestrator import RLRun
-    from posttrain.orchestrator.export import export_run
+    from posttrain.orchestrator.eval.export import export_run
+    from posttrain.orchestrator.rl import RLRun
 
     from .test_loop import DOMAINS, TINY
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from posttrain.orchestrator import RLRun
-from posttrain.orchestrator.retention import RetentionSuites
+from posttrain.orchestrator.rl import RLRun
+from posttrain.orchestrator.rl.retention import RetentionSuites
 from posttrain.telemetry import read_metrics
 
 from .test_loop import _cfg, _run

@@ -18,7 +18,7 @@ from posttrain.cli import app
 from posttrain.engine import Completion, GenerationOutput, SamplingParams
 from posttrain.envs import get_domain
 from posttrain.models.chat import render_messages
-from posttrain.orchestrator.pairs import asample_pairs, load_pairs_jsonl, pair_by_outcome
+from posttrain.orchestrator.offline.pairs import asample_pairs, load_pairs_jsonl, pair_by_outcome
 from posttrain.rollout import EpisodeLimits
 from posttrain.telemetry import read_metrics
 from posttrain.train import load_reward_model, new_reward_model

@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 from posttrain.cli import app
 from posttrain.config import load_config
 from posttrain.envs import get_domain
-from posttrain.orchestrator import RLRun
-from posttrain.orchestrator.sft import examples_from_env, load_jsonl, replay_reference
+from posttrain.orchestrator.offline.sft import examples_from_env, load_jsonl, replay_reference
+from posttrain.orchestrator.rl import RLRun
 from posttrain.rollout import EpisodeLimits
 from posttrain.rollout.agent import run_episode
 from posttrain.telemetry import RunDir, read_metrics
@@ -180,7 +180,7 @@ def test_sft_run_policy_is_the_model_of_an_rl_run(tmp_path):
     policy = load_file(str(run / "policy" / "model.safetensors"))
 
     # `posttrain eval RUN` exports the latest checkpoint when policy/ is missing: the same weights
-    from posttrain.orchestrator.export import export_run
+    from posttrain.orchestrator.eval.export import export_run
 
     exported = load_file(str(export_run(run, tmp_path / "exported") / "model.safetensors"))
     assert exported.keys() == policy.keys()

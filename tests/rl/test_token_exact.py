@@ -9,7 +9,7 @@ from posttrain.engine import SamplingParams
 from posttrain.envs import get_domain
 from posttrain.models import render_messages
 from posttrain.rollout import EpisodeLimits, run_episode
-from posttrain.types import Message, TrajectoryStatus
+from posttrain.types import Message, Pick, TrajectoryStatus
 
 from .conftest import ScriptedEngine
 
@@ -127,7 +127,7 @@ def test_group_prompt_is_prefilled_once_before_the_group_generates(tokenizer):
             collect_groups(
                 engine,
                 tokenizer,
-                [(domain, t) for t in tasks],
+                [Pick(None, domain, t, i) for i, t in enumerate(tasks)],
                 3,
                 None,
                 params,
@@ -169,7 +169,7 @@ def test_group_prefill_makes_the_paged_engine_store_each_prompt_once():
             collect_groups(
                 engine,
                 tok,
-                [(domain, t) for t in tasks],
+                [Pick(None, domain, t, i) for i, t in enumerate(tasks)],
                 8,
                 None,
                 params,

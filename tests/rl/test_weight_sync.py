@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+import posttrain.orchestrator.rl.weight_sync as ws
 from posttrain.models import load_policy
 from posttrain.models.lora import wrap_lora
-from posttrain.orchestrator import weight_sync as ws
 from posttrain.train.distributed import init_local_gloo
 from posttrain.train.state import merged_weights
 
@@ -319,7 +319,7 @@ def test_lora_adapters_through_shared_file_resume_and_train_exactly_as_in_proces
 
 def test_nccl_is_no_transport_and_a_local_broadcast_is_refused_before_work(tmp_path):
     from posttrain.config import ConfigError
-    from posttrain.orchestrator import RLRun
+    from posttrain.orchestrator.rl import RLRun
 
     from .test_loop import _cfg
 

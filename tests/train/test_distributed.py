@@ -15,7 +15,7 @@ import torch
 import torch.multiprocessing as mp
 
 from posttrain.config import AlgorithmConfig, BatchConfig, ModelConfig, TrainerConfig
-from posttrain.orchestrator.weight_sync import lora_update
+from posttrain.orchestrator.rl.weight_sync import lora_update
 from posttrain.train import Learner, Sample
 from posttrain.train.distributed import (
     DataParallel,

@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 from posttrain.cli import app
 from posttrain.config import ConfigError, load_config
-from posttrain.orchestrator import RLRun
-from posttrain.orchestrator.learner_group import rank_resources
+from posttrain.orchestrator.rl import RLRun
+from posttrain.orchestrator.rl.learner_group import rank_resources
 from posttrain.train import learner_device
 from posttrain.train.learner import group_rank
 
@@ -62,7 +62,7 @@ def test_cuda_without_cuda_is_refused_naming_the_key(no_cuda):
 def test_the_rank_of_an_initialised_group_picks_the_device(monkeypatch, four_gpus):
     import torch.distributed as dist
 
-    from posttrain.orchestrator.learner_group import free_port
+    from posttrain.orchestrator.rl.learner_group import free_port
 
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     assert group_rank() is None
@@ -169,8 +169,8 @@ def test_local_ranks_and_a_single_learner_take_plain_cuda():
 def test_what_a_rank_sends_back_keeps_its_structure_and_cpu_tensors():
     """`on_cpu` (applied to rank 0's replies) rebuilds dicts, tuples and dataclasses; CPU tensors pass
     through as the same objects, so a CPU group's replies are exactly what they were."""
-    from posttrain.orchestrator.learner_group import on_cpu
-    from posttrain.orchestrator.weight_sync import WeightUpdate
+    from posttrain.orchestrator.rl.learner_group import on_cpu
+    from posttrain.orchestrator.rl.weight_sync import WeightUpdate
 
     t, u = torch.arange(6.0).reshape(2, 3), torch.ones(3)
     update = WeightUpdate(3, "lora", {"m.lora_A": t, "m.lora_B": u}, {"m": 2.0}, ["m"])
@@ -186,7 +186,7 @@ def test_ray_rank_actors_reserving_gpus_are_placed_and_check_their_own_cuda():
     each) and each builds its Learner there: with no real CUDA in the actor, the rank's error names
     trainer.device, though the controller's config check let the run start."""
     ray = pytest.importorskip("ray")
-    from posttrain.orchestrator.learner_group import LearnerRankError, RayLearnerGroup
+    from posttrain.orchestrator.rl.learner_group import LearnerRankError, RayLearnerGroup
 
     cfg = load_config(
         None, [*RAY_RANKS, "model.spec=tiny:llama", "trainer.device=cuda", "placement.learner_gpus=1"]

@@ -21,7 +21,7 @@ from posttrain.envs.base import split_of
 from posttrain.envs.domains.cad_drawing import DESCRIPTION, render_part
 from posttrain.envs.domains.vision_captions import CAPTION_PROMPT, caption_of, caption_rows
 from posttrain.envs.scripted import check_reference, run_episode
-from posttrain.orchestrator.sft import load_jsonl
+from posttrain.orchestrator.offline.sft import load_jsonl
 from posttrain.telemetry import read_metrics
 from posttrain.types import Task
 
@@ -187,7 +187,7 @@ def test_tasks_captions_refuses_unknown_domains_and_splits(tmp_path):
 
 
 def test_sft_from_env_takes_the_references_with_their_drawings():
-    from posttrain.orchestrator.sft import examples_from_env
+    from posttrain.orchestrator.offline.sft import examples_from_env
 
     domain = get_domain("vision.cad_drawing")
     examples = examples_from_env("vision.cad_drawing", [0, 1, 2, 3], 4)

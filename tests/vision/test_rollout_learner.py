@@ -144,7 +144,7 @@ def test_configs_vision_yaml_trains_with_rl_on_tiny_vlms(tmp_path, spec):
     import json
 
     from posttrain.config import load_config, save_config
-    from posttrain.orchestrator.run import RLRun
+    from posttrain.orchestrator.rl.run import RLRun
     from posttrain.telemetry import RunDir
 
     cfg = load_config(

@@ -11,7 +11,7 @@ import torch
 
 from posttrain.config import AlgorithmConfig, ModelConfig, TrainerConfig
 from posttrain.models.vision import ImageStore, image_inputs
-from posttrain.orchestrator.sft import SFTDataError, parse_row
+from posttrain.orchestrator.offline.sft import SFTDataError, parse_row
 from posttrain.train import Learner, sft_sample
 from posttrain.types import ImagePart
 

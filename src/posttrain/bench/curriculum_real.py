@@ -2,11 +2,11 @@
 real model through the RL loop, same token budget, then held-out accuracy per domain with intervals.
 
 Owns the run matrix (samplers x seeds), the shared configuration and the report. Training is
-`posttrain.orchestrator.RLRun`, scoring is `posttrain.orchestrator.evaluate.evaluate_local`; nothing here
-touches tensors. The budget is tokens, as in the simulation: per seed, uniform_by_domain runs `steps`
-steps, and the adaptive run gets `orchestrator.token_budget` = the tokens uniform generated, with its own
-retention probes charged against it (steps capped at MAX_STEPS_FACTOR x steps). `--budget rollouts` gives
-both samplers the same steps instead (then the adaptive probes are extra).
+`posttrain.orchestrator.rl.RLRun`, scoring is `posttrain.orchestrator.eval.evaluate.evaluate_local`;
+nothing here touches tensors. The budget is tokens, as in the simulation: per seed, uniform_by_domain runs
+`steps` steps, and the adaptive run gets `orchestrator.token_budget` = the tokens uniform generated, with
+its own retention probes charged against it (steps capped at MAX_STEPS_FACTOR x steps). `--budget rollouts`
+gives both samplers the same steps instead (then the adaptive probes are extra).
 `--reuse-uniform RESULT` runs only the adaptive sampler, against the uniform runs of a saved result (same
 seeds, budgets, sizes and held-out tasks): the way to compare a second adaptive setting (`--set KEY=VALUE`)
 without training uniform again.
@@ -241,7 +241,7 @@ def macro_accuracy(
 
 
 def _pooled(scores: list[float | None], seed: int) -> dict[str, float]:
-    from posttrain.orchestrator.evaluate import bootstrap_ci
+    from posttrain.orchestrator.eval.evaluate import bootstrap_ci
 
     vals = np.array([s for s in scores if s is not None], dtype=np.float64)
     lo, hi = bootstrap_ci(vals, seed)
@@ -268,9 +268,9 @@ def train_and_eval(
     are deleted unless keep_checkpoints; the exported `policy/` folder, config and metrics stay. Also
     returns the rollout tokens of zero-advantage groups and the last scored retention figures (if any)."""
     from posttrain.config import load_config, save_config
-    from posttrain.orchestrator import RLRun
-    from posttrain.orchestrator.evaluate import evaluate_local
-    from posttrain.orchestrator.export import save_hf_folder
+    from posttrain.orchestrator.eval.evaluate import evaluate_local
+    from posttrain.orchestrator.eval.export import save_hf_folder
+    from posttrain.orchestrator.rl import RLRun
     from posttrain.sandbox import make_sandbox
     from posttrain.telemetry import RunDir, read_metrics
 
@@ -328,7 +328,7 @@ def base_eval(overrides: list[str], n_eval: int, eval_seed: int, by_arm: bool = 
     from posttrain.config import load_config
     from posttrain.curriculum.arms import Arm
     from posttrain.envs import get_domain
-    from posttrain.orchestrator.evaluate import evaluate_local
+    from posttrain.orchestrator.eval.evaluate import evaluate_local
     from posttrain.sandbox import make_sandbox
 
     cfg = load_config(None, overrides)
@@ -383,7 +383,7 @@ def _take_saved(ns: argparse.Namespace, saved: dict[str, Any]) -> dict[str, int]
 
 
 def main_real(ns: argparse.Namespace) -> dict[str, Any]:
-    from posttrain.orchestrator import RLRun
+    from posttrain.orchestrator.rl import RLRun
 
     saved = load_result(ns.reuse_uniform, "--reuse-uniform") if getattr(ns, "reuse_uniform", None) else None
     if saved is not None:
@@ -506,7 +506,7 @@ def summarise(
     per domain (per arm for --layout many) with every seed's tasks pooled, the macro accuracy over them,
     the rollout tokens spent on zero-advantage groups, adaptive - uniform paired per seed and, over several
     seeds, pooled over (task, seed) pairs. `main_real` and `pool_results` both build their output here."""
-    from posttrain.orchestrator.evaluate import EvalReport, paired_delta
+    from posttrain.orchestrator.eval.evaluate import EvalReport, paired_delta
 
     seeds = [row["seed"] for row in per_seed[SAMPLERS[0]]]
     eval_seed = int(meta["eval_seed"])
@@ -706,7 +706,7 @@ def compare_results(path_a: str, path_b: str) -> dict[str, Any]:
     from `--reuse-uniform`) paired on the same held-out tasks and seeds: A - B per seed and pooled over
     (task, seed) pairs. ValueError when the two were not run on the same model, arms, sizes, held-out tasks,
     seeds and token budgets, so that the pairs are not like for like."""
-    from posttrain.orchestrator.evaluate import EvalReport, paired_delta
+    from posttrain.orchestrator.eval.evaluate import EvalReport, paired_delta
 
     a, b = load_result(path_a, "--compare"), load_result(path_b, "--compare")
     if what := _mismatch(a, b, (*POOL_KEYS, "seeds", "token_budget_per_seed")):
@@ -774,7 +774,7 @@ def _print_compare(out: dict[str, Any]) -> None:
 
 def _pool(reports: list[Any]) -> Any:
     """One report whose per-task scores are the reports' in turn (seed after seed)."""
-    from posttrain.orchestrator.evaluate import EvalReport
+    from posttrain.orchestrator.eval.evaluate import EvalReport
 
     per_task: dict[str, list[float | None]] = {}
     for rep in reports:

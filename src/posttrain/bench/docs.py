@@ -227,7 +227,7 @@ def _comparison(opts: Any, base: dict[str, Any], other: dict[str, Any]) -> dict[
     bootstrap 95% interval over documents."""
     import numpy as np
 
-    from posttrain.orchestrator.evaluate import bootstrap_ci
+    from posttrain.orchestrator.eval.evaluate import bootstrap_ci
 
     urls = sorted(base["f1_by_url"])
     diffs = np.array([other["f1_by_url"][u] - base["f1_by_url"][u] for u in urls])

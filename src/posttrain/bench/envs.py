@@ -189,7 +189,7 @@ def base_rates(opts: Any, sandbox: Any, console: Any) -> dict[str, Any]:
     from posttrain.config import load_config
     from posttrain.curriculum import Arm
     from posttrain.envs import get_domain
-    from posttrain.orchestrator.evaluate import evaluate_local
+    from posttrain.orchestrator.eval.evaluate import evaluate_local
 
     cfg = load_config(None, ["envs.max_turns=1", f"engine.max_new_tokens={opts.max_new_tokens}"])
     domains: dict[str, Any] = {}

@@ -172,7 +172,7 @@ def check_sets(trained: str, retention: str, outside: str) -> None:
 
 
 def _evaluate(spec: str, cfg: Any, text: str, n: int, seed: int, suites: bool = True, **kw: Any) -> Any:
-    from posttrain.orchestrator.evaluate import evaluate_local
+    from posttrain.orchestrator.eval.evaluate import evaluate_local
     from posttrain.sandbox import make_sandbox
 
     domains, arms = spec_arms(text, suites)
@@ -256,8 +256,8 @@ def train(overrides: list[str], seed: int, root: Path, name: str) -> dict[str, A
     """One RL run, its policy exported; checkpoints deleted. Returns the policy path, rows and tokens
     (and writes the tokens, steps, stop reason and time to RUN_RECORD beside the policy)."""
     from posttrain.config import load_config, save_config
-    from posttrain.orchestrator import RLRun
-    from posttrain.orchestrator.export import save_hf_folder
+    from posttrain.orchestrator.eval.export import save_hf_folder
+    from posttrain.orchestrator.rl import RLRun
     from posttrain.telemetry import RunDir, read_metrics
 
     cfg = load_config(None, [*overrides, f"seed={seed}", f"telemetry.run_dir={root}"])
@@ -289,7 +289,7 @@ def train(overrides: list[str], seed: int, root: Path, name: str) -> dict[str, A
 
 def _pool(reports: list[Any]) -> Any:
     """One report whose tasks are the reports' in turn (seed after seed), episodes kept for pass@k."""
-    from posttrain.orchestrator.evaluate import EvalReport
+    from posttrain.orchestrator.eval.evaluate import EvalReport
 
     out = EvalReport("pooled", {})
     for rep in reports:
@@ -305,7 +305,7 @@ def _interval(d: dict[str, Any]) -> dict[str, float]:
 
 def figures(model: dict[str, Any], base: dict[str, Any], k: int, seed: int) -> dict[str, Any]:
     """Paired differences from the base of one setting's pooled reports."""
-    from posttrain.orchestrator.evaluate import paired_delta
+    from posttrain.orchestrator.eval.evaluate import paired_delta
 
     greedy = paired_delta(model["greedy"], base["greedy"], seed)
     sampled = paired_delta(model["sampled"], base["sampled"], seed, pass_at=sorted({1, k}))
@@ -378,7 +378,7 @@ def main(ns: Any) -> dict[str, Any]:
         *control,
         *(QUICK_CONTROL if ns.quick and not ns.control else []),
     ]
-    from posttrain.orchestrator import RLRun
+    from posttrain.orchestrator.rl import RLRun
 
     for overrides in (common, with_control):  # config errors before any work
         try:

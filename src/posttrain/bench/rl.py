@@ -36,7 +36,7 @@ def _ours(
     checkpoint_every: int = 0,
 ) -> list[dict[str, Any]]:
     from posttrain.config import load_config
-    from posttrain.orchestrator.loop import RLRun
+    from posttrain.orchestrator.rl import RLRun
     from posttrain.telemetry import RunDir, read_metrics
 
     with tempfile.TemporaryDirectory() as tmp:

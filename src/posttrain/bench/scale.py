@@ -1,7 +1,7 @@
 """`posttrain bench scale`: weight-sync time per transport for the embedded model, against the memory
 bandwidth measured in the same run.
 
-Transports (`orchestrator.weight_sync`): `in_process` (the tensors copied into a live paged engine),
+Transports (`orchestrator.rl.weight_sync`): `in_process` (the tensors copied into a live paged engine),
 `shared_file` (a push into a folder on /dev/shm, then the read, verification and load into the same
 engine, as an engine in another process does), `shared_file_transport` (the same push and verified read,
 without the engine's load: what the transport itself costs), `broadcast` (torch.distributed over gloo
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from posttrain.orchestrator import weight_sync as ws
+import posttrain.orchestrator.rl.weight_sync as ws
 from posttrain.train.distributed import init_local_gloo
 
 
@@ -97,7 +97,7 @@ def _broadcast_s(weights: dict[str, torch.Tensor], repeats: int) -> float:
 
 def _step_seconds(model: str, steps: int, run_root: str, name: str, extra: list[str]) -> list[float]:
     from posttrain.config import load_config, save_config
-    from posttrain.orchestrator import RLRun
+    from posttrain.orchestrator.rl import RLRun
     from posttrain.telemetry import RunDir, read_metrics
 
     cfg = load_config(

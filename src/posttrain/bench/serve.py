@@ -527,7 +527,12 @@ def heldout_quality(
 ) -> dict[str, Any]:
     """Held-out strict accuracy of both models through the API, the suites and limits of
     `posttrain eval --api-base`, and the paired difference fast - standard in points."""
-    from posttrain.orchestrator.evaluate import ACCURACY_DEFINITION, eval_arms, evaluate_api, paired_delta
+    from posttrain.orchestrator.eval.evaluate import (
+        ACCURACY_DEFINITION,
+        eval_arms,
+        evaluate_api,
+        paired_delta,
+    )
     from posttrain.rollout import EpisodeLimits
     from posttrain.sandbox import make_sandbox
 

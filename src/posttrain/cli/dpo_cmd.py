@@ -32,7 +32,7 @@ def dpo(
     --set dpo.rounds=R with --from-env: after each round's steps, pairs.n new tasks are sampled from the
     policy as trained so far (their success rate logged as online/success_rate). --resume RUN_DIR goes on
     from an offline run's newest checkpoint, on its saved config and pairs."""
-    from posttrain.orchestrator.dpo import dpo_run
+    from posttrain.orchestrator.offline.dpo import dpo_run
 
     prepared = None
     if resume:

@@ -23,11 +23,11 @@ def eval_lengths(
     temperature: float,
     samples: int,
 ) -> dict[str, Any]:
-    """Run `orchestrator.length_eval.evaluate_lengths` with our engine on `model_spec` (its max_model_len
+    """Run `orchestrator.eval.length_eval.evaluate_lengths` with our engine on `model_spec` (its max_model_len
     and KV pool raised to each length's needs, `engine_for_length`) or the endpoint
     `api` = (base, model, key); print the tables; return the result."""
-    from posttrain.orchestrator.evaluate import ACCURACY_DEFINITION, evaluate_api, evaluate_local
-    from posttrain.orchestrator.length_eval import engine_for_length, evaluate_lengths
+    from posttrain.orchestrator.eval.evaluate import ACCURACY_DEFINITION, evaluate_api, evaluate_local
+    from posttrain.orchestrator.eval.length_eval import engine_for_length, evaluate_lengths
     from posttrain.rollout import EpisodeLimits
 
     limits = EpisodeLimits(cfg.envs.max_turns, cfg.envs.max_episode_tokens, cfg.engine.max_new_tokens)

@@ -41,7 +41,7 @@ def prepare_pair_run(
     data or an existing run dir. `online`: the run may be online DPO (dpo.rounds > 1), whose sampler
     is kept for its rounds."""
     from posttrain.models import ModelNotFoundError, load_tokenizer, resolve
-    from posttrain.orchestrator.pairs import PairDataError, build_pairs, drop_long, resolve_lr_decay
+    from posttrain.orchestrator.offline.pairs import PairDataError, build_pairs, drop_long, resolve_lr_decay
     from posttrain.telemetry.rundir import RunDir, check_run_name
 
     if name is not None:
@@ -61,8 +61,8 @@ def prepare_pair_run(
         resolve(cfg.model.spec)
         tokenizer = load_tokenizer(cfg.model.spec)
         if rounds > 1:
-            from posttrain.orchestrator.dpo import check_online
-            from posttrain.orchestrator.pairs import PairSampler
+            from posttrain.orchestrator.offline.dpo import check_online
+            from posttrain.orchestrator.offline.pairs import PairSampler
 
             check_online(cfg)
             sampler = PairSampler(cfg, tokenizer)
@@ -110,8 +110,8 @@ def open_pair_run(resume: str, given: dict[str, Any]) -> tuple[Any, Any]:
 def run_pairs(job: Any, prepared: PreparedPairs | None, what: str) -> None:
     """Train `job` on the prepared pairs, or resume it from its run directory's newest valid checkpoint
     (prepared None: exit 2 without the run's pairs, 1 without a usable checkpoint); print the outcome."""
-    from posttrain.orchestrator import CheckpointError
-    from posttrain.orchestrator.pairs import PairDataError
+    from posttrain.orchestrator.checkpoint import CheckpointError
+    from posttrain.orchestrator.offline.pairs import PairDataError
 
     if prepared is not None:
         report(job.train(prepared.train, prepared.heldout, prepared.stats), prepared.run, what)
@@ -168,7 +168,7 @@ def train(
     accuracy before and after; the model goes to RUN_DIR/reward_model (AutoModelForSequenceClassification).
     --resume RUN_DIR goes on from the run's newest checkpoint, on its saved config and pairs."""
     from posttrain.models import load_tokenizer
-    from posttrain.orchestrator.rm import rm_run
+    from posttrain.orchestrator.offline.rm import rm_run
 
     prepared = None
     if resume:

@@ -41,8 +41,9 @@ def train(
 ) -> None:
     """Run RL post-training (the default: the 135M model, GRPO, a mix of domains, ~10 CPU minutes)."""
     from posttrain.models import ModelNotFoundError
-    from posttrain.orchestrator import CheckpointError, RLRun
-    from posttrain.orchestrator.export import save_hf_folder
+    from posttrain.orchestrator.checkpoint import CheckpointError
+    from posttrain.orchestrator.eval.export import save_hf_folder
+    from posttrain.orchestrator.rl import RLRun
     from posttrain.telemetry.rundir import RunDir, check_run_name
 
     if name is not None:
@@ -152,7 +153,7 @@ def eval_(
     components, optional pass@k; paired delta against --baseline. With --lengths: per task and length,
     the task average and the effective length (RULER's definition)."""
     from posttrain.models import ModelNotFoundError
-    from posttrain.orchestrator.evaluate import (
+    from posttrain.orchestrator.eval.evaluate import (
         ACCURACY_DEFINITION,
         check_pass_at,
         evaluate_api,
@@ -179,7 +180,7 @@ def eval_(
             fail(str(err), EXIT_USAGE)
         policy = run_dir / "policy"
         if not (policy / "config.json").is_file():
-            from posttrain.orchestrator.export import export_run
+            from posttrain.orchestrator.eval.export import export_run
 
             export_run(run_dir, policy)
         model_spec = str(policy)
@@ -192,7 +193,7 @@ def eval_(
         fail("--api-base needs --model NAME", EXIT_USAGE)
     n = n or cfg.orchestrator.eval_n
     try:
-        from posttrain.orchestrator.evaluate import eval_arms
+        from posttrain.orchestrator.eval.evaluate import eval_arms
 
         domains, arms = eval_arms(cfg, suite)
     except (KeyError, ValueError) as err:
@@ -289,7 +290,7 @@ def eval_(
         if pass_at:
             result["delta_pass_at"] = delta["pass_at"]
     if run_dir is not None:
-        from posttrain.orchestrator.retention import last_figures
+        from posttrain.orchestrator.rl.retention import last_figures
         from posttrain.telemetry import RunDir, read_metrics
 
         metrics = RunDir.open(run_dir).metrics
@@ -305,7 +306,7 @@ def _length_options(
     """The length levels and thresholds of `eval --lengths` ([] when not given); ValueError naming the
     option for what does not go with it."""
     from posttrain.envs.domains.longctx_common import length_levels
-    from posttrain.orchestrator.length_eval import RULER_THRESHOLD
+    from posttrain.orchestrator.eval.length_eval import RULER_THRESHOLD
 
     if not lengths:
         if threshold:
@@ -382,8 +383,8 @@ def export(
     out: str = typer.Option(..., "--out", help="destination folder"),
 ) -> None:
     """Export the trained policy as a Hugging Face folder (LoRA merged, tokenizer and chat template included)."""
-    from posttrain.orchestrator import CheckpointError
-    from posttrain.orchestrator.export import export_run
+    from posttrain.orchestrator.checkpoint import CheckpointError
+    from posttrain.orchestrator.eval.export import export_run
 
     try:
         path = export_run(run_dir, out)

@@ -31,7 +31,7 @@ def sft(
     environment (tool results between the turns). Epochs, steps, batch size and the held-out loss
     period are sft.*; the learning rate and its schedule trainer.*."""
     from posttrain.models import ModelNotFoundError, resolve
-    from posttrain.orchestrator.sft import SFTDataError, SFTRun, build_examples
+    from posttrain.orchestrator.offline.sft import SFTDataError, SFTRun, build_examples
     from posttrain.telemetry.rundir import RunDir, check_run_name
     from posttrain.train import learner_device
 

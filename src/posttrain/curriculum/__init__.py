@@ -19,7 +19,7 @@ does not run rollouts, score probes or touch tensors (no torch import). The loop
     checkpoint["curriculum"] = sampler.state_dict()      # JSON; load_state_dict restores it exactly
 The RL loop in async mode (staleness k) makes the update/record_prompt calls of batch j just before it
 picks batch j + k + 1, from the rollout thread, so what the sampler has heard at a pick never depends on
-thread timing (`orchestrator.pipeline.AsyncPipeline`).
+thread timing (`orchestrator.rl.schedule.AsyncPipeline`).
 
 Other calls: `probe_due(step)` (probe_arms is not empty); `weights() -> dict[Arm, float]`;
 `set_data_size(arm, n)` (0 removes an arm until it is restored; `uniform_by_data` weighs by these
@@ -77,6 +77,7 @@ the plain rules exactly.
 """
 
 from posttrain.curriculum.arms import Arm, arm_from_key
+from posttrain.curriculum.feedback import GroupFeedback
 from posttrain.curriculum.samplers import SAMPLERS, Sampler, make_sampler
 
-__all__ = ["SAMPLERS", "Arm", "Sampler", "arm_from_key", "make_sampler"]
+__all__ = ["SAMPLERS", "Arm", "GroupFeedback", "Sampler", "arm_from_key", "make_sampler"]

@@ -1,17 +1,7 @@
-"""The RL loop (sync or async with bounded staleness), checkpoint/resume of a whole run, held-out
-evaluation with bootstrap intervals, and export. Implements no math the other layers own.
+"""The runs, one subpackage per kind, over the layers below; implements no math the other layers own.
 
-`run.py` RLRun (build, train, close) · `pipeline.py` the async schedule · `tasks.py` task cursors and
-dynamic sampling · `state.py` what a run's checkpoint holds · `probes.py` held-out probes ·
-`metrics.py` a step's row · `signals.py` SIGINT/SIGTERM · `checkpoint.py` atomic checkpoint dirs."""
-
-from posttrain.orchestrator.checkpoint import (
-    CheckpointError,
-    latest_valid,
-    list_checkpoints,
-    save_checkpoint,
-    verify,
-)
-from posttrain.orchestrator.run import RLRun
-
-__all__ = ["CheckpointError", "RLRun", "latest_valid", "list_checkpoints", "save_checkpoint", "verify"]
+`rl/` the RL run (RLRun, its sync and async schedules, task picking, run state, weight sync, placement,
+the learner group, probes) · `offline/` runs on fixed or sampled data (SFT, preference pairs, DPO, reward
+models) · `eval/` held-out evaluation, length sweeps and export · `checkpoint.py` atomic checkpoint dirs
+and resume's metrics trim · `signals.py` SIGINT/SIGTERM. Every kind imports the shared modules here and
+`eval/`; none imports another kind."""

@@ -1,7 +1,8 @@
 """Atomic run checkpoints: write into a temp dir, fsync, rename to a fresh name, then move the `latest` pointer.
 
 Each checkpoint holds a manifest of sha256 digests; a corrupt or partial checkpoint is detected on
-load and the previous good one is used. What goes inside is the caller's (learner state, run state).
+load and the previous good one is used. What goes inside is the caller's (learner state, run state);
+`keep_metrics_until` trims a resumed run's metrics back to its checkpoint.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+from posttrain.telemetry import read_metrics
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -149,3 +152,11 @@ def latest_valid(root: Path) -> tuple[Path, list[str]]:
     raise CheckpointError(
         f"no usable checkpoint under {root}" + ("; " + "; ".join(warnings) if warnings else "")
     )
+
+
+def keep_metrics_until(metrics: Path, step: int) -> None:
+    """Drop the rows of `metrics` (a JSONL file, if it exists) logged after `step`: they belong to the
+    interrupted tail of a run resumed at `step`, which logs them again."""
+    if metrics.exists():
+        kept = [r for r in read_metrics(metrics) if r.get("step", 0) <= step]
+        metrics.write_text("".join(json.dumps(r) + "\n" for r in kept))

@@ -1,6 +1,7 @@
 """Collects groups of episodes concurrently: every episode is an asyncio task, so while some wait
 for the sandbox the engine keeps batching the others' generation. Seeds are derived per sample so
-the same tasks and seed give the same trajectories whatever the completion order.
+the same tasks and seed give the same trajectories whatever the completion order. Each `Pick` becomes
+one `Group` here, the only place a step's groups are made.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from posttrain.rollout.agent import EpisodeLimits, GroupPrefill, run_episode
-from posttrain.types import Task, Trajectory
+from posttrain.types import Group, Pick, Trajectory
 
 if TYPE_CHECKING:
     from posttrain.engine import Engine, SamplingParams
@@ -20,9 +21,16 @@ if TYPE_CHECKING:
 
 @dataclass
 class RolloutBatch:
-    trajectories: list[Trajectory]
+    """The groups of one `collect_groups` call, in the order of its picks."""
+
+    groups: list[Group]
     wall_s: float
     policy_version: int
+
+    @property
+    def trajectories(self) -> list[Trajectory]:
+        """Every group's members, group by group (infrastructure failures included)."""
+        return [t for g in self.groups for t in g.members]
 
 
 def sample_seed(run_seed: int, step: int, group: int, sample: int) -> int:
@@ -33,7 +41,7 @@ def sample_seed(run_seed: int, step: int, group: int, sample: int) -> int:
 async def collect_groups(
     engine: Engine,
     tokenizer: Any,
-    groups: list[tuple[Any, Task]],
+    picks: list[Pick],
     group_size: int,
     sandbox: Any,
     sampling: SamplingParams,
@@ -45,12 +53,13 @@ async def collect_groups(
     share_prefill: bool = False,
     reward: LearnedReward | None = None,
 ) -> RolloutBatch:
-    """Run `group_size` episodes of each (domain, task) pair concurrently; with `share_prefill` (for
+    """Run `group_size` episodes of each pick's task in its domain concurrently, one `Group` per pick
+    (group ids from `group_offset` on); with `share_prefill` (for
     engines with a prefix cache: pass `engine.caches_prefixes`) each group's prompt is prefilled once
     (`GroupPrefill`). With a learned `reward`, the finished trajectories are scored by it too."""
     t0 = time.perf_counter()
     coros = []
-    for g, (domain, task) in enumerate(groups):
+    for g, pick in enumerate(picks):
         gid = group_offset + g
         gate = GroupPrefill() if share_prefill and group_size > 1 else None
         for s in range(group_size):
@@ -59,8 +68,8 @@ async def collect_groups(
                 run_episode(
                     engine,
                     tokenizer,
-                    domain,
-                    task,
+                    pick.domain,
+                    pick.task,
                     sandbox,
                     params,
                     limits,
@@ -73,7 +82,11 @@ async def collect_groups(
     if reward is not None:
         await reward.apply(trajectories)
     wall = time.perf_counter() - t0
-    return RolloutBatch(trajectories, wall, policy_version)
+    groups = [
+        Group(p.task, p.arm, p.prompt, group_offset + g, trajectories[g * group_size : (g + 1) * group_size])
+        for g, p in enumerate(picks)
+    ]
+    return RolloutBatch(groups, wall, policy_version)
 
 
 def rollout_stats(trajectories: list[Trajectory], wall_s: float) -> dict[str, float]:

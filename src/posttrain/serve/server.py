@@ -72,7 +72,7 @@ def resolve_source(
         run_cfg = load_config(path / "config.yaml", overrides)
         policy = path / "policy"
         if not (policy / "config.json").is_file():
-            from posttrain.orchestrator.export import export_run
+            from posttrain.orchestrator.eval.export import export_run
 
             export_run(path, policy)
         return ModelSource(str(policy), name or path.resolve().name, run_cfg)

@@ -233,7 +233,7 @@ def load_engine(model: str, cfg: Any, temperature: float = 0.0) -> tuple[Any, An
 
     run_dir = Path(model)
     if (run_dir / "config.yaml").is_file():
-        from posttrain.orchestrator.export import export_run
+        from posttrain.orchestrator.eval.export import export_run
 
         policy = run_dir / "policy"
         if not (policy / "config.json").is_file():

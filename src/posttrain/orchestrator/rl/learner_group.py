@@ -140,7 +140,7 @@ def dispatch(learner: Any, cfg: RunConfig, rank: int, name: str, args: tuple, kw
         elif name == "restore":
             result = restore_rank(learner, cfg, *args)
         elif name in ("lora_update", "lora_base"):  # gathered whole: every rank takes part
-            from posttrain.orchestrator import weight_sync
+            import posttrain.orchestrator.rl.weight_sync as weight_sync
 
             result = getattr(weight_sync, name)(learner.model, *args)
         else:
@@ -408,7 +408,7 @@ class RayLearnerGroup(LearnerGroup):
     actors at rank 0's node address. The same interface and failure rules as the local group."""
 
     def __init__(self, cfg: RunConfig, start_timeout_s: float = 300.0) -> None:
-        from posttrain.orchestrator.placement import import_ray
+        from posttrain.orchestrator.rl.placement import import_ray
         from posttrain.sandbox.ray_pool import ActorGroup, init_ray
 
         ray = import_ray()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from posttrain.orchestrator.drift import GENERAL_PROMPTS, reference_completions
+from posttrain.orchestrator.rl.drift import GENERAL_PROMPTS, reference_completions
 
 # general instructions of no training domain, none of them a drift probe prompt
 REPLAY_PROMPTS = [

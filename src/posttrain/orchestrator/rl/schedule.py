@@ -1,29 +1,88 @@
 """The step schedules: `train_sync` (generate, then update, one step at a time) and `AsyncPipeline`, where
 generation runs up to k = orchestrator.max_staleness batches ahead of the learner in a rollout thread,
 with a weight hand-off that makes the run independent of which thread is faster. Owns ordering and the
-threads' hand-offs; each step's work (collect, update, probe, log, checkpoint) is `RLRun`'s."""
+threads' hand-offs; each step's work (collect, update, publish, probe, log, checkpoint) is a `StepWork`'s
+(the run's), which the schedules drive and never reach past."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from posttrain.types import Trajectory
-
 if TYPE_CHECKING:
-    from posttrain.orchestrator.run import RLRun
-    from posttrain.orchestrator.tasks import SamplerView
+    from posttrain.config import RunConfig
+    from posttrain.orchestrator.rl.metrics import PhaseLog
+    from posttrain.orchestrator.rl.tasks import Collected, SamplerView, TaskSource
     from posttrain.telemetry import MetricsLogger, Progress
+    from posttrain.types import Group
 
 # before batch b: (probe metrics, sampler signals, the sampler and cursors for a checkpoint at b, or None)
 PreRow = tuple[dict[str, float], dict[str, float], "SamplerView | None"]
 
 
-def train_sync(run: RLRun, logger: MetricsLogger, progress: Progress) -> dict[str, float]:
+class StepWork(Protocol):
+    """A run as its schedule drives it (`RLRun` is one). A step is: `collect_step` (batch b's groups,
+    on the caller's event loop), `update` (one learner step on them), `sync_weights` / `push_weights`
+    (publish weights to the engine), `after_step` (count, probe, log, checkpoint). The schedule reads
+    the run's progress and the task source, and reaches nothing else of the run."""
+
+    cfg: RunConfig
+    tasks: TaskSource
+    phases: PhaseLog
+    step: int  # steps done
+    stop_signal: int | None  # a SIGINT/SIGTERM asked the run to stop
+    stop_reason: str | None  # a guard stopped the run
+
+    @property
+    def policy_version(self) -> int: ...
+
+    def collect_step(
+        self, step: int, spent: float | None = None, loop: asyncio.AbstractEventLoop | None = None
+    ) -> Collected: ...
+
+    def update(self, groups: list[Group]) -> dict[str, float]: ...
+
+    def sync_weights(self, weights: dict[str, Any]) -> float: ...
+
+    def push_weights(self, weights: dict[str, Any], version: int | None = None) -> None: ...
+
+    def weights(self) -> dict[str, Any]: ...
+
+    def snapshot_weights(self) -> dict[str, Any]: ...
+
+    def probe_if_due(self, step: int, loop: asyncio.AbstractEventLoop | None = None) -> dict[str, float]: ...
+
+    def step_metrics(
+        self,
+        trajs: list[Any],
+        stats: dict[str, float],
+        train_metrics: dict[str, float],
+        update_s: float,
+        sync_s: float,
+        wall_s: float,
+        idle_s: float,
+    ) -> dict[str, float]: ...
+
+    def after_step(
+        self,
+        logger: MetricsLogger,
+        progress: Progress,
+        metrics: dict[str, float],
+        pre: PreRow | None = None,
+        *,
+        probe_here: bool = True,
+    ) -> None: ...
+
+    def budget_spent(self, spent: float | None = None) -> bool: ...
+
+    def tokens_spent(self) -> float: ...
+
+
+def train_sync(run: StepWork, logger: MetricsLogger, progress: Progress) -> dict[str, float]:
     """The sync schedule: generate, feed the sampler, update, push the weights, one step at a time, until
     orchestrator.steps, a stop signal, a guard's stop or the token budget; returns the last row's metrics."""
     metrics: dict[str, float] = {}
@@ -35,15 +94,16 @@ def train_sync(run: RLRun, logger: MetricsLogger, progress: Progress) -> dict[st
     ):
         t_step = time.perf_counter()
         run.phases.add("generate")
-        trajs, groups, stats = run.collect_step(run.step)
-        run.tasks.feed(groups, run.step)
+        batch = run.collect_step(run.step)
+        run.tasks.feed(batch.feedback, run.step)
         t0 = time.perf_counter()
-        train_metrics = run.update(trajs)
+        train_metrics = run.update(batch.groups)
         update_s = time.perf_counter() - t0
-        sync_s = run.sync_weights(run.learner.weights())
+        sync_s = run.sync_weights(run.weights())
         wall = time.perf_counter() - t_step
+        stats = batch.stats
         idle = max(0.0, wall - stats.get("rollout/wall_s", 0.0) - update_s - sync_s)
-        metrics = run.step_metrics(trajs, stats, train_metrics, update_s, sync_s, wall, idle)
+        metrics = run.step_metrics(batch.trajectories, stats, train_metrics, update_s, sync_s, wall, idle)
         run.after_step(logger, progress, metrics)
     return metrics
 
@@ -75,7 +135,7 @@ class AsyncPipeline:
     bit-exactly.
     """
 
-    def __init__(self, run: RLRun) -> None:
+    def __init__(self, run: StepWork) -> None:
         o = run.cfg.orchestrator
         self.run = run
         self.k = o.max_staleness
@@ -92,7 +152,7 @@ class AsyncPipeline:
         self.ended = False  # the rollout thread has returned
         self.stopping = False  # the learner stopped first (budget, signal, error): stop generating
         self.pres: dict[int, PreRow] = {}
-        self.batches: dict[int, tuple[list[Trajectory], dict[str, float]]] = {}
+        self.batches: dict[int, Collected] = {}
         self.running = False  # the rollout thread was started and not joined yet
         self.thread: threading.Thread | None = None
 
@@ -137,30 +197,22 @@ class AsyncPipeline:
                     run.push_weights(pending[0], version=pending[1])
                     loaded = pending[2]
                 run.tasks.feed_unfed(before=need)
-                old_loop, run.loop = run.loop, loop
-                try:
-                    if b > self.start:  # the row of step b; start's was logged before the run began
-                        probe = run.probe_if_due(b)
-                        spent += probe.get("heldout/generated_tokens", 0.0)
-                        signals = run.tasks.signals()
-                        with run.tasks.lock:
-                            view = (
-                                run.tasks.view()
-                                if self.fixed and self.every and b % self.every == 0
-                                else None
-                            )
-                        with cond:
-                            self.pres[b] = (probe, signals, view)
-                            cond.notify_all()
-                    if run.budget_spent(spent):  # the learner's check stops before this batch too
-                        return
-                    trajs, groups, stats = run.collect_step(b, spent)
-                    run.tasks.hold(b, groups)
-                finally:
-                    run.loop = old_loop
-                spent += stats.get("rollout/generated_tokens", 0.0)
+                if b > self.start:  # the row of step b; start's was logged before the run began
+                    probe = run.probe_if_due(b, loop)
+                    spent += probe.get("heldout/generated_tokens", 0.0)
+                    signals = run.tasks.signals()
+                    with run.tasks.lock:
+                        view = run.tasks.view() if self.fixed and self.every and b % self.every == 0 else None
+                    with cond:
+                        self.pres[b] = (probe, signals, view)
+                        cond.notify_all()
+                if run.budget_spent(spent):  # the learner's check stops before this batch too
+                    return
+                batch = run.collect_step(b, spent, loop)
+                run.tasks.hold(b, batch.feedback)
+                spent += batch.stats.get("rollout/generated_tokens", 0.0)
                 with cond:
-                    self.batches[b] = (trajs, stats)
+                    self.batches[b] = batch
                     cond.notify_all()
         except BaseException as err:  # surface producer failures in the main thread
             with cond:
@@ -186,7 +238,7 @@ class AsyncPipeline:
             run.tasks.feed_unfed(before=trained)
             run.tasks.unfed.clear()  # batches generated but not trained on
         if self.error is None:
-            run.sync_weights(run.learner.weights())
+            run.sync_weights(run.weights())
 
     # ------------------------------------------------------------------ the learner (calling) thread
 
@@ -207,12 +259,13 @@ class AsyncPipeline:
                         raise self.error
                     if run.step not in self.batches:  # stopped, or the budget ran out before this batch
                         break
-                    trajs, stats = self.batches.pop(run.step)
+                    batch = self.batches.pop(run.step)
+                trajs, stats = batch.trajectories, batch.stats
                 waited = time.perf_counter() - t_step  # for this batch; idle adds the waits below
                 idle = waited
                 t0 = time.perf_counter()
-                staleness = [run.learner.version - t.policy_version for t in trajs]
-                train_metrics = run.update(trajs)
+                staleness = [run.policy_version - t.policy_version for t in trajs]
+                train_metrics = run.update(batch.groups)
                 update_s = time.perf_counter() - t0
                 done = run.step + 1
                 # a batch still to come is generated with these weights ('latest': may be)
@@ -232,7 +285,7 @@ class AsyncPipeline:
                 )  # outside the lock: a copy of every weight
                 with cond:
                     if snapshot is not None and not self.ended:
-                        self.slot = (snapshot, run.learner.version + 0, done)
+                        self.slot = (snapshot, run.policy_version, done)
                     self.done = done
                     cond.notify_all()
                 run.phases.add("sync_weights")

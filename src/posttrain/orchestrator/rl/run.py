@@ -1,7 +1,8 @@
 """RLRun, a whole post-training run: build it (learner, engine, environments, sampler, sandbox), train it
-in `sync` mode or `async` (`orchestrator.pipeline`), one step at a time: collect, update, push weights,
-probe, log, checkpoint. Owns the run's lifecycle and counters; task picking is `orchestrator.tasks`'s,
-checkpoint contents `orchestrator.state`'s, and the math belongs to `algos`/`train`."""
+in `sync` mode or `async` (`orchestrator.rl.schedule`, which drives the run as a `StepWork`), one step at
+a time: collect, update, push weights, probe, log, checkpoint. Owns the run's lifecycle and counters;
+task picking is `orchestrator.rl.tasks`'s, checkpoint contents (`RunState`) `orchestrator.rl.state`'s, and
+the math belongs to `algos`/`train`. Talks to the learner through the Learner protocol."""
 
 from __future__ import annotations
 
@@ -12,18 +13,21 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+import posttrain.orchestrator.rl.probes as probes
+import posttrain.orchestrator.rl.state as state
 from posttrain.config import RunConfig, save_config
-from posttrain.orchestrator import probes, state
-from posttrain.orchestrator.metrics import PhaseLog, progress_figures, step_metrics
-from posttrain.orchestrator.pipeline import AsyncPipeline, PreRow, train_sync
-from posttrain.orchestrator.replay import ReplayPool, replay_count
-from posttrain.orchestrator.retention import RetentionSuites
+from posttrain.orchestrator.checkpoint import keep_metrics_until
+from posttrain.orchestrator.rl.groups import drop_stale, samples_from_groups
+from posttrain.orchestrator.rl.metrics import PhaseLog, progress_figures, step_metrics
+from posttrain.orchestrator.rl.replay import ReplayPool, replay_count
+from posttrain.orchestrator.rl.retention import RetentionSuites
+from posttrain.orchestrator.rl.schedule import AsyncPipeline, PreRow, train_sync
+from posttrain.orchestrator.rl.tasks import Collected, StepFill, TaskSource
 from posttrain.orchestrator.signals import stop_on_signals
-from posttrain.orchestrator.tasks import GroupFeedback, Pick, TaskSource, collect_step
 from posttrain.rollout import EpisodeLimits, LearnedReward, RolloutBatch, collect_groups, make_learned_reward
 from posttrain.telemetry import MetricsLogger, Progress, RunDir, WandbSink
 from posttrain.telemetry.renders import save_renders
-from posttrain.types import Trajectory
+from posttrain.types import Group, Pick, Trajectory
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -45,12 +49,11 @@ class RLRun:
         self.phases = PhaseLog()
         self.stop_signal: int | None = None  # the SIGINT/SIGTERM that asked the run to stop
         self.stop_reason: str | None = None  # a guard that stopped the run (curriculum.retention_stop)
-        self.loop = (
-            asyncio.new_event_loop()
-        )  # drives rollouts and probes (async mode: the rollout thread swaps its own in)
+        # drives rollouts and probes (async mode: the rollout thread passes its own to collect and probe)
+        self.loop = asyncio.new_event_loop()
         self.sandbox: Any = None
         self.reward: LearnedReward | None = None  # the learned reward of cfg.reward, if any
-        self.drift: Any = None  # orchestrator.drift.DriftProbe when curriculum.drift_every is set
+        self.drift: Any = None  # orchestrator.rl.drift.DriftProbe when curriculum.drift_every is set
         self.retention: RetentionSuites | None = None  # curriculum.retention's suites
         self.replay: ReplayPool | None = None  # algorithm.replay_fraction's general data
         self._built = False
@@ -137,7 +140,7 @@ class RLRun:
         )
         self.tasks = TaskSource(sampler, domains, arms, cfg.seed)
         if cfg.trainer.learner_ranks > 1:  # ranks in processes of their own, driven from here
-            from posttrain.orchestrator.learner_group import start_learner_group
+            from posttrain.orchestrator.rl.learner_group import start_learner_group
 
             self.learner = start_learner_group(cfg)
         else:
@@ -150,7 +153,7 @@ class RLRun:
             load_policy(cfg.model.spec, dtype=cfg.engine.dtype, seed=cfg.seed), cfg.model.rope_scaling
         )
         if cfg.placement.backend == "ray":
-            from posttrain.orchestrator.placement import RayEngines
+            from posttrain.orchestrator.rl.placement import RayEngines
 
             del engine_model  # each actor loads its own
             self.make_weight_sync()
@@ -161,7 +164,7 @@ class RLRun:
             self.make_weight_sync()
         self.sync_weights(self.learner.weights())
         if cfg.curriculum.drift_every:  # the reference's completions, while engine and learner hold it
-            from posttrain.orchestrator.drift import DriftProbe
+            from posttrain.orchestrator.rl.drift import DriftProbe
 
             self.drift = DriftProbe.build(
                 self.engine,
@@ -252,7 +255,7 @@ class RLRun:
         """The transport of placement.weight_sync: in-process hands the tensors over; shared_file pushes
         them through placement.weight_sync_dir (default: a fresh folder in /dev/shm, removed at close)
         and loads them back as an engine in another process would, version-checked and verified."""
-        from posttrain.orchestrator import weight_sync as ws
+        import posttrain.orchestrator.rl.weight_sync as ws
 
         placement = self.cfg.placement
         self.sync_bytes = 0
@@ -277,9 +280,25 @@ class RLRun:
             base = self.learner.lora_base() if self._group() else ws.lora_base(self.learner.model)
         self.weight_receiver = ws.Receiver(self.engine, base=base)
 
+    def image_store(self) -> Any:
+        """The store the learner reads trajectories' images from (None for text policies)."""
+        vision = self.learner.vision
+        return None if vision is None else vision.store
+
+    def restore_learner(self, folder: Path) -> None:
+        """The learner's state as saved in a checkpoint's `folder`."""
+        restore = getattr(self.learner, "restore", None)
+        if callable(restore):  # a learner group: every rank reads the folder itself
+            restore(folder)
+        else:
+            from posttrain.train.state import read_learner_state
+
+            _, learner_state = read_learner_state(folder)
+            self.learner.load_state_dict(learner_state)
+
     def _group(self) -> bool:
-        """Whether the learner is a group of rank processes (`orchestrator.learner_group`)."""
-        from posttrain.orchestrator.learner_group import LearnerGroup
+        """Whether the learner is a group of rank processes (`orchestrator.rl.learner_group`)."""
+        from posttrain.orchestrator.rl.learner_group import LearnerGroup
 
         return isinstance(self.learner, LearnerGroup)
 
@@ -303,7 +322,7 @@ class RLRun:
         """`weights` of policy `version` (default: the learner's current ones) into the engine through the
         configured transport. Under LoRA with shared_file or broadcast, the learner's adapters travel
         instead of the merged weights when they are the learner's current ones."""
-        from posttrain.orchestrator import weight_sync as ws
+        import posttrain.orchestrator.rl.weight_sync as ws
 
         own = version is None
         version = self.learner.version if version is None else version
@@ -335,13 +354,20 @@ class RLRun:
 
     # ------------------------------------------------------------------ one step
 
-    def rollout(self, picks: list[Pick], step: int, group_offset: int) -> RolloutBatch:
+    def rollout(
+        self,
+        picks: list[Pick],
+        step: int,
+        group_offset: int,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> RolloutBatch:
         """The groups of `picks`, `batch.samples_per_prompt` episodes each, with the engine's current weights,
-        scored by the learned reward of `reward.*` too when one is configured."""
+        scored by the learned reward of `reward.*` too when one is configured; run on `loop` (default: the
+        run's own)."""
         coro = collect_groups(
             self.engine,
             self.tokenizer,
-            [(d, t) for _, d, t, _ in picks],
+            picks,
             self.cfg.batch.samples_per_prompt,
             self.sandbox,
             self.sampling,
@@ -353,44 +379,43 @@ class RLRun:
             share_prefill=self.engine.caches_prefixes,
             reward=self.reward,
         )
-        return self.loop.run_until_complete(coro)
+        return (loop or self.loop).run_until_complete(coro)
 
     def collect_step(
-        self, step: int, spent: float | None = None
-    ) -> tuple[list[Trajectory], list[GroupFeedback], dict[str, float]]:
-        """`tasks.collect_step` with this run's rollouts; `spent`: the tokens the schedule reads (default
-        tokens_spent(); the async rollout thread passes its own count)."""
-        trajs, groups, stats = collect_step(
-            self.cfg, self.tasks, self.rollout, step, self.progress(step, spent)
-        )
+        self, step: int, spent: float | None = None, loop: asyncio.AbstractEventLoop | None = None
+    ) -> Collected:
+        """Batch `step`'s groups, rolled out round by round as `tasks.StepFill` asks (dynamic sampling);
+        `spent`: the tokens the schedule reads (default tokens_spent(); the async rollout thread passes its
+        own count, and its own event `loop`)."""
+        fill = StepFill(self.cfg, self.tasks, self.progress(step, spent))
+        while (picks := fill.next_picks()) is not None:
+            if loop is None:
+                fill.add(self.rollout(picks, step, fill.offset))
+            else:
+                fill.add(self.rollout(picks, step, fill.offset, loop))
+        batch = fill.result()
         t = self.cfg.telemetry
         if t.renders_every and step % t.renders_every == 0:
-            save_renders(self.run_dir.renders, step, trajs, t.renders_per_step)
-        return trajs, groups, stats
+            save_renders(self.run_dir.renders, step, batch.trajectories, t.renders_per_step)
+        return batch
 
-    def update(self, trajectories: list[Trajectory]) -> dict[str, float]:
-        """One learner step on the trajectories within max_staleness versions (the others are counted)."""
-        from posttrain.train import Sample
+    @property
+    def policy_version(self) -> int:
+        """The learner's policy version (its updates so far)."""
+        return self.learner.version
 
+    def weights(self) -> dict[str, Any]:
+        """The learner's current weights (full, merged)."""
+        return self.learner.weights()
+
+    def update(self, groups: list[Group]) -> dict[str, float]:
+        """One learner step on the groups' members within max_staleness versions (the others are counted)."""
         current = self.learner.version
-        fresh = [t for t in trajectories if current - t.policy_version <= self.cfg.orchestrator.max_staleness]
-        self.counters["dropped_stale"] += len(trajectories) - len(fresh)
+        fresh, stale = drop_stale(groups, current, self.cfg.orchestrator.max_staleness)
+        self.counters["dropped_stale"] += stale
         if not fresh:
             return {}
-        vision = self.learner.vision
-        samples = [
-            Sample(
-                token_ids=t.token_ids,
-                loss_mask=t.loss_mask,
-                behavior_logprobs=t.behavior_logprobs,
-                reward=t.reward,
-                group_id=t.group_id,
-                policy_version=t.policy_version,
-                routing=t.routing,
-                images=[vision.store.put(img) for img in t.images] if vision is not None else [],
-            )
-            for t in fresh
-        ]
+        samples = samples_from_groups(fresh, self.image_store())
         # colocated phases: nothing generates during the update unless async rollouts run ahead
         o = self.cfg.orchestrator
         overlapped = o.mode == "async" and o.max_staleness > 0
@@ -432,8 +457,9 @@ class RLRun:
             self.loop,
         )
 
-    def probe_if_due(self, step: int) -> dict[str, float]:
-        """The held-out probe of `step` when the sampler wants one (`orchestrator.probes`), else {}."""
+    def probe_if_due(self, step: int, loop: asyncio.AbstractEventLoop | None = None) -> dict[str, float]:
+        """The held-out probe of `step` when the sampler wants one (`orchestrator.rl.probes`), else {}; run
+        on `loop` (default: the run's own)."""
         c = self.cfg.curriculum
         return probes.probe_if_due(
             self.engine,
@@ -446,7 +472,7 @@ class RLRun:
             probe_every=c.probe_every,
             size=c.probe_size,
             seed=self.cfg.seed,
-            loop=self.loop,
+            loop=loop or self.loop,
         )
 
     def step_metrics(
@@ -544,13 +570,62 @@ class RLRun:
 
     # ------------------------------------------------------------------ checkpoint
 
+    def run_state(self) -> state.RunState:
+        """What a checkpoint of the run at this step holds beside the learner. In async mode the sampler and
+        cursors are the ones the rollout thread set aside for this step when it did (`checkpoint_view`),
+        and the held-back feedback is that of the batches trained on."""
+        tasks = self.tasks
+        with tasks.lock:  # async mode: the rollout thread may be picking
+            sampler, cursors, seen = tasks.checkpoint_view or tasks.view()
+            return state.RunState(
+                step=self.step,
+                learner_version=self.learner.version,
+                engine_version=self.engine.version,
+                cursors=cursors,
+                seen_prompts=seen,
+                counters=self.counters,
+                sampler=sampler,
+                sampler_pending=[(j, groups) for j, groups in sorted(tasks.unfed.items()) if j < self.step],
+                python_random=state.py_random_state(),
+                numpy_random=state.np_random_state(),
+            )
+
     def save(self) -> Path:
-        """Checkpoint the whole run at this step (`orchestrator.state`)."""
-        return state.save_run(self)
+        """Checkpoint the whole run at this step (keeping orchestrator.keep_checkpoints); returns the path."""
+        path = state.save_run(
+            self.run_dir.checkpoints, self.run_state(), self.learner, self.cfg.orchestrator.keep_checkpoints
+        )
+        self.phases.add("checkpoint")
+        return path
 
     def load(self) -> list[str]:
-        """Restore the newest valid checkpoint; returns warnings about skipped corrupt ones."""
-        return state.load_run(self)
+        """Build the run and restore the newest valid checkpoint, so it goes on as the run that wrote it;
+        returns warnings about skipped corrupt ones."""
+        self.build()
+        path, saved, warnings = state.latest_run_state(self.run_dir.checkpoints)
+        self.restore_learner(path / state.LEARNER_DIR)
+        self.restore(state.RunState.from_json(saved, self.tasks.arms))
+        return warnings
+
+    def restore(self, saved: state.RunState) -> None:
+        """Take over `saved` (the learner restored already): step, cursors, counters, the sampler and the
+        feedback held back from it, the RNGs; the engine gets the learner's weights; config.yaml and the
+        metrics say the run goes on from here."""
+        self.step = saved.step
+        tasks = self.tasks
+        tasks.cursors = saved.cursors
+        tasks.seen_prompts = saved.seen_prompts
+        self.counters = saved.counters
+        tasks.sampler.load_state_dict(saved.sampler)
+        for j, groups in saved.sampler_pending:  # async checkpoints: feed what was held back
+            tasks.feed(groups, j)
+        state.set_py_random_state(saved.python_random)
+        state.set_np_random_state(saved.numpy_random)
+        self.rewind_weight_sync()
+        self.sync_weights(self.learner.weights())
+        # the run goes on with this config (a resume may override settings): config.yaml says so
+        save_config(self.cfg, self.run_dir.config)
+        keep_metrics_until(self.run_dir.metrics, self.step)
 
     # ------------------------------------------------------------------ budget
 

@@ -3,7 +3,7 @@ effective length (RULER's: the longest length up to which the task average stays
 
 `evaluate_lengths` splits each domain into its tasks (`split_tasks`: RULER's 13, the hardness levels of
 `longctx.hard`, the question kinds of `longctx.codebase`), scores each task at each length level through
-a scorer the caller gives (our engine or an endpoint, `orchestrator.evaluate`), and `length_table`
+a scorer the caller gives (our engine or an endpoint, `orchestrator.eval.evaluate`), and `length_table`
 aggregates: per cell strict accuracy with a bootstrap interval, per length the mean over tasks of their
 accuracies (RULER averages its tasks) with a stratified bootstrap interval. Does not load models.
 """
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from posttrain.orchestrator.evaluate import BOOTSTRAP_RESAMPLES, EvalReport, bootstrap_ci
+from posttrain.orchestrator.eval.evaluate import BOOTSTRAP_RESAMPLES, EvalReport, bootstrap_ci
 
 RULER_THRESHOLD = 85.6  # percent: RULER's effective-length threshold (Llama-2-7B's score at 4k)
 LENGTH_MARGIN_TOKENS = 128  # the chat template and the question around a haystack of `tokens`

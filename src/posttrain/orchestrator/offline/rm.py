@@ -1,5 +1,5 @@
 """Reward-model runs (`posttrain rm train`): a scalar head on `model.spec`'s causal LM trained with the
-Bradley-Terry loss on `pairs.*` (`orchestrator.pairs`), exported to `RUN_DIR/reward_model/` as a HF
+Bradley-Terry loss on `pairs.*` (`orchestrator.offline.pairs`), exported to `RUN_DIR/reward_model/` as a HF
 folder that AutoModelForSequenceClassification, `reward.model` and `posttrain rm serve` load. The
 model and its loss are `train`'s; this module wires them to the pair loop.
 """
@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.config import RunConfig
-from posttrain.orchestrator.pairs import Pair, PairRun
+from posttrain.orchestrator.offline.pairs import Pair, PairRun
 from posttrain.telemetry import RunDir
 
 EXPORT_DIR = "reward_model"

@@ -1,6 +1,6 @@
 """Held-out probes during training: when the sampler asks for one, score the arms it names on held-out
 tasks (greedy) and record the scores into it, the retention signal behind forgetting-aware curricula.
-Owns when a probe runs and what it reports; the scoring itself is `orchestrator.evaluate`'s."""
+Owns when a probe runs and what it reports; the scoring itself is `orchestrator.eval.evaluate`'s."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from posttrain.engine import Engine, SamplingParams
-    from posttrain.orchestrator.tasks import TaskSource
+    from posttrain.orchestrator.rl.tasks import TaskSource
     from posttrain.rollout import EpisodeLimits
 
 
@@ -60,7 +60,7 @@ def probe(
 ) -> dict[str, float]:
     """Held-out probes of the arms the sampler names (`size` tasks each), scored into it. The caller
     charges out["heldout/generated_tokens"] to the run's probe_tokens counter."""
-    from posttrain.orchestrator.evaluate import evaluate_engine
+    from posttrain.orchestrator.eval.evaluate import evaluate_engine
 
     with tasks.lock:
         arms = (

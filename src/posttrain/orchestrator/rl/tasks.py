@@ -1,27 +1,24 @@
 """Where a run's tasks come from: the curriculum sampler picks arms, the task cursors pick prompts within
-them, and a step's rollouts are collected with dynamic sampling (drop uninformative groups, refill,
-bounded). Also holds, in async mode, the sampler feedback the rollout thread has not delivered yet.
-Does not generate (the rollout layer does) nor decide the domain mix (the curriculum does)."""
+them, and a step's groups are gathered with dynamic sampling (`StepFill`: drop uninformative groups,
+refill, bounded), told the rollouts its caller ran. Also holds, in async mode, the sampler feedback the
+rollout thread has not delivered yet. Does not generate (the rollout layer does) nor decide the domain
+mix (the curriculum does)."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from posttrain.curriculum import GroupFeedback
 from posttrain.rollout import RolloutBatch, rollout_stats
-from posttrain.types import Trajectory
+from posttrain.types import Group, Pick, Trajectory
 
 if TYPE_CHECKING:
     from posttrain.config import RunConfig
     from posttrain.curriculum import Arm, Sampler
     from posttrain.envs import Domain
-    from posttrain.types import Task
 
-# (arm, domain, task, prompt index): one group to roll out
-Pick = tuple["Arm", "Domain", "Task", int]
-# (arm, prompt index, the group's rewards, its generated tokens): what the sampler is told of one group
-GroupFeedback = tuple["Arm", int, list[float], int]
 # copies of the sampler's state, the task cursors and the prompts seen, as a checkpoint stores them
 SamplerView = tuple[dict[str, Any], dict[str, int], dict[str, list[int]]]
 
@@ -65,11 +62,12 @@ class TaskSource:
                     self.seen_prompts.setdefault(key, []).append(chosen)
                 domain = self.domains[arm.domain]
                 task = domain.task("train", arm.difficulty, chosen, seed=self.seed)
-                out.append((arm, domain, task, chosen))
+                out.append(Pick(arm, domain, task, chosen))
         return out
 
     def feed(self, groups: list[GroupFeedback], step: int) -> None:
-        """Tell the sampler the rewards of batch `step`'s groups (every group, dropped ones included)."""
+        """Tell the sampler the rewards of batch `step`'s groups (every group, dropped ones included; a
+        feedback may come as a plain (arm, prompt, rewards, tokens) tuple)."""
         by_arm: dict[Any, list[list[float]]] = {}
         tokens: dict[Any, int] = {}
         with self.lock:
@@ -106,13 +104,28 @@ class TaskSource:
             return {k: float(v) for k, v in self.sampler.signals().items()}
 
 
-Rollout = Callable[[list[Pick], int, int], RolloutBatch]  # (picks, step, group offset) -> batch
+@dataclass
+class Collected:
+    """A step's gathered groups: `groups` to train on (in pick order, refills after), `feedback` for the
+    sampler (every group with a scored member, dropped ones included) and the rollout `stats`."""
+
+    groups: list[Group]
+    feedback: list[GroupFeedback]
+    stats: dict[str, float]
+
+    @property
+    def trajectories(self) -> list[Trajectory]:
+        """The scored members of the groups to train on, group by group."""
+        return [t for g in self.groups for t in g.scored]
 
 
-def collect_step(
-    cfg: RunConfig, tasks: TaskSource, rollout: Rollout, step: int, progress: float
-) -> tuple[list[Trajectory], list[GroupFeedback], dict[str, float]]:
-    """Rollouts for one step: (trajectories to train on, feedback for the sampler, stats).
+class StepFill:
+    """One step's groups with dynamic sampling; the caller runs the rollouts:
+
+        fill = StepFill(cfg, tasks, progress)
+        while (picks := fill.next_picks()) is not None:
+            fill.add(rollout(picks, step, fill.offset))
+        collected = fill.result()
 
     With dynamic sampling (algorithm.dynamic_sampling, or a sampler that filters groups: dapo_filter_only)
     groups whose rewards are all equal are dropped and refilled, for at most algorithm.max_resample_rounds
@@ -120,57 +133,70 @@ def collect_step(
     counted, unless the advantage estimator needs no group. Groups of two or more scored members whose
     rewards are all equal (zero advantage under a group baseline) are counted with their generated tokens,
     kept or dropped."""
-    from posttrain.algos import uses_group_baseline
 
-    filtering = cfg.algorithm.dynamic_sampling or tasks.sampler.filters_groups
-    lone_ok = not uses_group_baseline(cfg.algorithm.advantage)
-    want = cfg.batch.prompts_per_step
-    kept: list[Trajectory] = []
-    groups_for_sampler: list[GroupFeedback] = []
-    every: list[Trajectory] = []
-    wall = 0.0
-    offset = 0
-    rounds = cfg.algorithm.max_resample_rounds if filtering else 0
-    dropped = total_groups = singletons = zero_groups = zero_tokens = 0
-    for round_ in range(rounds + 1):
-        picks = tasks.pick(want if round_ == 0 else want - len({t.group_id for t in kept}), progress)
-        batch = rollout(picks, step, offset)
-        first_gid = offset
-        offset += len(picks)
-        wall += batch.wall_s
-        every.extend(batch.trajectories)
-        by_group: dict[int, list[Trajectory]] = {}
-        for t in batch.trajectories:
-            if t.status.is_infra_failure:  # counted by rollout_stats; the run adds them to its counters
-                continue
-            by_group.setdefault(t.group_id, []).append(t)
-        for gi, (arm, _, _, index) in enumerate(picks):
-            members = by_group.get(first_gid + gi, [])
+    def __init__(self, cfg: RunConfig, tasks: TaskSource, progress: float) -> None:
+        from posttrain.algos import uses_group_baseline
+
+        self.tasks = tasks
+        self.progress = progress
+        self.filtering = cfg.algorithm.dynamic_sampling or tasks.sampler.filters_groups
+        self.lone_ok = not uses_group_baseline(cfg.algorithm.advantage)
+        self.group_size = cfg.batch.samples_per_prompt
+        self.want = cfg.batch.prompts_per_step
+        self.rounds_left = (cfg.algorithm.max_resample_rounds if self.filtering else 0) + 1
+        self.offset = 0  # the group id of the next round's first group
+        self.kept: list[Group] = []
+        self.feedback: list[GroupFeedback] = []
+        self.every: list[Trajectory] = []
+        self.wall = 0.0
+        self.dropped = self.total_groups = self.singletons = self.zero_groups = self.zero_tokens = 0
+        self.done = False
+
+    def next_picks(self) -> list[Pick] | None:
+        """The next round's picks (the first round: batch.prompts_per_step; refills: what is missing), or
+        None when the step has its groups or its rounds are spent."""
+        if self.done or self.rounds_left == 0:
+            return None
+        self.rounds_left -= 1
+        return self.tasks.pick(self.want - len(self.kept), self.progress)
+
+    def add(self, batch: RolloutBatch) -> None:
+        """Sort one round's groups: fed to the sampler, counted, kept or dropped."""
+        self.offset += len(batch.groups)
+        self.wall += batch.wall_s
+        self.every.extend(batch.trajectories)
+        for group in batch.groups:
+            members = group.scored  # infrastructure failures are counted by rollout_stats
             if not members:
                 continue
-            rewards = [t.reward for t in members]
-            groups_for_sampler.append((arm, index, rewards, sum(t.num_generated for t in members)))
-            total_groups += 1
-            if len(members) == 1 < cfg.batch.samples_per_prompt and not lone_ok:
-                singletons += 1  # its advantage would be its raw score: no group to compare with
+            feedback = GroupFeedback.of(group)
+            self.feedback.append(feedback)
+            self.total_groups += 1
+            if len(members) == 1 < self.group_size and not self.lone_ok:
+                self.singletons += 1  # its advantage would be its raw score: no group to compare with
                 continue
-            if len(members) > 1 and len(set(rewards)) == 1:  # every member's group advantage is 0
-                zero_groups += 1
-                zero_tokens += sum(t.num_generated for t in members)
-            if filtering and len(set(rewards)) == 1:
-                dropped += 1
+            all_equal = len(set(feedback.rewards)) == 1
+            if len(members) > 1 and all_equal:  # every member's group advantage is 0
+                self.zero_groups += 1
+                self.zero_tokens += feedback.generated_tokens
+            if self.filtering and all_equal:
+                self.dropped += 1
                 continue
-            kept.extend(members)
-        if not filtering or len({t.group_id for t in kept}) >= want:
-            break
-    stats = rollout_stats(every, wall)
-    if filtering and not kept:
-        # every group was uninformative: train on nothing rather than on noise, but say so
-        stats["rollout/empty_after_filter"] = 1.0
-    stats["rollout/wall_s"] = wall
-    stats["rollout/dropped_group_frac"] = dropped / total_groups if total_groups else 0.0
-    stats["rollout/dropped_groups"] = float(dropped)
-    stats["rollout/dropped_singleton_groups"] = float(singletons)
-    stats["rollout/zero_advantage_groups"] = float(zero_groups)  # all rewards equal, refills included
-    stats["rollout/zero_advantage_tokens"] = float(zero_tokens)
-    return kept, groups_for_sampler, stats
+            self.kept.append(group)
+        self.done = not self.filtering or len(self.kept) >= self.want
+
+    def result(self) -> Collected:
+        """The kept groups, the sampler's feedback and the step's rollout stats."""
+        stats = rollout_stats(self.every, self.wall)
+        if self.filtering and not self.kept:
+            # every group was uninformative: train on nothing rather than on noise, but say so
+            stats["rollout/empty_after_filter"] = 1.0
+        stats["rollout/wall_s"] = self.wall
+        stats["rollout/dropped_group_frac"] = self.dropped / self.total_groups if self.total_groups else 0.0
+        stats["rollout/dropped_groups"] = float(self.dropped)
+        stats["rollout/dropped_singleton_groups"] = float(self.singletons)
+        stats["rollout/zero_advantage_groups"] = float(
+            self.zero_groups
+        )  # all rewards equal, refills included
+        stats["rollout/zero_advantage_tokens"] = float(self.zero_tokens)
+        return Collected(self.kept, self.feedback, stats)

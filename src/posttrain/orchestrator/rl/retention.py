@@ -30,7 +30,7 @@ class RetentionSuites:
     """The suites of a run: their domains, arms, held-out tasks and base scores."""
 
     def __init__(self, domains: dict[str, Any], arms: list[Any], size: int, seed: int) -> None:
-        from posttrain.orchestrator.evaluate import heldout_tasks
+        from posttrain.orchestrator.eval.evaluate import heldout_tasks
 
         self.domains, self.arms, self.size, self.seed = domains, arms, size, seed
         self.tasks = heldout_tasks(domains, arms, size, seed)
@@ -107,7 +107,7 @@ class RetentionSuites:
         loop: asyncio.AbstractEventLoop,
     ) -> tuple[dict[str, list[float | None]], float]:
         """Strict success per task of each suite (None: infrastructure failure), and tokens generated."""
-        from posttrain.orchestrator.evaluate import score_tasks
+        from posttrain.orchestrator.eval.evaluate import score_tasks
 
         usage: dict[str, float] = {}
         results = score_tasks(
@@ -121,7 +121,7 @@ class RetentionSuites:
     def load_or_score_base(self, path: Path, *score_args: Any) -> float:
         """The base scores from `path` if it holds these suites' (same tasks), else scored now and written
         there; returns the tokens generated (0 when loaded)."""
-        from posttrain.orchestrator.evaluate import task_key
+        from posttrain.orchestrator.eval.evaluate import task_key
 
         # the tasks themselves: a file scored on other draws (e.g. before repeats were dropped) is rescored
         tasks = hashlib.sha256("".join(task_key(t) for _, _, t in self.tasks).encode()).hexdigest()
@@ -151,7 +151,7 @@ class RetentionSuites:
 
     def metrics(self, now: dict[str, list[float | None]]) -> dict[str, float]:
         """retention/*, retention_delta/* and its interval, from `now` against the base."""
-        from posttrain.orchestrator.evaluate import bootstrap_ci
+        from posttrain.orchestrator.eval.evaluate import bootstrap_ci
 
         assert self.base is not None, "the base scores come first (load_or_score_base)"
         out: dict[str, float] = {}

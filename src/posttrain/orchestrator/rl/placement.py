@@ -37,11 +37,11 @@ class EngineWorker:
     def __init__(self, cfg_json: str, weight_dir: str | None, threads: int) -> None:
         import torch
 
+        import posttrain.orchestrator.rl.weight_sync as ws
         from posttrain.config import RunConfig
         from posttrain.engine import make_engine
         from posttrain.longctx.rope import apply_rope_scaling
         from posttrain.models import load_policy, load_tokenizer
-        from posttrain.orchestrator import weight_sync as ws
 
         torch.set_num_threads(max(1, threads))
         cfg = RunConfig.model_validate_json(cfg_json)
@@ -61,7 +61,7 @@ class EngineWorker:
 
     def join_broadcast(self, address: str, rank: int, world: int, timeout_s: float) -> None:
         """Join the controller's weight-broadcast group as `rank` (blocks until every member has)."""
-        from posttrain.orchestrator import weight_sync as ws
+        import posttrain.orchestrator.rl.weight_sync as ws
 
         join_broadcast_group(address, rank, world, self.device, timeout_s)
         self.broadcast = ws.Broadcast(src=0, device=self.device)
@@ -184,7 +184,7 @@ class RayEngines(Engine):
         """This process as rank 0, actor i as rank i + 1, rendezvous at this node's address."""
         import socket
 
-        from posttrain.orchestrator import weight_sync as ws
+        import posttrain.orchestrator.rl.weight_sync as ws
 
         host = self._ray.util.get_node_ip_address()
         with socket.socket() as sock:
@@ -253,7 +253,7 @@ class RayEngines(Engine):
 
     def broadcast_weights(self, update: Any) -> None:
         """Broadcast `update` (a `weight_sync.WeightUpdate`) to every actor; each must report its version."""
-        from posttrain.orchestrator import weight_sync as ws
+        import posttrain.orchestrator.rl.weight_sync as ws
 
         if self.broadcaster is None:
             raise RuntimeError("these rollout engines read weights from a folder (pull_weights)")

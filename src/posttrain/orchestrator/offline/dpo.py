@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.config import DPOConfig, RunConfig
-from posttrain.orchestrator.pairs import Pair, PairRun
+from posttrain.orchestrator.offline.pairs import Pair, PairRun
 from posttrain.telemetry import RunDir
 
 EXPORT_DIR = "policy"
@@ -75,7 +75,7 @@ class PreferenceTrainer:
         self.learner.load_state_dict(read_learner_state(directory / LEARNER_DIR)[1])
 
     def export(self, out: Path) -> Path:
-        from posttrain.orchestrator.export import save_hf_folder
+        from posttrain.orchestrator.eval.export import save_hf_folder
 
         return save_hf_folder(self.learner.weights(), self.cfg.model.spec, out)
 
@@ -105,7 +105,7 @@ def dpo_run(
     trainer = PreferenceTrainer(cfg)
     refresh = None
     if cfg.dpo.rounds > 1:
-        from posttrain.orchestrator.pairs import PairSampler
+        from posttrain.orchestrator.offline.pairs import PairSampler
 
         if sampler is None:
             from posttrain.models import load_tokenizer
@@ -114,7 +114,7 @@ def dpo_run(
         n = cfg.pairs.n
 
         def refresh(r: int) -> tuple[list[Pair], dict[str, float]]:
-            from posttrain.orchestrator.pairs import drop_long
+            from posttrain.orchestrator.offline.pairs import drop_long
 
             sampler.load_weights(trainer.learner.weights())
             pairs, stats = sampler.sample("train", r * n, n, step=2 + r)

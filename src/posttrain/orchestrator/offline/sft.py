@@ -435,7 +435,7 @@ class SFTRun:
         """Train for the configured steps, logging train loss/tokens every step and the held-out loss
         every sft.eval_every steps and at the end; checkpoint; export the policy. Stops checkpointed
         on SIGINT/SIGTERM (no policy export then)."""
-        from posttrain.orchestrator.export import save_hf_folder
+        from posttrain.orchestrator.eval.export import save_hf_folder
 
         cfg, s = self.cfg, self.cfg.sft
         save_config(cfg, self.run_dir.config)  # with trainer.lr_decay_steps as resolved

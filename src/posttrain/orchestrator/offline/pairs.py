@@ -21,10 +21,10 @@ from typing import Any, Protocol
 
 from posttrain.config import RunConfig, save_config
 from posttrain.orchestrator.checkpoint import save_checkpoint
-from posttrain.orchestrator.sft import SFTDataError, batches, jsonl_rows, parse_row
+from posttrain.orchestrator.offline.sft import SFTDataError, batches, jsonl_rows, parse_row
 from posttrain.orchestrator.signals import stop_on_signals
 from posttrain.telemetry import MetricsLogger, Progress, RunDir
-from posttrain.types import Trajectory
+from posttrain.types import Pick, Trajectory
 
 PAIR_STATE = "pairs_state.json"
 PAIRS_FILE = "pairs.json"
@@ -158,14 +158,14 @@ async def asample_pairs(
         raise PairDataError(
             f"domain '{domain.name}' has no difficulty {bad[0]} (valid: {domain.difficulties})"
         )
-    tasks = [
-        (domain, domain.task(split, levels[i % len(levels)], i // len(levels), seed))
+    picks = [
+        Pick(None, domain, domain.task(split, levels[i % len(levels)], i // len(levels), seed), i)
         for i in range(start, start + n)
     ]
     out = await collect_groups(
         engine,
         tokenizer,
-        tasks,
+        picks,
         samples_per_task,
         sandbox,
         sampling,
@@ -414,8 +414,7 @@ class PairRun:
         """Restore the newest valid checkpoint (trainer state, step, the held-out figures at the start)
         and drop the metrics logged after it; returns ((train, heldout, stats) of the run, warnings
         about corrupt checkpoints skipped). Raises CheckpointError when no checkpoint is usable."""
-        from posttrain.orchestrator.checkpoint import latest_valid
-        from posttrain.orchestrator.state import keep_metrics_until
+        from posttrain.orchestrator.checkpoint import keep_metrics_until, latest_valid
 
         if self.rounds > 1:
             raise PairDataError(

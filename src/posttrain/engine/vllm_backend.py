@@ -70,8 +70,9 @@ class _LoopThread:
         self.thread.join(timeout=10)
 
 
-def engine_args(engine_cfg: Any, model_dir: str, seed: int) -> dict[str, Any]:
-    """vLLM's `AsyncEngineArgs` keywords for `engine_cfg` (sleep mode on, our worker extension)."""
+def engine_args(engine_cfg: Any, model_dir: str, seed: int, *, sleep_mode: bool = True) -> dict[str, Any]:
+    """vLLM's `AsyncEngineArgs` keywords for `engine_cfg` (our worker extension; sleep mode where the
+    platform has it: vLLM refuses it on CPU)."""
     return {
         "model": model_dir,
         "dtype": engine_cfg.resolved_dtype(),
@@ -80,11 +81,12 @@ def engine_args(engine_cfg: Any, model_dir: str, seed: int) -> dict[str, Any]:
         "max_num_seqs": engine_cfg.max_num_seqs,
         "enable_prefix_caching": engine_cfg.enable_prefix_caching,
         "logprobs_mode": "processed_logprobs",
-        "enable_sleep_mode": True,
+        "enable_sleep_mode": sleep_mode,
         "worker_extension_cls": WORKER_EXTENSION,
         "tensor_parallel_size": engine_cfg.tensor_parallel_size,
         "pipeline_parallel_size": engine_cfg.pipeline_parallel_size,
         "gpu_memory_utilization": engine_cfg.gpu_memory_utilization,
+        "enforce_eager": engine_cfg.enforce_eager,
     }
 
 
@@ -96,7 +98,12 @@ class VLLMEngine(Engine):
             import vllm
         except ImportError as err:
             raise ImportError(VLLM_MISSING) from err
+        from vllm.platforms import current_platform
+
         self._vllm = vllm
+        # vLLM's CPU platform has no sleep mode (it refuses the engine argument): release_kv_cache there
+        # only empties the prefix cache, and the KV pool (VLLM_CPU_KVCACHE_SPACE) stays allocated
+        self.sleep_mode = bool(current_platform.is_sleep_mode_available())
         self.tokenizer = tokenizer
         self.max_model_len = engine_cfg.max_model_len
         self.vocab_size = model.config.vocab_size
@@ -109,12 +116,16 @@ class VLLMEngine(Engine):
         self._dir = tempfile.TemporaryDirectory(prefix="posttrain-vllm-")
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self._weights_dir = tempfile.TemporaryDirectory(prefix="posttrain-vllm-weights-", dir=shm)
+        # the model's weights as vLLM loads them, kept to complete partial pushes (see load_weights)
+        self._state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
         model.save_pretrained(self._dir.name)
         tokenizer.save_pretrained(self._dir.name)
         self._asleep: set[str] = set()
         self._bg = _LoopThread()
         self._wake_lock: asyncio.Lock | None = None
-        self.llm = self._bg.run(self._build(engine_args(engine_cfg, self._dir.name, seed)))
+        self.llm = self._bg.run(
+            self._build(engine_args(engine_cfg, self._dir.name, seed, sleep_mode=self.sleep_mode))
+        )
 
     async def _build(self, kwargs: dict[str, Any]) -> Any:
         from vllm import AsyncEngineArgs
@@ -192,11 +203,19 @@ class VLLMEngine(Engine):
         weights: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
         version: int | None = None,
     ) -> None:
+        """Copy HF-named weights into every worker; a name the model does not have or a shape that differs
+        from the model's is refused (ValueError) before anything is sent, and the engine keeps serving the
+        weights it had. The workers get the whole model every time (this copy, updated): vLLM reloads a
+        fused layer (q/k/v, gate/up) from all of its parts, so a push of some of them must bring the rest."""
         from safetensors.torch import save_file
 
         items = weights.items() if isinstance(weights, dict) else weights
-        state = {k.removeprefix("base_model.model."): v.detach().to("cpu").contiguous() for k, v in items}
+        update = {k.removeprefix("base_model.model."): v for k, v in items}
+        check_update(update, self._state)
         new_version = self.version + 1 if version is None else int(version)
+        state = dict(self._state)
+        for k, v in update.items():
+            state[k] = v.detach().to(device="cpu", dtype=self._state[k].dtype).contiguous()
         path = os.path.join(self._weights_dir.name, f"weights-{new_version}.safetensors")
         save_file(
             state,
@@ -208,23 +227,28 @@ class VLLMEngine(Engine):
             self._bg.run(self._push(path, new_version, len(state)))
         finally:
             os.remove(path)
+        self._state = state
         self.version = new_version
 
     async def _push(self, path: str, version: int, n: int) -> None:
-        await self._wake(
-            ("weights",)
-        )  # level-1 sleep moved the weights to host memory: bring them back first
+        # level-1 sleep moved the weights to host memory: bring them back first
+        await self._wake(("weights",))
         results = await self.llm.collective_rpc("posttrain_load_weights", args=(path, version))
         bad = [r for r in results if r != {"version": version, "tensors": n}]
         if bad:
             raise RuntimeError(
                 f"weight push of version {version} ({n} tensors) not applied by every worker: {bad}"
             )
-        await self.llm.reset_prefix_cache()
+        # vLLM keeps the prefix cache while requests run (False): those are then recomputed
+        if not await self.llm.reset_prefix_cache():
+            await self.llm.reset_prefix_cache(reset_running_requests=True)
 
     def release_kv_cache(self) -> None:
-        """vLLM's sleep mode level 1: the KV cache is dropped and the weights go to host memory."""
-        if not self._asleep:
+        """vLLM's sleep mode level 1: the KV cache is dropped and the weights go to host memory. Without
+        sleep mode (vLLM on CPU): the prefix cache is emptied, so the next step starts cold."""
+        if not self.sleep_mode:
+            self._bg.run(self.llm.reset_prefix_cache())
+        elif not self._asleep:
             self._bg.run(self.llm.sleep(level=1))
             self._asleep = set(SLEEP_TAGS)
 
@@ -233,6 +257,23 @@ class VLLMEngine(Engine):
         self._bg.stop()
         self._dir.cleanup()
         self._weights_dir.cleanup()
+
+
+def check_update(update: dict[str, torch.Tensor], current: dict[str, torch.Tensor]) -> None:
+    """Raise ValueError for a pushed name the model does not have or a shape that differs from its own."""
+    unknown = sorted(k for k in update if k not in current)
+    if unknown:
+        raise ValueError(
+            f"weight push names {len(unknown)} tensor(s) the model does not have: {', '.join(unknown[:5])}; "
+            "refused, nothing loaded"
+        )
+    wrong = [
+        f"{k} {tuple(v.shape)} (the model's: {tuple(current[k].shape)})"
+        for k, v in update.items()
+        if tuple(v.shape) != tuple(current[k].shape)
+    ]
+    if wrong:
+        raise ValueError(f"weight push has wrong shapes: {'; '.join(wrong[:5])}; refused, nothing loaded")
 
 
 def convert_output(r: GenerationRequest, out: Any, rid: str) -> GenerationOutput:

@@ -49,7 +49,9 @@ def _greedy(engine, prompts, max_tokens=12, top_logprobs=0):
 
 
 def _max_diff(a, b) -> float:
-    return max(abs(x - y) for ca, cb in zip(a, b, strict=True) for x, y in zip(ca.logprobs, cb.logprobs))
+    return max(
+        abs(x - y) for ca, cb in zip(a, b, strict=True) for x, y in zip(ca.logprobs, cb.logprobs, strict=True)
+    )
 
 
 def _assert_same(paged_out, vllm_out):
@@ -107,7 +109,9 @@ def test_a_bad_push_is_refused_and_changes_nothing(engines):
     paged, vllm, model, prompts = engines
     ref, version = _greedy(vllm, prompts), vllm.version
     name = "model.layers.0.self_attn.q_proj.weight"
-    with pytest.raises(ValueError, match=r"wrong shapes: model.layers.0.self_attn.q_proj.weight \(575, 576\)"):
+    with pytest.raises(
+        ValueError, match=r"wrong shapes: model.layers.0.self_attn.q_proj.weight \(575, 576\)"
+    ):
         vllm.load_weights({name: torch.zeros(575, 576)}, version=version + 1)
     with pytest.raises(ValueError, match="does not have: model.layers.0.nope.weight"):
         vllm.load_weights({"model.layers.0.nope.weight": torch.zeros(3)}, version=version + 1)
@@ -116,7 +120,9 @@ def test_a_bad_push_is_refused_and_changes_nothing(engines):
     from safetensors.torch import save_file
 
     path = f"{vllm._weights_dir.name}/stale.safetensors"
-    save_file({name: torch.zeros(576, 576)}, path, metadata={"posttrain_version": "0", "posttrain_tensors": "1"})
+    save_file(
+        {name: torch.zeros(576, 576)}, path, metadata={"posttrain_version": "0", "posttrain_tensors": "1"}
+    )
     with pytest.raises(RuntimeError, match="expected version 99"):
         vllm._bg.run(vllm._push(path, 99, 1))
     assert vllm.version == version

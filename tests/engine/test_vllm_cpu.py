@@ -6,6 +6,7 @@ is not installed (the main .venv)."""
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 
 import pytest
@@ -88,10 +89,12 @@ def test_a_push_gives_exactly_what_the_new_weights_give(engines):
     paged, vllm, model, prompts = engines
     before = _greedy(vllm, prompts)
     gen = torch.Generator().manual_seed(0)
-    new = {
-        k: v + 0.02 * torch.randn(v.shape, generator=gen) if v.ndim == 2 else v
-        for k, v in model.state_dict().items()
-    }
+    moved = copy.deepcopy(model)  # parameters, so the tied embeddings and LM head move together
+    with torch.no_grad():
+        for p in moved.parameters():
+            if p.ndim == 2:
+                p.add_(0.02 * torch.randn(p.shape, generator=gen))
+    new = moved.state_dict()
     paged.load_weights(new, version=1)
     vllm.load_weights(new, version=1)
     assert vllm.version == 1

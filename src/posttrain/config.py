@@ -176,6 +176,11 @@ class EngineConfig(Section):
         description="vllm backend: the share of GPU memory the engine takes (weights and KV cache); the rest "
         "is the colocated Learner's",
     )
+    enforce_eager: bool = Field(
+        False,
+        description="vllm backend: run the model eagerly, without torch.compile or CUDA graphs (vLLM's "
+        "enforce_eager): the engine starts in seconds instead of minutes, and each step is slower",
+    )
     speculative: Literal["none", "ngram", "early_exit"] = Field(
         "none",
         description="paged engine: speculative decoding with exact acceptance (greedy output unchanged, "
@@ -222,6 +227,7 @@ class EngineConfig(Section):
         "tensor_parallel_size",
         "pipeline_parallel_size",
         "gpu_memory_utilization",
+        "enforce_eager",
     )
 
     def vllm_only_settings(self) -> list[str]:

@@ -1,5 +1,6 @@
 """The vLLM adapter's protocol against a stand-in for vLLM's AsyncLLM that enforces what the real
-engine requires (vLLM needs a GPU; `scripts/gpu_smoke.sh` runs the real one): sleep mode enabled when
+engine requires (`tests/engine/test_vllm_cpu.py` runs the real one on CPU, `scripts/gpu_smoke.sh` on CUDA):
+sleep mode enabled when
 sleep is used, nothing loaded into or generated from a sleeping engine, one event loop for every
 caller, weights passed by path (never a pickled dict) and refused when stale."""
 
@@ -39,19 +40,15 @@ class _RequestOut:
     metrics: object = None
 
 
-class _FakeModel:
-    def __init__(self) -> None:
-        self.loaded: dict[str, torch.Tensor] = {}
-
-    def load_weights(self, weights):
-        for name, t in weights:
-            self.loaded[name] = t.clone()
-        return set(self.loaded)
-
-
 class _Worker(WeightLoader):
+    """vLLM's worker as the extension sees it: `reload_weights` (vLLM's in-place reload)."""
+
     def __init__(self) -> None:
-        self.model_runner = types.SimpleNamespace(model=_FakeModel())
+        self.model_runner = types.SimpleNamespace(model=types.SimpleNamespace(loaded={}))
+
+    def reload_weights(self, weights_iterator):
+        for name, t in weights_iterator:
+            self.model_runner.model.loaded[name] = t.clone()
 
 
 @dataclass
@@ -106,8 +103,9 @@ class FakeAsyncLLM:
         self.calls.append(("rpc", method))
         return [getattr(w, method)(*args) for w in self.workers]
 
-    async def reset_prefix_cache(self):
+    async def reset_prefix_cache(self, reset_running_requests=False):
         self.calls.append(("reset_prefix_cache",))
+        return True
 
     def shutdown(self):
         self.calls.append(("shutdown",))
@@ -126,6 +124,8 @@ def fake_vllm(monkeypatch):
     for name in ("vllm.v1", "vllm.v1.engine", "vllm.v1.engine.async_llm"):
         mods[name] = types.ModuleType(name)
     mods["vllm.v1.engine.async_llm"].AsyncLLM = FakeAsyncLLM
+    mods["vllm.platforms"] = types.ModuleType("vllm.platforms")  # a GPU platform: sleep mode available
+    mods["vllm.platforms"].current_platform = types.SimpleNamespace(is_sleep_mode_available=lambda: True)
     for name, mod in mods.items():
         monkeypatch.setitem(sys.modules, name, mod)
     return vllm
@@ -164,7 +164,7 @@ def test_callers_share_one_loop_and_logprobs_are_the_sampled_tokens(engine):
 
 def test_sleep_then_load_weights_wakes_weights_first_and_kv_at_the_next_request(engine):
     engine.release_kv_cache()
-    weights = {"base_model.model.model.norm.weight": torch.full((4,), 2.0), "lm_head.weight": torch.eye(4)}
+    weights = {"base_model.model.model.norm.weight": torch.full((64,), 2.0)}
     engine.load_weights(weights, version=7)
     assert engine.version == 7
     calls = engine.llm.calls
@@ -176,8 +176,9 @@ def test_sleep_then_load_weights_wakes_weights_first_and_kv_at_the_next_request(
     ]
     for w in engine.llm.workers:
         loaded = w.model_runner.model.loaded
-        assert set(loaded) == {"model.norm.weight", "lm_head.weight"}
-        assert torch.equal(loaded["model.norm.weight"], torch.full((4,), 2.0))
+        # the whole model travels (vLLM reloads fused layers from all their parts), the pushed part updated
+        assert set(loaded) == set(load_policy("tiny:llama").state_dict())
+        assert torch.equal(loaded["model.norm.weight"], torch.full((64,), 2.0))
     engine.generate([GenerationRequest([1], SamplingParams(max_tokens=1))])
     assert ("wake_up", ("kv_cache",)) in calls and calls[-1][0] == "generate"
 
@@ -189,23 +190,48 @@ def test_a_stale_or_truncated_weight_file_is_refused(tmp_path):
     save_file({"a": torch.ones(2)}, path, metadata={"posttrain_version": "3", "posttrain_tensors": "1"})
     worker = _Worker()
     assert worker.posttrain_load_weights(path, 3) == {"version": 3, "tensors": 1}
-    with pytest.raises(ValueError, match="expected version 4: refused"):
-        worker.posttrain_load_weights(path, 4)
+    # refusals are returned, not raised: an exception in a worker RPC kills vLLM's engine process
+    assert "expected version 4" in worker.posttrain_load_weights(path, 4)["refused"]
     save_file({"a": torch.ones(2)}, path, metadata={"posttrain_version": "5", "posttrain_tensors": "2"})
-    with pytest.raises(ValueError, match="declared '2'"):
-        worker.posttrain_load_weights(path, 5)
+    assert "declared '2'" in worker.posttrain_load_weights(path, 5)["refused"]
+    with open(path, "r+b") as f:
+        f.truncate(40)
+    assert "unreadable" in worker.posttrain_load_weights(path, 5)["refused"]
+    assert worker.model_runner.model.loaded["a"].tolist() == [1.0, 1.0]  # only the first, good file loaded
 
 
 def test_a_push_not_applied_by_every_worker_raises_and_keeps_the_version(engine, monkeypatch):
-    engine.load_weights({"lm_head.weight": torch.eye(4)}, version=1)
+    engine.load_weights({"model.norm.weight": torch.ones(64)}, version=1)
 
     def broken(path, version):
         return {"version": version - 1, "tensors": 1}
 
     monkeypatch.setattr(engine.llm.workers[1], "posttrain_load_weights", broken)
     with pytest.raises(RuntimeError, match="not applied by every worker"):
-        engine.load_weights({"lm_head.weight": torch.eye(4)}, version=2)
+        engine.load_weights({"model.norm.weight": torch.ones(64)}, version=2)
     assert engine.version == 1
+
+
+def test_a_push_of_an_unknown_name_or_a_wrong_shape_is_refused_before_it_is_sent(engine):
+    with pytest.raises(ValueError, match="does not have: model.nope"):
+        engine.load_weights({"model.nope": torch.ones(64)}, version=1)
+    with pytest.raises(ValueError, match=r"model.norm.weight \(63,\) \(the model's: \(64,\)\)"):
+        engine.load_weights({"model.norm.weight": torch.ones(63)}, version=1)
+    assert engine.version == 0 and not any(c[0] == "rpc" for c in engine.llm.calls)
+
+
+def test_without_sleep_mode_release_kv_cache_only_empties_the_prefix_cache(fake_vllm, monkeypatch):
+    platforms = sys.modules["vllm.platforms"]
+    monkeypatch.setattr(platforms.current_platform, "is_sleep_mode_available", lambda: False)
+    cfg = load_config(None, ["model.spec=tiny:llama", "engine.backend=vllm"])
+    eng = make_engine(cfg.engine, load_policy("tiny:llama"), load_tokenizer("tiny:llama"))
+    try:
+        assert eng.llm.args["enable_sleep_mode"] is False  # vLLM refuses it on CPU
+        eng.release_kv_cache()
+        assert eng.llm.calls == [("reset_prefix_cache",)]
+        eng.generate([GenerationRequest([1], SamplingParams(max_tokens=1))])
+    finally:
+        eng.close()
 
 
 def test_vllm_only_keys_are_refused_on_the_paged_engine():

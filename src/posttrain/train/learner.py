@@ -1,12 +1,9 @@
-"""The Learner: the RL step on a batch, over parts built (train/parts.py) and optimizers built from
-them (train/optim.py).
+"""The Learner: owns the parts (built in train/parts.py, split by a `ParallelPlan`), the optimizers
+built from them (train/optim.py), the loss terms (train/terms.py) and the counters, and runs the
+forward passes over them.
 
-`step(samples)` is `prepare` then `update`. `prepare` computes everything the update reads, all
-together: old/reference logprobs, values, token rewards (with the KL folded in if asked), advantages
-through the `posttrain.algos` registry, importance corrections against the engine's behaviour logprobs
-(or marks the old logprobs as the training forward's own: single pass). `update` runs mini-batches x
-PPO epochs of token-budgeted micro-batches, summing the loss terms it is handed (train/terms.py) with
-gradient accumulation, clipping and the LR schedule. SFT and preference steps are term sets in
+`step(samples)` is `prepare` then `update` (train/update.py): everything the update reads computed
+together, then the micro-batch loop summing the terms. SFT and preference steps are term sets in
 train/offline.py; replay terms in train/replay.py. Knows nothing about environments.
 """
 
@@ -14,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,28 +18,25 @@ from torch import Tensor
 
 from posttrain.algos import (
     AdvantageOutput,
-    aggregation_weights,
     get_advantage,
     kl_estimate,
     make_kl_controller,
     masked_mean,
     mismatch_metrics,
-    ratio_mask,
-    tis_weights,
 )
 from posttrain.config import AlgorithmConfig, BatchConfig, ModelConfig, TrainerConfig, check_critic
 from posttrain.train import offline
+from posttrain.train import update as update_phase
 from posttrain.train.batch import (
     Batch,
     ModelInputs,
     Sample,
     build_batch,
-    last_token_index,
     make_inputs,
     plan_micro_batches,
     plan_shared_micro_batches,
 )
-from posttrain.train.distributed import ParallelPlan, full_value
+from posttrain.train.distributed import ParallelPlan
 from posttrain.train.forward import (
     Targets,
     causal_lm,
@@ -64,7 +57,8 @@ from posttrain.train.optim import (
 )
 from posttrain.train.parts import CRITIC_CHOICES, build_parts, group_rank, learner_device
 from posttrain.train.replay import REPLAY_TERMS
-from posttrain.train.terms import EntropyTerm, LossInputs, add_terms, critic_terms, policy_terms
+from posttrain.train.terms import EntropyTerm, critic_terms, policy_terms
+from posttrain.train.update import PreparedBatch
 from posttrain.train.weights import WeightUpdate, lora_base, lora_update
 
 # built in parts.py and optim.py; importable from here as before
@@ -79,21 +73,6 @@ __all__ = [
 ]
 
 
-@dataclass
-class PreparedBatch:
-    """What `prepare` computed for a batch: `batch` with old_logprobs (unless `old_from_forward`),
-    ref_logprobs (when a KL is taken), old_values (with a critic), advantages, returns, and the
-    importance corrections set; nothing is filled in later."""
-
-    batch: Batch
-    advantage: AdvantageOutput
-    old_from_forward: bool  # single pass: each micro-batch's old logprobs are its training forward's
-    use_kl: bool
-    replay: Batch | None = None
-    kl: float | None = None  # the batch's KL from the reference, when known before the update
-    prepare_s: float = 0.0
-
-
 class Learner:
     """Owns the trainable policy, the critic, the reference, their optimizers and the loss terms (see the
     module doc). Implements `train.protocol.LearnerProtocol`."""
@@ -102,7 +81,7 @@ class Learner:
         self,
         model_cfg: ModelConfig,
         trainer_cfg: TrainerConfig,
-        algo_cfg: AlgorithmConfig,
+        algo_cfg: AlgorithmConfig | None = None,
         seed: int = 0,
         model: Any = None,
         critic_model: Any = None,
@@ -110,7 +89,8 @@ class Learner:
         keep_reference: bool = False,
         plan: ParallelPlan | None = None,
     ) -> None:
-        """`keep_reference`: full fine-tuning keeps a frozen copy of the initial policy even when
+        """`algo_cfg`: the RL step's (None: its defaults; the SFT and preference steps read none of it).
+        `keep_reference`: full fine-tuning keeps a frozen copy of the initial policy even when
         algorithm.kl_coef is 0 (preference losses compare with it; so does a replay term that needs it);
         LoRA's reference is always the base. The parts go to trainer.device (`learner_device`; this
         process's rank in an initialised torch.distributed group picks its GPU). `plan`: how the parts
@@ -118,6 +98,7 @@ class Learner:
         `ParallelPlan.of(trainer)`); by default only context parallelism, when it is the only split."""
         from posttrain.train.terms import policy_loss_term
 
+        algo_cfg = algo_cfg if algo_cfg is not None else AlgorithmConfig()
         self.model_cfg, self.trainer_cfg, self.algo_cfg, self.seed = model_cfg, trainer_cfg, algo_cfg, seed
         self.batch_cfg = batch_cfg if batch_cfg is not None else BatchConfig()
         get_advantage(algo_cfg.advantage)  # fail early on unknown names
@@ -420,70 +401,8 @@ class Learner:
         return metrics
 
     def prepare(self, samples: list[Sample], replay: list[Sample] | None = None) -> PreparedBatch:
-        """Everything the update reads, computed together before it: old logprobs (or, in single pass,
-        the mark that the training forward gives them), reference logprobs under a KL, the critic's
-        values, token rewards (the outcome on the last generated token, minus the KL when folded in),
-        advantages and returns, the ratio mask and truncated importance weights."""
-        t0 = time.perf_counter()
-        a = self.algo_cfg
-        if replay and self.dp is not None:
-            raise ValueError(
-                "algorithm.replay_fraction > 0 is not available with a data-parallel learner: the replay "
-                "term is computed on one process"
-            )
-        if replay and self.replay_term.one_process and (self.cp is not None or self.tp is not None):
-            raise ValueError(
-                f"algorithm.replay_loss={a.replay_loss} is computed on one process's whole vocabulary and "
-                "sequence: not with trainer.context_parallel or tensor_parallel > 1; use replay_loss=nll"
-            )
-        batch = build_batch(samples, self.device)
-        if self.moe is not None:
-            self.moe.check_rollouts(batch)
-        replay_batch = build_batch(replay, self.device) if replay else None
-        mask = batch.loss_mask
-        use_kl = self.kl_ctl.value > 0
-        single_pass = self.single_pass(use_kl)
-        if not single_pass:
-            batch.old_logprobs = self.compute_logprobs(batch)
-        if use_kl:
-            batch.ref_logprobs = self.compute_ref_logprobs(batch)
-        if self.critic is not None:
-            batch.old_values = self.compute_values(batch)
-
-        token_rewards = torch.zeros_like(mask)
-        token_rewards[torch.arange(batch.size, device=self.device), last_token_index(mask)] = batch.rewards
-        kl = None
-        if use_kl and not single_pass:
-            assert batch.old_logprobs is not None and batch.ref_logprobs is not None
-            kl_tok = kl_estimate(batch.old_logprobs, batch.ref_logprobs, a.kl_estimator) * mask
-            kl = float(masked_mean(kl_tok, mask).item())
-            if a.kl_in_reward:
-                token_rewards = token_rewards - self.kl_ctl.value * kl_tok
-        adv = get_advantage(a.advantage)(
-            token_rewards,
-            mask,
-            batch.group_ids,
-            values=batch.old_values,
-            gamma=a.gamma,
-            lam=a.lam,
-            normalize_std=a.normalize_std,
-        )
-        batch.advantages, batch.returns = adv.advantages, adv.returns
-        if not single_pass:  # importance correction: behaviour (engine, maybe stale) -> learner
-            assert batch.old_logprobs is not None
-            batch.policy_mask = ratio_mask(
-                batch.old_logprobs,
-                batch.behavior_logprobs,
-                mask,
-                a.mask_ratio_low,
-                a.mask_ratio_high,
-                a.tis_level,
-            )
-            if a.tis_cap is not None:
-                batch.is_weights = tis_weights(
-                    batch.old_logprobs, batch.behavior_logprobs, mask, a.tis_cap, a.tis_level
-                )
-        return PreparedBatch(batch, adv, single_pass, use_kl, replay_batch, kl, time.perf_counter() - t0)
+        """Everything the update reads, computed together before it (train/update.py `prepare`)."""
+        return update_phase.prepare(self, samples, replay)
 
     def single_pass(self, use_kl: bool | None = None) -> bool:
         """Whether `prepare` takes the old logprobs from the training forward: one optimizer step over
@@ -532,159 +451,7 @@ class Learner:
         return self._update(prepared)[0]
 
     def _update(self, prepared: PreparedBatch) -> tuple[dict[str, float], Tensor | None]:
-        """(metrics, the training forward's detached logprobs where they are the old ones, else None)."""
-        batch, replay = prepared.batch, prepared.replay
-        if self.critic is not None and (batch.returns is None or batch.old_values is None):
-            raise ValueError("update() with a critic needs batch.returns and batch.old_values")
-        if self.optimizer_offloaded:
-            self.reload_optimizer()
-        tc, a = self.trainer_cfg, self.algo_cfg
-        forward_logprobs = torch.zeros_like(batch.loss_mask) if prepared.old_from_forward else None
-        sum_keys = [k for term in (*self.terms, *self.critic_terms) for k in term.sums]
-        t0 = time.perf_counter()
-        sums: dict[str, float] = {}
-        counts: dict[str, float] = {}
-        local_sums: dict[
-            str, float
-        ] = {}  # per micro-batch: this rank's share (reduced over ranks at the end)
-        local_counts: dict[str, float] = {}
-
-        def add(key: str, value: float, weight: float = 1.0) -> None:
-            sums[key] = sums.get(key, 0.0) + value * weight
-            counts[key] = counts.get(key, 0.0) + weight
-
-        cells = tokens = computed = 0  # positions run (padding included), sequence tokens, real positions run
-        ratio_max = 1.0
-        self.model.train()
-        if self.critic is not None:
-            self.critic.train()
-        try:
-            for _ in range(self.batch_cfg.ppo_epochs):
-                perm = torch.randperm(batch.size, generator=self.generator).tolist()
-                n_mini = min(self.batch_cfg.mini_batches, batch.size)
-                bounds = [round(i * batch.size / n_mini) for i in range(n_mini + 1)]
-                for k in range(n_mini):
-                    mb_rows = perm[bounds[k] : bounds[k + 1]]
-                    mb = batch.select(mb_rows)
-                    w_pol = aggregation_weights(mb.train_mask, a.loss_agg, a.loss_norm_tokens)
-                    w_tok = aggregation_weights(mb.loss_mask, "token_mean")
-                    lr = self._set_lr()
-                    for opt in self.optimizers.all():
-                        opt.zero_grad(set_to_none=True)
-                    mb_sums = dict.fromkeys(sum_keys, 0.0)
-                    micro = self._micro_batches(mb)
-                    shares = [(m, 1.0) for m in micro] if self.dp is None else self.dp.share(micro)
-                    for (rows, prefix), scale in shares:
-                        counted = scale > 0  # a weight-0 repeat only keeps the ranks' collectives in step
-                        mi = self._select(mb, rows, prefix)
-                        width = mi.token_ids.shape[1]
-                        ridx = torch.as_tensor(rows, device=self.device)
-                        inputs = self._inputs(mi) if (prefix == 0 or self.critic is not None) else None
-                        seq_tokens = int(mi.lengths.sum().item()) if counted else 0
-                        tokens += seq_tokens
-                        if counted and prefix > 0:  # the prefix once, then every row's suffix, unpadded
-                            run = seq_tokens - (mi.size - 1) * prefix
-                            computed, cells = computed + run, cells + run
-                        elif counted:
-                            assert inputs is not None
-                            computed += inputs.tokens
-                            cells += inputs.cells
-                        lp, ent = self._policy_forward(self.model, mi, mi.loss_mask, inputs)
-                        x = LossInputs(
-                            logprobs=lp,
-                            weights=w_pol[ridx, :width],
-                            loss_mask=mi.loss_mask,
-                            entropy=ent,
-                            mask=mi.train_mask,
-                            old_logprobs=mi.old_logprobs,
-                            ref_logprobs=mi.ref_logprobs,
-                            behavior_logprobs=mi.behavior_logprobs,
-                            advantages=mi.advantages,
-                            is_weights=mi.is_weights,
-                            token_weights=w_tok[ridx, :width],
-                            old_values=mi.old_values,
-                            returns=mi.returns,
-                            token_share=float(mi.lengths.sum()) / float(mb.lengths.sum()),
-                            grad_scale=scale,
-                        )
-                        if forward_logprobs is not None:  # single pass: the old policy is this forward's
-                            x.old_logprobs = lp.detach().to(batch.loss_mask.dtype)
-                            brows = torch.as_tensor([mb_rows[r] for r in rows], device=self.device)
-                            forward_logprobs[brows, :width] = x.old_logprobs
-                            if a.tis_cap is not None:
-                                x.is_weights = tis_weights(
-                                    x.old_logprobs, mi.behavior_logprobs, mi.loss_mask, a.tis_cap, a.tis_level
-                                )
-                        loss, results = add_terms(self.terms, x)
-                        assert loss is not None
-                        (loss if scale == 1.0 else loss * scale).backward()
-                        if self.critic_terms:  # a weight-0 repeat too: a sharded critic's collectives
-                            x.values = self.value_forward(mi, mi.loss_mask, inputs)
-                            critic_loss, critic_results = add_terms(self.critic_terms, x)
-                            assert critic_loss is not None
-                            critic_loss.backward()
-                            results += critic_results
-                        if not counted:
-                            continue
-                        for r in results:
-                            for key, v in r.sums.items():
-                                mb_sums[key] += v
-                            for key, (v, w) in r.means.items():
-                                local_sums[key] = local_sums.get(key, 0.0) + v * w
-                                local_counts[key] = local_counts.get(key, 0.0) + w
-                            ratio_max = max(ratio_max, r.maxima.get("ratio_max", ratio_max))
-                    if replay is not None:
-                        r_rows = list(
-                            range(round(k * replay.size / n_mini), round((k + 1) * replay.size / n_mini))
-                        )
-                        if r_rows:
-                            sub = replay.select(r_rows)
-                            term = self.replay_term.backward(self, sub, a.replay_coef)
-                            add(self.replay_term.metric, term, float(sub.loss_mask.sum().item()))
-                    if self.dp is not None:
-                        mb_sums = dict(zip(mb_sums, self.dp.sum_(list(mb_sums.values())), strict=True))
-                    grad_norm = self._clip_grad_norm(tc.max_grad_norm)
-                    self.optimizer.step()
-                    if self.critic is not None and self.critic_optimizer is not None:
-                        critic_params = list(self.critic.parameters())
-                        add(
-                            "critic_grad_norm",
-                            full_value(self._clip_grad_norm(tc.max_grad_norm, critic_params)),
-                        )
-                        self.critic_optimizer.step()
-                    self.optimizer_steps += 1
-                    for key, v in mb_sums.items():
-                        add(key, v)
-                    add("grad_norm", full_value(grad_norm))
-                    add("lr", lr)
-        finally:
-            self.model.eval()
-            if self.critic is not None:
-                self.critic.eval()
-        if self.dp is not None:
-            local_sums, local_counts = self.dp.reduce_weighted(local_sums, local_counts)
-            tokens, computed, cells = (int(x) for x in self.dp.sum_([tokens, computed, cells]))
-            ratio_max = self.dp.max_(ratio_max)
-        for k, v in local_sums.items():
-            sums[k] = sums.get(k, 0.0) + v
-            counts[k] = counts.get(k, 0.0) + local_counts[k]
-        wall = time.perf_counter() - t0
-        out_metrics = {k: (sums[k] / counts[k] if counts.get(k) else sums[k]) for k in sums}
-        if "policy_loss" in out_metrics:
-            out_metrics["loss"] = out_metrics.pop("policy_loss")
-        if replay is not None:
-            out_metrics["replay_tokens"] = float(replay.loss_mask.sum().item())
-            out_metrics["replay_sequences"] = float(replay.size)
-        out_metrics.update(
-            ratio_max=ratio_max,
-            update_s=wall,
-            update_tokens=float(tokens),
-            update_tokens_per_s=tokens / wall if wall > 0 else 0.0,
-            padding_frac=1.0 - computed / cells if cells else 0.0,
-            shared_prefix_frac=1.0 - computed / tokens if tokens else 0.0,
-            optimizer_steps=float(self.optimizer_steps),
-        )
-        return out_metrics, forward_logprobs
+        return update_phase.update(self, prepared)
 
     # ------------------------------------------------------------------------------------------
     # supervised and preference steps (train/offline.py)

@@ -564,6 +564,9 @@ PolicyLossConfig = Annotated[
 ]
 
 
+OLD_GSPO_DEFAULTS = {"gspo_clip_low": 3e-4, "gspo_clip_high": 4e-4}  # flat keys of old, now GSPO's config
+
+
 class AlgorithmConfig(Section):
     advantage: str = "grpo"
     policy_loss: PolicyLossConfig = Field(
@@ -649,6 +652,19 @@ class AlgorithmConfig(Section):
         from posttrain.algos import list_advantages
 
         return _registered("advantage estimator", v, list_advantages())
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_dumped_gspo_defaults(cls, data: Any) -> Any:
+        """Every config saved before policy-loss configs (a run's config.yaml) holds gspo_clip_low/high at
+        their defaults, which are GspoLossConfig's: those are dropped so the run resumes as it was. Any
+        other value is refused by the section ("moved to algorithm.policy_loss.clip_low")."""
+        if isinstance(data, dict) and any(k in data for k in OLD_GSPO_DEFAULTS):
+            data = dict(data)
+            for key, default in OLD_GSPO_DEFAULTS.items():
+                if key in data and data[key] == default:
+                    del data[key]
+        return data
 
     @field_validator("policy_loss", mode="before")
     @classmethod

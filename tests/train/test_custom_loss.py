@@ -109,3 +109,14 @@ def test_estimators_declare_whether_they_need_values():
     assert [name for name in list_advantages() if needs_values(name)] == ["gae"]
     with pytest.raises(ValueError, match="algorithm.advantage=gae needs a value function"):
         load_config(None, ["algorithm.advantage=gae"])
+
+
+def test_a_config_saved_before_policy_loss_configs_loads_as_it_ran(tmp_path):
+    """An old run's config.yaml dumped gspo_clip_low/high at their defaults: it loads (and resumes) as is."""
+    import yaml
+
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        yaml.safe_dump({"algorithm": {"policy_loss": "gspo", "gspo_clip_low": 3e-4, "gspo_clip_high": 4e-4}})
+    )
+    assert load_config(path).algorithm.policy_loss == GspoLossConfig()

@@ -209,16 +209,12 @@ def read_learner_state(directory: str | Path) -> tuple[dict[str, Any], dict[str,
 def sections_of(meta: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """(trainer, algorithm, batch) of a learner.json. One written before the batch section existed holds
     the batch sizes under trainer and algorithm: they are moved to their batch names (config.MOVED_KEYS).
-    One written before policy-loss configs holds GSPO's clip range flat (gspo_clip_low/high): it moves
-    into algorithm.policy_loss when that is gspo, and is dropped otherwise (no other loss read it)."""
+    (One written before policy-loss configs holds GSPO's clip range flat at its defaults: AlgorithmConfig
+    drops those.)"""
     from posttrain.config import MOVED_KEYS
 
     sections = {"trainer": dict(meta["trainer"]), "algorithm": dict(meta["algorithm"])}
     batch = dict(meta.get("batch", {}))
-    algorithm = sections["algorithm"]
-    gspo = {k: algorithm.pop(f"gspo_{k}") for k in ("clip_low", "clip_high") if f"gspo_{k}" in algorithm}
-    if gspo and algorithm.get("policy_loss", "ppo_clip") == "gspo":
-        algorithm["policy_loss"] = {"type": "gspo", **gspo}
     for old, new in MOVED_KEYS.items():
         section, key = old.split(".")
         if section in sections and key in sections[section] and new.startswith("batch."):

@@ -57,7 +57,7 @@ from posttrain.train.optim import (
 )
 from posttrain.train.parts import CRITIC_CHOICES, build_parts, group_rank, learner_device
 from posttrain.train.replay import REPLAY_TERMS
-from posttrain.train.terms import EntropyTerm, critic_terms, policy_terms
+from posttrain.train.terms import EntropyTerm, critic_terms, policy_loss_term, policy_terms
 from posttrain.train.update import PreparedBatch
 from posttrain.train.weights import WeightUpdate, lora_base, lora_update
 
@@ -96,8 +96,6 @@ class Learner:
         process's rank in an initialised torch.distributed group picks its GPU). `plan`: how the parts
         are split before the optimizers are built from them (a rank of a learner group passes
         `ParallelPlan.of(trainer)`); by default only context parallelism, when it is the only split."""
-        from posttrain.train.terms import policy_loss_term
-
         algo_cfg = algo_cfg if algo_cfg is not None else AlgorithmConfig()
         self.model_cfg, self.trainer_cfg, self.algo_cfg, self.seed = model_cfg, trainer_cfg, algo_cfg, seed
         self.batch_cfg = batch_cfg if batch_cfg is not None else BatchConfig()

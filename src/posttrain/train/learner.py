@@ -25,8 +25,6 @@ from posttrain.algos import (
     mismatch_metrics,
 )
 from posttrain.config import AlgorithmConfig, BatchConfig, ModelConfig, TrainerConfig, check_critic
-from posttrain.train import offline
-from posttrain.train import update as update_phase
 from posttrain.train.batch import (
     Batch,
     ModelInputs,
@@ -46,6 +44,7 @@ from posttrain.train.forward import (
     select_targets,
     shared_prefix_hidden,
 )
+from posttrain.train.offline import preference_eval, preference_step, sft_loss, sft_step
 from posttrain.train.optim import (
     OptimizerFactory,
     Optimizers,
@@ -58,7 +57,7 @@ from posttrain.train.optim import (
 from posttrain.train.parts import CRITIC_CHOICES, build_parts, group_rank, learner_device
 from posttrain.train.replay import REPLAY_TERMS
 from posttrain.train.terms import EntropyTerm, critic_terms, policy_loss_term, policy_terms
-from posttrain.train.update import PreparedBatch
+from posttrain.train.update import PreparedBatch, prepare_batch, run_update
 from posttrain.train.weights import WeightUpdate, lora_base, lora_update
 
 # built in parts.py and optim.py; importable from here as before
@@ -399,8 +398,8 @@ class Learner:
         return metrics
 
     def prepare(self, samples: list[Sample], replay: list[Sample] | None = None) -> PreparedBatch:
-        """Everything the update reads, computed together before it (train/update.py `prepare`)."""
-        return update_phase.prepare(self, samples, replay)
+        """Everything the update reads, computed together before it (train/update.py `prepare_batch`)."""
+        return prepare_batch(self, samples, replay)
 
     def single_pass(self, use_kl: bool | None = None) -> bool:
         """Whether `prepare` takes the old logprobs from the training forward: one optimizer step over
@@ -449,7 +448,7 @@ class Learner:
         return self._update(prepared)[0]
 
     def _update(self, prepared: PreparedBatch) -> tuple[dict[str, float], Tensor | None]:
-        return update_phase.update(self, prepared)
+        return run_update(self, prepared)
 
     # ------------------------------------------------------------------------------------------
     # supervised and preference steps (train/offline.py)
@@ -461,12 +460,12 @@ class Learner:
 
         Metrics: loss (the NLL before the step), tokens (trained on), sequences, sequence_tokens,
         grad_norm, lr, update_tokens_per_s, step_s, optimizer_steps, version."""
-        return offline.sft_step(self, samples)
+        return sft_step(self, samples)
 
     def sft_loss(self, samples: list[Sample]) -> dict[str, float]:
         """The token-mean NLL (temperature 1) of `samples`' loss-masked tokens, without training:
         {"loss", "tokens", "sequences"}."""
-        return offline.sft_loss(self, samples)
+        return sft_loss(self, samples)
 
     def preference_step(
         self, chosen: list[Sample], rejected: list[Sample], loss: str, **params: Any
@@ -479,13 +478,13 @@ class Learner:
         Metrics: loss, chosen_reward, rejected_reward, margin (their mean gap), accuracy (share of pairs
         whose chosen response has the higher implicit reward), pairs, tokens, grad_norm, lr, step_s,
         optimizer_steps, version. The figures are of the policy before the step."""
-        return offline.preference_step(self, chosen, rejected, loss, params)
+        return preference_step(self, chosen, rejected, loss, params)
 
     def preference_eval(
         self, chosen: list[Sample], rejected: list[Sample], loss: str, **params: Any
     ) -> dict[str, float]:
         """`preference_step`'s loss, rewards, margin and accuracy on the pairs, without training."""
-        return offline.preference_eval(self, chosen, rejected, loss, params)
+        return preference_eval(self, chosen, rejected, loss, params)
 
     # ------------------------------------------------------------------------------------------
     # weights, images and state

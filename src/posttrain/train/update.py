@@ -1,6 +1,6 @@
-"""The RL step's two phases over a Learner's parts: `prepare` (everything the update reads, computed
+"""The RL step's two phases over a Learner's parts: `prepare_batch` (everything the update reads, computed
 together before it: old/reference logprobs, values, token rewards, advantages, importance corrections)
-and `update` (mini-batches x PPO epochs of token-budgeted micro-batches, summing the loss terms the
+and `run_update` (mini-batches x PPO epochs of token-budgeted micro-batches, summing the loss terms the
 Learner holds, with gradient accumulation, clipping and the LR schedule). Single pass is one way of
 preparing: the old logprobs are marked as the training forward's own. The Learner owns the state.
 """
@@ -30,7 +30,7 @@ from posttrain.train.terms import LossInputs, add_terms
 
 @dataclass
 class PreparedBatch:
-    """What `prepare` computed for a batch: `batch` with old_logprobs (unless `old_from_forward`),
+    """What `prepare_batch` computed for a batch: `batch` with old_logprobs (unless `old_from_forward`),
     ref_logprobs (when a KL is taken), old_values (with a critic), advantages, returns, and the
     importance corrections set; nothing is filled in later."""
 
@@ -43,7 +43,7 @@ class PreparedBatch:
     prepare_s: float = 0.0
 
 
-def prepare(learner: Any, samples: list[Sample], replay: list[Sample] | None = None) -> PreparedBatch:
+def prepare_batch(learner: Any, samples: list[Sample], replay: list[Sample] | None = None) -> PreparedBatch:
     """Everything the update reads, computed together before it: old logprobs (or, in single pass,
     the mark that the training forward gives them), reference logprobs under a KL, the critic's
     values, token rewards (the outcome on the last generated token, minus the KL when folded in),
@@ -110,7 +110,7 @@ def prepare(learner: Any, samples: list[Sample], replay: list[Sample] | None = N
     return PreparedBatch(batch, adv, single_pass, use_kl, replay_batch, kl, time.perf_counter() - t0)
 
 
-def update(learner: Any, prepared: PreparedBatch) -> tuple[dict[str, float], Tensor | None]:
+def run_update(learner: Any, prepared: PreparedBatch) -> tuple[dict[str, float], Tensor | None]:
     """(metrics, the training forward's detached logprobs where they are the old ones, else None)."""
     batch, replay = prepared.batch, prepared.replay
     if learner.critic is not None and (batch.returns is None or batch.old_values is None):

@@ -12,7 +12,7 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -531,9 +531,55 @@ class BatchConfig(Section):
     )
 
 
+class PpoClipLossConfig(Section):
+    """algorithm.policy_loss of type ppo_clip: its token-ratio clip range is algorithm.clip_low/clip_high
+    (kept there, where every config already sets it) and its dual clip algorithm.dual_clip."""
+
+    type: Literal["ppo_clip"] = "ppo_clip"
+
+
+class GspoLossConfig(Section):
+    """algorithm.policy_loss of type gspo: the clipped surrogate on the sequence ratio, with GSPO's own
+    (1e-4-sized) clip range; the dual clip is algorithm.dual_clip."""
+
+    type: Literal["gspo"] = "gspo"
+    clip_low: float = Field(3e-4, ge=0.0, description="sequence-ratio clip below, 1 - clip_low")
+    clip_high: float = Field(4e-4, ge=0.0, description="sequence-ratio clip above, 1 + clip_high")
+
+
+class CustomLossConfig(Section):
+    """algorithm.policy_loss of type custom: a policy-loss term class loaded by import path
+    (`pkg.module:Class`), built as `Class(**kwargs)`; it is called like the registered terms
+    (train/terms.py: `term(inputs: LossInputs) -> TermResult`)."""
+
+    type: Literal["custom"] = "custom"
+    path: str = Field(..., description="'package.module:Class' of the term")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of Class")
+
+    @field_validator("path")
+    @classmethod
+    def _module_and_name(cls, v: str) -> str:
+        module, _, name = v.partition(":")
+        if not module or not name:
+            raise ValueError(f"custom loss path '{v}' must be 'package.module:Class'")
+        return v
+
+
+PolicyLossConfig = Annotated[
+    PpoClipLossConfig | GspoLossConfig | CustomLossConfig, Field(discriminator="type")
+]
+
+
+OLD_GSPO_DEFAULTS = {"gspo_clip_low": 3e-4, "gspo_clip_high": 4e-4}  # flat keys of old, now GSPO's config
+
+
 class AlgorithmConfig(Section):
     advantage: str = "grpo"
-    policy_loss: str = "ppo_clip"
+    policy_loss: PolicyLossConfig = Field(
+        default_factory=PpoClipLossConfig,
+        description="the policy-loss term: a registered name (ppo_clip, gspo: its default config), "
+        "{type: gspo, clip_low: .., clip_high: ..}, or {type: custom, path: 'pkg.mod:Class', kwargs: {..}}",
+    )
     loss_agg: Literal[
         "token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"
     ] = "token_mean"
@@ -544,11 +590,9 @@ class AlgorithmConfig(Section):
     clip_high: float = Field(
         0.28, ge=0.0, description="ppo_clip: ratio clip above, 1 + clip_high (DAPO's clip-higher)"
     )
-    gspo_clip_low: float = Field(
-        3e-4, ge=0.0, description="gspo: sequence-ratio clip below (GSPO's own range)"
+    dual_clip: float | None = Field(
+        None, gt=1.0, description="ppo_clip and gspo: for A < 0 the loss is at most -A x dual_clip"
     )
-    gspo_clip_high: float = Field(4e-4, ge=0.0, description="gspo: sequence-ratio clip above")
-    dual_clip: float | None = Field(None, gt=1.0)
     kl_coef: float = Field(0.0, ge=0.0)
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     kl_in_reward: bool = False
@@ -615,12 +659,29 @@ class AlgorithmConfig(Section):
 
         return _registered("advantage estimator", v, list_advantages())
 
-    @field_validator("policy_loss")
+    @model_validator(mode="before")
     @classmethod
-    def _known_policy_loss(cls, v: str) -> str:
+    def _drop_dumped_gspo_defaults(cls, data: Any) -> Any:
+        """Every config saved before policy-loss configs (a run's config.yaml) holds gspo_clip_low/high at
+        their defaults, which are GspoLossConfig's: those are dropped so the run resumes as it was. Any
+        other value is refused by the section ("moved to algorithm.policy_loss.clip_low")."""
+        if isinstance(data, dict) and any(k in data for k in OLD_GSPO_DEFAULTS):
+            data = dict(data)
+            for key, default in OLD_GSPO_DEFAULTS.items():
+                if key in data and data[key] == default:
+                    del data[key]
+        return data
+
+    @field_validator("policy_loss", mode="before")
+    @classmethod
+    def _known_policy_loss(cls, v: Any) -> Any:
+        """A plain registered name (today's form, `policy_loss: gspo`) is that type's default config."""
         from posttrain.algos import list_policy_losses
 
-        return _registered("policy loss", v, list_policy_losses())
+        name = v if isinstance(v, str) else v.get("type") if isinstance(v, dict) else None
+        if isinstance(name, str) and name != "custom":
+            _registered("policy loss", name, list_policy_losses())
+        return {"type": v} if isinstance(v, str) else v
 
 
 class MoeTrainConfig(Section):
@@ -1111,10 +1172,7 @@ class RunConfig(Section):
         if self.algorithm.loss_agg == "seq_mean_token_sum_norm" and self.algorithm.loss_norm_tokens is None:
             # Dr. GRPO divides each sequence's token-loss sum by a constant, the generation budget
             self.algorithm.loss_norm_tokens = self.engine.max_new_tokens
-        if self.algorithm.advantage == "gae" and self.trainer.critic == "none":
-            raise ValueError(
-                "algorithm.advantage=gae needs a value function: set trainer.critic to 'copy' or 'separate'"
-            )
+        check_critic(self.algorithm.advantage, self.trainer.critic)
         self._check_learner_ranks()
         self._check_replay()
         self._check_weight_offload()
@@ -1236,6 +1294,16 @@ class RunConfig(Section):
             )
 
 
+def check_critic(advantage: str, critic: str) -> None:
+    """Refuse an advantage estimator that needs a value function (it declares `needs_values`) without one."""
+    from posttrain.algos import needs_values
+
+    if critic == "none" and needs_values(advantage):
+        raise ValueError(
+            f"algorithm.advantage={advantage} needs a value function: set trainer.critic to 'copy' or 'separate'"
+        )
+
+
 def _registered(kind: str, name: str, names: list[str]) -> str:
     if name in names:
         return name
@@ -1282,6 +1350,13 @@ MOVED_KEYS: dict[str, str] = {
     "trainer.mini_batches": "batch.mini_batches",
     "trainer.ppo_epochs": "batch.ppo_epochs",
     "trainer.micro_batch_tokens": "batch.micro_batch_tokens",
+    "algorithm.gspo_clip_low": "algorithm.policy_loss.clip_low",
+    "algorithm.gspo_clip_high": "algorithm.policy_loss.clip_high",
+}
+# what a moved key's new home needs besides its name
+MOVED_NOTES: dict[str, str] = {
+    "algorithm.gspo_clip_low": "with algorithm.policy_loss.type=gspo",
+    "algorithm.gspo_clip_high": "with algorithm.policy_loss.type=gspo",
 }
 
 
@@ -1329,7 +1404,8 @@ def _format_validation_error(err: ValidationError) -> str:
                 target, why = removed
                 hint = (f"; did you mean '{target}'?" if target else "") + f" (removed: {why})"
             if path in MOVED_KEYS:
-                hint = f"; moved to '{MOVED_KEYS[path]}' (same meaning and default)"
+                note = f", {MOVED_NOTES[path]}" if path in MOVED_NOTES else ""
+                hint = f"; moved to '{MOVED_KEYS[path]}' (same meaning and default{note})"
             valid = ", ".join(sorted(siblings)) if siblings else ""
             lines.append(f"unknown key '{key}'{hint} (valid keys here: {valid})")
         else:

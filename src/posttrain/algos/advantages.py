@@ -161,7 +161,7 @@ def reinforce_pp_baseline(
     return AdvantageOutput(adv, centred[:, None] * m, st.equal)
 
 
-@register_advantage("gae")
+@register_advantage("gae", needs_values=True)
 def gae(
     token_rewards: Tensor,
     mask: Tensor,

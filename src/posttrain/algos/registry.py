@@ -14,6 +14,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 ADVANTAGES: dict[str, Callable[..., Any]] = {}
 POLICY_LOSSES: dict[str, Callable[..., Any]] = {}
 GROUP_BASELINE: set[str] = set()  # estimators whose baseline is the rest of the sequence's group
+NEEDS_VALUES: set[str] = set()  # estimators that take a value function's estimates (a critic)
 PREFERENCE_LOSSES: dict[str, Callable[..., Any]] = {}
 REFERENCE_FREE: set[str] = set()  # preference losses that take no reference model (SimPO)
 
@@ -35,11 +36,16 @@ def _get(table: dict[str, Callable[..., Any]], kind: str, name: str) -> Callable
         raise KeyError(f"unknown {kind} '{name}'; registered: {', '.join(sorted(table))}") from None
 
 
-def register_advantage(name: str, group_baseline: bool = False) -> Callable[[F], F]:
+def register_advantage(
+    name: str, group_baseline: bool = False, needs_values: bool = False
+) -> Callable[[F], F]:
     """Register an advantage estimator: `fn(token_rewards, mask, group_ids, **params) -> AdvantageOutput`.
-    `group_baseline`: its baseline comes from the other members of the group, so a group of one has none."""
+    `group_baseline`: its baseline comes from the other members of the group, so a group of one has none.
+    `needs_values`: it reads `values=` (a critic's estimates), so the Learner must keep a critic."""
     if group_baseline:
         GROUP_BASELINE.add(name)
+    if needs_values:
+        NEEDS_VALUES.add(name)
     return _register(ADVANTAGES, "advantage estimator", name)
 
 
@@ -47,6 +53,12 @@ def uses_group_baseline(name: str) -> bool:
     """Whether the estimator `name` compares a sequence with its group (a lone member carries no signal)."""
     get_advantage(name)
     return name in GROUP_BASELINE
+
+
+def needs_values(name: str) -> bool:
+    """Whether the estimator `name` needs a value function (trainer.critic other than none)."""
+    get_advantage(name)
+    return name in NEEDS_VALUES
 
 
 def register_policy_loss(name: str) -> Callable[[F], F]:

@@ -346,11 +346,13 @@ def _facts(cfg: dict[str, Any], rows: list[dict[str, Any]], result: dict[str, An
     # a run saved before the batch section existed kept the group size as algorithm.group_size
     group = (cfg.get("batch") or {}).get("samples_per_prompt", algo.get("group_size", "?"))
     if algo:
+        loss = algo.get("policy_loss", "?")  # {type: ..., its knobs} since policy-loss configs; a name before
+        loss = loss.get("type", "?") if isinstance(loss, dict) else loss
         facts.append(
             (
                 "algorithm",
                 _e(
-                    f"{algo.get('advantage', '?')} advantages, {algo.get('policy_loss', '?')} loss, "
+                    f"{algo.get('advantage', '?')} advantages, {loss} loss, "
                     f"group size {group}"
                 ),
             )

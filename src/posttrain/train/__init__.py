@@ -10,15 +10,20 @@ API used by the RL loop::
         # one trajectory as the engine's token ids; loss_mask 1 on generated tokens (loss_mask[0] must
         # be 0: the first token has no logprob); behavior_logprobs from the engine (0.0 where mask 0)
 
-    learner = Learner(model_cfg, trainer_cfg, algo_cfg, seed=0, model=None, critic_model=None, batch_cfg=None)
+    learner = Learner(model_cfg, trainer_cfg, algo_cfg=None, seed=0, model=None, critic_model=None, batch_cfg=None)
+        # built in stages: train/parts.py builds the parts, a train.distributed.ParallelPlan splits them,
+        # train/optim.py builds the optimizers from them; algo_cfg None: the RL defaults (SFT needs none);
         # batch_cfg: mini_batches, ppo_epochs, micro_batch_tokens of the update (None: the defaults);
         # LoRA when model_cfg.lora_rank > 0 (reference = adapters disabled, no second copy);
         # full fine-tuning keeps a frozen reference copy only when algo_cfg.kl_coef > 0;
         # critic per trainer_cfg.critic: "none" | "copy" (value head on a copy of the policy's
         # decoder) | "separate" (value head on trainer_cfg.critic_spec's decoder, same tokenizer)
     metrics = learner.step(samples, current_version=None)   # one whole RL update; version += 1
+    learner.prepare(samples) -> PreparedBatch; learner.update(prepared) -> dict  # step's two phases
+        # the loss is the sum of the terms in learner.terms (train/terms.py): algorithm.policy_loss
+        # ({type: ppo_clip | gspo | custom, ...}), MoE aux, entropy, KL; with a critic learner.critic_terms
     learner.compute_logprobs(batch_or_samples) -> Tensor [B, L]  # 0 where loss_mask is 0
-    learner.update(batch) -> dict                           # the optimisation on a prepared Batch
+    learner.update(batch) -> dict                           # also on a Batch with old_logprobs, advantages
     learner.sft_step(samples) -> dict                       # one supervised step: token-mean NLL of the mask
     learner.sft_loss(samples) -> dict                       # that NLL without training (held-out loss)
     learner.preference_step(chosen, rejected, "dpo", beta=0.1) -> dict  # DPO/IPO/SimPO step on pairs
@@ -27,6 +32,8 @@ API used by the RL loop::
     RewardLearner(reward_model, trainer_cfg, batch_cfg).step(chosen_ids, rejected_ids)  # Bradley-Terry
     encode_chat(tokenizer, messages, tools) -> (ids, mask)  # SFT: mask = the assistant tokens + their EOS
     learner.weights() -> dict[str, Tensor]                  # HF names, LoRA merged, for the engine
+    learner.lora_base() / learner.lora_update(version)      # LoRA: base weights, adapters (train/weights.py)
+    learner.attach_image_store(store) / learner.image_store # vision-language policies' image source
     learner.state_dict() / learner.load_state_dict(state)   # everything; bit-identical continuation
     learner.save(directory) / Learner.load(directory, model=None)  # atomic checkpoint folder
     learner.offload_optimizer() / learner.reload_optimizer()  # AdamW state to/from CPU (no-op on CPU)
@@ -72,7 +79,9 @@ from posttrain.train.reward_model import (
     tokenizer_fingerprint,
 )
 from posttrain.train.sft import encode_chat, sft_sample
-from posttrain.train.state import load_learner, merged_weights, save_learner
+from posttrain.train.state import merged_weights, save_learner
+
+load_learner = Learner.load  # rebuild a Learner from a checkpoint folder
 
 __all__ = [
     "Batch",

@@ -147,7 +147,7 @@ class _Root(torch.nn.Module):
 
 
 def _policy_root(learner: Any) -> _Root:
-    return _Root(learner.model, learner, functools.partial(learner._policy_forward, learner.model))
+    return _Root(learner.model, learner, functools.partial(learner.policy_forward, learner.model))
 
 
 def _refuse_vision(learner: Any, what: str) -> None:
@@ -175,8 +175,6 @@ def shard_learner(learner: Any, group: Any = None) -> DataParallel:
 
     _refuse_vision(learner, "data-parallel (FSDP)")
 
-    from posttrain.train.learner import make_adamw
-
     if not dist.is_initialized():
         raise RuntimeError("shard_learner needs torch.distributed initialised (init_process_group)")
     _refuse_unsplittable(learner, "data-parallel", "shard")
@@ -189,15 +187,11 @@ def shard_learner(learner: Any, group: Any = None) -> DataParallel:
         fully_shard(layer, mesh=mesh)
     root = _policy_root(learner)
     fully_shard(root, mesh=mesh)
-    tc = learner.trainer_cfg
-    learner.trainable = [p for p in learner.model.parameters() if p.requires_grad]
-    learner.optimizer = make_adamw(learner.trainable, tc.lr, tuple(tc.betas), tc.weight_decay)
     if learner.critic is not None:  # the Learner calls the critic's own forward: it is its own root
         for layer in critic_layers(learner.critic):
             fully_shard(layer, mesh=mesh)
         fully_shard(learner.critic, mesh=mesh)
-        params = list(learner.critic.parameters())
-        learner.critic_optimizer = make_adamw(params, tc.critic_lr, tuple(tc.betas), tc.weight_decay)
+    learner.build_optimizers()  # over this rank's shards
     learner.dp = DataParallel(rank, world, group, root=root)
     return learner.dp
 
@@ -264,10 +258,7 @@ def _dtensor_adamw(params: list[torch.nn.Parameter], lr: float, tc: Any) -> torc
 def _dtensor_optimizers(learner: Any) -> None:
     """Rebuild the policy's (and the critic's) optimizer over their split parameters."""
     tc = learner.trainer_cfg
-    learner.trainable = [p for p in learner.model.parameters() if p.requires_grad]
-    learner.optimizer = _dtensor_adamw(learner.trainable, tc.lr, tc)
-    if learner.critic is not None:
-        learner.critic_optimizer = _dtensor_adamw(list(learner.critic.parameters()), tc.critic_lr, tc)
+    learner.build_optimizers(lambda params, lr: _dtensor_adamw(params, lr, tc))
 
 
 @dataclass
@@ -365,7 +356,6 @@ def parallelize_dp_cp(learner: Any, dp: int, cp: int, tp: int = 1) -> Any:
     from torch.distributed.tensor.parallel import parallelize_module
 
     from posttrain.train.context_parallel import context_parallel_learner
-    from posttrain.train.learner import make_adamw
 
     what = "data x context parallel" if tp == 1 else "data x context x tensor parallel"
     _refuse_vision(learner, what)
@@ -404,17 +394,13 @@ def parallelize_dp_cp(learner: Any, dp: int, cp: int, tp: int = 1) -> Any:
     shard(decoder_layers(learner.model), root)
     critic_root = None
     if learner.critic is not None:
-        critic_root = _Root(learner.critic, learner, learner._value_forward)
+        critic_root = _Root(learner.critic, learner, learner.value_forward)
         shard(critic_layers(learner.critic), critic_root)
     if tp > 1:
         _dtensor_optimizers(learner)
         learner.tp = TensorParallel(mesh["tp"].get_local_rank(), tp, mesh["tp"].get_group())
     else:
-        learner.trainable = [p for p in learner.model.parameters() if p.requires_grad]
-        learner.optimizer = make_adamw(learner.trainable, tc.lr, tuple(tc.betas), tc.weight_decay)
-        if learner.critic is not None:
-            params = list(learner.critic.parameters())
-            learner.critic_optimizer = make_adamw(params, tc.critic_lr, tuple(tc.betas), tc.weight_decay)
+        learner.build_optimizers()
     learner.dp = DataParallel(
         mesh["dp"].get_local_rank(),
         dp,
@@ -424,6 +410,40 @@ def parallelize_dp_cp(learner: Any, dp: int, cp: int, tp: int = 1) -> Any:
         critic_root=critic_root,
     )
     return mesh
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """How a Learner's parts are split: `dp` FSDP2 data-parallel groups, `tp` tensor-parallel ranks, `cp`
+    context-parallel ranks (trainer.data_parallel / tensor_parallel / context_parallel). The Learner
+    applies it to its parts before building optimizers from them; dp or tp > 1 need the process group
+    initialised."""
+
+    dp: int = 1
+    tp: int = 1
+    cp: int = 1
+
+    @classmethod
+    def of(cls, trainer_cfg: Any) -> ParallelPlan:
+        return cls(trainer_cfg.data_parallel, trainer_cfg.tensor_parallel, trainer_cfg.context_parallel)
+
+    def apply(self, learner: Any) -> None:
+        """Split `learner`'s parts as planned and build its optimizers from the split parts."""
+        dp, tp, cp = self.dp, self.tp, self.cp
+        if cp > 1 and (dp > 1 or tp > 1):
+            parallelize_dp_cp(learner, dp, cp, tp)
+        elif dp > 1 and tp > 1:
+            parallelize_2d(learner, dp, tp)
+        elif dp > 1:
+            shard_learner(learner)
+        elif tp > 1:
+            tensor_parallel_learner(learner)
+        else:
+            if cp > 1:
+                from posttrain.train.context_parallel import context_parallel_learner
+
+                learner.cp = context_parallel_learner(learner)
+            learner.build_optimizers()
 
 
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:

@@ -1,156 +1,106 @@
-"""The Learner: policy (full or LoRA), optional critic and reference, and the RL update on a batch.
+"""The Learner: owns the parts (built in train/parts.py, split by a `ParallelPlan`), the optimizers
+built from them (train/optim.py), the loss terms (train/terms.py) and the counters, and runs the
+forward passes over them.
 
-`step(samples)` computes old/reference logprobs, values, rewards (with KL folded in if asked),
-advantages through the `posttrain.algos` registry, importance corrections against the engine's
-behaviour logprobs, then `update()`: mini-batches x PPO epochs, token-budgeted micro-batches with
-gradient accumulation, clipping, AdamW and the LR schedule. Knows nothing about environments.
+`step(samples)` is `prepare` then `update` (train/update.py): everything the update reads computed
+together, then the micro-batch loop summing the terms. SFT and preference steps are term sets in
+train/offline.py; replay terms in train/replay.py. Knows nothing about environments.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import math
 import time
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from posttrain.algos import (
-    aggregation_weights,
+    AdvantageOutput,
     get_advantage,
-    get_policy_loss,
-    get_preference_loss,
     kl_estimate,
     make_kl_controller,
     masked_mean,
-    masked_nll,
     mismatch_metrics,
-    preference_needs_reference,
-    ratio_mask,
-    tis_weights,
-    value_loss,
 )
-from posttrain.config import AlgorithmConfig, BatchConfig, ModelConfig, TrainerConfig
-from posttrain.longctx.rope import apply_rope_scaling, check_rope_scaling, rope_parameters
+from posttrain.config import AlgorithmConfig, BatchConfig, ModelConfig, TrainerConfig, check_critic
 from posttrain.train.batch import (
     Batch,
     ModelInputs,
     Sample,
     build_batch,
-    last_token_index,
     make_inputs,
     plan_micro_batches,
     plan_shared_micro_batches,
 )
-from posttrain.train.distributed import full_value
+from posttrain.train.distributed import ParallelPlan
 from posttrain.train.forward import (
     Targets,
-    ValueModel,
     causal_lm,
-    chunked_forward_kl,
     chunked_logprobs,
     decoder_hidden,
     scatter_rows,
     select_targets,
     shared_prefix_hidden,
 )
-from posttrain.train.moe import MoeRouting
-from posttrain.train.vision import set_vision_trainable, vision_learner
+from posttrain.train.offline import preference_eval, preference_step, sft_loss, sft_step
+from posttrain.train.optim import (
+    OptimizerFactory,
+    Optimizers,
+    build_optimizers,
+    lr_factor,
+    make_adamw,
+    move_optimizer_state,
+    set_lr,
+)
+from posttrain.train.parts import CRITIC_CHOICES, build_parts, group_rank, learner_device
+from posttrain.train.replay import REPLAY_TERMS
+from posttrain.train.terms import EntropyTerm, critic_terms, policy_loss_term, policy_terms
+from posttrain.train.update import PreparedBatch, prepare_batch, run_update
+from posttrain.train.weights import WeightUpdate, lora_base, lora_update
 
-CRITIC_CHOICES = ("none", "copy", "separate")
-
-
-def lr_factor(step: int, warmup_steps: int, schedule: str, decay_steps: int) -> float:
-    """Multiplier of the base LR at optimizer step `step` (0-based): linear warmup, then the schedule."""
-    if warmup_steps > 0 and step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if schedule == "constant":
-        return 1.0
-    if decay_steps <= 0:
-        raise ValueError(
-            f"trainer.lr_schedule={schedule} needs trainer.lr_decay_steps > 0 (total optimizer steps)"
-        )
-    progress = min(max((step - warmup_steps) / max(1, decay_steps - warmup_steps), 0.0), 1.0)
-    if schedule == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-    if schedule == "linear":
-        return 1.0 - progress
-    raise ValueError(f"unknown lr_schedule '{schedule}'; choose constant, cosine or linear")
-
-
-def make_adamw(params: list[nn.Parameter], lr: float, betas: tuple, weight_decay: float) -> torch.optim.AdamW:
-    """AdamW, fused where torch has a fused kernel for these tensors (about 10x faster on CPU than the
-    per-parameter loop: the optimizer step is memory-bound)."""
-    fused = all(
-        p.dtype in (torch.float32, torch.bfloat16, torch.float16) and p.device.type in ("cpu", "cuda")
-        for p in params
-    )
-    return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=fused or None)
-
-
-def learner_device(device: str, rank: int | None = None) -> torch.device:
-    """The torch device of trainer.device `device` in this process: cpu; cuda:N as given; plain cuda is
-    cuda:(rank % the GPUs this process sees) for learner rank `rank` (one GPU per rank, as NCCL wants),
-    cuda:0 outside a rank group. Raises ValueError naming trainer.device where that GPU is not there."""
-    if device == "cpu":
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError(
-            f"trainer.device={device}, but torch.cuda.is_available() is false in this process (no GPU "
-            "visible, or a CPU-only torch build); set trainer.device=cpu"
-        )
-    count = torch.cuda.device_count()
-    index = device.partition(":")[2]
-    if index:
-        if int(index) >= count:
-            raise ValueError(f"trainer.device={device}, but this process sees {count} GPU(s): cuda:0..")
-        return torch.device("cuda", int(index))
-    return torch.device("cuda", (rank or 0) % count)
-
-
-def group_rank() -> int | None:
-    """This process's rank on its node in an initialised torch.distributed group (LOCAL_RANK where a
-    launcher set it, else the group rank), or None outside one."""
-    import os
-
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    return int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+# built in parts.py and optim.py; importable from here as before
+__all__ = [
+    "CRITIC_CHOICES",
+    "Learner",
+    "PreparedBatch",
+    "group_rank",
+    "learner_device",
+    "lr_factor",
+    "make_adamw",
+]
 
 
 class Learner:
-    """Owns the trainable policy, the critic, the reference and their optimizers (see the package doc)."""
+    """Owns the trainable policy, the critic, the reference, their optimizers and the loss terms (see the
+    module doc). Implements `train.protocol.LearnerProtocol`."""
 
     def __init__(
         self,
         model_cfg: ModelConfig,
         trainer_cfg: TrainerConfig,
-        algo_cfg: AlgorithmConfig,
+        algo_cfg: AlgorithmConfig | None = None,
         seed: int = 0,
         model: Any = None,
         critic_model: Any = None,
         batch_cfg: BatchConfig | None = None,
         keep_reference: bool = False,
+        plan: ParallelPlan | None = None,
     ) -> None:
-        """`keep_reference`: full fine-tuning keeps a frozen copy of the initial policy even when
-        algorithm.kl_coef is 0 (preference losses compare with it; so does algorithm.replay_loss=kl);
-        LoRA's reference is always the base.
-        The policy (`model` too, when one is handed in), reference and critic go to trainer.device
-        (`learner_device`; this process's rank in an initialised torch.distributed group picks its GPU)."""
-        from posttrain.models import load_policy, wrap_lora
-
+        """`algo_cfg`: the RL step's (None: its defaults; the SFT and preference steps read none of it).
+        `keep_reference`: full fine-tuning keeps a frozen copy of the initial policy even when
+        algorithm.kl_coef is 0 (preference losses compare with it; so does a replay term that needs it);
+        LoRA's reference is always the base. The parts go to trainer.device (`learner_device`; this
+        process's rank in an initialised torch.distributed group picks its GPU). `plan`: how the parts
+        are split before the optimizers are built from them (a rank of a learner group passes
+        `ParallelPlan.of(trainer)`); by default only context parallelism, when it is the only split."""
+        algo_cfg = algo_cfg if algo_cfg is not None else AlgorithmConfig()
         self.model_cfg, self.trainer_cfg, self.algo_cfg, self.seed = model_cfg, trainer_cfg, algo_cfg, seed
         self.batch_cfg = batch_cfg if batch_cfg is not None else BatchConfig()
         get_advantage(algo_cfg.advantage)  # fail early on unknown names
-        get_policy_loss(algo_cfg.policy_loss)
-        if algo_cfg.advantage == "gae" and trainer_cfg.critic == "none":
-            raise ValueError(
-                "algorithm.advantage=gae needs a value function: set trainer.critic to 'copy' or 'separate'"
-            )
+        policy_loss = policy_loss_term(algo_cfg)
+        check_critic(algo_cfg.advantage, trainer_cfg.critic)
         if trainer_cfg.critic == "separate" and critic_model is None and not trainer_cfg.critic_spec:
             raise ValueError(
                 "trainer.critic=separate needs trainer.critic_spec (a model spec for the critic)"
@@ -164,86 +114,16 @@ class Learner:
             raise ValueError(
                 f"trainer.lr_schedule={trainer_cfg.lr_schedule} needs trainer.lr_decay_steps > 0"
             )
-
-        torch.manual_seed(seed)
-        if model is None:
-            model = apply_rope_scaling(
-                load_policy(model_cfg.spec, dtype=model_cfg.dtype, seed=seed), model_cfg.rope_scaling
-            )
-        elif model_cfg.rope_scaling is not None:
-            check_rope_scaling(causal_lm(model), model_cfg.rope_scaling)
-        self.dynamic_rope = rope_parameters(causal_lm(model).config)["rope_type"] == "dynamic"
-        # the policy moves before the reference and a critic copy are made from it: all on one device
-        self.device = learner_device(trainer_cfg.device, group_rank())
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # NCCL collectives of a rank group run on it
-        model = model.to(self.device)
-        self.lora = model_cfg.lora_rank > 0
-        # vision-language policies: images replayed through the model's own tower (train/vision.py)
-        self.vision = vision_learner(model_cfg, causal_lm(model))
-
-        critic_backbone: nn.Module | None = None
-        if trainer_cfg.critic == "copy":
-            critic_backbone = copy.deepcopy(causal_lm(model).get_decoder())
-            hidden_size = causal_lm(model).config.hidden_size
-        elif trainer_cfg.critic == "separate":
-            cm = critic_model
-            if cm is None:
-                cm = apply_rope_scaling(
-                    load_policy(trainer_cfg.critic_spec, seed=seed), model_cfg.rope_scaling
-                )
-            critic_backbone = causal_lm(cm).get_decoder()
-            hidden_size = causal_lm(cm).config.hidden_size
-
-        self.reference: Any = None
-        keep_reference = keep_reference or algo_cfg.replay_loss == "kl"
-        if not self.lora and (algo_cfg.kl_coef > 0 or keep_reference):
-            self.reference = copy.deepcopy(model).eval()
-            for p in self.reference.parameters():
-                p.requires_grad_(False)
-        if self.lora:
-            model = wrap_lora(
-                model,
-                model_cfg.lora_rank,
-                model_cfg.lora_alpha,
-                model_cfg.lora_dropout,
-                model_cfg.lora_target_modules,
-                exclude_modules=self.vision.family.peft_exclude if self.vision is not None else None,
-            )
-        if self.vision is not None:  # after LoRA, which freezes all but its adapters
-            v = model_cfg.vision
-            set_vision_trainable(causal_lm(model), self.vision.family, v.train_tower, v.train_projector)
-        self.model = model.to(self.device)
-        # MoE policies: routing replay, a frozen router, aux losses, routing metrics (train/moe.py)
-        self.moe = MoeRouting.attach(self.model, trainer_cfg.moe, trainer_cfg.gradient_checkpointing)
-        self.model.eval()
-        if trainer_cfg.gradient_checkpointing:
-            lm = causal_lm(self.model)
-            enable = getattr(lm, "activation_checkpointing_enable", None)
-            if enable is not None:  # transformers >= 5
-                enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-        self.critic: ValueModel | None = None
-        if critic_backbone is not None:
-            self.critic = ValueModel(critic_backbone, hidden_size).to(self.device)
-            for p in self.critic.parameters():
-                p.requires_grad_(True)
-            self.critic.eval()
-
-        betas = tuple(trainer_cfg.betas)
-        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
-        if not self.trainable:
-            raise ValueError("the policy has no trainable parameters")
-        self.optimizer = make_adamw(self.trainable, trainer_cfg.lr, betas, trainer_cfg.weight_decay)
-        self.critic_optimizer = (
-            make_adamw(list(self.critic.parameters()), trainer_cfg.critic_lr, betas, trainer_cfg.weight_decay)
-            if self.critic is not None
-            else None
-        )
+        self.replay_term = REPLAY_TERMS[algo_cfg.replay_loss]()
+        keep = keep_reference or self.replay_term.needs_reference or algo_cfg.kl_coef > 0
+        parts = build_parts(model_cfg, trainer_cfg, seed, model, critic_model, keep_reference=keep)
+        self.model, self.critic, self.reference = parts.policy, parts.critic, parts.reference
+        self.vision, self.moe, self.device = parts.vision, parts.moe, parts.device
+        self.lora, self.dynamic_rope = parts.lora, parts.dynamic_rope
         self.kl_ctl = make_kl_controller(algo_cfg.kl_coef, algo_cfg.kl_target, algo_cfg.kl_horizon)
-        self.entropy_coef = float(algo_cfg.entropy_coef)  # moves under algorithm.entropy_floor
+        self.entropy_term = EntropyTerm(float(algo_cfg.entropy_coef))  # moves under algorithm.entropy_floor
+        self.terms = policy_terms(policy_loss, algo_cfg, self.kl_ctl, self.entropy_term, self.moe)
+        self.critic_terms = critic_terms(algo_cfg) if self.critic is not None else []
         self.generator = torch.Generator().manual_seed(seed)
         self.version = 0
         self.optimizer_steps = 0
@@ -252,17 +132,41 @@ class Learner:
         self.dp: Any = None  # a train.distributed.DataParallel once shard_learner() made this a rank
         self.tp: Any = None  # a train.distributed.TensorParallel once tensor_parallel_learner() split it
         self.cp: Any = None  # a train.context_parallel.ContextParallel under trainer.context_parallel > 1
-        if trainer_cfg.context_parallel > 1:
-            from posttrain.train.context_parallel import context_parallel_learner
+        if trainer_cfg.context_parallel > 1 and self.vision is not None:
+            raise ValueError(
+                "trainer.context_parallel > 1 does not run vision-language policies (their images "
+                "enter at the embeddings on the single-process path); set it to 1"
+            )
+        if plan is None:  # dp or tp > 1: a rank group passes the whole plan (with its process group)
+            alone = trainer_cfg.data_parallel == 1 and trainer_cfg.tensor_parallel == 1
+            plan = ParallelPlan(cp=trainer_cfg.context_parallel if alone else 1)
+        self.optimizers: Optimizers
+        plan.apply(self)  # splits the parts, then builds the optimizers from them
 
-            if self.vision is not None:
-                raise ValueError(
-                    "trainer.context_parallel > 1 does not run vision-language policies (their images "
-                    "enter at the embeddings on the single-process path); set it to 1"
-                )
-            if trainer_cfg.data_parallel == 1 and trainer_cfg.tensor_parallel == 1:
-                # else train.distributed.parallelize_dp_cp makes the mesh
-                self.cp = context_parallel_learner(self)
+    def build_optimizers(self, factory: OptimizerFactory | None = None) -> None:
+        """(Re)build the optimizers from the parts as they are now: a parallel plan (train/distributed.py)
+        calls this once it has sharded or split them, before any step. `factory(params, lr)`: AdamW."""
+        self.optimizers = build_optimizers(self.model, self.critic, self.trainer_cfg, factory)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.optimizers.policy
+
+    @property
+    def critic_optimizer(self) -> torch.optim.Optimizer | None:
+        return self.optimizers.critic
+
+    @property
+    def trainable(self) -> list[torch.nn.Parameter]:
+        return self.optimizers.trainable
+
+    @property
+    def entropy_coef(self) -> float:
+        return self.entropy_term.coef
+
+    @entropy_coef.setter
+    def entropy_coef(self, value: float) -> None:
+        self.entropy_term.coef = float(value)
 
     # ------------------------------------------------------------------------------------------
     # forward passes
@@ -275,7 +179,7 @@ class Learner:
     def _inputs(self, batch: Batch) -> ModelInputs:
         return make_inputs(batch.token_ids, batch.lengths, self.trainer_cfg.packing, self.pad_id)
 
-    def _policy_forward(
+    def policy_forward(
         self,
         model: Any,
         batch: Batch,
@@ -303,6 +207,8 @@ class Learner:
             )
         shape = tuple(batch.token_ids.shape)
         return scatter_rows(lp, targets, shape), scatter_rows(ent, targets, shape)
+
+    _policy_forward = policy_forward  # the name the passes below call (a test wraps it per instance)
 
     def _target_hidden(
         self, model: Any, batch: Batch, mask: Tensor, inputs: ModelInputs | None = None
@@ -335,7 +241,8 @@ class Learner:
                 hidden = decoder_hidden(lm.get_decoder(), inputs)
         return hidden.reshape(-1, hidden.shape[-1])[targets.src], targets
 
-    def _value_forward(self, batch: Batch, mask: Tensor, inputs: ModelInputs | None = None) -> Tensor:
+    def value_forward(self, batch: Batch, mask: Tensor, inputs: ModelInputs | None = None) -> Tensor:
+        """The critic's values `[b, L]` where `mask` is 1 (0 elsewhere), with gradient."""
         assert self.critic is not None
         if self.cp is not None:  # this rank's shard of every row, attention round the ring
             if self.dp is not None and not self.dp.inside:  # a dp x cp mesh: through the critic's FSDP root
@@ -424,111 +331,64 @@ class Learner:
     def compute_values(self, batch: Batch) -> Tensor:
         if self.critic is None:
             raise RuntimeError("no critic: set trainer.critic to 'copy' or 'separate'")
-        return self._no_grad_map(batch, lambda sub: self._value_forward(sub, sub.loss_mask))
+        return self._no_grad_map(batch, lambda sub: self.value_forward(sub, sub.loss_mask))
 
     # ------------------------------------------------------------------------------------------
-    # the RL step
+    # the RL step: prepare, then update
 
     def step(
         self, samples: list[Sample], current_version: int | None = None, replay: list[Sample] | None = None
     ) -> dict[str, float]:
-        """The whole RL update for one batch of samples; returns metrics. Bumps `version`.
+        """The whole RL update for one batch of samples (`prepare`, then `update`); returns metrics.
+        Bumps `version`.
 
         `replay`: supervised samples mixed into the update (general data, `orchestrator.replay`): each
-        optimizer step adds algorithm.replay_coef x the replay term (`_replay_backward`: token-mean NLL,
-        or the full-vocabulary KL from the initial policy) of its share of them (split over the
-        mini-batches in order) to the RL loss. Metrics `replay_nll` or `replay_kl` (before the step),
+        optimizer step adds algorithm.replay_coef x the replay term (train/replay.py: token-mean NLL, or
+        the full-vocabulary KL from the initial policy) of its share of them (split over the mini-batches
+        in order) to the RL loss. Metrics `replay_nll` or `replay_kl` (before the step),
         `replay_sequences`, `replay_tokens`."""
         t0 = time.perf_counter()
         a = self.algo_cfg
-        if replay and self.dp is not None:
-            raise ValueError(
-                "algorithm.replay_fraction > 0 is not available with a data-parallel learner: the replay "
-                "term is computed on one process"
-            )
-        if replay and a.replay_loss == "kl" and (self.cp is not None or self.tp is not None):
-            raise ValueError(
-                "algorithm.replay_loss=kl is computed on one process's whole vocabulary and sequence: not "
-                "with trainer.context_parallel or tensor_parallel > 1; use replay_loss=nll"
-            )
-        batch = build_batch(samples, self.device)
-        if self.moe is not None:
-            self.moe.check_rollouts(batch)
-        replay_batch = build_batch(replay, self.device) if replay else None
-        mask = batch.loss_mask
+        prepared = self.prepare(samples, replay)
+        batch, mask = prepared.batch, prepared.batch.loss_mask
         current = self.version if current_version is None else current_version
-        metrics: dict[str, float] = {}
-
-        use_kl = self.kl_ctl.value > 0
-        single_pass = self.single_pass(use_kl)
-        if not single_pass:
-            batch.old_logprobs = self.compute_logprobs(batch)
-        if use_kl:
-            batch.ref_logprobs = self.compute_ref_logprobs(batch)
-        if self.critic is not None:
-            batch.old_values = self.compute_values(batch)
-        t_prep = time.perf_counter()
-
-        # token rewards: the outcome reward on the last generated token, minus beta * KL if folded in
-        token_rewards = torch.zeros_like(mask)
-        last = last_token_index(mask)
-        token_rewards[torch.arange(batch.size, device=self.device), last] = batch.rewards
-        if use_kl and not single_pass:
-            kl_tok = kl_estimate(batch.old_logprobs, batch.ref_logprobs, a.kl_estimator) * mask
+        metrics: dict[str, float] = {} if prepared.kl is None else {"kl": prepared.kl}
+        update_metrics, forward_logprobs = self._update(prepared)
+        metrics.update(update_metrics)
+        old = batch.old_logprobs if forward_logprobs is None else forward_logprobs
+        assert old is not None
+        if prepared.use_kl and prepared.kl is None:  # single pass: the KL of the training forward's
+            assert batch.ref_logprobs is not None
+            kl_tok = kl_estimate(old, batch.ref_logprobs, a.kl_estimator) * mask
             metrics["kl"] = float(masked_mean(kl_tok, mask).item())
-            if a.kl_in_reward:
-                token_rewards = token_rewards - self.kl_ctl.value * kl_tok
-        adv_out = get_advantage(a.advantage)(
-            token_rewards,
-            mask,
-            batch.group_ids,
-            values=batch.old_values,
-            gamma=a.gamma,
-            lam=a.lam,
-            normalize_std=a.normalize_std,
-        )
-        batch.advantages, batch.returns = adv_out.advantages, adv_out.returns
+        metrics.update(mismatch_metrics(old, batch.behavior_logprobs, mask, a.tis_cap, batch.policy_mask))
 
-        if single_pass:
-            # old logprobs, TIS weights and the KL come from the training forward itself (see _update)
-            metrics.update(self._update(batch, single_pass=True, replay=replay_batch))
-            if use_kl:
-                assert batch.old_logprobs is not None and batch.ref_logprobs is not None
-                kl_tok = kl_estimate(batch.old_logprobs, batch.ref_logprobs, a.kl_estimator) * mask
-                metrics["kl"] = float(masked_mean(kl_tok, mask).item())
-        else:
-            # importance correction: behaviour (engine, maybe stale) -> learner before the update
-            self._importance(batch)
-            metrics.update(self._update(batch, replay=replay_batch))
-        assert batch.old_logprobs is not None
-        metrics.update(
-            mismatch_metrics(batch.old_logprobs, batch.behavior_logprobs, mask, a.tis_cap, batch.policy_mask)
-        )
-
-        if use_kl and a.kl_control == "batch":  # "drift": the run steers it from the drift probe
+        if prepared.use_kl and a.kl_control == "batch":  # "drift": the run steers it from the drift probe
             self.kl_ctl.update(metrics["kl"], batch.size)
         if a.entropy_floor is not None and "entropy" in metrics:
-            step = a.entropy_floor_lr * (a.entropy_floor - metrics["entropy"])
-            self.entropy_coef = max(0.0, self.entropy_coef + step)
+            self.entropy_coef = max(
+                0.0, self.entropy_coef + a.entropy_floor_lr * (a.entropy_floor - metrics["entropy"])
+            )
             metrics["entropy_coef"] = self.entropy_coef
         if self.moe is not None:
             metrics.update(self.moe.pop_metrics())
         groups = torch.unique(batch.group_ids)
-        zero_groups = torch.unique(batch.group_ids[adv_out.zero_signal])
+        zero_groups = torch.unique(batch.group_ids[prepared.advantage.zero_signal])
         staleness = (current - batch.policy_versions).float()
+        advantages = prepared.advantage.advantages
         metrics.update(
             reward_mean=float(batch.rewards.mean().item()),
             reward_std=float(batch.rewards.std().item()) if batch.size > 1 else 0.0,
             zero_signal_group_frac=float(zero_groups.numel() / max(groups.numel(), 1)),
-            advantage_mean=float(masked_mean(batch.advantages, mask).item()),
-            advantage_abs_mean=float(masked_mean(batch.advantages.abs(), mask).item()),
+            advantage_mean=float(masked_mean(advantages, mask).item()),
+            advantage_abs_mean=float(masked_mean(advantages.abs(), mask).item()),
             kl_coef=float(self.kl_ctl.value),
             staleness_mean=float(staleness.mean().item()),
             staleness_max=float(staleness.max().item()),
             sequences=float(batch.size),
             tokens=float(mask.sum().item()),
             sequence_tokens=float(batch.lengths.sum().item()),
-            prepare_s=t_prep - t0,
+            prepare_s=prepared.prepare_s,
             step_s=time.perf_counter() - t0,
         )
         if batch.old_values is not None:
@@ -537,9 +397,13 @@ class Learner:
         metrics["version"] = float(self.version)
         return metrics
 
+    def prepare(self, samples: list[Sample], replay: list[Sample] | None = None) -> PreparedBatch:
+        """Everything the update reads, computed together before it (train/update.py `prepare_batch`)."""
+        return prepare_batch(self, samples, replay)
+
     def single_pass(self, use_kl: bool | None = None) -> bool:
-        """Whether `step` takes the old logprobs from the training forward: one optimizer step over the
-        whole batch (so the pre-update policy is the one being differentiated), and nothing needs the
+        """Whether `prepare` takes the old logprobs from the training forward: one optimizer step over
+        the whole batch (so the pre-update policy is the one being differentiated), and nothing needs the
         old logprobs before the update (no critic, no KL folded into the reward, no ratio masking)."""
         tc, a = self.trainer_cfg, self.algo_cfg
         use_kl = self.kl_ctl.value > 0 if use_kl is None else use_kl
@@ -553,23 +417,6 @@ class Learner:
             and a.mask_ratio_low is None
             and a.mask_ratio_high is None
         )
-
-    def _importance(self, batch: Batch) -> None:
-        """Ratio mask and TIS weights of behaviour (engine, maybe stale) -> learner before the update."""
-        a = self.algo_cfg
-        assert batch.old_logprobs is not None
-        batch.policy_mask = ratio_mask(
-            batch.old_logprobs,
-            batch.behavior_logprobs,
-            batch.loss_mask,
-            a.mask_ratio_low,
-            a.mask_ratio_high,
-            a.tis_level,
-        )
-        if a.tis_cap is not None:
-            batch.is_weights = tis_weights(
-                batch.old_logprobs, batch.behavior_logprobs, batch.loss_mask, a.tis_cap, a.tis_level
-            )
 
     # ------------------------------------------------------------------------------------------
     # the optimisation
@@ -585,278 +432,26 @@ class Learner:
             return clip_grad_norm(params, max_norm)
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
-    def _clip_critic_grad_norm(self, max_norm: float) -> float:
-        assert self.critic is not None
-        return full_value(self._clip_grad_norm(max_norm, list(self.critic.parameters())))
-
     def _set_lr(self) -> float:
-        tc = self.trainer_cfg
-        f = lr_factor(self.optimizer_steps, tc.warmup_steps, tc.lr_schedule, tc.lr_decay_steps)
-        for g in self.optimizer.param_groups:
-            g["lr"] = tc.lr * f
-        if self.critic_optimizer is not None:
-            for g in self.critic_optimizer.param_groups:
-                g["lr"] = tc.critic_lr * f
-        return tc.lr * f
+        return set_lr(self.optimizers, self.trainer_cfg, self.optimizer_steps)
 
-    def update(self, batch: Batch) -> dict[str, float]:
-        """Optimise on a prepared batch (old_logprobs and advantages set); returns metrics."""
-        if batch.old_logprobs is None or batch.advantages is None:
-            raise ValueError("update() needs batch.old_logprobs and batch.advantages (step() fills them)")
-        return self._update(batch)
+    def update(self, prepared: PreparedBatch | Batch) -> dict[str, float]:
+        """Optimise on a prepared batch (`prepare`'s, or a `Batch` with old_logprobs and advantages
+        set); returns metrics."""
+        if isinstance(prepared, Batch):
+            b = prepared
+            if b.old_logprobs is None or b.advantages is None:
+                raise ValueError("update() needs batch.old_logprobs and batch.advantages (step() fills them)")
+            zero = torch.zeros(b.size, dtype=torch.bool, device=b.advantages.device)
+            returns = b.returns if b.returns is not None else b.advantages
+            prepared = PreparedBatch(b, AdvantageOutput(b.advantages, returns, zero), False, False)
+        return self._update(prepared)[0]
 
-    def _update(
-        self, batch: Batch, single_pass: bool = False, replay: Batch | None = None
-    ) -> dict[str, float]:
-        """`update`; with `single_pass` the batch has no old logprobs yet: each micro-batch's are its own
-        training-forward logprobs, detached (the ratio is exactly 1, the gradient the same), its TIS
-        weights are computed from them, and `batch.old_logprobs` / `is_weights` are filled in.
-        `replay`: supervised rows, split over the mini-batches in order (see `step`)."""
-        if batch.advantages is None:
-            raise ValueError("update() needs batch.advantages (step() fills them)")
-        if self.critic is not None and (batch.returns is None or batch.old_values is None):
-            raise ValueError("update() with a critic needs batch.returns and batch.old_values")
-        if self.optimizer_offloaded:
-            self.reload_optimizer()
-        tc, a = self.trainer_cfg, self.algo_cfg
-        if single_pass:
-            batch.old_logprobs = torch.zeros_like(batch.loss_mask)
-            if a.tis_cap is not None:
-                batch.is_weights = torch.zeros_like(batch.loss_mask)
-        policy_loss_fn = get_policy_loss(a.policy_loss)
-        # GSPO clips a sequence ratio, whose useful range is ~1e-4, not PPO's token-ratio 0.2
-        clip_low, clip_high = (
-            (a.gspo_clip_low, a.gspo_clip_high) if a.policy_loss == "gspo" else (a.clip_low, a.clip_high)
-        )
-        use_kl_loss = batch.ref_logprobs is not None and not a.kl_in_reward and self.kl_ctl.value > 0
-        t0 = time.perf_counter()
-        sums: dict[str, float] = {}
-        counts: dict[str, float] = {}
-
-        local_sums: dict[
-            str, float
-        ] = {}  # per micro-batch: this rank's share (reduced over ranks at the end)
-        local_counts: dict[str, float] = {}
-
-        def add(key: str, value: float, weight: float = 1.0) -> None:
-            sums[key] = sums.get(key, 0.0) + value * weight
-            counts[key] = counts.get(key, 0.0) + weight
-
-        def add_local(key: str, value: float, weight: float = 1.0) -> None:
-            local_sums[key] = local_sums.get(key, 0.0) + value * weight
-            local_counts[key] = local_counts.get(key, 0.0) + weight
-
-        cells = tokens = computed = 0  # positions run (padding included), sequence tokens, real positions run
-        ratio_max = 1.0
-        self.model.train()
-        if self.critic is not None:
-            self.critic.train()
-        try:
-            for _ in range(self.batch_cfg.ppo_epochs):
-                perm = torch.randperm(batch.size, generator=self.generator).tolist()
-                n_mini = min(self.batch_cfg.mini_batches, batch.size)
-                bounds = [round(i * batch.size / n_mini) for i in range(n_mini + 1)]
-                for k in range(n_mini):
-                    mb_rows = perm[bounds[k] : bounds[k + 1]]
-                    mb = batch.select(mb_rows)
-                    w_pol = aggregation_weights(mb.train_mask, a.loss_agg, a.loss_norm_tokens)
-                    w_tok = aggregation_weights(mb.loss_mask, "token_mean")
-                    lr = self._set_lr()
-                    self.optimizer.zero_grad(set_to_none=True)
-                    if self.critic_optimizer is not None:
-                        self.critic_optimizer.zero_grad(set_to_none=True)
-                    mb_loss = mb_vloss = 0.0
-                    micro = self._micro_batches(mb)
-                    shares = [(m, 1.0) for m in micro] if self.dp is None else self.dp.share(micro)
-                    for (rows, prefix), scale in shares:
-                        counted = scale > 0  # a weight-0 repeat only keeps the ranks' collectives in step
-                        mi = self._select(mb, rows, prefix)
-                        width = mi.token_ids.shape[1]
-                        ridx = torch.as_tensor(rows, device=self.device)
-                        wp, wt = w_pol[ridx, :width], w_tok[ridx, :width]
-                        mmask = mi.train_mask
-                        inputs = self._inputs(mi) if (prefix == 0 or self.critic is not None) else None
-                        seq_tokens = int(mi.lengths.sum().item()) if counted else 0
-                        tokens += seq_tokens
-                        if counted and prefix > 0:  # the prefix once, then every row's suffix, unpadded
-                            run = seq_tokens - (mi.size - 1) * prefix
-                            computed, cells = computed + run, cells + run
-                        elif counted:
-                            assert inputs is not None
-                            computed += inputs.tokens
-                            cells += inputs.cells
-                        lp, ent = self._policy_forward(self.model, mi, mi.loss_mask, inputs)
-                        if single_pass:
-                            brows = torch.as_tensor([mb_rows[r] for r in rows], device=self.device)
-                            mi.old_logprobs = lp.detach().to(batch.loss_mask.dtype)
-                            batch.old_logprobs[brows, :width] = mi.old_logprobs
-                            if a.tis_cap is not None:
-                                mi.is_weights = tis_weights(
-                                    mi.old_logprobs,
-                                    mi.behavior_logprobs,
-                                    mi.loss_mask,
-                                    a.tis_cap,
-                                    a.tis_level,
-                                )
-                                batch.is_weights[brows, :width] = mi.is_weights
-                        out = policy_loss_fn(
-                            lp,
-                            mi.old_logprobs,
-                            mi.advantages,
-                            mmask,
-                            clip_low=clip_low,
-                            clip_high=clip_high,
-                            dual_clip=a.dual_clip,
-                            weights=mi.is_weights,
-                        )
-                        loss = (out.loss_tokens * wp).sum()
-                        pg = float(loss.item())
-                        moe_loss = self.moe.loss() if self.moe is not None else None
-                        if moe_loss is not None:  # this micro-batch's share of the mini-batch's tokens
-                            loss = loss + moe_loss * (float(mi.lengths.sum()) / float(mb.lengths.sum()))
-                        if self.entropy_coef != 0.0:
-                            loss = loss - self.entropy_coef * (ent * wp).sum()
-                        if use_kl_loss:
-                            kl_tok = kl_estimate(lp, mi.ref_logprobs, a.kl_estimator) * mi.loss_mask
-                            kl_term = (kl_tok * wp).sum()
-                            loss = loss + self.kl_ctl.value * kl_term
-                            if counted:
-                                add_local("kl_loss", float(kl_term.item()))
-                        (loss if scale == 1.0 else loss * scale).backward()
-                        if self.critic is not None:  # a weight-0 repeat too: a sharded critic's collectives
-                            v = self._value_forward(mi, mi.loss_mask, inputs)
-                            vl, vclipped = value_loss(
-                                v, mi.old_values, mi.returns, mi.loss_mask, a.value_clip
-                            )
-                            vloss = (vl * wt).sum()
-                            (a.value_coef * scale * vloss).backward()
-                            if counted:
-                                mb_vloss += float(vloss.item())
-                                nv = float(mi.loss_mask.sum().item())
-                                add_local(
-                                    "vf_clipfrac",
-                                    float(vclipped[mi.loss_mask > 0].float().mean().item()),
-                                    nv,
-                                )
-                        if not counted:
-                            continue
-                        mb_loss += pg
-                        m = mmask > 0
-                        n_mi = float(m.sum().item())
-                        with torch.no_grad():
-                            lr_ = (lp - mi.old_logprobs)[m]
-                            add_local(
-                                "clipfrac", float(out.clipped[m].float().mean().item()) if n_mi else 0.0, n_mi
-                            )
-                            add_local(
-                                "entropy",
-                                float(ent[mi.loss_mask > 0].mean().item()),
-                                float(mi.loss_mask.sum().item()),
-                            )
-                            add_local(
-                                "approx_kl",
-                                float((torch.exp(-lr_) - 1 + lr_).mean().item()) if n_mi else 0.0,
-                                n_mi,
-                            )
-                            if n_mi:
-                                ratio_max = max(ratio_max, float(out.ratio[m].max().item()))
-                    if replay is not None:
-                        r_rows = list(
-                            range(round(k * replay.size / n_mini), round((k + 1) * replay.size / n_mini))
-                        )
-                        if r_rows:
-                            term, n_tok = self._replay_backward(replay.select(r_rows))
-                            add(f"replay_{a.replay_loss}", term, n_tok)
-                    if self.dp is not None:
-                        mb_loss, mb_vloss = self.dp.sum_([mb_loss, mb_vloss])
-                    grad_norm = self._clip_grad_norm(tc.max_grad_norm)
-                    self.optimizer.step()
-                    if self.critic is not None and self.critic_optimizer is not None:
-                        add("critic_grad_norm", self._clip_critic_grad_norm(tc.max_grad_norm))
-                        self.critic_optimizer.step()
-                        add("value_loss", mb_vloss)
-                    self.optimizer_steps += 1
-                    add("policy_loss", mb_loss)
-                    add("grad_norm", full_value(grad_norm))
-                    add("lr", lr)
-        finally:
-            self.model.eval()
-            if self.critic is not None:
-                self.critic.eval()
-        if self.dp is not None:
-            local_sums, local_counts = self.dp.reduce_weighted(local_sums, local_counts)
-            tokens, computed, cells = (int(x) for x in self.dp.sum_([tokens, computed, cells]))
-            ratio_max = self.dp.max_(ratio_max)
-        for k, v in local_sums.items():
-            sums[k] = sums.get(k, 0.0) + v
-            counts[k] = counts.get(k, 0.0) + local_counts[k]
-        wall = time.perf_counter() - t0
-        out_metrics = {k: (sums[k] / counts[k] if counts.get(k) else sums[k]) for k in sums}
-        out_metrics["loss"] = out_metrics.pop("policy_loss")
-        if replay is not None:
-            out_metrics["replay_tokens"] = float(replay.loss_mask.sum().item())
-            out_metrics["replay_sequences"] = float(replay.size)
-        out_metrics.update(
-            ratio_max=ratio_max,
-            update_s=wall,
-            update_tokens=float(tokens),
-            update_tokens_per_s=tokens / wall if wall > 0 else 0.0,
-            padding_frac=1.0 - computed / cells if cells else 0.0,
-            shared_prefix_frac=1.0 - computed / tokens if tokens else 0.0,
-            optimizer_steps=float(self.optimizer_steps),
-        )
-        return out_metrics
-
-    def _replay_backward(self, replay: Batch) -> tuple[float, float]:
-        """Backward of replay_coef x the replay term over `replay`'s loss-masked tokens, accumulated into
-        the gradients of the optimizer step under way; returns (the term before the step, its token
-        count). The term (algorithm.replay_loss) is the token-mean NLL at temperature 1 (`nll`), or the
-        token-mean KL(initial policy || policy) over the whole vocabulary at each of those positions
-        (`kl`: distillation from the reference's full distribution, not only its sampled token)."""
-        weights = aggregation_weights(replay.loss_mask, "token_mean")
-        coef = self.algo_cfg.replay_coef
-        total = 0.0
-        for mi, rows in self._sft_micro_batches(replay):
-            w = weights[torch.as_tensor(rows, device=self.device), : mi.token_ids.shape[1]]
-            if self.algo_cfg.replay_loss == "kl":
-                h, targets = self._target_hidden(self.model, mi, mi.loss_mask)
-                ref_h, ref_head = self._reference_hidden(mi)
-                kl = chunked_forward_kl(
-                    causal_lm(self.model).get_output_embeddings(),
-                    ref_head,
-                    h,
-                    ref_h,
-                    self.trainer_cfg.logprob_chunk_tokens,
-                )
-                loss = (kl * w[targets.rows, targets.cols].to(kl.dtype)).sum()
-            else:
-                lp, _ = self._policy_forward(self.model, mi, mi.loss_mask, temperature=1.0)
-                loss = masked_nll(lp, w)
-            (coef * loss).backward()
-            total += float(loss.item())
-        return total, float(replay.loss_mask.sum().item())
-
-    @torch.no_grad()
-    def _reference_hidden(self, batch: Batch) -> tuple[Tensor, nn.Module]:
-        """The initial policy's hidden states at `batch`'s loss positions and its output layer: the
-        frozen copy's, or under LoRA the base model's (adapters off; an adapted output layer is refused,
-        its base weights would not be the reference once the backward recomputes it)."""
-        if self.lora:
-            head = causal_lm(self.model).get_output_embeddings()
-            if any(p.requires_grad for p in head.parameters()):
-                raise ValueError(
-                    "algorithm.replay_loss=kl under LoRA needs a frozen output layer: take lm_head out of "
-                    "model.lora_target_modules, or use replay_loss=nll"
-                )
-            with self.model.disable_adapter():
-                return self._target_hidden(self.model, batch, batch.loss_mask)[0], head
-        if self.reference is None:
-            raise RuntimeError("algorithm.replay_loss=kl needs the frozen reference the Learner keeps for it")
-        h = self._target_hidden(self.reference, batch, batch.loss_mask)[0]
-        return h, causal_lm(self.reference).get_output_embeddings()
+    def _update(self, prepared: PreparedBatch) -> tuple[dict[str, float], Tensor | None]:
+        return run_update(self, prepared)
 
     # ------------------------------------------------------------------------------------------
-    # supervised fine-tuning
+    # supervised and preference steps (train/offline.py)
 
     def sft_step(self, samples: list[Sample]) -> dict[str, float]:
         """One supervised optimizer step on `samples`: the token-mean negative log-likelihood (at
@@ -865,63 +460,12 @@ class Learner:
 
         Metrics: loss (the NLL before the step), tokens (trained on), sequences, sequence_tokens,
         grad_norm, lr, update_tokens_per_s, step_s, optimizer_steps, version."""
-        t0 = time.perf_counter()
-        batch = build_batch(samples, self.device)
-        if self.optimizer_offloaded:
-            self.reload_optimizer()
-        weights = aggregation_weights(batch.loss_mask, "token_mean")
-        lr = self._set_lr()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = 0.0
-        self.model.train()
-        try:
-            for mi, rows in self._sft_micro_batches(batch):
-                w = weights[torch.as_tensor(rows, device=self.device), : mi.token_ids.shape[1]]
-                lp, _ = self._policy_forward(self.model, mi, mi.loss_mask, temperature=1.0)
-                loss = masked_nll(lp, w)
-                loss.backward()
-                loss_sum += float(loss.item())
-            grad_norm = self._clip_grad_norm(self.trainer_cfg.max_grad_norm)
-            self.optimizer.step()
-        finally:
-            self.model.eval()
-        self.optimizer_steps += 1
-        self.version += 1
-        wall = time.perf_counter() - t0
-        seq_tokens = float(batch.lengths.sum().item())
-        return {
-            "loss": loss_sum,
-            "tokens": float(batch.loss_mask.sum().item()),
-            "sequences": float(batch.size),
-            "sequence_tokens": seq_tokens,
-            "grad_norm": float(grad_norm),
-            "lr": lr,
-            "update_tokens_per_s": seq_tokens / wall if wall > 0 else 0.0,
-            "step_s": wall,
-            "optimizer_steps": float(self.optimizer_steps),
-            "version": float(self.version),
-        }
+        return sft_step(self, samples)
 
-    @torch.no_grad()
     def sft_loss(self, samples: list[Sample]) -> dict[str, float]:
         """The token-mean NLL (temperature 1) of `samples`' loss-masked tokens, without training:
         {"loss", "tokens", "sequences"}."""
-        batch = build_batch(samples, self.device)
-        total = 0.0
-        for mi, _ in self._sft_micro_batches(batch):
-            lp, _ = self._policy_forward(self.model, mi, mi.loss_mask, temperature=1.0)
-            total += float(-(lp * mi.loss_mask).sum().item())
-        tokens = float(batch.loss_mask.sum().item())
-        return {"loss": total / max(tokens, 1.0), "tokens": tokens, "sequences": float(batch.size)}
-
-    def _sft_micro_batches(self, batch: Batch) -> list[tuple[Batch, list[int]]]:
-        plan = plan_micro_batches(
-            batch.lengths.tolist(), self.batch_cfg.micro_batch_tokens, self.trainer_cfg.packing
-        )
-        return [(batch.select(rows), rows) for rows in plan]
-
-    # ------------------------------------------------------------------------------------------
-    # preference optimisation (DPO, IPO, SimPO)
+        return sft_loss(self, samples)
 
     def preference_step(
         self, chosen: list[Sample], rejected: list[Sample], loss: str, **params: Any
@@ -934,106 +478,16 @@ class Learner:
         Metrics: loss, chosen_reward, rejected_reward, margin (their mean gap), accuracy (share of pairs
         whose chosen response has the higher implicit reward), pairs, tokens, grad_norm, lr, step_s,
         optimizer_steps, version. The figures are of the policy before the step."""
-        t0 = time.perf_counter()
-        fn, batch, ref, tokens = self._preference_inputs(chosen, rejected, loss)
-        if self.optimizer_offloaded:
-            self.reload_optimizer()
-        lr = self._set_lr()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.model.train()
-        try:
-            sums = self._preference_pass(fn, batch, ref, tokens, params, backward=True)
-            grad_norm = self._clip_grad_norm(self.trainer_cfg.max_grad_norm)
-            self.optimizer.step()
-        finally:
-            self.model.eval()
-        self.optimizer_steps += 1
-        self.version += 1
-        return {
-            **sums,
-            "grad_norm": float(grad_norm),
-            "lr": lr,
-            "step_s": time.perf_counter() - t0,
-            "optimizer_steps": float(self.optimizer_steps),
-            "version": float(self.version),
-        }
+        return preference_step(self, chosen, rejected, loss, params)
 
-    @torch.no_grad()
     def preference_eval(
         self, chosen: list[Sample], rejected: list[Sample], loss: str, **params: Any
     ) -> dict[str, float]:
         """`preference_step`'s loss, rewards, margin and accuracy on the pairs, without training."""
-        fn, batch, ref, tokens = self._preference_inputs(chosen, rejected, loss)
-        return self._preference_pass(fn, batch, ref, tokens, params, backward=False)
-
-    def _preference_inputs(
-        self, chosen: list[Sample], rejected: list[Sample], loss: str
-    ) -> tuple[Any, Batch, Tensor | None, Tensor]:
-        if len(chosen) != len(rejected) or not chosen:
-            raise ValueError(
-                f"preference pairs: need as many chosen as rejected samples, at least one; got "
-                f"{len(chosen)} and {len(rejected)}"
-            )
-        fn = get_preference_loss(loss)
-        batch = build_batch(chosen + rejected, self.device)
-        ref = None
-        if preference_needs_reference(loss):
-            ref = self.compute_ref_logprobs(batch, temperature=1.0).sum(-1)
-        return fn, batch, ref, batch.loss_mask.sum(-1)
-
-    def _preference_pass(
-        self,
-        fn: Any,
-        batch: Batch,
-        ref: Tensor | None,
-        tokens: Tensor,
-        params: dict[str, Any],
-        backward: bool,
-    ) -> dict[str, float]:
-        n = batch.size // 2
-        lengths = batch.lengths.tolist()
-        pair_len = [max(lengths[i], lengths[i + n]) for i in range(n)]
-        # a pair is two padded rows: plan on half the budget
-        plan = plan_micro_batches(pair_len, max(1, self.batch_cfg.micro_batch_tokens // 2), False)
-        loss_sum = margin_sum = chosen_sum = rejected_sum = correct = 0.0
-        for pairs in plan:
-            rows = pairs + [i + n for i in pairs]
-            sub = batch.select(rows)
-            lp, _ = self._policy_forward(self.model, sub, sub.loss_mask, temperature=1.0)
-            seq = lp.sum(-1)
-            k = len(pairs)
-            idx_c = torch.as_tensor(pairs, device=self.device)
-            ref_c = ref[idx_c] if ref is not None else None
-            ref_r = ref[idx_c + n] if ref is not None else None
-            out = fn(
-                seq[:k],
-                seq[k:],
-                ref_c,
-                ref_r,
-                chosen_tokens=tokens[idx_c],
-                rejected_tokens=tokens[idx_c + n],
-                **params,
-            )
-            loss = out.loss.sum() / n
-            if backward:
-                loss.backward()
-            loss_sum += float(loss.item())
-            margin_sum += float(out.reward_margin.sum().item())
-            chosen_sum += float(out.chosen_rewards.sum().item())
-            rejected_sum += float(out.rejected_rewards.sum().item())
-            correct += float((out.chosen_rewards > out.rejected_rewards).sum().item())
-        return {
-            "loss": loss_sum,
-            "chosen_reward": chosen_sum / n,
-            "rejected_reward": rejected_sum / n,
-            "margin": margin_sum / n,
-            "accuracy": correct / n,
-            "pairs": float(n),
-            "tokens": float(batch.loss_mask.sum().item()),
-        }
+        return preference_eval(self, chosen, rejected, loss, params)
 
     # ------------------------------------------------------------------------------------------
-    # weights and state
+    # weights, images and state
 
     def weights(self) -> dict[str, Tensor]:
         """HF-named policy weights for the engine; LoRA deltas merged in (the model is not modified).
@@ -1047,6 +501,24 @@ class Learner:
 
             return full_weights(self)
         return merged_weights(self.model)
+
+    def lora_base(self) -> dict[str, Tensor]:
+        """The LoRA-adapted modules' base weights, whole (train/weights.py `lora_base`)."""
+        return lora_base(self.model)
+
+    def lora_update(self, version: int) -> WeightUpdate:
+        """The policy's LoRA adapters as an update of `version` (train/weights.py `lora_update`)."""
+        return lora_update(self.model, version)
+
+    @property
+    def image_store(self) -> Any:
+        """Where a vision-language policy reads its rollouts' images from (None for text models)."""
+        return self.vision.store if self.vision is not None else None
+
+    def attach_image_store(self, store: Any) -> None:
+        """Read images from `store` (a content-addressed image store); a text model has none to read."""
+        if self.vision is not None:
+            self.vision.store = store
 
     def state_dict(self) -> dict[str, Any]:
         from posttrain.train.state import learner_state_dict
@@ -1065,30 +537,35 @@ class Learner:
 
     @classmethod
     def load(cls, directory: str, model: Any = None, critic_model: Any = None) -> Learner:
-        from posttrain.train.state import load_learner
+        """Rebuild a Learner from the configs saved with it and restore its state."""
+        from posttrain.train.state import read_learner_state, sections_of
 
-        return load_learner(directory, model=model, critic_model=critic_model)
+        meta, state = read_learner_state(directory)
+        trainer, algorithm, batch = sections_of(meta)
+        learner = cls(
+            ModelConfig(**meta["model"]),
+            TrainerConfig(**trainer),
+            AlgorithmConfig(**algorithm),
+            seed=int(meta["seed"]),
+            model=model,
+            critic_model=critic_model,
+            batch_cfg=BatchConfig(**batch),
+        )
+        learner.load_state_dict(state)
+        return learner
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
-        return [o for o in (self.optimizer, self.critic_optimizer) if o is not None]
+        return self.optimizers.all()
 
     def offload_optimizer(self) -> None:
         """Move AdamW state to CPU memory (frees accelerator memory for the engine). On a CPU-only
         learner the state already lives in CPU memory: nothing moves, only the flag is recorded."""
         if self.device.type != "cpu":
-            for opt in self._optimizers():
-                for st in opt.state.values():
-                    for k, v in st.items():
-                        if isinstance(v, Tensor) and v.device.type != "cpu":
-                            st[k] = v.to("cpu", non_blocking=True)
+            move_optimizer_state(self._optimizers(), torch.device("cpu"))
         self.optimizer_offloaded = True
 
     def reload_optimizer(self) -> None:
         """Move AdamW state back to the learner's device (a no-op on CPU)."""
         if self.device.type != "cpu":
-            for opt in self._optimizers():
-                for st in opt.state.values():
-                    for k, v in st.items():
-                        if isinstance(v, Tensor) and k != "step":
-                            st[k] = v.to(self.device, non_blocking=True)
+            move_optimizer_state(self._optimizers(), self.device)
         self.optimizer_offloaded = False

@@ -23,7 +23,7 @@ from posttrain.algos import bradley_terry
 from posttrain.config import BatchConfig, TrainerConfig
 from posttrain.train.batch import make_inputs, plan_micro_batches
 from posttrain.train.forward import causal_lm, decoder_hidden
-from posttrain.train.learner import lr_factor, make_adamw
+from posttrain.train.optim import lr_factor, make_adamw
 
 TRAINER_STATE = "reward_trainer.pt"
 

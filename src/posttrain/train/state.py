@@ -13,13 +13,10 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
-
-if TYPE_CHECKING:
-    from posttrain.train.learner import Learner
 
 STATE_FORMAT = 1
 
@@ -62,11 +59,11 @@ def merge_lora_state(base: Any, sd: dict[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def _trainable(learner: Learner) -> dict[str, Tensor]:
+def _trainable(learner: Any) -> dict[str, Tensor]:
     return {n: p for n, p in learner.model.named_parameters() if p.requires_grad}
 
 
-def learner_state_dict(learner: Learner) -> dict[str, Any]:
+def learner_state_dict(learner: Any) -> dict[str, Any]:
     """A deep copy of everything needed to continue bit-identically."""
     return {
         "format": STATE_FORMAT,
@@ -88,7 +85,7 @@ def learner_state_dict(learner: Learner) -> dict[str, Any]:
     }
 
 
-def load_learner_state_dict(learner: Learner, state: dict[str, Any]) -> None:
+def load_learner_state_dict(learner: Any, state: dict[str, Any]) -> None:
     if state.get("format") != STATE_FORMAT:
         raise ValueError(f"learner state format {state.get('format')!r} is not {STATE_FORMAT}")
     params = _trainable(learner)
@@ -139,7 +136,7 @@ def _fsync_dir(path: Path, files: bool = True) -> None:
         os.close(fd)
 
 
-def save_learner(learner: Learner, directory: str | Path) -> None:
+def save_learner(learner: Any, directory: str | Path) -> None:
     """Write the learner state to `directory` atomically (temp dir, fsync, rename)."""
     from safetensors.torch import save_file
 
@@ -209,35 +206,17 @@ def read_learner_state(directory: str | Path) -> tuple[dict[str, Any], dict[str,
     return meta, state
 
 
-def load_learner(directory: str | Path, model: Any = None, critic_model: Any = None) -> Learner:
-    """Rebuild a Learner from the configs saved with it and restore its state."""
-    from posttrain.config import AlgorithmConfig, BatchConfig, ModelConfig, TrainerConfig
-    from posttrain.train.learner import Learner
-
-    meta, state = read_learner_state(directory)
-    trainer, algorithm, batch = _sections_of(meta)
-    learner = Learner(
-        ModelConfig(**meta["model"]),
-        TrainerConfig(**trainer),
-        AlgorithmConfig(**algorithm),
-        seed=int(meta["seed"]),
-        model=model,
-        critic_model=critic_model,
-        batch_cfg=BatchConfig(**batch),
-    )
-    learner.load_state_dict(state)
-    return learner
-
-
-def _sections_of(meta: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+def sections_of(meta: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """(trainer, algorithm, batch) of a learner.json. One written before the batch section existed holds
-    the batch sizes under trainer and algorithm: they are moved to their batch names (config.MOVED_KEYS)."""
+    the batch sizes under trainer and algorithm: they are moved to their batch names (config.MOVED_KEYS).
+    (One written before policy-loss configs holds GSPO's clip range flat at its defaults: AlgorithmConfig
+    drops those.)"""
     from posttrain.config import MOVED_KEYS
 
     sections = {"trainer": dict(meta["trainer"]), "algorithm": dict(meta["algorithm"])}
     batch = dict(meta.get("batch", {}))
     for old, new in MOVED_KEYS.items():
         section, key = old.split(".")
-        if section in sections and key in sections[section]:
+        if section in sections and key in sections[section] and new.startswith("batch."):
             batch[new.split(".")[1]] = sections[section].pop(key)
     return sections["trainer"], sections["algorithm"], batch

@@ -410,8 +410,8 @@ class SFTRun:
         if cfg.trainer.lr_schedule != "constant" and cfg.trainer.lr_decay_steps == 0:
             cfg.trainer.lr_decay_steps = self.steps
         self.learner = Learner(cfg.model, cfg.trainer, cfg.algorithm, seed=cfg.seed, batch_cfg=cfg.batch)
-        if self.learner.vision is not None and images is not None:
-            self.learner.vision.store = images
+        if images is not None:
+            self.learner.attach_image_store(images)
 
     def heldout_loss(self) -> dict[str, float]:
         if not self.heldout_samples:

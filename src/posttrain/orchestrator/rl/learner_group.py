@@ -53,26 +53,10 @@ def free_port() -> int:
 def build_rank_learner(cfg: RunConfig) -> Any:
     """This rank's Learner, made one rank of the configured mode (the process group is initialised)."""
     from posttrain.train import Learner
+    from posttrain.train.distributed import ParallelPlan
 
-    learner = Learner(cfg.model, cfg.trainer, cfg.algorithm, seed=cfg.seed, batch_cfg=cfg.batch)
-    dp, tp, cp = cfg.trainer.data_parallel, cfg.trainer.tensor_parallel, cfg.trainer.context_parallel
-    if cp > 1 and (dp > 1 or tp > 1):
-        from posttrain.train.distributed import parallelize_dp_cp
-
-        parallelize_dp_cp(learner, dp, cp, tp)
-    elif dp > 1 and tp > 1:
-        from posttrain.train.distributed import parallelize_2d
-
-        parallelize_2d(learner, dp, tp)
-    elif dp > 1:
-        from posttrain.train.distributed import shard_learner
-
-        shard_learner(learner)
-    elif tp > 1:
-        from posttrain.train.distributed import tensor_parallel_learner
-
-        tensor_parallel_learner(learner)
-    return learner
+    plan = ParallelPlan.of(cfg.trainer)
+    return Learner(cfg.model, cfg.trainer, cfg.algorithm, seed=cfg.seed, batch_cfg=cfg.batch, plan=plan)
 
 
 def save_rank(learner: Any, cfg: RunConfig, rank: int, directory: str) -> None:
@@ -139,11 +123,7 @@ def dispatch(learner: Any, cfg: RunConfig, rank: int, name: str, args: tuple, kw
             result = save_rank(learner, cfg, rank, *args)
         elif name == "restore":
             result = restore_rank(learner, cfg, *args)
-        elif name in ("lora_update", "lora_base"):  # gathered whole: every rank takes part
-            import posttrain.orchestrator.rl.weight_sync as weight_sync
-
-            result = getattr(weight_sync, name)(learner.model, *args)
-        else:
+        else:  # lora_update / lora_base gather adapters whole: every rank takes part, as in all calls
             target = _resolve(learner, name)
             result = target(*args, **kwargs) if callable(target) else target
         return ("ok", on_cpu(result) if rank == 0 else None, learner.version)
@@ -314,12 +294,34 @@ class LearnerGroup:
         return self.call("score_tokens", samples)
 
     def lora_update(self, version: int) -> Any:
-        """`weight_sync.lora_update` of the ranks' policy: its adapters, gathered whole, as `version`."""
+        """`Learner.lora_update` of the ranks' policy: its adapters, gathered whole, as `version`."""
         return self.call("lora_update", version)
 
     def lora_base(self) -> dict[str, Any]:
-        """`weight_sync.lora_base` of the ranks' policy: the adapted modules' base weights, whole."""
+        """`Learner.lora_base` of the ranks' policy: the adapted modules' base weights, whole."""
         return self.call("lora_base")
+
+    @property
+    def image_store(self) -> None:
+        """None: the ranks train text models only (a vision-language policy runs in one process)."""
+        return None
+
+    def attach_image_store(self, store: Any) -> None:
+        """Nothing to attach: the ranks train text models, which read no images (a vision-language policy
+        is refused by the ranks themselves, `train.distributed`)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Rank 0's whole learner state (context-parallel ranks hold it whole); sharded ranks have no
+        whole state in one process: `save` writes their shards."""
+        if sharded(self.cfg):
+            raise ValueError("sharded learner ranks (FSDP, tensor parallel) keep no whole state: use save()")
+        return self.call("state_dict")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Every rank loads `state` (a whole learner state; sharded ranks read `restore` folders)."""
+        if sharded(self.cfg):
+            raise ValueError("sharded learner ranks (FSDP, tensor parallel) load shards: use restore()")
+        self.call("load_state_dict", state)
 
     def offload_optimizer(self) -> None:
         self.call("offload_optimizer")

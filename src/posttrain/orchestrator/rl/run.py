@@ -145,10 +145,9 @@ class RLRun:
             self.learner = start_learner_group(cfg)
         else:
             self.learner = Learner(cfg.model, cfg.trainer, cfg.algorithm, seed=cfg.seed, batch_cfg=cfg.batch)
-        if self.learner.vision is not None:  # trajectories' images, by content hash, for the Learner
-            from posttrain.models.vision import ImageStore
+        from posttrain.models.vision import ImageStore  # written on first put: text policies write none
 
-            self.learner.vision.store = ImageStore(self.run_dir.path / "images")
+        self.learner.attach_image_store(ImageStore(self.run_dir.path / "images"))
         engine_model = apply_rope_scaling(
             load_policy(cfg.model.spec, dtype=cfg.engine.dtype, seed=cfg.seed), cfg.model.rope_scaling
         )
@@ -277,13 +276,12 @@ class RLRun:
         if self.cfg.placement.backend == "ray":  # each engine actor reads the folder itself
             return
         if self.learner.lora:  # adapters travel alone; the receiver keeps the base weights they adapt
-            base = self.learner.lora_base() if self._group() else ws.lora_base(self.learner.model)
+            base = self.learner.lora_base()
         self.weight_receiver = ws.Receiver(self.engine, base=base)
 
     def image_store(self) -> Any:
         """The store the learner reads trajectories' images from (None for text policies)."""
-        vision = self.learner.vision
-        return None if vision is None else vision.store
+        return self.learner.image_store
 
     def restore_learner(self, folder: Path) -> None:
         """The learner's state as saved in a checkpoint's `folder`."""
@@ -295,12 +293,6 @@ class RLRun:
 
             _, learner_state = read_learner_state(folder)
             self.learner.load_state_dict(learner_state)
-
-    def _group(self) -> bool:
-        """Whether the learner is a group of rank processes (`orchestrator.rl.learner_group`)."""
-        from posttrain.orchestrator.rl.learner_group import LearnerGroup
-
-        return isinstance(self.learner, LearnerGroup)
 
     def rewind_weight_sync(self) -> None:
         """Forget pushed versions (a resume goes back to the checkpoint's, which may be older)."""
@@ -335,10 +327,8 @@ class RLRun:
         if pushed == version:  # the learner did not step: nothing new to send
             self.sync_bytes = 0
             return
-        if own and self.learner.lora and self._group():  # the ranks gather their adapters
+        if own and self.learner.lora:  # adapters only (a learner group gathers them from its ranks)
             update = self.learner.lora_update(version)
-        elif own and self.learner.lora:
-            update = ws.lora_update(self.learner.model, version)
         else:
             update = ws.full_update(weights, version)
         if broadcast:

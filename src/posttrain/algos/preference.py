@@ -44,7 +44,7 @@ def _log_ratios(
     return policy_chosen - reference_chosen, policy_rejected - reference_rejected
 
 
-@register_preference_loss("dpo")
+@register_preference_loss("dpo", knobs={"beta": "beta", "label_smoothing": "label_smoothing"})
 def dpo(
     policy_chosen_logps: Tensor,
     policy_rejected_logps: Tensor,
@@ -70,7 +70,7 @@ def dpo(
     return PreferenceLossOutput(loss, (beta * chosen).detach(), (beta * rejected).detach())
 
 
-@register_preference_loss("ipo")
+@register_preference_loss("ipo", knobs={"tau": "tau"})
 def ipo(
     policy_chosen_logps: Tensor,
     policy_rejected_logps: Tensor,
@@ -95,7 +95,7 @@ def ipo(
     return PreferenceLossOutput(loss, chosen.detach(), rejected.detach())
 
 
-@register_preference_loss("simpo", reference=False)
+@register_preference_loss("simpo", reference=False, knobs={"beta": "simpo_beta", "gamma": "simpo_gamma"})
 def simpo(
     policy_chosen_logps: Tensor,
     policy_rejected_logps: Tensor,

@@ -17,6 +17,8 @@ GROUP_BASELINE: set[str] = set()  # estimators whose baseline is the rest of the
 NEEDS_VALUES: set[str] = set()  # estimators that take a value function's estimates (a critic)
 PREFERENCE_LOSSES: dict[str, Callable[..., Any]] = {}
 REFERENCE_FREE: set[str] = set()  # preference losses that take no reference model (SimPO)
+# the `dpo` config section's fields each preference loss reads, as {keyword: field}
+PREFERENCE_KNOBS: dict[str, dict[str, str]] = {}
 
 
 def _register(table: dict[str, Callable[..., Any]], kind: str, name: str) -> Callable[[F], F]:
@@ -82,14 +84,25 @@ def list_policy_losses() -> list[str]:
     return sorted(POLICY_LOSSES)
 
 
-def register_preference_loss(name: str, reference: bool = True) -> Callable[[F], F]:
+def register_preference_loss(
+    name: str, reference: bool = True, knobs: dict[str, str] | None = None
+) -> Callable[[F], F]:
     """Register a preference loss over per-sequence logprobs of (chosen, rejected) pairs:
     `fn(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, *,
     chosen_tokens, rejected_tokens, **hyperparameters) -> PreferenceLossOutput`.
-    `reference=False`: the loss uses no reference model (its reference arguments must be None)."""
+    `reference=False`: the loss uses no reference model (its reference arguments must be None).
+    `knobs`: its hyperparameters read from the `dpo` config section, {keyword: field} (none: a plugin's
+    loss runs with its own defaults)."""
     if not reference:
         REFERENCE_FREE.add(name)
+    PREFERENCE_KNOBS[name] = dict(knobs or {})
     return _register(PREFERENCE_LOSSES, "preference loss", name)
+
+
+def preference_knobs(name: str) -> dict[str, str]:
+    """{keyword: `dpo` config field} of the registered preference loss `name`."""
+    get_preference_loss(name)
+    return PREFERENCE_KNOBS.get(name, {})
 
 
 def get_preference_loss(name: str) -> Callable[..., Any]:

@@ -19,14 +19,11 @@ LEARNER_DIR = "learner"
 
 
 def loss_params(dpo: DPOConfig) -> dict[str, float]:
-    """The keyword hyperparameters of `dpo.loss` from the dpo section."""
-    if dpo.loss == "dpo":
-        return {"beta": dpo.beta, "label_smoothing": dpo.label_smoothing}
-    if dpo.loss == "ipo":
-        return {"tau": dpo.tau}
-    if dpo.loss == "simpo":
-        return {"beta": dpo.simpo_beta, "gamma": dpo.simpo_gamma}
-    return {}  # a plugin's loss: its own defaults
+    """The keyword hyperparameters of `dpo.loss` from the dpo section, as the loss registered them
+    (`algos.registry.register_preference_loss(knobs=...)`; a plugin's loss without knobs: its defaults)."""
+    from posttrain.algos.registry import preference_knobs
+
+    return {kw: getattr(dpo, field) for kw, field in preference_knobs(dpo.loss).items()}
 
 
 def pair_samples(pairs: list[Pair]) -> tuple[list[Any], list[Any]]:

@@ -43,11 +43,17 @@ demo: setup
 	$(VENV)/bin/posttrain eval runs/demo --baseline smollm2-135m --temperature 1.0 --samples 16 --pass-at 1,4,16 --n 32 --json
 	$(VENV)/bin/posttrain report runs/demo
 
+# the suite runs in parallel (pytest-xdist): one worker per core, at most 8 (each loads its own tiny models);
+# --dist loadfile keeps a file's tests on one worker, so module-scoped servers (redis, postgres, uvicorn)
+# start once. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 8 ? n : 8 )))
+PYTEST_PARALLEL = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 test: setup
-	$(VENV)/bin/pytest -m "not slow" -p no:cacheprovider
+	$(VENV)/bin/pytest -m "not slow" -p no:cacheprovider $(PYTEST_PARALLEL)
 
 test-slow: setup
-	$(VENV)/bin/pytest -m slow -p no:cacheprovider
+	$(VENV)/bin/pytest -m slow -p no:cacheprovider $(PYTEST_PARALLEL)
 
 lint: setup
 	$(VENV)/bin/ruff check src tests

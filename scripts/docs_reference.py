@@ -85,7 +85,8 @@ def config_reference_md() -> str:
                 parts.append(doc.description + "\n")
             continue
         default = f"`{_cell(doc.default)}`" if doc.default else ""
-        rows.append(f"| `{doc.key}` | {_cell(doc.type)} | {default} | {_cell(doc.description)} |")
+        description = " ".join(doc.description.split()) if doc.section else doc.description
+        rows.append(f"| `{doc.key}` | {_cell(doc.type)} | {default} | {_cell(description)} |")
     flush()
     return "\n".join(parts)
 

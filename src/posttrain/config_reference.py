@@ -4,6 +4,7 @@ site's config reference is generated from it, so neither can drift from the code
 
 from __future__ import annotations
 
+import inspect
 import json
 import types
 import typing
@@ -20,7 +21,7 @@ from posttrain.config import RunConfig
 @dataclass(frozen=True)
 class KeyDoc:
     """One key of the config tree. `section` keys hold other keys (their description is the section's
-    docstring); `key` is dotted, with `[]` for the items of a list of sections (`envs.domains[].name`)."""
+    docstring, its line breaks kept); `key` is dotted, with `[]` for the items of a list of sections (`envs.domains[].name`)."""
 
     key: str
     type: str
@@ -105,7 +106,8 @@ def _section_model(annotation: Any) -> tuple[type[BaseModel] | None, str]:
 
 
 def _doc(model: type[BaseModel]) -> str:
-    return " ".join((model.__doc__ or "").split())
+    """A section's docstring, dedented, its line breaks kept (some hold a table)."""
+    return inspect.cleandoc(model.__doc__ or "")
 
 
 def describe(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[KeyDoc]:
@@ -153,6 +155,5 @@ def describe_text(cfg: RunConfig | None = None) -> str:
             if found and render_value(value) != doc.default:
                 head = f"{doc.key}: {doc.type} = {render_value(value)} (default {doc.default})"
         lines.append(head)
-        if doc.description:
-            lines.append(f"    {doc.description}")
+        lines.extend(f"    {line}".rstrip() for line in doc.description.splitlines())
     return "\n".join(lines) + "\n"

@@ -52,8 +52,10 @@ PYTEST_PARALLEL = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist lo
 test: setup
 	$(VENV)/bin/pytest -m "not slow" -p no:cacheprovider $(PYTEST_PARALLEL)
 
+# the slow set stays in one process: Ray clusters (each sizing its object store from the machine's memory),
+# 2-4-process gloo groups with 30 s timeouts and benchmarks that time themselves share the cores badly
 test-slow: setup
-	$(VENV)/bin/pytest -m slow -p no:cacheprovider $(PYTEST_PARALLEL)
+	$(VENV)/bin/pytest -m slow -p no:cacheprovider
 
 # the docs site (mkdocs, material theme) into site/, strictly: a broken link or a page left out of the nav
 # fails; the CLI and config references are generated from the code by scripts/mkdocs_hooks.py

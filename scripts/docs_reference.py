@@ -53,8 +53,16 @@ def cli_reference_md() -> str:
     return "\n".join(parts)
 
 
+def _escape_html(text: str) -> str:
+    """`<` and `>` outside code spans as entities: `retention/<label>` must not read as an HTML tag."""
+    parts = text.split("`")
+    for i in range(0, len(parts), 2):  # even parts lie outside code spans
+        parts[i] = parts[i].replace("<", "&lt;").replace(">", "&gt;")
+    return "`".join(parts)
+
+
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    return _escape_html(text).replace("|", "\\|").replace("\n", " ")
 
 
 def config_reference_md() -> str:
@@ -82,9 +90,9 @@ def config_reference_md() -> str:
             flush()
             parts.append(f"## `{doc.key}`\n")
             if doc.description:
-                parts.append(doc.description + "\n")
+                parts.append(_escape_html(doc.description) + "\n")
             continue
-        default = f"`{_cell(doc.default)}`" if doc.default else ""
+        default = "`" + doc.default.replace("|", "\\|") + "`" if doc.default else ""
         description = " ".join(doc.description.split()) if doc.section else doc.description
         rows.append(f"| `{doc.key}` | {_cell(doc.type)} | {default} | {_cell(description)} |")
     flush()

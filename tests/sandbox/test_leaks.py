@@ -4,6 +4,7 @@ import asyncio
 import gc
 import glob
 import os
+import tempfile
 import threading
 
 import pytest
@@ -36,7 +37,7 @@ def _check_no_leaks(n_jobs: int) -> None:
     gc.collect()  # earlier tests' garbage (a Popen's pipes) must not close inside the measured span
     fds_before = len(os.listdir("/proc/self/fd"))
     threads_before = threading.active_count()
-    tmp_before = set(glob.glob("/tmp/posttrain-sbx-*"))
+    tmp_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "posttrain-sbx-*")))
     sb = LocalSandbox(pool_size=2, recycle_after=max(10, n_jobs // 10))
     try:
         jobs = [Job(code=CODES[i % len(CODES)], limits=Limits(wall_time_s=5)) for i in range(n_jobs)]
@@ -62,7 +63,7 @@ def _check_no_leaks(n_jobs: int) -> None:
     assert _zombie_children() == []
     assert len(os.listdir("/proc/self/fd")) == fds_before
     assert threading.active_count() == threads_before
-    assert set(glob.glob("/tmp/posttrain-sbx-*")) == tmp_before
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "posttrain-sbx-*"))) == tmp_before
     assert all(not os.path.exists(d) for d in cgroup_dirs)
 
 

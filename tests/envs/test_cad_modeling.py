@@ -168,8 +168,23 @@ def test_replies_without_a_script_are_refused_before_the_sandbox():
     assert cad.script_of(two) == ("result = 2\n", 1.0, "")
 
 
+@pytest.fixture
+def cad_only_sandbox():
+    """A sandbox that runs cad-profile jobs only: `worker_info` is the last worker to start, and the session
+    sandbox's default-profile pools respawn workers in the background (more often with parallel tests)."""
+    from posttrain.sandbox import LocalSandbox, SandboxUnavailable
+
+    try:
+        sb = LocalSandbox(pool_size=1)
+    except SandboxUnavailable as err:
+        pytest.skip(f"sandbox unavailable on this machine: {err}")
+    yield sb
+    sb.close_blocking()
+
+
 @needs_cad
-def test_the_cad_profile_is_warm(sandbox):
+def test_the_cad_profile_is_warm(cad_only_sandbox):
+    sandbox = cad_only_sandbox
     job = Job(
         code="import cadquery as cq\nprint(cq.Workplane('XY').box(1, 2, 3).val().Volume())",
         profile="cad",

@@ -269,7 +269,7 @@ def eval_(
         where = api_base if rep is reports[0] and api_base else f"our engine on {rep.model}"
         warn_failures(rep.failures, f"the infrastructure level in {where} (not scored)")
     unscored = [r.model for r in reports if not any(d.get("n") for d in r.per_domain.values())]
-    delta = paired_delta(reports[0], reports[1], cfg.seed, pass_at) if baseline and not unscored else None
+    delta = paired_delta(reports[0], reports[1], cfg.seed, pass_at) if baseline else None
     if not unscored:
         console.print(_eval_table(reports, delta, pass_at))
     result: dict[str, Any] = {

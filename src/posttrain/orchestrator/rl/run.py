@@ -18,7 +18,7 @@ import posttrain.orchestrator.rl.state as state
 from posttrain.config import RunConfig, save_config
 from posttrain.orchestrator.checkpoint import keep_metrics_until
 from posttrain.orchestrator.rl.groups import drop_stale, samples_from_groups
-from posttrain.orchestrator.rl.guard import check_step
+from posttrain.orchestrator.rl.guard import RunFailure, check_step
 from posttrain.orchestrator.rl.metrics import PhaseLog, progress_figures, step_line, step_metrics
 from posttrain.orchestrator.rl.replay import ReplayPool, replay_count
 from posttrain.orchestrator.rl.retention import RetentionSuites
@@ -57,6 +57,7 @@ class RLRun:
         self.drift: Any = None  # orchestrator.rl.drift.DriftProbe when curriculum.drift_every is set
         self.retention: RetentionSuites | None = None  # curriculum.retention's suites
         self.replay: ReplayPool | None = None  # algorithm.replay_fraction's general data
+        self.logger: MetricsLogger | None = None  # train()'s, while it runs
         self._built = False
 
     # ------------------------------------------------------------------ construction
@@ -404,13 +405,23 @@ class RLRun:
         guard.RewardFunctionError or guard.AllEpisodesFailed to stop the run, warns on stderr when many
         episodes were infrastructure failures."""
         o = self.cfg.orchestrator
-        check_step(
-            batch.health,
-            self.step + 1,
-            int(self.counters.get("reward_fn_errors", 0.0)),
-            o.max_reward_fn_errors,
-            o.infra_warn_share,
-        )
+        try:
+            check_step(
+                batch.health,
+                self.step + 1,
+                int(self.counters.get("reward_fn_errors", 0.0)),
+                o.max_reward_fn_errors,
+                o.infra_warn_share,
+            )
+        except RunFailure:
+            if self.logger is not None:  # metrics.jsonl shows the step that stopped the run
+                counters = dict(self.counters)
+                for key in ("infra_failures", "reward_fn_errors"):
+                    counters[key] += batch.stats.get(f"rollout/{key}", 0.0)
+                self.logger.log(
+                    self.step + 1, {**batch.stats, **{f"counters/{k}": v for k, v in counters.items()}}
+                )
+            raise
 
     def update(self, groups: list[Group]) -> dict[str, float]:
         """One learner step on the groups' members within max_staleness versions (the others are counted)."""
@@ -693,6 +704,7 @@ class RLRun:
             self.run_dir.tb if cfg.telemetry.tensorboard else None,
             wandb=self._wandb_sink(),
         )
+        self.logger = logger
         last: dict[str, float] = {}
         with stop_on_signals(self._record_stop):
             try:

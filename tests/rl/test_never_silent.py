@@ -172,8 +172,10 @@ def test_a_penalty_reward_trains_and_a_piped_run_prints_a_line_per_step(tmp_path
         )
 
 
-def test_a_raising_reward_function_stops_the_run_as_a_user_error(tmp_path):
-    proc = _train(tmp_path, "raises", _dataset(tmp_path, "wrong_argument"), "orchestrator.steps=3")
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_raising_reward_function_stops_the_run_as_a_user_error(tmp_path, mode):
+    sets = [_dataset(tmp_path, "wrong_argument"), "orchestrator.steps=3", f"orchestrator.mode={mode}"]
+    proc = _train(tmp_path, "raises", *sets)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     err = " ".join(proc.stderr.split())
     spec = f"{tmp_path / 'rewards.py'}:wrong_argument"
@@ -182,7 +184,10 @@ def test_a_raising_reward_function_stops_the_run_as_a_user_error(tmp_path):
         f"reward function {spec} failed on row " in err
         and f" of {tmp_path / 'rows.jsonl'}: TypeError: " in err
     )
-    assert "missing 1 required keyword-only argument: 'solution'" in err or "'solution'" in err
+    assert "TypeError: wrong_argument() missing 1 required positional argument: 'solution'" in err
+    # the step that stopped the run is in metrics.jsonl, its episodes counted as the user's errors
+    (row,) = read_metrics(tmp_path / "raises" / "metrics.jsonl")
+    assert (row["step"], row["rollout/reward_fn_errors"], row["rollout/infra_failures"]) == (1, 4, 0)
     assert "sandbox_error" not in err and "infrastructure" not in err
 
 
@@ -197,6 +202,8 @@ def test_a_step_of_infrastructure_failures_only_fails_the_run(tmp_path):
         "error: step 1: all 4 episodes were infrastructure failures, nothing to train on; the first: " in err
     )
     assert "engine_error: BadRequestError" in err
+    (row,) = read_metrics(tmp_path / "infra" / "metrics.jsonl")
+    assert (row["step"], row["rollout/infra_failures"], row["counters/infra_failures"]) == (1, 4, 4)
 
 
 def test_eval_against_an_unreachable_server_scores_nothing_and_exits_1():

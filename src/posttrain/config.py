@@ -812,6 +812,20 @@ class OrchestratorConfig(Section):
     eval_n: int = Field(64, ge=1, description="held-out tasks per (domain, difficulty) for `posttrain eval`")
     free_kv_during_update: bool = True
     offload_optimizer: bool = False
+    max_reward_fn_errors: int = Field(
+        0,
+        ge=0,
+        description="reward-function errors (a reward function that raises or returns no finite number: a user "
+        "error, never scored) a run tolerates; past them it stops with exit 2 naming the row and the exception. "
+        "0: the first one stops it, in the first step where a wrong argument name shows",
+    )
+    infra_warn_share: float = Field(
+        0.25,
+        ge=0.0,
+        le=1.0,
+        description="warn (one line on stderr) after a step where more than this share of the episodes were "
+        "infrastructure failures (not trained on); a step where all were stops the run with exit 1",
+    )
 
 
 class PlacementConfig(Section):

@@ -229,13 +229,16 @@ class Task:
 
 
 class TrajectoryStatus(enum.StrEnum):
-    """`OK`/`TRUNCATED` are scored; the *_ERROR statuses are infrastructure failures: never trained on."""
+    """`OK`/`TRUNCATED` are scored; the *_ERROR statuses are never trained on: SANDBOX/ENGINE/REWARD_ERROR
+    are infrastructure failures, REWARD_FN_ERROR is the user's reward function failing (it raised or gave
+    no finite number), a user error the run stops on (orchestrator.max_reward_fn_errors)."""
 
     OK = "ok"
     TRUNCATED = "truncated"  # hit the turn or token budget; still scored
     SANDBOX_ERROR = "sandbox_error"
     ENGINE_ERROR = "engine_error"
     REWARD_ERROR = "reward_error"  # the learned reward model (or its server) failed to score it
+    REWARD_FN_ERROR = "reward_fn_error"  # the user's reward function raised or returned no finite number
 
     @property
     def is_infra_failure(self) -> bool:
@@ -244,6 +247,12 @@ class TrajectoryStatus(enum.StrEnum):
             TrajectoryStatus.ENGINE_ERROR,
             TrajectoryStatus.REWARD_ERROR,
         )
+
+    @property
+    def is_scored(self) -> bool:
+        """The episode has a reward to train on and report: neither an infrastructure failure nor a
+        reward-function error."""
+        return not self.is_infra_failure and self is not TrajectoryStatus.REWARD_FN_ERROR
 
 
 @dataclass
@@ -258,6 +267,8 @@ class Trajectory:
     the paged engine; None when unknown): for positions 0 .. len(token_ids) - 2, the expert ids the
     engine chose at each sparse layer when it fed that token, `[position][layer][top_k]` (each turn's
     completion adds the positions it fed first; earlier positions keep the turn that fed them first).
+    `clipped`: the last turn's completion stopped at its token limit (finish_reason "length"), not on a
+    stop token: the environment scored a cut-off answer.
     """
 
     task: Task
@@ -275,6 +286,7 @@ class Trajectory:
     group_id: int = 0
     images: list[ImagePart] = field(default_factory=list)  # of the prompt and the observations fed, in order
     routing: list[list[list[int]]] | None = None
+    clipped: bool = False
 
     @property
     def num_generated(self) -> int:
@@ -297,7 +309,8 @@ class Pick:
 class Group:
     """The episodes of one task rolled out together (a GRPO group), made once by the collector from its
     `Pick`: every member carries `group_id` (the step's group offset plus the pick's position). `members`
-    holds infrastructure failures too; `scored` leaves them out (they are counted, never trained on)."""
+    holds infrastructure failures and reward-function errors too; `scored` leaves them out (they are counted,
+    never trained on)."""
 
     task: Task
     arm: Any
@@ -307,4 +320,4 @@ class Group:
 
     @property
     def scored(self) -> list[Trajectory]:
-        return [t for t in self.members if not t.status.is_infra_failure]
+        return [t for t in self.members if t.status.is_scored]

@@ -33,6 +33,12 @@ def too_big(prompts, completions, **_):
 def broken(prompts, completions, **_):
     raise KeyError("no such column")
 
+def penalty(prompts, completions, **_):
+    return [-1.0]
+
+def not_finite(prompts, completions, **_):
+    return [float("nan")]
+
 def chat(prompts, completions, **_):
     return [1.0 if prompts[0][-1]["role"] == "user" and completions[0][0]["role"] == "assistant" else 0.0]
 
@@ -125,17 +131,37 @@ def test_reward_fn_from_a_file_with_trl_signature(tmp_path, rows):
     assert (res.reward, res.rewards["success"]) == (0.6, 1.0)
 
 
-@pytest.mark.parametrize(
-    ("fn", "message"), [("too_big", "rewards must lie in [0, 1]"), ("broken", "KeyError")]
-)
-def test_a_failing_reward_fn_is_an_infra_failure_never_a_score(tmp_path, rows, fn, message):
+def test_any_finite_reward_is_a_score_and_success_stays_strict(tmp_path, rows):
     (tmp_path / "rewards.py").write_text(REWARDS_PY)
-    d = get_domain(
-        "dataset", path=str(_jsonl(tmp_path / "d.jsonl", rows)), reward_fn=f"{tmp_path}/rewards.py:{fn}"
-    )
-    res = _play(d, d.task(TRAIN, 0, 0), "4")
-    assert res.reward is None and res.info["infra_failure"] is True
-    assert message in res.info["infra_error"]
+    path = str(_jsonl(tmp_path / "d.jsonl", rows))
+    for fn, reward, success in (("penalty", -1.0, 0.0), ("too_big", 1.5, 1.0)):
+        d = get_domain("dataset", path=path, reward_fn=f"{tmp_path}/rewards.py:{fn}")
+        res = _play(d, d.task(TRAIN, 0, 0), "4")
+        assert (res.reward, res.rewards, res.info["infra_failure"]) == (
+            reward,
+            {"reward": reward, "success": success},
+            False,
+        )
+        assert "reward_fn_error" not in res.info
+
+
+@pytest.mark.parametrize(
+    ("fn", "message"),
+    [
+        ("broken", "KeyError: 'no such column'"),
+        ("not_finite", "ValueError: reward function returned nan; expected a finite number"),
+    ],
+)
+def test_a_failing_reward_fn_is_a_user_error_never_a_score_nor_infra(tmp_path, rows, fn, message):
+    (tmp_path / "rewards.py").write_text(REWARDS_PY)
+    path = str(_jsonl(tmp_path / "d.jsonl", rows))
+    d = get_domain("dataset", path=path, reward_fn=f"{tmp_path}/rewards.py:{fn}")
+    task = d.task(TRAIN, 0, 0)
+    res = _play(d, task, "4")
+    assert res.reward is None and res.info["infra_failure"] is False
+    spec = f"{tmp_path}/rewards.py:{fn}"
+    row = task.meta["row_index"]
+    assert res.info["reward_fn_error"] == f"reward function {spec} failed on row {row} of {path}: {message}"
 
 
 def test_conversational_prompts(tmp_path):

@@ -300,12 +300,13 @@ def test_tasks_that_ask_one_prompt_of_different_hidden_state_stay_apart():
 
 def test_cli_eval_names_the_episodes_our_engine_could_not_run():
     # every math prompt is longer than a 16-token context: each episode is an engine failure, left out of
-    # the figures (n = 0) and counted, and the CLI says how many and why instead of printing a bare table
+    # the figures (n = 0) and counted, and the CLI says how many and why instead of printing a bare table;
+    # with nothing scored it exits 1 (a CI gate must not pass), the JSON still the last line of stdout
     args = ["eval", "tiny:llama", "--baseline", "tiny:llama", "--suite", "math", "--n", "2", "--json"]
     over = ["--set", "engine.max_model_len=16", "--set", "engine.max_new_tokens=4"]
     result = CliRunner().invoke(app, [*args, *over])
-    assert result.exit_code == 0, result.output
-    out = json.loads(result.output.strip().splitlines()[-1])
+    assert result.exit_code == 1, result.output
+    out = json.loads(result.stdout.strip().splitlines()[-1])
     for per in (out["per_domain"]["math"], out["baseline_per_domain"]["math"]):
         assert (per["n"], per["infra_failures"]) == (0, 4)  # math levels 0 and 1, 2 tasks each
     text = " ".join(result.output.split())

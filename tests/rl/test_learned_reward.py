@@ -18,6 +18,7 @@ import uvicorn
 from posttrain.config import ConfigError, load_config
 from posttrain.models import load_tokenizer
 from posttrain.orchestrator.rl import RLRun
+from posttrain.orchestrator.rl.guard import AllEpisodesFailed
 from posttrain.rollout import (
     LearnedReward,
     RemoteRewardScorer,
@@ -200,10 +201,13 @@ def test_a_failing_reward_server_is_an_infrastructure_failure(tmp_path, reward_m
         assert all(isinstance(r, RewardModelError) and "answered 500" in str(r) for r in results)
         run = RLRun(_rl_cfg(tmp_path, url, 1), RunDir.create(tmp_path, "rl"))
         try:
-            summary = run.train()
+            # every episode of the step failed: the run stops (exit 1 from the CLI) and says why
+            with pytest.raises(
+                AllEpisodesFailed, match="step 1: all 2 episodes were infrastructure failures"
+            ):
+                run.train()
         finally:
             run.close()
-    assert summary["step"] == 1
     row = read_metrics(tmp_path / "rl" / "metrics.jsonl")[0]
     assert row["rollout/reward_errors"] == 2.0 and row["counters/infra_failures"] == 2.0
     assert "train/loss" not in row  # nothing was trained on, nothing scored 0

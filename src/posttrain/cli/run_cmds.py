@@ -44,6 +44,7 @@ def train(
     from posttrain.orchestrator.checkpoint import CheckpointError
     from posttrain.orchestrator.eval.export import save_hf_folder
     from posttrain.orchestrator.rl import RLRun
+    from posttrain.orchestrator.rl.guard import RunFailure
     from posttrain.telemetry.rundir import RunDir, check_run_name
 
     if name is not None:
@@ -98,7 +99,10 @@ def train(
             except CheckpointError as err:
                 fail(str(err), EXIT_RUNTIME)
             console.print(f"resumed {run.path} at step {rl.step}")
-        summary = rl.train()
+        try:
+            summary = rl.train()
+        except RunFailure as err:  # a guard stopped it: a user error (2) or nothing left to train on (1)
+            fail(str(err), err.exit_code)
     finally:
         rl.close()
     if summary["interrupted"]:
@@ -264,8 +268,10 @@ def eval_(
     for rep in reports:
         where = api_base if rep is reports[0] and api_base else f"our engine on {rep.model}"
         warn_failures(rep.failures, f"the infrastructure level in {where} (not scored)")
+    unscored = [r.model for r in reports if not any(d.get("n") for d in r.per_domain.values())]
     delta = paired_delta(reports[0], reports[1], cfg.seed, pass_at) if baseline else None
-    console.print(_eval_table(reports, delta, pass_at))
+    if not unscored:
+        console.print(_eval_table(reports, delta, pass_at))
     result: dict[str, Any] = {
         "model": reports[0].model,
         "accuracy_definition": ACCURACY_DEFINITION,
@@ -289,7 +295,7 @@ def eval_(
         )
         if pass_at:
             result["delta_pass_at"] = delta["pass_at"]
-    if run_dir is not None:
+    if run_dir is not None and not unscored:
         from posttrain.orchestrator.rl.retention import last_figures
         from posttrain.telemetry import RunDir, read_metrics
 
@@ -298,6 +304,12 @@ def eval_(
         (run_dir / "eval.json").write_text(json.dumps(result, indent=1))
     if json_out:
         print_json_last(result)
+    if unscored:  # a CI gate must not pass on an empty table
+        first = next((f for r in reports for f in r.failures), "")
+        fail(
+            f"nothing was scored for {', '.join(unscored)}: every episode failed"
+            + (f" (the first: {first})" if first else "")
+        )
 
 
 def _length_options(

@@ -147,6 +147,9 @@ async def _check(domains: list[Any], n: int, seed: int, sandbox: Any) -> list[di
                     if res.info.get("infra_failure"):
                         failures.append(f"{task.id}: sandbox failure: {res.info.get('infra_error')}")
                         continue
+                    if res.info.get("reward_fn_error"):
+                        failures.append(f"{task.id}: {res.info['reward_fn_error']}")
+                        continue
                     rewards.append(res.reward)
                     if res.reward != 1.0:
                         failures.append(f"{task.id}: reference scored {res.reward} {res.rewards} {res.info}")

@@ -19,10 +19,11 @@ Using it (the rollout loop does exactly this)::
     res = await env.finalize()                                 # score now if the caller's budget ran out first
 
 `step` accepts any string and never raises on it. Until `done`, `reward` is None and `observations` are
-the messages (role "tool" or "user") to append before the next assistant turn. On `done`, `reward` is in
-[0, 1] with named components in `rewards` (weights documented in each domain module) and `info` holds
-counts (`turns`, `tool_calls`, `invalid_tool_calls`, `unparseable`, ...). When the sandbox fails,
-`info["infra_failure"]` is True, `done` is True and `reward` is None: never train on such an episode.
+the messages (role "tool" or "user") to append before the next assistant turn. On `done`, `reward` is a
+finite number (in [0, 1] for the built-in domains) with named components in `rewards` (weights documented
+in each domain module) and `info` holds counts (`turns`, `tool_calls`, `invalid_tool_calls`, `unparseable`,
+...). When the sandbox fails, `info["infra_failure"]` is True, `done` is True and `reward` is None; when a
+user's reward function fails, `info["reward_fn_error"]` says how: never train on either episode.
 
 Generation cost: math, tools.apis and code.unit_tests make a task in about a millisecond; swe.ci_fix
 runs the generated repository's tests in a local subprocess to verify the injected bug (0.1-1 s per

@@ -42,9 +42,11 @@ class StepResult:
     """The environment's answer to one assistant message.
 
     `observations` are appended to the conversation before the next assistant turn (role "tool" or
-    "user"); empty when `done`. `reward` is None until `done`, then in [0, 1] with its named components
-    in `rewards`. `info` carries counts (`invalid_tool_calls`, `unparseable`, `tool_calls`, `turns`)
-    and `infra_failure: True` when the sandbox failed (the episode must not be trained on).
+    "user"); empty when `done`. `reward` is None until `done`, then a finite number (the built-in
+    domains' lie in [0, 1]) with its named components in `rewards`. `info` carries counts
+    (`invalid_tool_calls`, `unparseable`, `tool_calls`, `turns`), `infra_failure: True` when the sandbox
+    failed, and `reward_fn_error` (a message) when a user's reward function failed: neither episode is
+    trained on.
     """
 
     observations: list[Message]

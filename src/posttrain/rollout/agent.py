@@ -169,6 +169,7 @@ async def run_episode(
             known = traj.routing or []
             new = completion.routing
             traj.routing = None if new is None else known + new[len(known) :]
+        traj.clipped = completion.finish_reason == "length"  # cut at max_tokens: the last turn's counts
         ends_with_stop = bool(completion.token_ids) and completion.token_ids[-1] in eos_ids
         text = tokenizer.decode(completion.token_ids[:-1] if ends_with_stop else completion.token_ids)
         traj.turns = turn + 1
@@ -178,6 +179,10 @@ async def run_episode(
         info = dict(result.info)
         if info.get("infra_failure"):
             traj.status = TrajectoryStatus.SANDBOX_ERROR
+            traj.info = info
+            return traj
+        if info.get("reward_fn_error"):
+            traj.status = TrajectoryStatus.REWARD_FN_ERROR
             traj.info = info
             return traj
         if result.done:
@@ -207,6 +212,8 @@ async def run_episode(
     traj.info = {**info, **final.get("info", {}), "truncated": True}
     if traj.info.get("infra_failure"):
         traj.status = TrajectoryStatus.SANDBOX_ERROR
+    elif traj.info.get("reward_fn_error"):
+        traj.status = TrajectoryStatus.REWARD_FN_ERROR
     return traj
 
 

@@ -33,7 +33,7 @@ def message_of(resp: Any) -> dict[str, Any]:
 @dataclass
 class ApiEpisode:
     """One episode against an OpenAI-compatible endpoint: the final `StepResult` (None on an
-    infrastructure failure, with `why`), the conversation as sent, and the server's token usage."""
+    infrastructure failure or a reward-function error, with `why`), the conversation as sent, and the server's token usage."""
 
     result: StepResult | None
     why: str
@@ -96,6 +96,9 @@ async def api_episode(
         if result.info.get("infra_failure"):
             ep.why = f"sandbox failure: {result.info.get('infra_error', '')}"[:300]
             return ep
+        if result.info.get("reward_fn_error"):
+            ep.why = str(result.info["reward_fn_error"])[:500]
+            return ep
         if result.done:
             ep.result = result
             return ep
@@ -107,6 +110,9 @@ async def api_episode(
     result = await env.finalize()
     if result.info.get("infra_failure"):
         ep.why = f"sandbox failure: {result.info.get('infra_error', '')}"[:300]
+        return ep
+    if result.info.get("reward_fn_error"):
+        ep.why = str(result.info["reward_fn_error"])[:500]
         return ep
     ep.result = result
     return ep

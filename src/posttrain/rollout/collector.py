@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from posttrain.rollout.agent import EpisodeLimits, GroupPrefill, run_episode
-from posttrain.types import Group, Pick, Trajectory
+from posttrain.types import Group, Pick, Trajectory, TrajectoryStatus
 
 if TYPE_CHECKING:
     from posttrain.engine import Engine, SamplingParams
@@ -102,11 +102,35 @@ def rollout_stats(trajectories: list[Trajectory], wall_s: float) -> dict[str, fl
         "rollout/mean_response_tokens": generated / n,
         "rollout/max_response_tokens": float(max((t.num_generated for t in trajectories), default=0)),
         "rollout/infra_failures": float(sum(t.status.is_infra_failure for t in trajectories)),
-        "rollout/reward_errors": float(sum(t.status.value == "reward_error" for t in trajectories)),
-        "rollout/truncated": float(sum(t.status.value == "truncated" for t in trajectories)),
+        "rollout/reward_errors": float(sum(t.status is TrajectoryStatus.REWARD_ERROR for t in trajectories)),
+        "rollout/reward_fn_errors": float(
+            sum(t.status is TrajectoryStatus.REWARD_FN_ERROR for t in trajectories)
+        ),
+        # cut short: out of turns or episode tokens, or the last completion stopped at its token limit
+        # (a single-turn episode whose answer is cut is still `done`, so its status alone says OK)
+        "rollout/truncated": float(
+            sum(t.status is TrajectoryStatus.TRUNCATED or t.clipped for t in trajectories)
+        ),
+        **clipped_ratios(trajectories),
         # episode-seconds spent awaiting the engine / the environment; their sum over the wall time
         # says how much generation and environment work overlapped across episodes
         "timeline/episode_generate_s": gen_s,
         "timeline/episode_env_s": env_s,
     }
+    return out
+
+
+def clipped_ratios(trajectories: list[Trajectory]) -> dict[str, float]:
+    """`rollout/clipped_ratio`: the share of episodes whose last completion stopped at its token limit
+    (engine.max_new_tokens, or what was left of envs.max_episode_tokens) rather than on a stop token, over
+    every episode of the step; `rollout/clipped_ratio/<domain>` the same per domain (verl's
+    `response_length/clip_ratio`, TRL's `completions/clipped_ratio`)."""
+    if not trajectories:
+        return {"rollout/clipped_ratio": 0.0}
+    out = {"rollout/clipped_ratio": sum(t.clipped for t in trajectories) / len(trajectories)}
+    by_domain: dict[str, list[bool]] = {}
+    for t in trajectories:
+        by_domain.setdefault(t.task.domain, []).append(t.clipped)
+    for domain, clipped in sorted(by_domain.items()):
+        out[f"rollout/clipped_ratio/{domain}"] = sum(clipped) / len(clipped)
     return out

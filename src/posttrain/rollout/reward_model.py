@@ -216,7 +216,7 @@ class LearnedReward:
 
     async def apply(self, trajectories: list[Trajectory]) -> None:
         """Score the scored trajectories in place (infrastructure failures are left as they are)."""
-        todo = [t for t in trajectories if not t.status.is_infra_failure]
+        todo = [t for t in trajectories if t.status.is_scored]
         if not todo:
             return
         results = await self.scorer.score([t.token_ids for t in todo])

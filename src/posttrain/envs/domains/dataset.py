@@ -21,13 +21,15 @@ an order shuffled by `seed`, cycling.
 
 `reward_fn` is `package.module:function` or `path/to/file.py:function` with TRL's signature,
 `fn(prompts, completions, **columns) -> list[float]`, called with batches of one (a prompt/completion
-is a string, or a message list when the prompt is one). It returns a reward in [0, 1] (or a dict with
-`reward` and optionally `success`). Without one, the answer is extracted as in `math` (`<answer>` tags
-first) and compared with the row's answer (numbers after normalisation, text case-insensitively):
-reward = 0.85 correct + 0.15 format, success = correct. Success (eval's accuracy) is the function's
-`success` when it gives one, else reward >= 1. A reward function that raises, or returns a value
-outside [0, 1], is an infrastructure failure of that episode (counted, never trained on), with its
-error in the episode's info: it is a bug of the function, not a mistake of the model.
+is a string, or a message list when the prompt is one). It returns a reward, any finite number (a
+penalty of -1 is a reward; GRPO's advantages do not need [0, 1]), or a dict with `reward` and optionally
+`success`. Without one, the answer is extracted as in `math` (`<answer>` tags first) and compared with the
+row's answer (numbers after normalisation, text case-insensitively): reward = 0.85 correct + 0.15 format,
+success = correct. Success (eval's accuracy) is the function's `success` when it gives one, else
+reward >= 1. A reward function that raises, or returns no finite number (nan, inf, a string), is a user
+error: the episode's `info["reward_fn_error"]` names the function, the row and the exception, the
+episode is never trained on, and the run stops (orchestrator.max_reward_fn_errors). It is a bug of the
+function, neither a mistake of the model nor an infrastructure failure.
 """
 
 from __future__ import annotations
@@ -189,8 +191,8 @@ def default_score(text: str, answer: Any) -> tuple[float, dict[str, float], dict
 def call_reward_fn(
     fn: Callable[..., Any], prompt: Any, completion: Any, columns: dict[str, Any]
 ) -> dict[str, float]:
-    """Call a TRL-style reward function on one (prompt, completion); returns {'reward', 'success'} or raises
-    ValueError naming what came back wrong."""
+    """Call a TRL-style reward function on one (prompt, completion); returns {'reward', 'success'} (the
+    reward any finite number) or raises ValueError naming what came back wrong."""
     kwargs = {k: [v] for k, v in columns.items() if k not in ("prompts", "completions")}
     value = fn(prompts=[prompt], completions=[completion], **kwargs)
     if isinstance(value, list | tuple):
@@ -204,10 +206,8 @@ def call_reward_fn(
         success = value.get("success")
         value = value["reward"]
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"reward function returned {value!r}; expected a finite number in [0, 1]")
+        raise ValueError(f"reward function returned {value!r}; expected a finite number")
     reward = float(value)
-    if not 0.0 <= reward <= 1.0:
-        raise ValueError(f"reward function returned {reward}; rewards must lie in [0, 1]")
     ok = float(reward >= 1.0) if success is None else float(bool(success))
     return {"reward": reward, "success": ok}
 
@@ -215,9 +215,17 @@ def call_reward_fn(
 class DatasetEnv(Environment):
     max_turns = 1
 
-    def __init__(self, reward_fn: Callable[..., Any] | None, conversational: bool) -> None:
+    def __init__(
+        self,
+        reward_fn: Callable[..., Any] | None,
+        conversational: bool,
+        reward_fn_spec: str | None = None,
+        source: str = "",
+    ) -> None:
         self.reward_fn = reward_fn
         self.conversational = conversational
+        self.reward_fn_spec = reward_fn_spec or getattr(reward_fn, "__name__", "reward_fn")
+        self.source = source
         self._task: Task | None = None
 
     async def reset(self, task: Task) -> Observation:
@@ -238,12 +246,10 @@ class DatasetEnv(Environment):
             scored = call_reward_fn(self.reward_fn, prompt, completion, meta["row"])
         except Exception as err:  # noqa: BLE001 - the user's function failed: not the model's mistake
             detail = "".join(traceback.format_exception_only(type(err), err)).strip()
+            where = f"row {meta['row_index']} of {self.source}" if self.source else f"row {meta['row_index']}"
+            why = f"reward function {self.reward_fn_spec} failed on {where}: {detail}"
             return StepResult(
-                [],
-                None,
-                True,
-                {},
-                {"turns": 1, "infra_failure": True, "infra_error": f"reward_fn: {detail}"[:500]},
+                [], None, True, {}, {"turns": 1, "infra_failure": False, "reward_fn_error": why[:800]}
             )
         return StepResult([], scored["reward"], True, scored, {"turns": 1, "infra_failure": False})
 
@@ -375,4 +381,4 @@ class DatasetDomain(Domain):
         return [f"<answer>{task.meta['answer']}</answer>"]
 
     def make_env(self, sandbox: Any = None, chat_format: str = "smollm2") -> Environment:
-        return DatasetEnv(self.reward_fn, self.conversational)
+        return DatasetEnv(self.reward_fn, self.conversational, self.reward_fn_spec, self.path)

@@ -183,13 +183,14 @@ def score_tasks(
             sum(t.num_generated for t in trajs)
         )
     if failures is not None:
-        failures.extend(failure_reason(t) for t in trajs if t.status.is_infra_failure)
+        failures.extend(failure_reason(t) for t in trajs if not t.status.is_scored)
     return episodes_of(trajs, samples)
 
 
 def failure_reason(traj: Any) -> str:
-    """One line naming an infrastructure failure: the task, the status and the error it carried."""
-    why = traj.info.get("error") or traj.info.get("infra_error") or ""
+    """One line naming an episode that was not scored (an infrastructure failure or a reward-function
+    error): the task, the status and the error it carried."""
+    why = traj.info.get("error") or traj.info.get("infra_error") or traj.info.get("reward_fn_error") or ""
     task = traj.task.id or f"{traj.task.domain}:{traj.task.difficulty}"
     return f"{task}: {traj.status.value}: {why}"[:300]
 
@@ -198,11 +199,7 @@ def episodes_of(trajectories: Sequence[Any], samples: int) -> list[list[EpisodeS
     """Group trajectories (`samples` consecutive ones per task) into each task's scored episodes,
     infrastructure failures left out."""
     return [
-        [
-            episode_score(t.rewards, t.reward)
-            for t in trajectories[i : i + samples]
-            if not t.status.is_infra_failure
-        ]
+        [episode_score(t.rewards, t.reward) for t in trajectories[i : i + samples] if t.status.is_scored]
         for i in range(0, len(trajectories), samples)
     ]
 

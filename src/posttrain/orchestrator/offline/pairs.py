@@ -112,7 +112,7 @@ def pair_by_outcome(
     pairs: list[Pair] = []
     infra = paired_tasks = successes = scored = 0
     for _, members in sorted(groups.items()):
-        ok = [t for t in members if not t.status.is_infra_failure]
+        ok = [t for t in members if t.status.is_scored]
         infra += len(members) - len(ok)
         good = [t for t in ok if _succeeded(t)]
         bad = [t for t in ok if not _succeeded(t)]

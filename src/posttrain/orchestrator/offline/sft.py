@@ -226,6 +226,8 @@ async def replay_reference(
         raise SFTDataError(
             f"{task.id}: the sandbox failed while replaying the reference: {result.info.get('infra_error')}"
         )
+    if result.info.get("reward_fn_error"):
+        raise SFTDataError(f"{task.id}: {result.info['reward_fn_error']}")
     success = result.rewards.get("success", result.reward)
     if not success:
         raise SFTDataError(f"{task.id}: the reference solution does not succeed (rewards {result.rewards})")

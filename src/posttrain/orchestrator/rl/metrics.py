@@ -1,5 +1,5 @@
 """What one step of a run reports: reward and sandbox figures per domain, the step's timeline, the
-progress bar's figures, and the order in which the run's phases ran. Pure functions over trajectories
+progress bar's figures and the plain line printed when stdout is not a terminal, and the order in which the run's phases ran. Pure functions over trajectories
 and dicts; logging them is telemetry's job."""
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ def reward_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
         by_domain.setdefault(t.task.domain, []).append(t)
     all_r = [t.reward for t in trajectories]
     out["reward/mean"] = float(np.mean(all_r)) if all_r else 0.0
+    successes = [t.rewards["success"] for t in trajectories if "success" in t.rewards]
+    if successes:  # the strict criterion, over the episodes whose domain reports it
+        out["success/mean"] = float(np.mean(successes))
     for comp in ("verifier", "reward_model", "length_penalty"):  # a learned reward's parts, side by side
         vals = [t.rewards[comp] for t in trajectories if comp in t.rewards]
         if vals:
@@ -84,3 +87,16 @@ def progress_figures(metrics: dict[str, float], domains: list[str]) -> dict[str,
         figures["kl"] = metrics["train/kl"]
     figures["tok/s"] = metrics.get("rollout/tokens_per_s", 0.0)
     return figures
+
+
+def step_line(step: int, total: int, metrics: dict[str, float]) -> str:
+    """One plain line per step for logs (stdout not a terminal: nohup, SLURM, `| tee`): the step, mean
+    reward, strict success, clipped ratio, generated tokens and the step's seconds."""
+    success = metrics.get("success/mean")
+    return (
+        f"step {step}/{total}  reward {metrics.get('reward/mean', 0.0):.4g}  "
+        f"success {'-' if success is None else f'{success:.3g}'}  "
+        f"clipped {metrics.get('rollout/clipped_ratio', 0.0):.3g}  "
+        f"tokens {metrics.get('rollout/generated_tokens', 0.0):.0f}  "
+        f"{metrics.get('timeline/step_s', 0.0):.1f}s"
+    )

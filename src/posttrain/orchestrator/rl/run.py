@@ -18,7 +18,8 @@ import posttrain.orchestrator.rl.state as state
 from posttrain.config import RunConfig, save_config
 from posttrain.orchestrator.checkpoint import keep_metrics_until
 from posttrain.orchestrator.rl.groups import drop_stale, samples_from_groups
-from posttrain.orchestrator.rl.metrics import PhaseLog, progress_figures, step_metrics
+from posttrain.orchestrator.rl.guard import RunFailure, check_step
+from posttrain.orchestrator.rl.metrics import PhaseLog, progress_figures, step_line, step_metrics
 from posttrain.orchestrator.rl.replay import ReplayPool, replay_count
 from posttrain.orchestrator.rl.retention import RetentionSuites
 from posttrain.orchestrator.rl.schedule import AsyncPipeline, PreRow, train_sync
@@ -56,6 +57,7 @@ class RLRun:
         self.drift: Any = None  # orchestrator.rl.drift.DriftProbe when curriculum.drift_every is set
         self.retention: RetentionSuites | None = None  # curriculum.retention's suites
         self.replay: ReplayPool | None = None  # algorithm.replay_fraction's general data
+        self.logger: MetricsLogger | None = None  # train()'s, while it runs
         self._built = False
 
     # ------------------------------------------------------------------ construction
@@ -398,6 +400,29 @@ class RLRun:
         """The learner's current weights (full, merged)."""
         return self.learner.weights()
 
+    def check_step(self, batch: Collected) -> None:
+        """The step guard on the batch of step `self.step` + 1 (orchestrator.rl.guard): raises
+        guard.RewardFunctionError or guard.AllEpisodesFailed to stop the run, warns on stderr when many
+        episodes were infrastructure failures."""
+        o = self.cfg.orchestrator
+        try:
+            check_step(
+                batch.health,
+                self.step + 1,
+                int(self.counters.get("reward_fn_errors", 0.0)),
+                o.max_reward_fn_errors,
+                o.infra_warn_share,
+            )
+        except RunFailure:
+            if self.logger is not None:  # metrics.jsonl shows the step that stopped the run
+                counters = dict(self.counters)
+                for key in ("infra_failures", "reward_fn_errors"):
+                    counters[key] += batch.stats.get(f"rollout/{key}", 0.0)
+                self.logger.log(
+                    self.step + 1, {**batch.stats, **{f"counters/{k}": v for k, v in counters.items()}}
+                )
+            raise
+
     def update(self, groups: list[Group]) -> dict[str, float]:
         """One learner step on the groups' members within max_staleness versions (the others are counted)."""
         current = self.learner.version
@@ -509,6 +534,7 @@ class RLRun:
         for counter, key in (
             ("rollout_tokens", "generated_tokens"),
             ("infra_failures", "infra_failures"),
+            ("reward_fn_errors", "reward_fn_errors"),
             ("dropped_groups", "dropped_groups"),
             ("dropped_singleton_groups", "dropped_singleton_groups"),
         ):
@@ -556,7 +582,11 @@ class RLRun:
             self.save()
             metrics["timeline/checkpoint_s"] = time.perf_counter() - t0
         self.tasks.checkpoint_view = None
-        progress.advance(1, progress_figures(metrics, list(self.domains)))
+        progress.advance(
+            1,
+            progress_figures(metrics, list(self.domains)),
+            line=step_line(self.step, cfg.orchestrator.steps, metrics),
+        )
 
     # ------------------------------------------------------------------ checkpoint
 
@@ -674,10 +704,13 @@ class RLRun:
             self.run_dir.tb if cfg.telemetry.tensorboard else None,
             wandb=self._wandb_sink(),
         )
+        self.logger = logger
         last: dict[str, float] = {}
         with stop_on_signals(self._record_stop):
             try:
-                with Progress(cfg.orchestrator.steps, "train", enabled=self.show_progress) as progress:
+                with Progress(
+                    cfg.orchestrator.steps, "train", enabled=self.show_progress, lines=None
+                ) as progress:
                     progress.set_completed(self.step)
                     if cfg.orchestrator.mode == "sync":
                         last = train_sync(self, logger, progress)

@@ -26,9 +26,10 @@ PreRow = tuple[dict[str, float], dict[str, float], "SamplerView | None"]
 
 class StepWork(Protocol):
     """A run as its schedule drives it (`RLRun` is one). A step is: `collect_step` (batch b's groups,
-    on the caller's event loop), `update` (one learner step on them), `sync_weights` / `push_weights`
-    (publish weights to the engine), `after_step` (count, probe, log, checkpoint). The schedule reads
-    the run's progress and the task source, and reaches nothing else of the run."""
+    on the caller's event loop), `check_step` (the step guard: raises guard.RunFailure to stop the run),
+    `update` (one learner step on them), `sync_weights` / `push_weights` (publish weights to the engine),
+    `after_step` (count, probe, log, checkpoint). The schedule reads the run's progress and the task
+    source, and reaches nothing else of the run."""
 
     cfg: RunConfig
     tasks: TaskSource
@@ -43,6 +44,8 @@ class StepWork(Protocol):
     def collect_step(
         self, step: int, spent: float | None = None, loop: asyncio.AbstractEventLoop | None = None
     ) -> Collected: ...
+
+    def check_step(self, batch: Collected) -> None: ...
 
     def update(self, groups: list[Group]) -> dict[str, float]: ...
 
@@ -95,6 +98,7 @@ def train_sync(run: StepWork, logger: MetricsLogger, progress: Progress) -> dict
         t_step = time.perf_counter()
         run.phases.add("generate")
         batch = run.collect_step(run.step)
+        run.check_step(batch)
         run.tasks.feed(batch.feedback, run.step)
         t0 = time.perf_counter()
         train_metrics = run.update(batch.groups)
@@ -260,6 +264,7 @@ class AsyncPipeline:
                     if run.step not in self.batches:  # stopped, or the budget ran out before this batch
                         break
                     batch = self.batches.pop(run.step)
+                run.check_step(batch)
                 trajs, stats = batch.trajectories, batch.stats
                 waited = time.perf_counter() - t_step  # for this batch; idle adds the waits below
                 idle = waited

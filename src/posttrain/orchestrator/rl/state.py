@@ -28,6 +28,7 @@ LEARNER_DIR = "learner"
 # is spent against their sum.
 COUNTERS: dict[str, float] = {
     "infra_failures": 0.0,
+    "reward_fn_errors": 0.0,
     "dropped_stale": 0.0,
     "dropped_groups": 0.0,
     "dropped_singleton_groups": 0.0,

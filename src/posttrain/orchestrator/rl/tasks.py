@@ -7,10 +7,11 @@ mix (the curriculum does)."""
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from posttrain.curriculum import GroupFeedback
+from posttrain.orchestrator.rl.guard import StepHealth
 from posttrain.rollout import RolloutBatch, rollout_stats
 from posttrain.types import Group, Pick, Trajectory
 
@@ -107,11 +108,13 @@ class TaskSource:
 @dataclass
 class Collected:
     """A step's gathered groups: `groups` to train on (in pick order, refills after), `feedback` for the
-    sampler (every group with a scored member, dropped ones included) and the rollout `stats`."""
+    sampler (every group with a scored member, dropped ones included), the rollout `stats`, and the
+    `health` of every episode rolled out (what the step guard judges)."""
 
     groups: list[Group]
     feedback: list[GroupFeedback]
     stats: dict[str, float]
+    health: StepHealth = field(default_factory=StepHealth)
 
     @property
     def trajectories(self) -> list[Trajectory]:
@@ -166,7 +169,7 @@ class StepFill:
         self.wall += batch.wall_s
         self.every.extend(batch.trajectories)
         for group in batch.groups:
-            members = group.scored  # infrastructure failures are counted by rollout_stats
+            members = group.scored  # failures are counted by rollout_stats, judged by the step guard
             if not members:
                 continue
             feedback = GroupFeedback.of(group)
@@ -199,4 +202,4 @@ class StepFill:
             self.zero_groups
         )  # all rewards equal, refills included
         stats["rollout/zero_advantage_tokens"] = float(self.zero_tokens)
-        return Collected(self.kept, self.feedback, stats)
+        return Collected(self.kept, self.feedback, stats, StepHealth.of(self.every))

@@ -351,10 +351,7 @@ def _facts(cfg: dict[str, Any], rows: list[dict[str, Any]], result: dict[str, An
         facts.append(
             (
                 "algorithm",
-                _e(
-                    f"{algo.get('advantage', '?')} advantages, {loss} loss, "
-                    f"group size {group}"
-                ),
+                _e(f"{algo.get('advantage', '?')} advantages, {loss} loss, group size {group}"),
             )
         )
     facts.append(("domains", _e("; ".join(domains)) if domains else "?"))

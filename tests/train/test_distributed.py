@@ -19,6 +19,7 @@ from posttrain.orchestrator.rl.weight_sync import lora_update
 from posttrain.train import Learner, Sample
 from posttrain.train.distributed import (
     DataParallel,
+    ParallelPlan,
     init_local_gloo,
     load_sharded,
     parallelize_2d,
@@ -131,6 +132,40 @@ def test_share_pads_with_weight_zero_repeats_so_ranks_run_as_many():
 def test_shard_learner_needs_a_process_group():
     with pytest.raises(RuntimeError, match="needs torch.distributed initialised"):
         shard_learner(make_learner(False))
+
+
+def test_a_plan_picks_its_layout_from_the_sizes():
+    def kind(**sizes: int) -> str:
+        return ParallelPlan.of(TrainerConfig(**sizes)).kind
+
+    assert kind() == "none" and kind(context_parallel=2) == "cp"
+    assert kind(data_parallel=2) == "fsdp" and kind(tensor_parallel=2) == "tp"
+    assert kind(data_parallel=2, tensor_parallel=2) == "dp_tp"
+    assert kind(data_parallel=2, context_parallel=2) == "dp_cp"
+    assert kind(tensor_parallel=2, context_parallel=2) == "dp_cp"
+    assert ParallelPlan(layout="fsdp").kind == "fsdp"  # one rank's FSDP: the layout, not the sizes
+    with pytest.raises(ValueError, match="unknown parallel layout 'pp'"):
+        ParallelPlan(layout="pp")
+
+
+def test_a_learner_is_split_once_by_its_own_replan():
+    """`shard_learner` is `learner.replan(...)`: the Learner records its places and plan; a second split
+    is refused before anything is touched."""
+    import torch.distributed as dist
+
+    init_local_gloo(0, 1, _free_port(), timeout_s=30)
+    try:
+        learner = make_learner(False)
+        assert learner.plan == ParallelPlan() and learner.dp is None
+        place = shard_learner(learner)
+        assert learner.dp is place and (place.rank, place.world) == (0, 1)
+        assert learner.plan.kind == "fsdp" and learner.tp is None and learner.cp is None
+        optimizer = learner.optimizer
+        with pytest.raises(ValueError, match="this learner is already split .*a learner is split once"):
+            learner.replan(ParallelPlan(layout="tp"))
+        assert learner.optimizer is optimizer and learner.dp is place
+    finally:
+        dist.destroy_process_group()
 
 
 def _tp_worker(rank: int, port: int, lora: bool, out_path: str) -> None:

@@ -432,6 +432,27 @@ def test_single_pass_is_off_when_anything_needs_old_logprobs_first(base_model):
     ).single_pass()
 
 
+def test_prepare_hands_over_the_old_logprobs_or_the_mark_that_the_forward_gives_them(base_model):
+    """Single pass: `prepare` leaves no old logprobs to fill in, it says FROM_FORWARD; otherwise it holds
+    them. A PreparedBatch whose `old` disagrees with its batch is refused."""
+    from posttrain.train.update import FROM_FORWARD, PreparedBatch
+
+    samples = make_samples(8)
+    for single in (True, False):
+        lrn = learner(
+            TrainerConfig(lr=1e-2, single_pass_old_logprobs=single), model=copy.deepcopy(base_model)
+        )
+        prepared = lrn.prepare(samples)
+        if single:
+            assert prepared.old is FROM_FORWARD and prepared.old_from_forward
+            assert prepared.batch.old_logprobs is None and prepared.batch.is_weights is None
+        else:
+            assert prepared.old is prepared.batch.old_logprobs and not prepared.old_from_forward
+            assert torch.equal(prepared.old, lrn.compute_logprobs(samples))
+    with pytest.raises(ValueError, match="PreparedBatch.old must be batch.old_logprobs, or FROM_FORWARD"):
+        PreparedBatch(prepared.batch, prepared.advantage, FROM_FORWARD, False)
+
+
 def group_samples(seed: int = 0, vocab: int = 1000) -> list[Sample]:
     """GRPO-shaped: groups of 4 rows sharing their prompt (lengths differ, one multi-turn row with an
     observation inside its generated span), a group whose rows share only 2 tokens, and a lone row."""

@@ -10,9 +10,12 @@ API used by the RL loop::
         # one trajectory as the engine's token ids; loss_mask 1 on generated tokens (loss_mask[0] must
         # be 0: the first token has no logprob); behavior_logprobs from the engine (0.0 where mask 0)
 
-    learner = Learner(model_cfg, trainer_cfg, algo_cfg=None, seed=0, model=None, critic_model=None, batch_cfg=None)
-        # built in stages: train/parts.py builds the parts, a train.distributed.ParallelPlan splits them,
-        # train/optim.py builds the optimizers from them; algo_cfg None: the RL defaults (SFT needs none);
+    learner = Learner(model_cfg, trainer_cfg, algo_cfg=None, seed=0, model=None, critic_model=None, batch_cfg=None,
+                      plan=None)
+        # built in stages: train/parts.py builds the parts, the Learner applies its plan (a
+        # train.distributed.ParallelPlan: dp, tp, cp) to them, train/optim.py builds the optimizers from
+        # the split parts; learner.replan(plan) splits an unsplit, never-updated one;
+        # algo_cfg None: the RL defaults (SFT needs none);
         # batch_cfg: mini_batches, ppo_epochs, micro_batch_tokens of the update (None: the defaults);
         # LoRA when model_cfg.lora_rank > 0 (reference = adapters disabled, no second copy);
         # full fine-tuning keeps a frozen reference copy only when algo_cfg.kl_coef > 0;
@@ -20,6 +23,7 @@ API used by the RL loop::
         # decoder) | "separate" (value head on trainer_cfg.critic_spec's decoder, same tokenizer)
     metrics = learner.step(samples, current_version=None)   # one whole RL update; version += 1
     learner.prepare(samples) -> PreparedBatch; learner.update(prepared) -> dict  # step's two phases
+        # prepared.old: the old logprobs, or FROM_FORWARD in single pass (the training forward gives them)
         # the loss is the sum of the terms in learner.terms (train/terms.py): algorithm.policy_loss
         # ({type: ppo_clip | gspo | custom, ...}), MoE aux, entropy, KL; with a critic learner.critic_terms
     learner.compute_logprobs(batch_or_samples) -> Tensor [B, L]  # 0 where loss_mask is 0

@@ -67,7 +67,7 @@ class Batch:
     group_ids: Tensor  # [B] long
     policy_versions: Tensor  # [B] long
     routing: Tensor | None = None  # [B, L, sparse layers, top_k] the engine's expert ids; -1: unknown
-    # filled by Learner.step before update()
+    # set together by the RL step's prepare (train/update.py `prepare_batch`), before the update
     old_logprobs: Tensor | None = None  # learner logprobs before the update (the PPO ratio's denominator)
     ref_logprobs: Tensor | None = None
     old_values: Tensor | None = None

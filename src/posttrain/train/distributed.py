@@ -1,8 +1,15 @@
 """Data-parallel, sharded Learner ranks (FSDP2 `fully_shard`) and tensor-parallel ones (DTensor
-`parallelize_module`), over torch.distributed.
+`parallelize_module`), over torch.distributed, and the `ParallelPlan` that picks among them.
 
-`shard_learner(learner)` turns a `Learner` built in each rank's process (same config and seed, so the
-same initial weights) into one rank of a data-parallel learner: every decoder layer and the root are
+A Learner is handed its plan at construction (`Learner(..., plan=ParallelPlan.of(trainer))`, what a
+learner group's rank does) and applies it itself: `ParallelPlan.split` shards or splits the parts in
+place and returns a `Placement` (this rank's places, the optimizer factory the split parameters need,
+the mesh); the Learner records the places and builds its optimizers from the split parts. Nothing here
+assigns a Learner attribute. `shard_learner`, `tensor_parallel_learner`, `parallelize_2d` and
+`parallelize_dp_cp` are shorthands for `learner.replan(ParallelPlan(...))` on a Learner built unsplit.
+
+FSDP (`layout="fsdp"`, dp > 1) turns a `Learner` built in each rank's process (same config and seed, so
+the same initial weights) into one rank of a data-parallel learner: every decoder layer and the root are
 sharded across the ranks (gloo on CPUs, NCCL on GPUs), the optimizer holds only this rank's shards,
 and `Learner.update` gives each rank a share of every mini-batch's micro-batches. All ranks call the
 same methods with the same batch, in the same order. Each rank's loss is scaled by the world size,
@@ -17,12 +24,12 @@ batch on every rank: correct (the averaged gradient of identical losses is that 
 simple, not faster. A critic (`trainer.critic`) is sharded the same way, as a root of its own (the
 Learner calls its forward), its value loss scaled and shared out with the policy's micro-batches.
 
-`tensor_parallel_learner(learner)` splits each decoder layer's attention heads and MLP columns over
+Tensor parallelism (`layout="tp"`) splits each decoder layer's attention heads and MLP columns over
 the ranks instead (Megatron's column-in, row-out split, `TP_PLAN`); all ranks run the whole batch.
-LoRA adapters follow their base layer's split (`tp_plan`). `parallelize_2d(learner, dp, tp)` composes
+LoRA adapters follow their base layer's split (`tp_plan`). A "dp_tp" plan composes
 the two on a (dp, tp) DeviceMesh: tensor parallel inside each "tp" group, FSDP2 over "dp", each dp group
 taking its share of the micro-batches. A critic's decoder layers are split (and sharded) as the
-policy's. `parallelize_dp_cp(learner, dp, cp, tp)` composes FSDP2 with context parallelism on a (dp, cp)
+policy's. A "dp_cp" plan composes FSDP2 with context parallelism on a (dp, cp)
 mesh, or a (dp, cp, tp) one: each cp group splits every sequence of its dp group's micro-batches, each
 tp group splits the heads inside a cp rank, FSDP shards over the dp x cp ranks.
 
@@ -38,7 +45,7 @@ import json
 import math
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -167,9 +174,9 @@ def _refuse_unsplittable(learner: Any, what: str, verb: str) -> None:
         raise ValueError(f"{verb} a learner before its first update (its optimizer state would be lost)")
 
 
-def shard_learner(learner: Any, group: Any = None) -> DataParallel:
-    """Shard `learner`'s policy (and critic) over the process group (initialised by the caller) and
-    rebuild their optimizers over this rank's shards; returns the rank's `DataParallel`, also set as `learner.dp`."""
+def _shard(learner: Any, group: Any = None) -> Placement:
+    """Shard `learner`'s policy (and critic) over the process group (initialised by the caller); the
+    Learner then builds their optimizers over this rank's shards."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
@@ -191,9 +198,7 @@ def shard_learner(learner: Any, group: Any = None) -> DataParallel:
         for layer in critic_layers(learner.critic):
             fully_shard(layer, mesh=mesh)
         fully_shard(learner.critic, mesh=mesh)
-    learner.build_optimizers()  # over this rank's shards
-    learner.dp = DataParallel(rank, world, group, root=root)
-    return learner.dp
+    return Placement(dp=DataParallel(rank, world, group, root=root))  # optimizers: over this rank's shards
 
 
 # Megatron's split of a Llama-family decoder layer: column-parallel in, row-parallel out
@@ -255,10 +260,10 @@ def _dtensor_adamw(params: list[torch.nn.Parameter], lr: float, tc: Any) -> torc
     )
 
 
-def _dtensor_optimizers(learner: Any) -> None:
-    """Rebuild the policy's (and the critic's) optimizer over their split parameters."""
+def _dtensor_factory(learner: Any) -> Callable[[list[torch.nn.Parameter], float], torch.optim.Optimizer]:
+    """The optimizer factory for the policy's (and the critic's) split parameters."""
     tc = learner.trainer_cfg
-    learner.build_optimizers(lambda params, lr: _dtensor_adamw(params, lr, tc))
+    return lambda params, lr: _dtensor_adamw(params, lr, tc)
 
 
 @dataclass
@@ -271,11 +276,11 @@ class TensorParallel:
     group: Any = None
 
 
-def tensor_parallel_learner(learner: Any, group: Any = None) -> TensorParallel:
+def _tensor_parallel(learner: Any, group: Any = None) -> Placement:
     """Split `learner`'s decoder layers (the policy's and the critic's) over the process group with
     DTensor `parallelize_module` (`tp_plan`; embeddings, norms and heads stay replicated, LoRA adapters
-    split with their base layer) and rebuild the optimizers; every rank then calls the same methods with the same batch. Heads, KV
-    heads and MLP columns must divide by the world size."""
+    split with their base layer); the optimizers are then built over the DTensors; every rank calls the
+    same methods with the same batch. Heads, KV heads and MLP columns must divide by the world size."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -293,18 +298,16 @@ def tensor_parallel_learner(learner: Any, group: Any = None) -> TensorParallel:
     if learner.critic is not None:
         for layer in critic_layers(learner.critic):
             parallelize_module(layer, mesh, tp_plan(layer))
-    _dtensor_optimizers(learner)
-    learner.tp = TensorParallel(rank, world, group)
-    return learner.tp
+    return Placement(tp=TensorParallel(rank, world, group), optimizer_factory=_dtensor_factory(learner))
 
 
-def parallelize_2d(learner: Any, dp: int, tp: int) -> Any:
+def _parallelize_2d(learner: Any, dp: int, tp: int) -> Placement:
     """Make `learner` one rank of a dp x tp learner over all of torch.distributed's ranks (PyTorch's 2-D
     recipe): a DeviceMesh of shape (dp, tp) named ("dp", "tp"); every decoder layer split over its "tp"
     group (`tp_plan`), then it and the root sharded with FSDP2 over "dp" (the critic's likewise); the
-    optimizers rebuilt over the DTensor parameters. Each dp group takes its share of every mini-batch's micro-batches (the ranks of
-    one tp group run the same ones); gradient clipping takes the norm over the whole model. Sets
-    `learner.dp` and `learner.tp`; returns the mesh."""
+    optimizers built over the DTensor parameters. Each dp group takes its share of every mini-batch's
+    micro-batches (the ranks of one tp group run the same ones); gradient clipping takes the norm over
+    the whole model. The placement holds the mesh."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
@@ -331,13 +334,15 @@ def parallelize_2d(learner: Any, dp: int, tp: int) -> Any:
             parallelize_module(layer, mesh["tp"], tp_plan(layer))
             fully_shard(layer, mesh=mesh["dp"])
         fully_shard(learner.critic, mesh=mesh["dp"])
-    _dtensor_optimizers(learner)
-    learner.dp = DataParallel(mesh["dp"].get_local_rank(), dp, mesh["dp"].get_group(), root=root)
-    learner.tp = TensorParallel(mesh["tp"].get_local_rank(), tp, mesh["tp"].get_group())
-    return mesh
+    return Placement(
+        dp=DataParallel(mesh["dp"].get_local_rank(), dp, mesh["dp"].get_group(), root=root),
+        tp=TensorParallel(mesh["tp"].get_local_rank(), tp, mesh["tp"].get_group()),
+        optimizer_factory=_dtensor_factory(learner),
+        mesh=mesh,
+    )
 
 
-def parallelize_dp_cp(learner: Any, dp: int, cp: int, tp: int = 1) -> Any:
+def _parallelize_dp_cp(learner: Any, dp: int, cp: int, tp: int = 1) -> Placement:
     """Make `learner` (built with trainer.context_parallel=cp and tensor_parallel=tp in each process, same
     config and seed) one rank of a dp x cp (x tp) learner over all of torch.distributed's ranks: a
     DeviceMesh of shape (dp, cp) named ("dp", "cp"), or (dp, cp, tp) named ("dp", "cp", "tp"); each "cp"
@@ -349,8 +354,7 @@ def parallelize_dp_cp(learner: Any, dp: int, cp: int, tp: int = 1) -> Any:
     them too divides the memory by dp x cp, and FSDP's one reduce-scatter both sums the cp ranks' partial
     gradients (each holds those of its positions) and averages over the dp groups, each rank's loss being
     scaled by dp x cp. A critic is split and sharded the same way (its own `_Root`), the value loss scaled
-    as the policy's. The reference stays whole on every rank. Sets `learner.dp`, `learner.cp` (and
-    `learner.tp`); returns the mesh."""
+    as the policy's. The reference stays whole on every rank. The placement holds the mesh."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
@@ -381,7 +385,7 @@ def parallelize_dp_cp(learner: Any, dp: int, cp: int, tp: int = 1) -> Any:
     else:
         mesh = init_device_mesh(learner.device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
         shard_mesh = DeviceMesh(learner.device.type, list(range(world)))  # every rank
-    learner.cp = context_parallel_learner(learner, mesh["cp"].get_group())
+    cp_place = context_parallel_learner(learner, mesh["cp"].get_group())
 
     def shard(layers: list[torch.nn.Module], root: torch.nn.Module) -> None:
         for layer in layers:
@@ -396,12 +400,8 @@ def parallelize_dp_cp(learner: Any, dp: int, cp: int, tp: int = 1) -> Any:
     if learner.critic is not None:
         critic_root = _Root(learner.critic, learner, learner.value_forward)
         shard(critic_layers(learner.critic), critic_root)
-    if tp > 1:
-        _dtensor_optimizers(learner)
-        learner.tp = TensorParallel(mesh["tp"].get_local_rank(), tp, mesh["tp"].get_group())
-    else:
-        learner.build_optimizers()
-    learner.dp = DataParallel(
+    tp_place = TensorParallel(mesh["tp"].get_local_rank(), tp, mesh["tp"].get_group()) if tp > 1 else None
+    dp_place = DataParallel(
         mesh["dp"].get_local_rank(),
         dp,
         mesh["dp"].get_group(),
@@ -409,41 +409,113 @@ def parallelize_dp_cp(learner: Any, dp: int, cp: int, tp: int = 1) -> Any:
         grad_ranks=dp * cp,
         critic_root=critic_root,
     )
-    return mesh
+    factory = _dtensor_factory(learner) if tp > 1 else None
+    return Placement(dp=dp_place, tp=tp_place, cp=cp_place, optimizer_factory=factory, mesh=mesh)
+
+
+@dataclass
+class Placement:
+    """What applying a `ParallelPlan` to a Learner's parts gives the Learner: this rank's places in the
+    data, tensor and context parallelisms it has (None: not split that way), the optimizer factory the
+    split parameters need (None: `train.optim.make_adamw`'s), and the DeviceMesh of a 2-D or 3-D plan."""
+
+    dp: DataParallel | None = None
+    tp: TensorParallel | None = None
+    cp: Any = None  # a train.context_parallel.ContextParallel
+    optimizer_factory: Callable[[list[torch.nn.Parameter], float], torch.optim.Optimizer] | None = None
+    mesh: Any = None
+
+
+def _context_parallel_only(learner: Any, plan: ParallelPlan) -> Placement:
+    from posttrain.train.context_parallel import context_parallel_learner
+
+    return Placement(cp=context_parallel_learner(learner))
+
+
+_SPLITS: dict[str, Callable[[Any, ParallelPlan], Placement]] = {
+    "none": lambda learner, plan: Placement(),
+    "cp": _context_parallel_only,
+    "fsdp": lambda learner, plan: _shard(learner, plan.group),
+    "tp": lambda learner, plan: _tensor_parallel(learner, plan.group),
+    "dp_tp": lambda learner, plan: _parallelize_2d(learner, plan.dp, plan.tp),
+    "dp_cp": lambda learner, plan: _parallelize_dp_cp(learner, plan.dp, plan.cp, plan.tp),
+}
 
 
 @dataclass(frozen=True)
 class ParallelPlan:
     """How a Learner's parts are split: `dp` FSDP2 data-parallel groups, `tp` tensor-parallel ranks, `cp`
-    context-parallel ranks (trainer.data_parallel / tensor_parallel / context_parallel). The Learner
-    applies it to its parts before building optimizers from them; dp or tp > 1 need the process group
-    initialised."""
+    context-parallel ranks (trainer.data_parallel / tensor_parallel / context_parallel). The Learner is
+    handed it at construction (`Learner(..., plan=...)`) and applies it to its parts before building its
+    optimizers from them (`split`, then `Learner.replan`); dp or tp > 1 need the process group initialised.
+
+    `layout` names the split; None picks it from the sizes: "dp_cp" (cp > 1 with dp or tp > 1, a
+    (dp, cp[, tp]) mesh), "dp_tp" (a (dp, tp) mesh), "fsdp" (dp > 1), "tp" (tp > 1), "cp" (cp > 1),
+    "none". An explicit "fsdp" or "tp" layout spans `group` (None: the whole world), whatever its size,
+    one rank included: the sizes are then the group's."""
 
     dp: int = 1
     tp: int = 1
     cp: int = 1
+    layout: str | None = None
+    group: Any = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.layout is not None and self.layout not in _SPLITS:
+            raise ValueError(f"unknown parallel layout {self.layout!r}; one of {sorted(_SPLITS)}")
 
     @classmethod
     def of(cls, trainer_cfg: Any) -> ParallelPlan:
         return cls(trainer_cfg.data_parallel, trainer_cfg.tensor_parallel, trainer_cfg.context_parallel)
 
-    def apply(self, learner: Any) -> None:
-        """Split `learner`'s parts as planned and build its optimizers from the split parts."""
+    @property
+    def kind(self) -> str:
+        """The layout, explicit or picked from the sizes (see the class doc)."""
+        if self.layout is not None:
+            return self.layout
         dp, tp, cp = self.dp, self.tp, self.cp
         if cp > 1 and (dp > 1 or tp > 1):
-            parallelize_dp_cp(learner, dp, cp, tp)
-        elif dp > 1 and tp > 1:
-            parallelize_2d(learner, dp, tp)
-        elif dp > 1:
-            shard_learner(learner)
-        elif tp > 1:
-            tensor_parallel_learner(learner)
-        else:
-            if cp > 1:
-                from posttrain.train.context_parallel import context_parallel_learner
+            return "dp_cp"
+        if dp > 1 and tp > 1:
+            return "dp_tp"
+        if dp > 1:
+            return "fsdp"
+        if tp > 1:
+            return "tp"
+        return "cp" if cp > 1 else "none"
 
-                learner.cp = context_parallel_learner(learner)
-            learner.build_optimizers()
+    def split(self, learner: Any) -> Placement:
+        """Split `learner`'s parts in place as planned (sharding and splitting its modules; it assigns
+        nothing on the Learner) and return this rank's `Placement`; `Learner.replan` calls this."""
+        return _SPLITS[self.kind](learner, self)
+
+
+def shard_learner(learner: Any, group: Any = None) -> DataParallel:
+    """Make an already built, never updated `learner` one rank of an FSDP2 data-parallel learner over
+    `group` (initialised by the caller; None: the world), whatever its size. A thin shorthand for
+    `learner.replan(ParallelPlan(layout="fsdp", group=group))` (the Learner shards its parts and rebuilds
+    its optimizers over this rank's shards); returns the rank's `DataParallel`. Runs build the Learner
+    with its plan instead (`Learner(..., plan=ParallelPlan.of(trainer))`)."""
+    return learner.replan(ParallelPlan(layout="fsdp", group=group)).dp
+
+
+def tensor_parallel_learner(learner: Any, group: Any = None) -> TensorParallel:
+    """`learner.replan(ParallelPlan(layout="tp", group=group))` (see `_tensor_parallel`): the Learner
+    splits its decoder layers over `group` and rebuilds its optimizers; returns the rank's place."""
+    return learner.replan(ParallelPlan(layout="tp", group=group)).tp
+
+
+def parallelize_2d(learner: Any, dp: int, tp: int) -> Any:
+    """`learner.replan(ParallelPlan(dp, tp, layout="dp_tp"))` (see `_parallelize_2d`): the Learner becomes
+    one rank of a dp x tp learner over all of torch.distributed's ranks; returns the mesh."""
+    return learner.replan(ParallelPlan(dp=dp, tp=tp, layout="dp_tp")).mesh
+
+
+def parallelize_dp_cp(learner: Any, dp: int, cp: int, tp: int = 1) -> Any:
+    """`learner.replan(ParallelPlan(dp, tp, cp, layout="dp_cp"))` (see `_parallelize_dp_cp`; the Learner
+    is built with trainer.context_parallel=cp and tensor_parallel=tp): one rank of a dp x cp (x tp)
+    learner over all of torch.distributed's ranks; returns the mesh."""
+    return learner.replan(ParallelPlan(dp=dp, tp=tp, cp=cp, layout="dp_cp")).mesh
 
 
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -585,7 +657,6 @@ def load_sharded(learner: Any, directory: str | Path) -> None:
             model_state_dict=state["critic"],
             optim_state_dict=state["critic_optim"],
         )
-    learner.version = int(counters["version"])
-    learner.optimizer_steps = int(counters["optimizer_steps"])
+    learner.restore_counters(counters["version"], counters["optimizer_steps"])
     learner.kl_ctl.load_state_dict(counters["kl"])
     learner.generator.set_state(torch.tensor(counters["generator"], dtype=torch.uint8))

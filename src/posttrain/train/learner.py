@@ -34,7 +34,7 @@ from posttrain.train.batch import (
     plan_micro_batches,
     plan_shared_micro_batches,
 )
-from posttrain.train.distributed import ParallelPlan
+from posttrain.train.distributed import DataParallel, ParallelPlan, Placement, TensorParallel
 from posttrain.train.forward import (
     Targets,
     causal_lm,
@@ -46,7 +46,6 @@ from posttrain.train.forward import (
 )
 from posttrain.train.offline import preference_eval, preference_step, sft_loss, sft_step
 from posttrain.train.optim import (
-    OptimizerFactory,
     Optimizers,
     build_optimizers,
     lr_factor,
@@ -129,8 +128,9 @@ class Learner:
         self.optimizer_steps = 0
         self.optimizer_offloaded = False
         self.pad_id = int(getattr(causal_lm(self.model).config, "pad_token_id", None) or 0)
-        self.dp: Any = None  # a train.distributed.DataParallel once shard_learner() made this a rank
-        self.tp: Any = None  # a train.distributed.TensorParallel once tensor_parallel_learner() split it
+        # this rank's places once a plan split the parts (`replan`); None: not split that way
+        self.dp: DataParallel | None = None
+        self.tp: TensorParallel | None = None
         self.cp: Any = None  # a train.context_parallel.ContextParallel under trainer.context_parallel > 1
         if trainer_cfg.context_parallel > 1 and self.vision is not None:
             raise ValueError(
@@ -141,12 +141,30 @@ class Learner:
             alone = trainer_cfg.data_parallel == 1 and trainer_cfg.tensor_parallel == 1
             plan = ParallelPlan(cp=trainer_cfg.context_parallel if alone else 1)
         self.optimizers: Optimizers
-        plan.apply(self)  # splits the parts, then builds the optimizers from them
+        self.plan = plan
+        self._apply_plan(plan)  # splits the parts, then builds the optimizers from them
 
-    def build_optimizers(self, factory: OptimizerFactory | None = None) -> None:
-        """(Re)build the optimizers from the parts as they are now: a parallel plan (train/distributed.py)
-        calls this once it has sharded or split them, before any step. `factory(params, lr)`: AdamW."""
-        self.optimizers = build_optimizers(self.model, self.critic, self.trainer_cfg, factory)
+    def replan(self, plan: ParallelPlan) -> Placement:
+        """Split the parts of a Learner built unsplit (its plan split nothing by data or tensor
+        parallelism) and never updated as `plan` says, and rebuild the optimizers from the split parts
+        (`train.distributed.shard_learner` and its siblings are shorthands for this). Returns this
+        rank's `Placement` (its places, and the mesh of a 2-D or 3-D plan)."""
+        if self.dp is not None or self.tp is not None:
+            raise ValueError(
+                f"this learner is already split (plan {self.plan}); a learner is split once, before its "
+                "first update"
+            )
+        placed = self._apply_plan(plan)
+        self.plan = plan
+        return placed
+
+    def _apply_plan(self, plan: ParallelPlan) -> Placement:
+        placed = plan.split(self)
+        self.dp, self.tp, self.cp = placed.dp, placed.tp, placed.cp
+        self.optimizers = build_optimizers(
+            self.model, self.critic, self.trainer_cfg, placed.optimizer_factory
+        )
+        return placed
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -353,10 +371,9 @@ class Learner:
         batch, mask = prepared.batch, prepared.batch.loss_mask
         current = self.version if current_version is None else current_version
         metrics: dict[str, float] = {} if prepared.kl is None else {"kl": prepared.kl}
-        update_metrics, forward_logprobs = self._update(prepared)
-        metrics.update(update_metrics)
-        old = batch.old_logprobs if forward_logprobs is None else forward_logprobs
-        assert old is not None
+        result = run_update(self, prepared)
+        metrics.update(result.metrics)
+        old = result.old_logprobs  # prepare's, or in single pass the training forward's
         if prepared.use_kl and prepared.kl is None:  # single pass: the KL of the training forward's
             assert batch.ref_logprobs is not None
             kl_tok = kl_estimate(old, batch.ref_logprobs, a.kl_estimator) * mask
@@ -421,6 +438,29 @@ class Learner:
     # ------------------------------------------------------------------------------------------
     # the optimisation
 
+    def count_optimizer_step(self, new_version: bool = False) -> None:
+        """Count one optimizer step taken (train/update.py, once per mini-batch); `new_version`: the step
+        also made a new policy version (an SFT or preference step; the RL step counts its own)."""
+        self.optimizer_steps += 1
+        if new_version:
+            self.version += 1
+
+    def restore_counters(
+        self,
+        version: int,
+        optimizer_steps: int,
+        entropy_coef: float | None = None,
+        optimizer_loaded: bool = False,
+    ) -> None:
+        """Set the counters a checkpoint holds (train/state.py, train/distributed.py `load_sharded`):
+        the policy version, the optimizer steps, the entropy coefficient (None: keep the current one);
+        `optimizer_loaded`: the optimizers' state was just loaded beside the parts (not offloaded)."""
+        self.version, self.optimizer_steps = int(version), int(optimizer_steps)
+        if entropy_coef is not None:
+            self.entropy_coef = float(entropy_coef)
+        if optimizer_loaded:
+            self.optimizer_offloaded = False
+
     def _clip_grad_norm(self, max_norm: float, params: list[Tensor] | None = None) -> Tensor:
         """Clip the policy's gradients (or those of `params`), summing cp ranks' partial gradients first."""
         params = self.trainable if params is None else params
@@ -444,11 +484,8 @@ class Learner:
                 raise ValueError("update() needs batch.old_logprobs and batch.advantages (step() fills them)")
             zero = torch.zeros(b.size, dtype=torch.bool, device=b.advantages.device)
             returns = b.returns if b.returns is not None else b.advantages
-            prepared = PreparedBatch(b, AdvantageOutput(b.advantages, returns, zero), False, False)
-        return self._update(prepared)[0]
-
-    def _update(self, prepared: PreparedBatch) -> tuple[dict[str, float], Tensor | None]:
-        return run_update(self, prepared)
+            prepared = PreparedBatch(b, AdvantageOutput(b.advantages, returns, zero), b.old_logprobs, False)
+        return run_update(self, prepared).metrics
 
     # ------------------------------------------------------------------------------------------
     # supervised and preference steps (train/offline.py)

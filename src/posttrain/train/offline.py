@@ -56,8 +56,7 @@ def sft_step(learner: Any, samples: list[Sample]) -> dict[str, float]:
         learner.optimizer.step()
     finally:
         learner.model.eval()
-    learner.optimizer_steps += 1
-    learner.version += 1
+    learner.count_optimizer_step(new_version=True)
     wall = time.perf_counter() - t0
     seq_tokens = float(batch.lengths.sum().item())
     return {
@@ -167,8 +166,7 @@ def preference_step(
         learner.optimizer.step()
     finally:
         learner.model.eval()
-    learner.optimizer_steps += 1
-    learner.version += 1
+    learner.count_optimizer_step(new_version=True)
     return {
         **sums,
         "grad_norm": float(grad_norm),

@@ -112,15 +112,16 @@ def load_learner_state_dict(learner: Any, state: dict[str, Any]) -> None:
     if learner.critic_optimizer is not None:
         learner.critic_optimizer.load_state_dict(copy.deepcopy(state["critic_optimizer"]))
     learner.kl_ctl.load_state_dict(state["kl"])
-    if state.get("entropy_coef") is not None:  # states from before entropy_floor keep the config's
-        learner.entropy_coef = float(state["entropy_coef"])
     learner.generator.set_state(state["generator"])
     torch.set_rng_state(state["torch_rng"])
     if state.get("cuda_rng") is not None and learner.device.type == "cuda":
         torch.cuda.set_rng_state_all(state["cuda_rng"])
-    learner.version = int(state["version"])
-    learner.optimizer_steps = int(state["optimizer_steps"])
-    learner.optimizer_offloaded = False
+    learner.restore_counters(
+        state["version"],
+        state["optimizer_steps"],
+        entropy_coef=state.get("entropy_coef"),  # None: a state from before entropy_floor keeps the config's
+        optimizer_loaded=True,
+    )
 
 
 def _fsync_dir(path: Path, files: bool = True) -> None:

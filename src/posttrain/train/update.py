@@ -2,13 +2,15 @@
 together before it: old/reference logprobs, values, token rewards, advantages, importance corrections)
 and `run_update` (mini-batches x PPO epochs of token-budgeted micro-batches, summing the loss terms the
 Learner holds, with gradient accumulation, clipping and the LR schedule). Single pass is one way of
-preparing: the old logprobs are marked as the training forward's own. The Learner owns the state.
+preparing: in place of the old logprobs `prepare_batch` hands over `FROM_FORWARD`, and the update returns
+the training forward's logprobs (`UpdateResult.old_logprobs`); nothing prepared is filled in during the
+update. The Learner owns the state.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -28,19 +30,49 @@ from posttrain.train.distributed import full_value
 from posttrain.train.terms import LossInputs, add_terms
 
 
-@dataclass
+@dataclass(frozen=True)
+class FromForward:
+    """Where the old logprobs would be: single pass, each micro-batch's old logprobs are its training
+    forward's, detached (one optimizer step over the whole batch differentiates the pre-update policy),
+    and its truncated importance weights are computed from them there. `FROM_FORWARD` is the one value."""
+
+
+FROM_FORWARD = FromForward()
+
+
+@dataclass(frozen=True)
 class PreparedBatch:
-    """What `prepare_batch` computed for a batch: `batch` with old_logprobs (unless `old_from_forward`),
-    ref_logprobs (when a KL is taken), old_values (with a critic), advantages, returns, and the
-    importance corrections set; nothing is filled in later."""
+    """What `prepare_batch` computed for a batch, all of it before the update: `batch` with ref_logprobs
+    (when a KL is taken), old_values (with a critic), advantages, returns and the importance corrections
+    set, and `old`: the old logprobs (also `batch.old_logprobs`), or `FROM_FORWARD` in single pass (then
+    `batch.old_logprobs` is None). Nothing in it is filled in later."""
 
     batch: Batch
     advantage: AdvantageOutput
-    old_from_forward: bool  # single pass: each micro-batch's old logprobs are its training forward's
+    old: Tensor | FromForward
     use_kl: bool
     replay: Batch | None = None
     kl: float | None = None  # the batch's KL from the reference, when known before the update
     prepare_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.old is not (FROM_FORWARD if self.batch.old_logprobs is None else self.batch.old_logprobs):
+            raise ValueError(
+                "PreparedBatch.old must be batch.old_logprobs, or FROM_FORWARD when that is None"
+            )
+
+    @property
+    def old_from_forward(self) -> bool:
+        return isinstance(self.old, FromForward)
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    """What `run_update` gives back: its metrics and the old logprobs `[B, L]` the update used (the
+    prepared ones, or in single pass the training forward's, detached)."""
+
+    metrics: dict[str, float]
+    old_logprobs: Tensor
 
 
 def prepare_batch(learner: Any, samples: list[Sample], replay: list[Sample] | None = None) -> PreparedBatch:
@@ -67,19 +99,16 @@ def prepare_batch(learner: Any, samples: list[Sample], replay: list[Sample] | No
     mask = batch.loss_mask
     use_kl = learner.kl_ctl.value > 0
     single_pass = learner.single_pass(use_kl)
-    if not single_pass:
-        batch.old_logprobs = learner.compute_logprobs(batch)
-    if use_kl:
-        batch.ref_logprobs = learner.compute_ref_logprobs(batch)
-    if learner.critic is not None:
-        batch.old_values = learner.compute_values(batch)
+    old = None if single_pass else learner.compute_logprobs(batch)
+    ref = learner.compute_ref_logprobs(batch) if use_kl else None
+    old_values = learner.compute_values(batch) if learner.critic is not None else None
 
     token_rewards = torch.zeros_like(mask)
     token_rewards[torch.arange(batch.size, device=learner.device), last_token_index(mask)] = batch.rewards
     kl = None
     if use_kl and not single_pass:
-        assert batch.old_logprobs is not None and batch.ref_logprobs is not None
-        kl_tok = kl_estimate(batch.old_logprobs, batch.ref_logprobs, a.kl_estimator) * mask
+        assert old is not None and ref is not None
+        kl_tok = kl_estimate(old, ref, a.kl_estimator) * mask
         kl = float(masked_mean(kl_tok, mask).item())
         if a.kl_in_reward:
             token_rewards = token_rewards - learner.kl_ctl.value * kl_tok
@@ -87,31 +116,41 @@ def prepare_batch(learner: Any, samples: list[Sample], replay: list[Sample] | No
         token_rewards,
         mask,
         batch.group_ids,
-        values=batch.old_values,
+        values=old_values,
         gamma=a.gamma,
         lam=a.lam,
         normalize_std=a.normalize_std,
     )
-    batch.advantages, batch.returns = adv.advantages, adv.returns
-    if not single_pass:  # importance correction: behaviour (engine, maybe stale) -> learner
-        assert batch.old_logprobs is not None
-        batch.policy_mask = ratio_mask(
-            batch.old_logprobs,
-            batch.behavior_logprobs,
-            mask,
-            a.mask_ratio_low,
-            a.mask_ratio_high,
-            a.tis_level,
+    policy_mask = is_weights = None
+    if old is not None:  # importance correction: behaviour (engine, maybe stale) -> learner
+        policy_mask = ratio_mask(
+            old, batch.behavior_logprobs, mask, a.mask_ratio_low, a.mask_ratio_high, a.tis_level
         )
         if a.tis_cap is not None:
-            batch.is_weights = tis_weights(
-                batch.old_logprobs, batch.behavior_logprobs, mask, a.tis_cap, a.tis_level
-            )
-    return PreparedBatch(batch, adv, single_pass, use_kl, replay_batch, kl, time.perf_counter() - t0)
+            is_weights = tis_weights(old, batch.behavior_logprobs, mask, a.tis_cap, a.tis_level)
+    batch = replace(
+        batch,
+        old_logprobs=old,
+        ref_logprobs=ref,
+        old_values=old_values,
+        advantages=adv.advantages,
+        returns=adv.returns,
+        policy_mask=policy_mask,
+        is_weights=is_weights,
+    )
+    return PreparedBatch(
+        batch,
+        adv,
+        FROM_FORWARD if old is None else old,
+        use_kl,
+        replay_batch,
+        kl,
+        time.perf_counter() - t0,
+    )
 
 
-def run_update(learner: Any, prepared: PreparedBatch) -> tuple[dict[str, float], Tensor | None]:
-    """(metrics, the training forward's detached logprobs where they are the old ones, else None)."""
+def run_update(learner: Any, prepared: PreparedBatch) -> UpdateResult:
+    """Optimise on `prepared` (see the module doc); the result holds the old logprobs the update used."""
     batch, replay = prepared.batch, prepared.replay
     if learner.critic is not None and (batch.returns is None or batch.old_values is None):
         raise ValueError("update() with a critic needs batch.returns and batch.old_values")
@@ -167,37 +206,40 @@ def run_update(learner: Any, prepared: PreparedBatch) -> tuple[dict[str, float],
                         computed += inputs.tokens
                         cells += inputs.cells
                     lp, ent = learner._policy_forward(learner.model, mi, mi.loss_mask, inputs)
+                    old, is_weights = mi.old_logprobs, mi.is_weights
+                    if forward_logprobs is not None:  # single pass: the old policy is this forward's
+                        old = lp.detach().to(batch.loss_mask.dtype)
+                        brows = torch.as_tensor([mb_rows[r] for r in rows], device=learner.device)
+                        forward_logprobs[brows, :width] = old
+                        if a.tis_cap is not None:
+                            is_weights = tis_weights(
+                                old, mi.behavior_logprobs, mi.loss_mask, a.tis_cap, a.tis_level
+                            )
                     x = LossInputs(
                         logprobs=lp,
                         weights=w_pol[ridx, :width],
                         loss_mask=mi.loss_mask,
                         entropy=ent,
                         mask=mi.train_mask,
-                        old_logprobs=mi.old_logprobs,
+                        old_logprobs=old,
                         ref_logprobs=mi.ref_logprobs,
                         behavior_logprobs=mi.behavior_logprobs,
                         advantages=mi.advantages,
-                        is_weights=mi.is_weights,
+                        is_weights=is_weights,
                         token_weights=w_tok[ridx, :width],
                         old_values=mi.old_values,
                         returns=mi.returns,
                         token_share=float(mi.lengths.sum()) / float(mb.lengths.sum()),
                         grad_scale=scale,
                     )
-                    if forward_logprobs is not None:  # single pass: the old policy is this forward's
-                        x.old_logprobs = lp.detach().to(batch.loss_mask.dtype)
-                        brows = torch.as_tensor([mb_rows[r] for r in rows], device=learner.device)
-                        forward_logprobs[brows, :width] = x.old_logprobs
-                        if a.tis_cap is not None:
-                            x.is_weights = tis_weights(
-                                x.old_logprobs, mi.behavior_logprobs, mi.loss_mask, a.tis_cap, a.tis_level
-                            )
                     loss, results = add_terms(learner.terms, x)
                     assert loss is not None
                     (loss if scale == 1.0 else loss * scale).backward()
                     if learner.critic_terms:  # a weight-0 repeat too: a sharded critic's collectives
-                        x.values = learner.value_forward(mi, mi.loss_mask, inputs)
-                        critic_loss, critic_results = add_terms(learner.critic_terms, x)
+                        values = learner.value_forward(mi, mi.loss_mask, inputs)
+                        critic_loss, critic_results = add_terms(
+                            learner.critic_terms, replace(x, values=values)
+                        )
                         assert critic_loss is not None
                         critic_loss.backward()
                         results += critic_results
@@ -229,7 +271,7 @@ def run_update(learner: Any, prepared: PreparedBatch) -> tuple[dict[str, float],
                         full_value(learner._clip_grad_norm(tc.max_grad_norm, critic_params)),
                     )
                     learner.critic_optimizer.step()
-                learner.optimizer_steps += 1
+                learner.count_optimizer_step()
                 for key, v in mb_sums.items():
                     add(key, v)
                 add("grad_norm", full_value(grad_norm))
@@ -261,4 +303,7 @@ def run_update(learner: Any, prepared: PreparedBatch) -> tuple[dict[str, float],
         shared_prefix_frac=1.0 - computed / tokens if tokens else 0.0,
         optimizer_steps=float(learner.optimizer_steps),
     )
-    return out_metrics, forward_logprobs
+    if forward_logprobs is not None:
+        return UpdateResult(out_metrics, forward_logprobs)
+    assert batch.old_logprobs is not None
+    return UpdateResult(out_metrics, batch.old_logprobs)

@@ -790,7 +790,7 @@ class OrchestratorConfig(Section):
     steps: int = Field(
         40,
         ge=0,
-        description="the default trained in 5.7 min on 2 CPU cores with native bf16 (make demo, measured)",
+        description="RL steps (learner updates) in the run; with orchestrator.token_budget, an upper bound",
     )
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = Field(1, ge=0)

@@ -43,3 +43,10 @@ def test_type_names():
     assert type_name(int | None) == "int | None"
     assert type_name(list[str]) == "list[str]"
     assert type_name(dict[str, int]) == "dict[str, int]"
+
+
+def test_orchestrator_steps_says_what_it_counts_not_a_stale_timing():
+    docs = {d.key: d for d in describe()}
+    assert docs["orchestrator.steps"].description == (
+        "RL steps (learner updates) in the run; with orchestrator.token_budget, an upper bound"
+    )

@@ -138,3 +138,14 @@ def test_error_messages_keep_colon_pairs_as_written(capsys):
         fail("no model tiny:llama:x (nor :smile:)", 2)
     assert exc.value.exit_code == 2
     assert "error: no model tiny:llama:x (nor :smile:)" in capsys.readouterr().err
+
+
+def test_tasks_sample_shows_distinct_tasks():
+    # math level 0 draws "Calculate 5 + 3." at indices 0 and 1 with seed 0: the repeat is skipped
+    out = _cli("tasks", "sample", "math", "--n", "3", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    ids = [r["task"]["id"] for r in rows]
+    assert ids == ["math:train:d0:s0:0", "math:train:d0:s0:2", "math:train:d0:s0:3"]
+    prompts = [r["task"]["prompt"][0]["content"] for r in rows]
+    assert len(set(prompts)) == 3

@@ -103,18 +103,29 @@ def sample(
     option: list[str] = typer.Option(None, "--option", help="domain option key=value, e.g. datasets=[gcd]"),
     json_out: bool = typer.Option(False, "--json", help="print the tasks as JSON, last line"),
 ) -> None:
-    """Print N tasks of DOMAIN with their reference solutions."""
+    """Print N distinct tasks of DOMAIN with their reference solutions (a small generator space repeats
+    tasks: repeats are skipped, and fewer are shown when the space runs out, with a note saying so)."""
     from rich.text import Text
+
+    from posttrain.orchestrator.eval.evaluate import HELDOUT_DRAWS_PER_TASK, task_key
 
     d = _domain(domain, _options(option))
     level = d.difficulties[0] if difficulty is None else difficulty
     split_name = split or d.splits[0]
     out = []
-    for i in range(n):
+    seen: set[str] = set()
+    draws = HELDOUT_DRAWS_PER_TASK * n
+    for i in range(draws):
+        if len(seen) == n:
+            break
         try:
             task = d.task(split_name, level, i, seed)
         except ValueError as err:
             fail(str(err), EXIT_USAGE)
+        key = task_key(task)
+        if key in seen:
+            continue
+        seen.add(key)
         ref = d.reference(task)
         out.append({"task": task.to_dict(), "reference": ref})
         console.rule(Text(task.id, style="bold"))
@@ -124,6 +135,10 @@ def sample(
             console.print(Text("tools: " + ", ".join(t.name for t in task.tools), style="dim"))
         for j, text in enumerate(ref):
             console.print(Text.assemble((f"reference {j + 1}/{len(ref)}", "green"), ": ", text))
+    if len(seen) < n:
+        console.print(
+            Text(f"only {len(seen)} distinct tasks in {draws} draws of {domain}:{level}", style="dim")
+        )
     if json_out:
         print_json_last(out)
 

@@ -15,7 +15,7 @@ from posttrain.train.weights import WeightUpdate
 
 @runtime_checkable
 class LearnerProtocol(Protocol):
-    """A learner as the RL run uses it (the agreed spec: /work/notes/protocol.md)."""
+    """A learner as the RL run uses it: `train.learner.Learner` and `orchestrator.rl.learner_group.LearnerGroup`."""
 
     version: int  # bumps after each step; read only from outside
     lora: bool  # adapters travel alone in weight sync

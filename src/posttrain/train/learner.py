@@ -194,7 +194,7 @@ class Learner:
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return torch.autocast(device_type=self.device.type, enabled=False)
 
-    def _inputs(self, batch: Batch) -> ModelInputs:
+    def model_inputs(self, batch: Batch) -> ModelInputs:
         return make_inputs(batch.token_ids, batch.lengths, self.trainer_cfg.packing, self.pad_id)
 
     def policy_forward(
@@ -214,7 +214,7 @@ class Learner:
             temp = self.algo_cfg.temperature if temperature is None else temperature
             chunk = self.trainer_cfg.logprob_chunk_tokens
             return self.cp.policy_forward(model, batch, mask, temp, chunk, self._autocast())
-        h, targets = self._target_hidden(model, batch, mask, inputs)
+        h, targets = self.target_hidden(model, batch, mask, inputs)
         with self._autocast():
             lp, ent = chunked_logprobs(
                 causal_lm(model).get_output_embeddings(),
@@ -228,7 +228,7 @@ class Learner:
 
     _policy_forward = policy_forward  # the name the passes below call (a test wraps it per instance)
 
-    def _target_hidden(
+    def target_hidden(
         self, model: Any, batch: Batch, mask: Tensor, inputs: ModelInputs | None = None
     ) -> tuple[Tensor, Targets]:
         """The decoder's hidden states `[n, H]` at the positions predicting the n tokens where `mask` is
@@ -240,7 +240,7 @@ class Learner:
             offsets = torch.arange(batch.size, device=self.device) * width
             targets = select_targets(mask, batch.token_ids, offsets)
         else:
-            inputs = inputs if inputs is not None else self._inputs(batch)
+            inputs = inputs if inputs is not None else self.model_inputs(batch)
             targets = select_targets(mask, batch.token_ids, inputs.flat_offset)
             if self.vision is not None and batch.images:
                 inputs = self.vision.attach(
@@ -266,13 +266,13 @@ class Learner:
             if self.dp is not None and not self.dp.inside:  # a dp x cp mesh: through the critic's FSDP root
                 return self.dp.critic_root(batch, mask)
             return self.cp.value_forward(self.critic, batch, mask, self._autocast())
-        inputs = inputs if inputs is not None else self._inputs(batch)
+        inputs = inputs if inputs is not None else self.model_inputs(batch)
         targets = select_targets(mask, batch.token_ids, inputs.flat_offset)
         with self._autocast():
             v = self.critic(inputs, targets.src)
         return scatter_rows(v.float(), targets, tuple(batch.token_ids.shape))
 
-    def _micro_batches(self, batch: Batch) -> list[tuple[list[int], int]]:
+    def micro_batches(self, batch: Batch) -> list[tuple[list[int], int]]:
         """(rows, shared prefix length) per micro-batch; the prefix is 0 unless prompt sharing is on."""
         tc, budget = self.trainer_cfg, self.batch_cfg.micro_batch_tokens
         # dynamic NTK rotates a prompt by the length of the whole sequence: a shared prompt is not shared
@@ -289,7 +289,7 @@ class Learner:
         return [(rows, 0) for rows in plan_micro_batches(batch.lengths.tolist(), budget, tc.packing)]
 
     @staticmethod
-    def _select(batch: Batch, rows: list[int], prefix: int) -> Batch:
+    def select_rows(batch: Batch, rows: list[int], prefix: int) -> Batch:
         sub = batch.select(rows)
         sub.meta["shared_prefix"] = prefix
         return sub
@@ -297,8 +297,8 @@ class Learner:
     @torch.no_grad()
     def _no_grad_map(self, batch: Batch, fn: Any) -> Tensor:
         out = torch.zeros_like(batch.loss_mask)
-        for rows, prefix in self._micro_batches(batch):
-            sub = self._select(batch, rows, prefix)
+        for rows, prefix in self.micro_batches(batch):
+            sub = self.select_rows(batch, rows, prefix)
             idx = torch.as_tensor(rows, device=self.device)
             out[idx, : sub.token_ids.shape[1]] = fn(sub)
         return out
@@ -323,8 +323,8 @@ class Learner:
         batch = build_batch(samples, self.device)
         lp = torch.zeros_like(batch.loss_mask)
         ent = torch.zeros_like(batch.loss_mask)
-        for rows, prefix in self._micro_batches(batch):
-            sub = self._select(batch, rows, prefix)
+        for rows, prefix in self.micro_batches(batch):
+            sub = self.select_rows(batch, rows, prefix)
             idx = torch.as_tensor(rows, device=self.device)
             width = sub.token_ids.shape[1]
             lp[idx, :width], ent[idx, :width] = self._policy_forward(
@@ -461,7 +461,7 @@ class Learner:
         if optimizer_loaded:
             self.optimizer_offloaded = False
 
-    def _clip_grad_norm(self, max_norm: float, params: list[Tensor] | None = None) -> Tensor:
+    def clip_grad_norm(self, max_norm: float, params: list[Tensor] | None = None) -> Tensor:
         """Clip the policy's gradients (or those of `params`), summing cp ranks' partial gradients first."""
         params = self.trainable if params is None else params
         if self.cp is not None and self.dp is None:  # each rank holds its positions' gradient: sum them
@@ -472,7 +472,7 @@ class Learner:
             return clip_grad_norm(params, max_norm)
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
-    def _set_lr(self) -> float:
+    def set_lr(self) -> float:
         return set_lr(self.optimizers, self.trainer_cfg, self.optimizer_steps)
 
     def update(self, prepared: PreparedBatch | Batch) -> dict[str, float]:

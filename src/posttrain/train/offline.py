@@ -7,13 +7,16 @@ pairs. Each step micro-batches, accumulates, clips and steps the Learner's optim
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
 from posttrain.algos import aggregation_weights, preference_needs_reference
 from posttrain.train.batch import Batch, Sample, build_batch, plan_micro_batches
 from posttrain.train.terms import LossInputs, NllTerm, PairInputs, PreferenceTerm, add_terms
+
+T = TypeVar("T")
 
 SFT_TERMS = (NllTerm(),)
 
@@ -41,22 +44,30 @@ def nll_backward(learner: Any, batch: Batch, coef: float | None = None) -> float
     return total
 
 
-def sft_step(learner: Any, samples: list[Sample]) -> dict[str, float]:
-    """One supervised optimizer step on `samples` (see `Learner.sft_step`)."""
-    t0 = time.perf_counter()
-    batch = build_batch(samples, learner.device)
+def _optimizer_step(learner: Any, backward: Callable[[], T]) -> tuple[T, float, torch.Tensor]:
+    """One optimizer step of the Learner around `backward` (which accumulates the gradients and returns
+    its sums): optimizer state back on the device, the LR set, gradients zeroed, the model in train mode
+    for the pass, clipped, stepped, counted as a new version. Returns (backward's result, lr, grad norm)."""
     if learner.optimizer_offloaded:
         learner.reload_optimizer()
-    lr = learner._set_lr()
+    lr = learner.set_lr()
     learner.optimizer.zero_grad(set_to_none=True)
     learner.model.train()
     try:
-        loss_sum = nll_backward(learner, batch)
-        grad_norm = learner._clip_grad_norm(learner.trainer_cfg.max_grad_norm)
+        result = backward()
+        grad_norm = learner.clip_grad_norm(learner.trainer_cfg.max_grad_norm)
         learner.optimizer.step()
     finally:
         learner.model.eval()
     learner.count_optimizer_step(new_version=True)
+    return result, lr, grad_norm
+
+
+def sft_step(learner: Any, samples: list[Sample]) -> dict[str, float]:
+    """One supervised optimizer step on `samples` (see `Learner.sft_step`)."""
+    t0 = time.perf_counter()
+    batch = build_batch(samples, learner.device)
+    loss_sum, lr, grad_norm = _optimizer_step(learner, lambda: nll_backward(learner, batch))
     wall = time.perf_counter() - t0
     seq_tokens = float(batch.lengths.sum().item())
     return {
@@ -155,18 +166,9 @@ def preference_step(
     """One optimizer step of the preference loss `loss` on the pairs (see `Learner.preference_step`)."""
     t0 = time.perf_counter()
     term, batch, ref, tokens = _preference_inputs(learner, chosen, rejected, loss, params)
-    if learner.optimizer_offloaded:
-        learner.reload_optimizer()
-    lr = learner._set_lr()
-    learner.optimizer.zero_grad(set_to_none=True)
-    learner.model.train()
-    try:
-        sums = _preference_pass(learner, term, batch, ref, tokens, backward=True)
-        grad_norm = learner._clip_grad_norm(learner.trainer_cfg.max_grad_norm)
-        learner.optimizer.step()
-    finally:
-        learner.model.eval()
-    learner.count_optimizer_step(new_version=True)
+    sums, lr, grad_norm = _optimizer_step(
+        learner, lambda: _preference_pass(learner, term, batch, ref, tokens, backward=True)
+    )
     return {
         **sums,
         "grad_norm": float(grad_norm),

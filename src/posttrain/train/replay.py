@@ -44,7 +44,7 @@ class ReplayKl:
         total = 0.0
         for mi, rows in sft_micro_batches(learner, batch):
             w = weights[torch.as_tensor(rows, device=learner.device), : mi.token_ids.shape[1]]
-            h, targets = learner._target_hidden(learner.model, mi, mi.loss_mask)
+            h, targets = learner.target_hidden(learner.model, mi, mi.loss_mask)
             ref_h, ref_head = reference_hidden(learner, mi)
             kl = chunked_forward_kl(
                 causal_lm(learner.model).get_output_embeddings(),
@@ -75,8 +75,8 @@ def reference_hidden(learner: Any, batch: Batch) -> tuple[Tensor, nn.Module]:
                 "model.lora_target_modules, or use replay_loss=nll"
             )
         with learner.model.disable_adapter():
-            return learner._target_hidden(learner.model, batch, batch.loss_mask)[0], head
+            return learner.target_hidden(learner.model, batch, batch.loss_mask)[0], head
     if learner.reference is None:
         raise RuntimeError("algorithm.replay_loss=kl needs the frozen reference the Learner keeps for it")
-    h = learner._target_hidden(learner.reference, batch, batch.loss_mask)[0]
+    h = learner.target_hidden(learner.reference, batch, batch.loss_mask)[0]
     return h, causal_lm(learner.reference).get_output_embeddings()

@@ -184,18 +184,18 @@ def run_update(learner: Any, prepared: PreparedBatch) -> UpdateResult:
                 mb = batch.select(mb_rows)
                 w_pol = aggregation_weights(mb.train_mask, a.loss_agg, a.loss_norm_tokens)
                 w_tok = aggregation_weights(mb.loss_mask, "token_mean")
-                lr = learner._set_lr()
+                lr = learner.set_lr()
                 for opt in learner.optimizers.all():
                     opt.zero_grad(set_to_none=True)
                 mb_sums = dict.fromkeys(sum_keys, 0.0)
-                micro = learner._micro_batches(mb)
+                micro = learner.micro_batches(mb)
                 shares = [(m, 1.0) for m in micro] if learner.dp is None else learner.dp.share(micro)
                 for (rows, prefix), scale in shares:
                     counted = scale > 0  # a weight-0 repeat only keeps the ranks' collectives in step
-                    mi = learner._select(mb, rows, prefix)
+                    mi = learner.select_rows(mb, rows, prefix)
                     width = mi.token_ids.shape[1]
                     ridx = torch.as_tensor(rows, device=learner.device)
-                    inputs = learner._inputs(mi) if (prefix == 0 or learner.critic is not None) else None
+                    inputs = learner.model_inputs(mi) if (prefix == 0 or learner.critic is not None) else None
                     seq_tokens = int(mi.lengths.sum().item()) if counted else 0
                     tokens += seq_tokens
                     if counted and prefix > 0:  # the prefix once, then every row's suffix, unpadded
@@ -262,13 +262,13 @@ def run_update(learner: Any, prepared: PreparedBatch) -> UpdateResult:
                         add(learner.replay_term.metric, term, float(sub.loss_mask.sum().item()))
                 if learner.dp is not None:
                     mb_sums = dict(zip(mb_sums, learner.dp.sum_(list(mb_sums.values())), strict=True))
-                grad_norm = learner._clip_grad_norm(tc.max_grad_norm)
+                grad_norm = learner.clip_grad_norm(tc.max_grad_norm)
                 learner.optimizer.step()
                 if learner.critic is not None and learner.critic_optimizer is not None:
                     critic_params = list(learner.critic.parameters())
                     add(
                         "critic_grad_norm",
-                        full_value(learner._clip_grad_norm(tc.max_grad_norm, critic_params)),
+                        full_value(learner.clip_grad_norm(tc.max_grad_norm, critic_params)),
                     )
                     learner.critic_optimizer.step()
                 learner.count_optimizer_step()
